@@ -1,0 +1,32 @@
+# The two commands: `make demo` and `make test`. Each installs what it needs into .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test unit integration install clean lint
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch is pinned to the CPU wheel this machine carries (see README: installing).
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/trainguard demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not integration" $(PYTEST_ARGS)
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest tests -m integration $(PYTEST_ARGS)
+
+clean:
+	-$(BIN)/trainguard dev down
+	rm -rf .trainguard .pytest-stack

@@ -1,0 +1,129 @@
+"""Node health: GPU checks through NVML (`pynvml`), pure rules over what NVML reports.
+
+Without NVML (no driver, no GPU) the checks report "unavailable" and never fail a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from temporalio import activity
+
+from activities.models import CheckNodeInput, CheckNodeResult, GpuHealth
+
+log = logging.getLogger(__name__)
+
+# Above this a GPU throttles hard and errors become likely; NVML's own slowdown threshold is close to it.
+MAX_GPU_TEMPERATURE_C = 90
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    index: int
+    temperature_c: int | None = None
+    ecc_uncorrectable: int = 0
+    retired_pages_pending: bool = False
+    row_remap_pending: bool = False
+    row_remap_failed: bool = False
+    hw_slowdown: bool = False
+    recovery_action: int = 0
+    """NVML's `nvmlDeviceGetRecoveryAction` answer where the driver offers it: 0 means none needed."""
+
+
+class GpuBackend(Protocol):
+    def read(self) -> list[GpuReading]: ...
+
+
+def judge_gpus(readings: list[GpuReading]) -> GpuHealth:
+    """Unhealthy on anything a restart on the same GPU would not fix."""
+    problems: list[str] = []
+    for gpu in readings:
+        if gpu.ecc_uncorrectable:
+            problems.append(f"GPU {gpu.index}: {gpu.ecc_uncorrectable} uncorrectable ECC errors")
+        if gpu.retired_pages_pending:
+            problems.append(f"GPU {gpu.index}: retired pages pending (reset needed)")
+        if gpu.row_remap_pending or gpu.row_remap_failed:
+            problems.append(f"GPU {gpu.index}: row remap {'failed' if gpu.row_remap_failed else 'pending'}")
+        if gpu.recovery_action:
+            problems.append(f"GPU {gpu.index}: NVML recovery action {gpu.recovery_action} requested")
+        if gpu.temperature_c is not None and gpu.temperature_c >= MAX_GPU_TEMPERATURE_C:
+            problems.append(f"GPU {gpu.index}: {gpu.temperature_c} C")
+        if gpu.hw_slowdown:
+            problems.append(f"GPU {gpu.index}: hardware slowdown (thermal or power brake)")
+    return GpuHealth(
+        available=True,
+        healthy=not problems,
+        detail="; ".join(problems) or f"{len(readings)} GPUs healthy",
+        num_gpus=len(readings),
+    )
+
+
+class NvmlBackend:
+    """Reads the real GPUs through pynvml. Each query a driver lacks is skipped, not fatal."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+
+    def _try(self, fn: Any, *args: Any, default: Any = None) -> Any:
+        try:
+            return fn(*args)
+        except (self.nvml.NVMLError, AttributeError):
+            return default
+
+    def read(self) -> list[GpuReading]:
+        nvml = self.nvml
+        readings = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            remap = self._try(nvml.nvmlDeviceGetRemappedRows, handle, default=(0, 0, 0, 0))
+            reasons = self._try(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle, default=0) or 0
+            slowdown_mask = getattr(nvml, "nvmlClocksThrottleReasonHwSlowdown", 0x8)
+            readings.append(
+                GpuReading(
+                    index=index,
+                    temperature_c=self._try(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+                    ecc_uncorrectable=self._try(
+                        nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                        nvml.NVML_VOLATILE_ECC, default=0,
+                    ) or 0,
+                    retired_pages_pending=bool(self._try(nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle,
+                                                         default=0)),
+                    row_remap_pending=bool(remap[2]),
+                    row_remap_failed=bool(remap[3]),
+                    hw_slowdown=bool(reasons & slowdown_mask),
+                )
+            )
+        return readings
+
+
+def read_gpu_health() -> GpuHealth:
+    try:
+        import pynvml
+    except ImportError:
+        return GpuHealth(detail="GPU checks unavailable: pynvml not installed")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return GpuHealth(detail=f"GPU checks unavailable: {error}")
+    try:
+        return judge_gpus(NvmlBackend(pynvml).read())
+    except pynvml.NVMLError as error:
+        return GpuHealth(detail=f"GPU checks unavailable: {error}")
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+class HealthActivities:
+    def __init__(self, node: str, host: str) -> None:
+        self.node = node
+        self.host = host
+
+    @activity.defn(name="check_node")
+    async def check_node(self, request: CheckNodeInput) -> CheckNodeResult:
+        """Answer from the node: its rendezvous address and its GPUs' health."""
+        return CheckNodeResult(node=self.node, host=self.host, gpu=read_gpu_health())

@@ -1,0 +1,245 @@
+"""Inputs and results of every activity: one pydantic model in and one out.
+
+New fields always get defaults, so events already in a workflow's history keep decoding.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, Field
+
+from trainguard.spec import HealthSpec
+
+# ---------------------------------------------------------------------------------------------- nodes
+
+
+class FindNodeAgentsInput(BaseModel):
+    nodes: list[str]
+    """Node ids whose agents must be polling their queues."""
+    max_idle_s: float = 120.0
+    """A poller not seen for this long does not count as an agent."""
+
+
+class FindNodeAgentsResult(BaseModel):
+    missing: list[str] = Field(default_factory=list)
+    """Nodes with no agent polling `trainguard-node-<id>`."""
+
+
+class GpuHealth(BaseModel):
+    available: bool = False
+    """False when NVML is missing (no driver, no GPU): GPU checks are skipped, never failed."""
+    healthy: bool = True
+    detail: str = "GPU checks unavailable"
+    num_gpus: int = 0
+
+
+class CheckNodeInput(BaseModel):
+    workflow_id: str
+    node: str
+
+
+class CheckNodeResult(BaseModel):
+    node: str
+    host: str
+    """Address other nodes reach this node's rank 0 at (MASTER_ADDR)."""
+    gpu: GpuHealth = Field(default_factory=GpuHealth)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+class ShardInfo(BaseModel):
+    """One rank's shard of one checkpoint."""
+
+    rank: int
+    key: str = ""
+    """S3 key once uploaded."""
+    size_bytes: int
+    sha256: str
+    node: str = ""
+    """Node that wrote it."""
+
+
+class Manifest(BaseModel):
+    """Written last; its existence is what makes a checkpoint real."""
+
+    format: str = "trainguard-checkpoint/1"
+    workflow_id: str
+    step: int
+    world_size: int
+    attempt: int
+    shards: list[ShardInfo]
+    created_at: float = 0.0
+    """Unix time the controller wrote the manifest."""
+
+
+class FindCheckpointInput(BaseModel):
+    bucket: str
+    run_prefix: str
+    """`<spec.checkpoint.prefix>/<workflow-id>`."""
+    world_size: int
+    """Only checkpoints written by this many ranks can be restored into this run."""
+    exclude_steps: list[int] = Field(default_factory=list)
+    """Steps already found corrupt at download: passed over."""
+
+
+class FindCheckpointResult(BaseModel):
+    manifest: Manifest | None = None
+    manifest_key: str | None = None
+    skipped: list[str] = Field(default_factory=list)
+    """Why newer manifests were passed over, e.g. `step 200: shard rank 1 missing`."""
+
+
+class DownloadShardsInput(BaseModel):
+    workflow_id: str
+    attempt: int
+    node: str
+    bucket: str
+    shards: list[ShardInfo]
+    """Shards of the ranks this node will run; each is verified against its sha256 before use."""
+
+
+class DownloadShardsResult(BaseModel):
+    restore_dir: str
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+class UploadShardsInput(BaseModel):
+    workflow_id: str
+    attempt: int
+    node: str
+    bucket: str
+    run_prefix: str
+    step: int
+
+
+class UploadShardsResult(BaseModel):
+    shards: list[ShardInfo]
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+class CommitCheckpointInput(BaseModel):
+    bucket: str
+    run_prefix: str
+    workflow_id: str
+    attempt: int
+    step: int
+    world_size: int
+    shards: list[ShardInfo]
+
+
+class PruneCheckpointsInput(BaseModel):
+    bucket: str
+    run_prefix: str
+    keep_last: int
+    protect_steps: list[int] = Field(default_factory=list)
+    """Steps never deleted (the newest committed, the one being restored)."""
+
+
+class PruneCheckpointsResult(BaseModel):
+    deleted_steps: list[int] = Field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------- ranks
+
+
+class LaunchRanksInput(BaseModel):
+    workflow_id: str
+    attempt: int
+    """Fencing token: a launch of an older attempt than the node has seen is refused."""
+    node: str
+    node_rank: int
+    """Index of this node in the attempt (GROUP_RANK)."""
+    num_nodes: int
+    ranks_per_node: int
+    master_addr: str | None = None
+    """None on the master node: it picks a fresh rendezvous port and returns it."""
+    master_port: int | None = None
+    entrypoint: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    working_dir: str | None = None
+    restore_dir: str | None = None
+    restore_step: int = 0
+    checkpoint_every: int = 50
+
+
+class LaunchRanksResult(BaseModel):
+    node: str
+    master_addr: str
+    master_port: int
+    pids: list[int]
+    adopted: bool = False
+    """True when the ranks were already running (a retried launch) and were adopted, not started again."""
+
+
+class StopRanksInput(BaseModel):
+    workflow_id: str
+    node: str
+    attempt: int | None = None
+    """Stop ranks of attempts up to and including this one; None stops every attempt of the run."""
+    grace_s: float = 2.0
+    """SIGTERM first, SIGKILL to the whole process group after this long."""
+
+
+class StopRanksResult(BaseModel):
+    stopped: int = 0
+
+
+class WatchEventKind(str, Enum):
+    RANK_EXITED = "rank_exited"
+    HANG = "hang"
+    CHECKPOINT_READY = "checkpoint_ready"
+    FINISHED = "finished"
+    KEEPALIVE = "keepalive"
+    """Nothing happened within the watch's lifetime; the workflow starts a new watch."""
+
+
+class WatchRanksInput(BaseModel):
+    workflow_id: str
+    attempt: int
+    node: str
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    reported_step: int = -1
+    """Newest checkpoint step already reported by an earlier watch; only newer ones are reported."""
+    first_step_reported: bool = False
+    max_duration_s: float = 600.0
+    """Return KEEPALIVE after this long so no single activity runs forever."""
+
+
+class WatchEvent(BaseModel):
+    kind: WatchEventKind
+    node: str
+    rank: int | None = None
+    exit_code: int | None = None
+    detail: str = ""
+    detected_at: float = 0.0
+    """Unix time the agent saw the event."""
+    fault_at: float | None = None
+    """Unix time of the fault: injected by chaos when known, else the rank's last progress."""
+    checkpoint_steps: list[int] = Field(default_factory=list)
+    """Complete local checkpoints (every local rank saved) not yet reported, oldest first."""
+    first_step_at: float | None = None
+    """Unix time the attempt's first training step was seen on this node."""
+    step: int = -1
+    """Lowest step across this node's ranks."""
+    state_digest: str | None = None
+    mean_step_s: float | None = None
+
+
+class InjectFaultInput(BaseModel):
+    workflow_id: str
+    node: str
+    rank: int | None = None
+    """Global rank; None picks the node's first rank."""
+    fault: str
+    """`crash` (SIGKILL), `hang` (SIGSTOP), `exit` (exit code 1 via SIGTERM)."""
+
+
+class InjectFaultResult(BaseModel):
+    node: str
+    rank: int
+    pid: int
+    injected_at: float

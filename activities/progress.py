@@ -1,0 +1,75 @@
+"""Pure judgments on rank progress: is this rank hung? Which checkpoints are complete on this node?
+
+The clock is an argument, so every rule is tested with tables and no sleeping. A hang is seen from the
+rank's own progress reports, never from a collective timeout (gloo waits 30 min, NCCL 10 min).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainguard.spec import HealthSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What a rank last wrote to its progress file (see `trainguard.rank`)."""
+
+    rank: int
+    step: int
+    time: float
+    """Unix time of the report."""
+    step_time_s: float | None = None
+    """Moving average of the rank's recent step times; None before its second step."""
+    saving: bool = False
+    """The rank is taking its in-memory checkpoint snapshot."""
+    finished: bool = False
+
+
+def silence_bound_s(report: RankReport | None, start_step: int, health: HealthSpec) -> float:
+    """How long this rank may stay silent before it is hung.
+
+    Before the first step of the attempt: the start-up grace (imports, rendezvous, restore). After it: the
+    larger of the floor and `hang_step_multiplier` of its own step time, capped by `hang_max_s`, plus the
+    checkpoint grace while a snapshot is being taken.
+    """
+    if report is None or report.step <= start_step:
+        return health.startup_grace_s
+    learned = health.hang_step_multiplier * report.step_time_s if report.step_time_s is not None else 0.0
+    bound = min(max(health.hang_floor_s, learned), health.hang_max_s)
+    if report.step_time_s is None:
+        # Only one step seen: the first step is often much slower (lazy init, warm-up): give it time.
+        bound = min(max(bound, 3 * health.hang_floor_s), health.hang_max_s)
+    if report.saving:
+        bound += health.checkpoint_grace_s
+    return bound
+
+
+def silent_for_s(report: RankReport | None, launched_at: float, now: float) -> float:
+    last = report.time if report is not None else launched_at
+    return max(0.0, now - max(last, launched_at))
+
+
+def find_hung_rank(
+    reports: dict[int, RankReport | None],
+    running_ranks: set[int],
+    start_step: int,
+    launched_at: float,
+    now: float,
+    health: HealthSpec,
+) -> tuple[int, float] | None:
+    """The running rank silent the longest past its bound, with its silence in seconds; None if none."""
+    worst: tuple[int, float] | None = None
+    for rank in sorted(running_ranks):
+        report = reports.get(rank)
+        if report is not None and report.finished:
+            continue
+        silent = silent_for_s(report, launched_at, now)
+        if silent > silence_bound_s(report, start_step, health) and (worst is None or silent > worst[1]):
+            worst = (rank, silent)
+    return worst
+
+
+def complete_steps(saved: dict[int, set[int]], local_ranks: set[int], after_step: int) -> list[int]:
+    """Checkpoint steps newer than `after_step` for which every local rank has a finished shard."""
+    return sorted(step for step, ranks in saved.items() if step > after_step and local_ranks <= ranks)

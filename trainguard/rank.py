@@ -1,0 +1,245 @@
+"""The rank helper: a few lines in any torchrun-style script make it a trainguard rank.
+
+```python
+from trainguard import rank as tg
+
+run = tg.init()                          # reads the environment the node agent set
+state = run.restore()                    # the checkpoint the run restored, verified, or None
+if state: model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
+for step in range(run.start_step, total_steps):
+    train_one_step(step)                 # derive data from `step` so a resume sees the same batches
+    run.step_done(step + 1)              # progress heartbeat: steps completed
+    if run.should_save(step + 1):
+        run.save(step + 1, {"model": model.state_dict(), "optim": opt.state_dict()})
+run.finish(digest=tg.state_digest(model))
+```
+
+`save` holds training up only for an in-memory copy of the state; the file is written and checksummed by a
+background thread, then the node agent uploads it. Torch, Python and NumPy RNG states are saved and restored
+with every checkpoint, so a script whose data depends only on the step resumes bit-exactly.
+
+Outside trainguard (no `TRAINGUARD_*` environment) every call is a no-op apart from `restore`, which returns
+None, so the same script still runs under plain torchrun.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_NO_RETRY = 78
+"""Exit with this code (EX_CONFIG) for an error a restart cannot fix: the run stops with your message
+instead of spending its restart budget."""
+
+_PROGRESS_MIN_INTERVAL_S = 0.05
+_HELPER_KEY = "_trainguard"
+
+
+def _atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def state_digest(module_or_state: Any) -> str:
+    """sha256 over parameter names and raw bytes, in name order: equal only for bit-identical states."""
+    import torch
+
+    state = module_or_state.state_dict() if hasattr(module_or_state, "state_dict") else module_or_state
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name]
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _snapshot(value: Any) -> Any:
+    """A deep copy of tensors into CPU memory, so training can mutate the originals at once."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_snapshot(item) for item in value)
+    return value
+
+
+def _rng_state() -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RankRun:
+    """This rank's view of the run. Create it with `init()`."""
+
+    def __init__(self, environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+        self.managed = "TRAINGUARD_PROGRESS_FILE" in environ
+        self.rank = int(environ.get("RANK", "0"))
+        self.world_size = int(environ.get("WORLD_SIZE", "1"))
+        self.attempt = int(environ.get("TRAINGUARD_ATTEMPT", "1"))
+        self.checkpoint_every = int(environ.get("TRAINGUARD_CHECKPOINT_EVERY", "0"))
+        self.start_step = int(environ.get("TRAINGUARD_RESTORE_STEP", "0"))
+        self._progress_path = Path(environ["TRAINGUARD_PROGRESS_FILE"]) if self.managed else None
+        self._checkpoint_dir = Path(environ.get("TRAINGUARD_CHECKPOINT_DIR", ".")) if self.managed else None
+        restore = environ.get("TRAINGUARD_RESTORE_DIR")
+        self._restore_dir = Path(restore) if restore else None
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
+        self._last_write = 0.0
+        self._last_step_at: float | None = None
+        self._step_time_ema: float | None = None
+        self._num_timed_steps = 0
+        self._sum_step_s = 0.0
+        self._step = self.start_step
+        self._write_progress(force=True)
+
+    # -------------------------------------------------------------------------------------- progress
+    def _write_progress(self, force: bool = False, **extra: Any) -> None:
+        if self._progress_path is None:
+            return
+        now = time.time()
+        if not force and now - self._last_write < _PROGRESS_MIN_INTERVAL_S:
+            return
+        payload = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "attempt": self.attempt,
+            "step": self._step,
+            "time": now,
+            "step_time_s": self._step_time_ema,
+            "timed_steps": self._num_timed_steps,
+            **extra,
+        }
+        _atomic_write_json(self._progress_path, payload)
+        self._last_write = now
+
+    def step_done(self, step: int) -> None:
+        """Report that `step` steps are complete. Call once per training step: it is the heartbeat."""
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            elapsed = now - self._last_step_at
+            self._sum_step_s += elapsed
+            self._num_timed_steps += 1
+            ema = self._step_time_ema
+            self._step_time_ema = elapsed if ema is None else 0.8 * ema + 0.2 * elapsed
+        self._last_step_at = now
+        self._step = step
+        self._write_progress()
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def should_save(self, step: int) -> bool:
+        return self.managed and self.checkpoint_every > 0 and step > 0 and step % self.checkpoint_every == 0
+
+    def save(self, step: int, state: dict[str, Any]) -> float:
+        """Snapshot `state` into memory and write it in the background. Returns the stall in seconds."""
+        if not self.managed or self._checkpoint_dir is None:
+            return 0.0
+        started = time.monotonic()
+        self._wait_for_writer()
+        self._write_progress(force=True, saving=True)
+        payload = {**_snapshot(state), _HELPER_KEY: {"step": step, "rank": self.rank, "rng": _rng_state()}}
+        self._writer = threading.Thread(
+            target=self._write_shard, args=(step, payload), name=f"trainguard-save-{step}", daemon=True
+        )
+        self._writer.start()
+        stall = time.monotonic() - started
+        self._write_progress(force=True)
+        # A save is not a training step: do not let it inflate the next step time.
+        self._last_step_at = time.monotonic()
+        return stall
+
+    def _write_shard(self, step: int, payload: dict[str, Any]) -> None:
+        import torch
+
+        try:
+            assert self._checkpoint_dir is not None
+            step_dir = self._checkpoint_dir / f"step-{step:08d}"
+            step_dir.mkdir(parents=True, exist_ok=True)
+            final = step_dir / f"rank-{self.rank:05d}.pt"
+            tmp = step_dir / f".rank-{self.rank:05d}.pt.tmp"
+            with tmp.open("wb") as handle:
+                torch.save(payload, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, final)
+            meta = {"rank": self.rank, "step": step, "size_bytes": final.stat().st_size}
+            meta["sha256"] = sha256_file(final)
+            # The meta file appears last: the agent treats a shard without it as not written yet.
+            _atomic_write_json(step_dir / f"rank-{self.rank:05d}.json", meta)
+        except BaseException as error:  # surfaced on the next save or at finish
+            self._writer_error = error
+
+    def _wait_for_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._writer_error is not None:
+            error, self._writer_error = self._writer_error, None
+            raise RuntimeError(f"trainguard: writing a checkpoint shard failed: {error}") from error
+
+    def restore(self) -> dict[str, Any] | None:
+        """The restored checkpoint's state for this rank (checksum verified), or None for a fresh start."""
+        if self._restore_dir is None:
+            return None
+        import torch
+
+        shard = self._restore_dir / f"rank-{self.rank:05d}.pt"
+        meta = json.loads((self._restore_dir / f"rank-{self.rank:05d}.json").read_text())
+        if sha256_file(shard) != meta["sha256"]:
+            raise RuntimeError(f"trainguard: restored shard {shard} does not match its checksum")
+        state = torch.load(shard, map_location="cpu", weights_only=False)
+        helper = state.pop(_HELPER_KEY, None)
+        if helper is not None:
+            _set_rng_state(helper["rng"])
+        return state
+
+    # ---------------------------------------------------------------------------------------- finish
+    def finish(self, digest: str | None = None) -> None:
+        """Wait for pending checkpoint writes and report the rank finished (with the model digest)."""
+        self._wait_for_writer()
+        mean = self._sum_step_s / self._num_timed_steps if self._num_timed_steps else None
+        self._write_progress(force=True, finished=True, digest=digest, mean_step_s=mean)
+
+
+def init() -> RankRun:
+    """This rank's handle on the run, from the environment the node agent set."""
+    return RankRun()

@@ -1,0 +1,66 @@
+"""Connection settings for workers, the CLI and the client, read from the environment.
+
+Secrets (S3 keys) come from the standard AWS chain (`AWS_ACCESS_KEY_ID`, profiles, instance roles) in the
+worker's own environment, never from a run spec or a workflow input.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    temporal_address: str
+    """`TRAINGUARD_TEMPORAL_ADDRESS`, default `127.0.0.1:7233`."""
+    namespace: str
+    """`TRAINGUARD_NAMESPACE`, default `default`."""
+    s3_endpoint: str | None
+    """`TRAINGUARD_S3_ENDPOINT` (or `AWS_ENDPOINT_URL`); None means AWS S3 itself."""
+    s3_region: str
+    """`AWS_REGION`, default `us-east-1`."""
+    s3_path_style: bool
+    """`TRAINGUARD_S3_PATH_STYLE`, default on (SeaweedFS, MinIO and Ceph want it)."""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if environ is None else environ)
+        return cls(
+            temporal_address=env.get("TRAINGUARD_TEMPORAL_ADDRESS", "127.0.0.1:7233"),
+            namespace=env.get("TRAINGUARD_NAMESPACE", "default"),
+            s3_endpoint=env.get("TRAINGUARD_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None,
+            s3_region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
+            s3_path_style=env.get("TRAINGUARD_S3_PATH_STYLE", "1").lower() not in ("0", "false", "no"),
+        )
+
+
+# Fail fast on a dead store (the activity's retry policy, not botocore, decides how long to keep trying)
+# while allowing slow multi-GB part uploads.
+_S3_CONNECT_TIMEOUT_S = 5
+_S3_READ_TIMEOUT_S = 120
+_S3_CLIENT_ATTEMPTS = 3
+
+
+@lru_cache(maxsize=4)
+def _client(endpoint: str | None, region: str, path_style: bool) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        region_name=region,
+        connect_timeout=_S3_CONNECT_TIMEOUT_S,
+        read_timeout=_S3_READ_TIMEOUT_S,
+        retries={"mode": "standard", "max_attempts": _S3_CLIENT_ATTEMPTS},
+        s3={"addressing_style": "path" if path_style else "auto"},
+        max_pool_connections=32,
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+
+
+def s3_client(settings: Settings | None = None) -> Any:
+    """A thread-safe boto3 S3 client for the configured store."""
+    settings = settings or Settings.from_env()
+    return _client(settings.s3_endpoint, settings.s3_region, settings.s3_path_style)

@@ -1,0 +1,205 @@
+"""The run spec: what a user submits to start a `TrainingRun`.
+
+The spec travels through Temporal as plain JSON. It never carries secrets: S3 credentials and tokens are read
+by the workers from their own environment.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
+ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Variables the node agent sets for every rank; a spec may not override them, or ranks would disagree
+# about the world they are in.
+RESERVED_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+RESERVED_ENV_PREFIX = "TRAINGUARD_"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CheckpointSpec(_Strict):
+    """Where and how often checkpoints are committed."""
+
+    bucket: str = Field("trainguard", pattern=BUCKET_PATTERN)
+    """S3 bucket the shards and manifests go to. Default `trainguard` (created by `trainguard dev up`)."""
+
+    prefix: str = Field("runs", pattern=PREFIX_PATTERN)
+    """Key prefix; a run's checkpoints live under `<prefix>/<workflow-id>/`. Default `runs`."""
+
+    every_steps: int = Field(50, ge=1, le=10_000_000)
+    """Ranks checkpoint every this many steps (the rank helper asks `should_save(step)`). Default 50."""
+
+    keep_last: int = Field(3, ge=1, le=1000)
+    """Committed checkpoints kept; older ones are deleted, manifest first. Default 3."""
+
+    @field_validator("prefix")
+    @classmethod
+    def _no_dot_segments(cls, value: str) -> str:
+        if any(part in ("", ".", "..") for part in value.split("/")):
+            raise ValueError("prefix must not contain empty, '.' or '..' segments")
+        return value
+
+
+class HealthSpec(_Strict):
+    """How rank progress is judged. Hangs are seen from per-rank progress, never from collective timeouts."""
+
+    startup_grace_s: float = Field(180.0, gt=0, le=86_400)
+    """Silence allowed before a rank's first step (imports, rendezvous, restore). Default 180 s."""
+
+    hang_floor_s: float = Field(2.0, gt=0, le=86_400)
+    """A rank silent for less than this is never a hang, however fast its steps. Default 2 s."""
+
+    hang_step_multiplier: float = Field(10.0, ge=1, le=10_000)
+    """A rank is hung once silent for this many of its own recent step times (above the floor). Default 10."""
+
+    hang_max_s: float = Field(300.0, gt=0, le=86_400)
+    """A rank silent this long is hung whatever its step times say. Default 300 s."""
+
+    checkpoint_grace_s: float = Field(60.0, ge=0, le=86_400)
+    """Extra silence allowed while a rank is taking its in-memory checkpoint snapshot. Default 60 s."""
+
+    poll_interval_s: float = Field(0.2, ge=0.05, le=10)
+    """How often a node agent reads its ranks' progress. Default 0.2 s."""
+
+    @model_validator(mode="after")
+    def _floor_below_max(self) -> HealthSpec:
+        if self.hang_floor_s > self.hang_max_s:
+            raise ValueError("health.hang_floor_s must not exceed health.hang_max_s")
+        return self
+
+
+class RestartSpec(_Strict):
+    """Bounds on recovery, so a run that cannot make progress stops with a reason instead of looping."""
+
+    max_restarts: int = Field(10, ge=0, le=10_000)
+    """Relaunches allowed within `window_s`. Default 10."""
+
+    window_s: float = Field(3600.0, gt=0)
+    """The window `max_restarts` counts over. Default 3600 s."""
+
+    max_restarts_without_checkpoint: int = Field(3, ge=1, le=10_000)
+    """Consecutive relaunches that commit no new checkpoint before the run stops. Default 3."""
+
+
+class RunSpec(_Strict):
+    """A training run: what to launch, where, and how to keep it alive."""
+
+    entrypoint: list[str] = Field(min_length=1, max_length=256)
+    """The rank command as an argv list (never a shell string), e.g. `["python", "examples/train.py"]`.
+    Run once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+
+    nodes: list[str] = Field(min_length=1, max_length=4096)
+    """Node ids to train on; each must have a node agent polling `trainguard-node-<id>`."""
+
+    spare_nodes: list[str] = Field(default_factory=list, max_length=4096)
+    """Nodes held back to replace a failed one. Default none."""
+
+    min_nodes: int | None = Field(None, ge=1)
+    """Fewest nodes the run may shrink to when no spare is left. Default: never shrink."""
+
+    ranks_per_node: int = Field(1, ge=1, le=256)
+    """Rank processes per node (GPUs per node on real hardware). Default 1."""
+
+    working_dir: str | None = Field(None, max_length=4096)
+    """Directory the ranks run in on each node. Default: the node agent's code directory."""
+
+    env: dict[str, str] = Field(default_factory=dict, max_length=256)
+    """Extra environment for every rank. Not for secrets: the spec is stored in workflow history."""
+
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpoint settings."""
+
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    """Progress and hang detection settings."""
+
+    restarts: RestartSpec = Field(default_factory=RestartSpec)
+    """Restart budget."""
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_args(cls, value: list[str]) -> list[str]:
+        if not value[0].strip():
+            raise ValueError("entrypoint[0] must name a program")
+        if any("\x00" in arg or len(arg) > 4096 for arg in value):
+            raise ValueError("entrypoint arguments must be under 4096 characters with no NUL bytes")
+        return value
+
+    @field_validator("nodes", "spare_nodes")
+    @classmethod
+    def _node_ids(cls, value: list[str]) -> list[str]:
+        pattern = re.compile(NODE_ID_PATTERN)
+        for index, node in enumerate(value):
+            if not pattern.match(node):
+                raise ValueError(
+                    f"item {index} {node!r} is not a node id (lowercase letters, digits and '-', max 63)"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError("node ids must be unique")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not ENV_NAME_PATTERN.match(name):
+                raise ValueError(f"{name!r} is not a valid environment variable name")
+            if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
+                raise ValueError(f"{name!r} is set by the node agent and cannot be overridden")
+        return value
+
+    @model_validator(mode="after")
+    def _pools_disjoint(self) -> RunSpec:
+        overlap = sorted(set(self.nodes) & set(self.spare_nodes))
+        if overlap:
+            raise ValueError(f"spare_nodes repeats nodes already in nodes: {', '.join(overlap)}")
+        if self.min_nodes is not None and self.min_nodes > len(self.nodes):
+            raise ValueError(f"min_nodes ({self.min_nodes}) exceeds the number of nodes ({len(self.nodes)})")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.ranks_per_node
+
+
+class SpecError(ValueError):
+    """A spec a user must fix; the message names each offending field."""
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem, each starting with the field's dotted path, e.g. `nodes.1: ...`."""
+    lines = []
+    for problem in error.errors():
+        path = ".".join(str(part) for part in problem["loc"]) or "(spec)"
+        lines.append(f"{path}: {problem['msg']}")
+    return "; ".join(lines)
+
+
+def parse_spec(raw: Any) -> RunSpec:
+    """Validate user input into a `RunSpec`, raising `SpecError` that names the fields to fix."""
+    if isinstance(raw, RunSpec):
+        return raw
+    if not isinstance(raw, dict):
+        raise SpecError(f"spec must be a JSON object, got {type(raw).__name__}")
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as error:
+        raise SpecError(f"invalid run spec: {describe_validation_error(error)}") from None

@@ -1,0 +1,78 @@
+"""The node agent: one per training node, polling `trainguard-node-<node-id>`.
+
+    python -m workers.node_agent --node node-0 --workdir /var/lib/trainguard [--host 10.0.0.5]
+
+It launches, watches and stops this node's ranks, checks its GPUs, and moves its checkpoint shards to and
+from S3. It never imports torch (its own memory stays small). On SIGTERM it stops its ranks before exiting:
+ranks never outlive their agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+from pathlib import Path
+
+from temporalio.worker import Worker
+
+from activities.checkpoints import NodeCheckpointActivities
+from activities.health import HealthActivities
+from activities.ranks import RankActivities
+from trainguard import node_task_queue
+from trainguard.connect import connect
+from trainguard.spec import NODE_ID_PATTERN
+from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
+
+log = logging.getLogger("trainguard.node_agent")
+
+
+def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path) -> tuple[Worker, RankActivities]:  # type: ignore[no-untyped-def]
+    ranks = RankActivities(node, workdir, host, code_dir)
+    checkpoints = NodeCheckpointActivities(node, workdir)
+    health = HealthActivities(node, host)
+    worker = Worker(
+        client,
+        task_queue=node_task_queue(node),
+        activities=[
+            ranks.launch_ranks,
+            ranks.watch_ranks,
+            ranks.stop_ranks,
+            ranks.inject_fault,
+            checkpoints.upload_shards,
+            checkpoints.download_shards,
+            health.check_node,
+        ],
+        max_concurrent_activities=64,
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+    )
+    return worker, ranks
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description="trainguard node agent")
+    parser.add_argument("--node", required=True, help="this node's id (task queue trainguard-node-<id>)")
+    parser.add_argument("--workdir", required=True, type=Path, help="node-local directory for ranks and shards")
+    parser.add_argument("--host", default="127.0.0.1", help="address peers reach this node's ranks at")
+    parser.add_argument("--code-dir", type=Path, default=Path.cwd(),
+                        help="default working directory of ranks (default: current directory)")
+    args = parser.parse_args()
+    if not re.match(NODE_ID_PATTERN, args.node):
+        parser.error(f"--node {args.node!r}: lowercase letters, digits and '-', at most 63 characters")
+    setup_logging(f"node-agent[{args.node}]")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    client = await connect()
+    worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve())
+    stop = stop_event()
+    log.info("node agent %s polling %s", args.node, node_task_queue(args.node))
+    try:
+        async with worker:
+            await stop.wait()
+    finally:
+        stopped = await ranks.stop_all(grace_s=2.0)
+        log.info("node agent %s stopped (%d ranks stopped)", args.node, stopped)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

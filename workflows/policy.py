@@ -1,0 +1,102 @@
+"""Pure decisions of a `TrainingRun`: what to do about an incident, and which phase may follow which.
+
+No I/O, no clock reads: the time is an argument. Tested with tables in tests/workflows/test_policy.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainguard.models import Action, IncidentKind, Phase
+from trainguard.rank import EXIT_NO_RETRY
+from trainguard.spec import RunSpec
+
+# --------------------------------------------------------------------------------------------- phases
+
+ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.VALIDATING: frozenset({Phase.RESERVING, Phase.FAILED}),
+    Phase.RESERVING: frozenset({Phase.RESTORING, Phase.FAILED}),
+    Phase.RESTORING: frozenset({Phase.LAUNCHING, Phase.RESTORING, Phase.RECOVERING, Phase.FAILED}),
+    Phase.LAUNCHING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),
+    Phase.RUNNING: frozenset({Phase.RECOVERING, Phase.FINISHING, Phase.FAILED}),
+    Phase.RECOVERING: frozenset({Phase.RESTORING, Phase.FAILED}),
+    Phase.FINISHING: frozenset({Phase.COMPLETED, Phase.FAILED}),
+    Phase.COMPLETED: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A bug in the workflow: a phase change the table does not allow."""
+
+
+def next_phase(current: Phase, new: Phase) -> Phase:
+    if new not in ALLOWED_TRANSITIONS[current]:
+        raise IllegalTransition(f"phase {current.value} cannot move to {new.value}")
+    return new
+
+
+# ------------------------------------------------------------------------------------------- decisions
+
+NODE_FAULTS = frozenset({IncidentKind.NODE_UNRESPONSIVE, IncidentKind.GPU_UNHEALTHY})
+RANK_FAULTS = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.CHECKPOINT_CORRUPT})
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryBudget:
+    """What the run has spent on recovery so far."""
+
+    restart_times: tuple[float, ...] = ()
+    """Workflow-clock times (unix seconds) of earlier relaunches."""
+    restarts_without_checkpoint: int = 0
+    """Relaunches since the last newly committed checkpoint."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str
+    replacement: str | None = None
+    """The spare taking the failed node's place (REPLACE_NODE)."""
+
+
+def classify_exit(exit_code: int | None) -> IncidentKind:
+    """A rank that exits with `EXIT_NO_RETRY` reports an error a restart cannot fix."""
+    return IncidentKind.USER_ERROR if exit_code == EXIT_NO_RETRY else IncidentKind.CRASH
+
+
+def decide(
+    kind: IncidentKind,
+    node: str | None,
+    spec: RunSpec,
+    active_nodes: list[str],
+    spares: list[str],
+    budget: RecoveryBudget,
+    now: float,
+) -> Decision:
+    """The remediation ladder: restart in place; replace a bad node with a spare; otherwise stop."""
+    if kind is IncidentKind.USER_ERROR:
+        return Decision(Action.STOP, f"a rank exited with code {EXIT_NO_RETRY} (do not retry): fix the script")
+    if kind is IncidentKind.STRAGGLER:
+        return Decision(Action.REPORT, "straggler reported; training goes on")
+    recent = [t for t in budget.restart_times if now - t < spec.restarts.window_s]
+    if len(recent) >= spec.restarts.max_restarts:
+        return Decision(
+            Action.STOP,
+            f"restart budget spent: {len(recent)} restarts within {spec.restarts.window_s:.0f}s "
+            f"(restarts.max_restarts={spec.restarts.max_restarts})",
+        )
+    if budget.restarts_without_checkpoint >= spec.restarts.max_restarts_without_checkpoint:
+        return Decision(
+            Action.STOP,
+            f"{budget.restarts_without_checkpoint} restarts in a row committed no new checkpoint "
+            f"(restarts.max_restarts_without_checkpoint={spec.restarts.max_restarts_without_checkpoint})",
+        )
+    if kind in NODE_FAULTS:
+        if node is None or node not in active_nodes:
+            return Decision(Action.RESTART, f"{kind.value} on a node no longer in the run: relaunch")
+        if spares:
+            return Decision(Action.REPLACE_NODE, f"{kind.value} on {node}: replaced by spare {spares[0]}",
+                            replacement=spares[0])
+        return Decision(Action.STOP, f"{kind.value} on {node} and no spare node left (add spare_nodes)")
+    return Decision(Action.RESTART, f"{kind.value}: relaunch every rank from the newest committed checkpoint")

@@ -1,0 +1,601 @@
+"""`TrainingRun`: one training run as a durable workflow.
+
+Validate the spec, reserve the nodes, restore the newest committed checkpoint, launch the ranks on each
+node's agent, watch them, commit checkpoints as they come, and on an incident let the pure policy decide,
+stop every rank of the attempt, and relaunch. All state lives in the workflow's history, so the run
+survives the crash of the controller that drives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import (
+        CheckNodeInput,
+        CheckNodeResult,
+        CommitCheckpointInput,
+        DownloadShardsInput,
+        DownloadShardsResult,
+        FindCheckpointInput,
+        FindCheckpointResult,
+        FindNodeAgentsInput,
+        FindNodeAgentsResult,
+        InjectFaultInput,
+        InjectFaultResult,
+        LaunchRanksInput,
+        LaunchRanksResult,
+        Manifest,
+        PruneCheckpointsInput,
+        PruneCheckpointsResult,
+        ShardInfo,
+        StopRanksInput,
+        StopRanksResult,
+        UploadShardsInput,
+        UploadShardsResult,
+        WatchEvent,
+        WatchEventKind,
+        WatchRanksInput,
+    )
+    from trainguard import WORKFLOW_TYPE, node_task_queue
+    from trainguard.models import (
+        Action,
+        CheckpointRef,
+        Incident,
+        IncidentKind,
+        Phase,
+        RunResult,
+        RunStatus,
+    )
+    from trainguard.spec import RunSpec, SpecError, parse_spec
+    from workflows.policy import Decision, RecoveryBudget, classify_exit, decide, next_phase
+
+# ------------------------------------------------------------------------------ timeouts and retries
+
+NODE_SCHEDULE_TO_START = timedelta(seconds=15)
+"""Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever."""
+
+CHECK_NODE_TIMEOUT = timedelta(seconds=30)
+"""An NVML query and a reply; anything slower is a sick node."""
+
+LAUNCH_TIMEOUT = timedelta(minutes=2)
+"""Spawning processes takes milliseconds; minutes means the node is in trouble."""
+
+STOP_TIMEOUT = timedelta(seconds=60)
+"""SIGTERM, a grace period, then SIGKILL of whole process groups, and reaping them."""
+
+WATCH_MAX_DURATION_S = 600.0
+"""A watch returns after this long even if nothing happened, so no activity runs unbounded."""
+
+WATCH_TIMEOUT = timedelta(seconds=WATCH_MAX_DURATION_S + 60)
+WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+"""The agent heartbeats every poll (0.2 s by default): 10 s of silence means the node is unresponsive."""
+
+TRANSFER_TIMEOUT = timedelta(minutes=30)
+TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
+TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
+"""Upload/download retries stop after this: long enough to ride out a store outage."""
+
+STORE_TIMEOUT = timedelta(minutes=2)
+"""Listing, HEADs and a small manifest PUT."""
+
+NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
+                              maximum_attempts=3)
+"""A node call that fails three times is a node problem; more retries would only delay the remedy."""
+
+WATCH_RETRY = RetryPolicy(maximum_attempts=1)
+"""A failed watch is itself the signal (the agent died or froze): the workflow decides, not a retry."""
+
+TRANSFER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
+                             maximum_interval=timedelta(seconds=30),
+                             non_retryable_error_types=["CorruptCheckpoint", "NoLocalShards", "BadSpec"])
+"""S3 outages heal: retry with backoff (bounded by TRANSFER_SCHEDULE_TO_CLOSE); bad bytes never heal."""
+
+STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                          maximum_interval=timedelta(seconds=20), maximum_attempts=12)
+"""About three minutes of retries against a flaky store before the run reports it."""
+
+# --------------------------------------------------------------------------------------- internals
+
+
+@dataclass
+class _Outcome:
+    finished: bool
+    incident: Incident | None = None
+    final_events: list[WatchEvent] = field(default_factory=list)
+
+
+class _CheckpointCorrupt(Exception):
+    def __init__(self, step: int, detail: str) -> None:
+        super().__init__(detail)
+        self.step = step
+
+
+def _cause_text(error: BaseException) -> str:
+    cause = error.__cause__
+    while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
+        cause = cause.__cause__
+    return str(cause or error)
+
+
+def _error_type(error: BaseException) -> str | None:
+    cause = error.__cause__
+    return cause.type if isinstance(cause, ApplicationError) else None
+
+
+@workflow.defn(name=WORKFLOW_TYPE)
+class TrainingRun:
+    def __init__(self) -> None:
+        self._status = RunStatus()
+        self._spec: RunSpec | None = None
+        self._restart_times: list[float] = []
+        self._restarts_without_checkpoint = 0
+        self._last_committed_step = -1
+        self._spares: list[str] = []
+        self._launched = False
+        self._background: list[asyncio.Task[Any]] = []
+
+    # ------------------------------------------------------------------------------ queries/updates
+    @workflow.query
+    def status(self) -> RunStatus:
+        return self._status
+
+    @workflow.update
+    async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
+        """Chaos: have a node agent crash or hang one rank of the current attempt."""
+        return await workflow.execute_activity(
+            "inject_fault",
+            InjectFaultInput(workflow_id=workflow.info().workflow_id, node=request.node, rank=request.rank,
+                             fault=request.fault),
+            task_queue=node_task_queue(request.node),
+            start_to_close_timeout=STOP_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            retry_policy=NODE_CALL_RETRY,
+            result_type=InjectFaultResult,
+            summary=f"chaos {request.fault} on {request.node}",
+        )
+
+    @inject_fault.validator
+    def _validate_fault(self, request: InjectFaultInput) -> None:
+        if self._status.phase is not Phase.RUNNING:
+            raise ValueError(f"run is {self._status.phase.value}, not running: nothing to inject into")
+        if request.node not in self._status.nodes:
+            raise ValueError(f"node {request.node!r} is not in the run (nodes: {', '.join(self._status.nodes)})")
+
+    # ------------------------------------------------------------------------------------------ run
+    @workflow.run
+    async def run(self, raw_spec: Any) -> RunResult:
+        try:
+            spec = parse_spec(raw_spec)
+        except SpecError as error:
+            self._status.reason = str(error)
+            self._set_phase(Phase.FAILED)
+            raise ApplicationError(str(error), type="InvalidSpec", non_retryable=True) from None
+        self._spec = spec
+        started = workflow.now().timestamp()
+        nodes = list(spec.nodes)
+        self._status.nodes = nodes
+        self._status.world_size = spec.world_size
+        try:
+            self._set_phase(Phase.RESERVING)
+            self._spares = await self._reserve(spec)
+            attempt = 0
+            while True:
+                attempt += 1
+                self._status.attempt = attempt
+                outcome = await self._run_attempt(spec, attempt)
+                if outcome.finished:
+                    break
+                assert outcome.incident is not None
+                await self._recover(spec, attempt, outcome.incident)
+            for task in self._background:  # let retention finish before the run reports done
+                try:
+                    await task
+                except ActivityError as error:
+                    workflow.logger.warning("pruning failed: %s", _cause_text(error))
+            return self._result(spec, attempt, started, outcome.final_events)
+        except BaseException as error:
+            # Whatever ends the run (a stop decision, cancellation, a bug): no rank may outlive it.
+            if self._status.phase is not Phase.FAILED:
+                self._status.reason = self._status.reason or _cause_text(error)
+                self._set_phase(Phase.FAILED)
+            if self._launched:
+                await self._stop_everywhere(self._status.nodes, None, "run ended: stop every rank")
+            raise
+
+    def _set_phase(self, phase: Phase) -> None:
+        if phase is not self._status.phase:
+            self._status.phase = next_phase(self._status.phase, phase)
+
+    # ------------------------------------------------------------------------------------- reserve
+    async def _reserve(self, spec: RunSpec) -> list[str]:
+        found = await workflow.execute_activity(
+            "find_node_agents",
+            FindNodeAgentsInput(nodes=spec.nodes + spec.spare_nodes),
+            start_to_close_timeout=STORE_TIMEOUT,
+            retry_policy=STORE_RETRY,
+            result_type=FindNodeAgentsResult,
+            summary="find node agents",
+        )
+        unknown = [f"nodes.{i} {n!r}" for i, n in enumerate(spec.nodes) if n in found.missing]
+        if unknown:
+            reason = (f"invalid run spec: {', '.join(unknown)}: no node agent polls "
+                      f"{', '.join(node_task_queue(n) for n in spec.nodes if n in found.missing)} (unknown node)")
+            self._status.reason = reason
+            self._set_phase(Phase.FAILED)
+            raise ApplicationError(reason, type="InvalidSpec", non_retryable=True)
+        spares = [n for n in spec.spare_nodes if n not in found.missing]
+        checks = await asyncio.gather(*(self._check_node(n) for n in self._status.nodes))
+        for check in checks:
+            if check.gpu.available and not check.gpu.healthy:
+                self._record_incident(Incident(kind=IncidentKind.GPU_UNHEALTHY, node=check.node,
+                                               detail=check.gpu.detail, action=Action.REPLACE_NODE))
+                if not spares:
+                    raise ApplicationError(f"node {check.node} failed its GPU checks and no spare is left: "
+                                           f"{check.gpu.detail}", type="NoHealthyNodes", non_retryable=True)
+                self._replace(check.node, spares.pop(0))
+        return spares
+
+    async def _check_node(self, node: str) -> CheckNodeResult:
+        return await workflow.execute_activity(
+            "check_node",
+            CheckNodeInput(workflow_id=workflow.info().workflow_id, node=node),
+            task_queue=node_task_queue(node),
+            start_to_close_timeout=CHECK_NODE_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            retry_policy=NODE_CALL_RETRY,
+            result_type=CheckNodeResult,
+            summary=f"check {node}",
+        )
+
+    def _replace(self, node: str, spare: str) -> None:
+        self._status.nodes = [spare if n == node else n for n in self._status.nodes]
+        self._status.cordoned = [*self._status.cordoned, node]
+
+    # ------------------------------------------------------------------------------------- attempt
+    def _run_prefix(self, spec: RunSpec) -> str:
+        return f"{spec.checkpoint.prefix}/{workflow.info().workflow_id}"
+
+    async def _run_attempt(self, spec: RunSpec, attempt: int) -> _Outcome:
+        manifest, restore_dirs = await self._restore(spec, attempt)
+        restore_step = manifest.step if manifest else 0
+        self._status.resumed_step = restore_step
+        self._status.step = max(self._status.step, restore_step)
+        if self._status.incidents and self._status.incidents[-1].resumed_step is None:
+            self._status.incidents[-1].resumed_step = restore_step
+
+        self._set_phase(Phase.LAUNCHING)
+        self._launched = True
+        nodes = self._status.nodes
+        # The master node first: it picks this attempt's fresh rendezvous port, the others join it.
+        outcomes: list[LaunchRanksResult | BaseException] = list(await asyncio.gather(
+            self._launch(spec, attempt, 0, None, restore_dirs, restore_step), return_exceptions=True))
+        master = outcomes[0]
+        if isinstance(master, LaunchRanksResult):
+            outcomes += await asyncio.gather(*(
+                self._launch(spec, attempt, i, master, restore_dirs, restore_step) for i in range(1, len(nodes))
+            ), return_exceptions=True)
+        for node, outcome in zip(nodes, outcomes):
+            if not isinstance(outcome, BaseException):
+                continue
+            if not isinstance(outcome, ActivityError):
+                raise outcome
+            if _error_type(outcome) in ("BadSpec", "StaleAttempt"):
+                self._status.reason = _cause_text(outcome)
+                raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True) from None
+            return _Outcome(False, Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt,
+                                            detail=f"launch failed: {_cause_text(outcome)}",
+                                            detected_at=workflow.now().timestamp()))
+        self._set_phase(Phase.RUNNING)
+        return await self._supervise(spec, attempt)
+
+    async def _restore(self, spec: RunSpec, attempt: int) -> tuple[Manifest | None, dict[str, str]]:
+        self._set_phase(Phase.RESTORING)
+        excluded: list[int] = []
+        while True:
+            found = await workflow.execute_activity(
+                "find_checkpoint",
+                FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
+                                    world_size=spec.world_size, exclude_steps=excluded),
+                start_to_close_timeout=STORE_TIMEOUT,
+                retry_policy=STORE_RETRY,
+                result_type=FindCheckpointResult,
+                summary=f"find newest checkpoint (attempt {attempt})",
+            )
+            if found.manifest is None:
+                return None, {}
+            try:
+                return found.manifest, await self._download(spec, attempt, found.manifest)
+            except _CheckpointCorrupt as corrupt:
+                excluded.append(corrupt.step)
+                self._record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt,
+                                               detail=str(corrupt), action=Action.RESTART,
+                                               detected_at=workflow.now().timestamp()))
+
+    async def _download(self, spec: RunSpec, attempt: int, manifest: Manifest) -> dict[str, str]:
+        nodes = self._status.nodes
+        per_node = spec.ranks_per_node
+
+        async def one(index: int, node: str) -> DownloadShardsResult:
+            shards = [s for s in manifest.shards if index * per_node <= s.rank < (index + 1) * per_node]
+            return await workflow.execute_activity(
+                "download_shards",
+                DownloadShardsInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
+                                    bucket=spec.checkpoint.bucket, shards=shards),
+                task_queue=node_task_queue(node),
+                start_to_close_timeout=TRANSFER_TIMEOUT,
+                schedule_to_close_timeout=TRANSFER_SCHEDULE_TO_CLOSE,
+                schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+                heartbeat_timeout=TRANSFER_HEARTBEAT_TIMEOUT,
+                retry_policy=TRANSFER_RETRY,
+                result_type=DownloadShardsResult,
+                summary=f"download step {manifest.step} to {node} (attempt {attempt})",
+            )
+
+        try:
+            results = await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
+        except ActivityError as error:
+            if _error_type(error) == "CorruptCheckpoint":
+                raise _CheckpointCorrupt(manifest.step, f"step {manifest.step}: {_cause_text(error)}") from None
+            raise
+        return {node: result.restore_dir for node, result in zip(nodes, results)}
+
+    async def _launch(self, spec: RunSpec, attempt: int, index: int, master: LaunchRanksResult | None,
+                      restore_dirs: dict[str, str], restore_step: int) -> LaunchRanksResult:
+        node = self._status.nodes[index]
+        return await workflow.execute_activity(
+            "launch_ranks",
+            LaunchRanksInput(
+                workflow_id=workflow.info().workflow_id, attempt=attempt, node=node, node_rank=index,
+                num_nodes=len(self._status.nodes), ranks_per_node=spec.ranks_per_node,
+                master_addr=master.master_addr if master else None,
+                master_port=master.master_port if master else None,
+                entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
+                restore_dir=restore_dirs.get(node), restore_step=restore_step,
+                checkpoint_every=spec.checkpoint.every_steps,
+            ),
+            task_queue=node_task_queue(node),
+            start_to_close_timeout=LAUNCH_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            retry_policy=NODE_CALL_RETRY,
+            result_type=LaunchRanksResult,
+            summary=f"launch ranks on {node} (attempt {attempt}, from step {restore_step})",
+        )
+
+    # ----------------------------------------------------------------------------------- supervise
+    def _watch(self, spec: RunSpec, attempt: int, node: str, reported_step: int) -> asyncio.Task[WatchEvent]:
+        return asyncio.ensure_future(workflow.execute_activity(
+            "watch_ranks",
+            WatchRanksInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
+                            health=spec.health, reported_step=reported_step,
+                            max_duration_s=WATCH_MAX_DURATION_S),
+            task_queue=node_task_queue(node),
+            start_to_close_timeout=WATCH_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            heartbeat_timeout=WATCH_HEARTBEAT_TIMEOUT,
+            retry_policy=WATCH_RETRY,
+            result_type=WatchEvent,
+            summary=f"watch ranks on {node} (attempt {attempt})",
+        ))
+
+    def _upload(self, spec: RunSpec, attempt: int, node: str, step: int) -> asyncio.Task[UploadShardsResult]:
+        return asyncio.ensure_future(workflow.execute_activity(
+            "upload_shards",
+            UploadShardsInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
+                              bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec), step=step),
+            task_queue=node_task_queue(node),
+            start_to_close_timeout=TRANSFER_TIMEOUT,
+            schedule_to_close_timeout=TRANSFER_SCHEDULE_TO_CLOSE,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            heartbeat_timeout=TRANSFER_HEARTBEAT_TIMEOUT,
+            retry_policy=TRANSFER_RETRY,
+            result_type=UploadShardsResult,
+            summary=f"upload step {step} from {node}",
+        ))
+
+    def _commit(self, spec: RunSpec, attempt: int, step: int, shards: list[ShardInfo]) -> asyncio.Task[CheckpointRef]:
+        return asyncio.ensure_future(workflow.execute_activity(
+            "commit_checkpoint",
+            CommitCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
+                                  workflow_id=workflow.info().workflow_id, attempt=attempt, step=step,
+                                  world_size=spec.world_size, shards=shards),
+            start_to_close_timeout=STORE_TIMEOUT,
+            retry_policy=STORE_RETRY,
+            result_type=CheckpointRef,
+            summary=f"commit checkpoint step {step}",
+        ))
+
+    async def _supervise(self, spec: RunSpec, attempt: int) -> _Outcome:
+        nodes = list(self._status.nodes)
+        reported = {node: self._status.resumed_step for node in nodes}
+        watches: dict[str, asyncio.Task[WatchEvent]] = {n: self._watch(spec, attempt, n, reported[n]) for n in nodes}
+        uploads: dict[tuple[int, str], asyncio.Task[UploadShardsResult]] = {}
+        commits: dict[int, asyncio.Task[CheckpointRef]] = {}
+        shards: dict[int, list[ShardInfo]] = {}
+        finished: dict[str, WatchEvent] = {}
+        incident: Incident | None = None
+
+        while incident is None and (len(finished) < len(nodes) or uploads or commits):
+            pending: list[asyncio.Task[Any]] = [*watches.values(), *uploads.values(), *commits.values()]
+            await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+            for node in nodes:  # a fixed order keeps the workflow deterministic
+                task = watches.get(node)
+                if task is None or not task.done():
+                    continue
+                del watches[node]
+                try:
+                    event = task.result()
+                except ActivityError as error:
+                    incident = incident or self._node_lost(node, attempt, error)
+                    continue
+                self._note_first_step(event)
+                self._status.step = max(self._status.step, event.step)
+                if event.kind is WatchEventKind.CHECKPOINT_READY:
+                    for step in event.checkpoint_steps:
+                        uploads[(step, node)] = self._upload(spec, attempt, node, step)
+                    reported[node] = max(event.checkpoint_steps)
+                    watches[node] = self._watch(spec, attempt, node, reported[node])
+                elif event.kind is WatchEventKind.KEEPALIVE:
+                    watches[node] = self._watch(spec, attempt, node, reported[node])
+                elif event.kind is WatchEventKind.FINISHED:
+                    finished[node] = event
+                elif incident is None:
+                    incident = self._rank_incident(event, attempt)
+
+            for key in sorted(k for k, t in uploads.items() if t.done()):
+                step, node = key
+                try:
+                    result = uploads.pop(key).result()
+                except ActivityError as error:
+                    workflow.logger.warning("upload of step %d from %s failed: %s", step, node, _cause_text(error))
+                    continue
+                shards.setdefault(step, []).extend(result.shards)
+                if len(shards[step]) == spec.world_size:
+                    commits[step] = self._commit(spec, attempt, step, shards.pop(step))
+
+            for step in sorted(s for s, t in commits.items() if t.done()):
+                try:
+                    ref = commits.pop(step).result()
+                except ActivityError as error:
+                    workflow.logger.warning("commit of step %d failed: %s", step, _cause_text(error))
+                    continue
+                self._committed(spec, ref)
+
+        for task in watches.values():
+            task.cancel()
+        if incident is not None:
+            # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
+            await self._drain(spec, attempt, uploads, commits, shards)
+            return _Outcome(False, incident)
+        self._set_phase(Phase.FINISHING)
+        return _Outcome(True, final_events=[finished[n] for n in nodes])
+
+    async def _drain(self, spec: RunSpec, attempt: int, uploads: dict[tuple[int, str], asyncio.Task[UploadShardsResult]],
+                     commits: dict[int, asyncio.Task[CheckpointRef]], shards: dict[int, list[ShardInfo]]) -> None:
+        for key in sorted(uploads):
+            try:
+                shards.setdefault(key[0], []).extend((await uploads[key]).shards)
+            except ActivityError:
+                continue
+        for step in sorted(shards):
+            if len(shards[step]) == spec.world_size and step not in commits:
+                commits[step] = self._commit(spec, attempt, step, shards[step])
+        for step in sorted(commits):
+            try:
+                self._committed(spec, await commits[step])
+            except ActivityError:
+                continue
+
+    def _committed(self, spec: RunSpec, ref: CheckpointRef) -> None:
+        if ref.step > self._last_committed_step:
+            self._last_committed_step = ref.step
+            self._restarts_without_checkpoint = 0
+            self._status.latest_checkpoint = ref
+            self._status.step = max(self._status.step, ref.step)
+        self._background.append(workflow.start_activity(
+            "prune_checkpoints",
+            PruneCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
+                                  keep_last=spec.checkpoint.keep_last, protect_steps=[self._last_committed_step]),
+            start_to_close_timeout=STORE_TIMEOUT,
+            retry_policy=STORE_RETRY,
+            result_type=PruneCheckpointsResult,
+            summary=f"prune checkpoints (keep {spec.checkpoint.keep_last})",
+        ))
+
+    def _note_first_step(self, event: WatchEvent) -> None:
+        """The first step after a relaunch closes the previous incident's time to recover."""
+        if event.first_step_at is None:
+            return
+        for incident in self._status.incidents:
+            if incident.recovery_s is None and incident.action is not Action.REPORT and incident.attempt < self._status.attempt:
+                incident.recovery_s = round(max(0.0, event.first_step_at - incident.detected_at), 3)
+
+    def _rank_incident(self, event: WatchEvent, attempt: int) -> Incident:
+        kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
+        detection = None if event.fault_at is None else round(max(0.0, event.detected_at - event.fault_at), 3)
+        return Incident(kind=kind, node=event.node, rank=event.rank, attempt=attempt, detail=event.detail,
+                        detection_s=detection, detected_at=event.detected_at)
+
+    def _node_lost(self, node: str, attempt: int, error: ActivityError) -> Incident:
+        how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
+        return Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt,
+                        detail=f"node agent {how}: {_cause_text(error)}", detected_at=workflow.now().timestamp())
+
+    # ------------------------------------------------------------------------------------- recover
+    async def _recover(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
+        self._set_phase(Phase.RECOVERING)
+        now = workflow.now().timestamp()
+        decision: Decision = decide(
+            incident.kind, incident.node, spec, self._status.nodes, self._spares,
+            RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint), now,
+        )
+        incident.action = decision.action
+        incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
+        self._record_incident(incident)
+        workflow.logger.info("incident %s on %s rank %s: %s", incident.kind.value, incident.node, incident.rank,
+                             decision.reason)
+        reachable = [n for n in self._status.nodes if
+                     not (incident.kind is IncidentKind.NODE_UNRESPONSIVE and n == incident.node)]
+        await self._stop_everywhere(reachable, attempt, f"{incident.kind.value}: {decision.action.value}")
+        if decision.action is Action.STOP:
+            self._status.reason = decision.reason
+            raise ApplicationError(decision.reason, type="RunStopped", non_retryable=True)
+        if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
+            self._spares.remove(decision.replacement)
+            self._replace(incident.node, decision.replacement)
+        self._restart_times.append(now)
+        self._restarts_without_checkpoint += 1
+        self._set_phase(Phase.RESTORING)
+
+    def _record_incident(self, incident: Incident) -> None:
+        if incident not in self._status.incidents:
+            self._status.incidents = [*self._status.incidents, incident]
+
+    async def _stop_everywhere(self, nodes: list[str], attempt: int | None, why: str) -> None:
+        async def stop(node: str) -> None:
+            try:
+                await workflow.execute_activity(
+                    "stop_ranks",
+                    StopRanksInput(workflow_id=workflow.info().workflow_id, node=node, attempt=attempt),
+                    task_queue=node_task_queue(node),
+                    start_to_close_timeout=STOP_TIMEOUT,
+                    schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+                    retry_policy=NODE_CALL_RETRY,
+                    result_type=StopRanksResult,
+                    summary=f"stop ranks on {node}: {why}",
+                )
+            except ActivityError as error:
+                # An unreachable node is fenced instead: its agent kills older attempts before any launch.
+                workflow.logger.warning("could not stop ranks on %s: %s", node, _cause_text(error))
+
+        await asyncio.gather(*(stop(n) for n in nodes))
+
+    # -------------------------------------------------------------------------------------- result
+    def _result(self, spec: RunSpec, attempts: int, started: float, events: list[WatchEvent]) -> RunResult:
+        wall = max(1e-9, workflow.now().timestamp() - started)
+        steps = min((e.step for e in events), default=0)
+        first = events[0] if events else None
+        mean = first.mean_step_s if first else None
+        goodput = min(1.0, steps * mean / wall) if mean else 0.0
+        self._status.step = max(self._status.step, steps)
+        self._set_phase(Phase.COMPLETED)
+        return RunResult(
+            workflow_id=workflow.info().workflow_id,
+            steps_completed=steps,
+            attempts=attempts,
+            incidents=self._status.incidents,
+            final_checkpoint=self._status.latest_checkpoint,
+            final_state_digest=first.state_digest if first else None,
+            goodput=round(goodput, 4),
+            wall_s=round(wall, 3),
+            mean_step_s=mean,
+        )
+
