@@ -17,8 +17,8 @@ from trainguard.spec import HealthSpec
 class FindNodeAgentsInput(BaseModel):
     nodes: list[str]
     """Node ids whose agents must be polling their queues."""
-    max_idle_s: float = 120.0
-    """A poller not seen for this long does not count as an agent."""
+    max_idle_s: float = 90.0
+    """A poller not seen for this long does not count as an agent (idle long polls last about 70 s)."""
 
 
 class FindNodeAgentsResult(BaseModel):

@@ -24,7 +24,7 @@ async def has_pollers(client: Client, task_queue: str, kind: TaskQueueType.Value
     return any(now - p.last_access_time.ToSeconds() <= max_idle_s for p in response.pollers)
 
 
-async def missing_agents(client: Client, nodes: list[str], max_idle_s: float = 120.0) -> list[str]:
+async def missing_agents(client: Client, nodes: list[str], max_idle_s: float = 90.0) -> list[str]:
     return [
         node for node in nodes
         if not await has_pollers(client, node_task_queue(node), TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY, max_idle_s)

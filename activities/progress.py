@@ -50,6 +50,15 @@ def silent_for_s(report: RankReport | None, launched_at: float, now: float) -> f
     return max(0.0, now - max(last, launched_at))
 
 
+COLLECTIVE_WAIT_GRACE_S = 1.0
+"""When one rank stalls, its healthy peers soon stall too, asleep in the next collective. A sleeping rank is
+reported this much later than a stopped one, so the node holding the culprit reports first and the
+incident names the rank that actually hung."""
+
+# /proc/<pid>/stat states of a process that cannot be making progress by itself.
+STUCK_STATES = frozenset({"T", "t", "D", "Z"})
+
+
 def find_hung_rank(
     reports: dict[int, RankReport | None],
     running_ranks: set[int],
@@ -57,15 +66,22 @@ def find_hung_rank(
     launched_at: float,
     now: float,
     health: HealthSpec,
+    states: dict[int, str] | None = None,
 ) -> tuple[int, float] | None:
-    """The running rank silent the longest past its bound, with its silence in seconds; None if none."""
+    """The running rank silent the longest past its bound, with its silence in seconds; None if none.
+
+    `states` holds each rank's process state letter from /proc (`S` sleeping, `T` stopped, ...).
+    """
     worst: tuple[int, float] | None = None
     for rank in sorted(running_ranks):
         report = reports.get(rank)
         if report is not None and report.finished:
             continue
         silent = silent_for_s(report, launched_at, now)
-        if silent > silence_bound_s(report, start_step, health) and (worst is None or silent > worst[1]):
+        bound = silence_bound_s(report, start_step, health)
+        if (states or {}).get(rank, "S") not in STUCK_STATES and report is not None and report.step > start_step:
+            bound += COLLECTIVE_WAIT_GRACE_S
+        if silent > bound and (worst is None or silent > worst[1]):
             worst = (rank, silent)
     return worst
 

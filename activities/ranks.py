@@ -54,6 +54,14 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of `pid` in /proc (`R`, `S`, `D`, `T`, ...), `?` when unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 def _process_start_time(pid: int) -> str | None:
     """The kernel's start time of `pid`, to tell a live rank from a recycled pid."""
     try:
@@ -421,14 +429,17 @@ class RankActivities:
                              mean_step_s=finish.get("mean_step_s"))
 
             running = {r for r in local_ranks if not record.ranks[r].poll()}
-            hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health)
+            states = {r: _process_state(record.ranks[r].pid) for r in running}
+            hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states)
             if hung is not None:
                 rank, silent = hung
                 report = reports[rank]
+                state = {"T": "stopped", "t": "stopped", "D": "in uninterruptible I/O", "Z": "defunct"}.get(
+                    states[rank], "alive")
                 fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
                 return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at,
                              detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
-                                    f"{report.step if report else 'none'})")
+                                    f"{report.step if report else 'none'}; process {state})")
 
             if time.monotonic() - started > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)

@@ -59,7 +59,12 @@ def main() -> None:
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
-    ddp = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
+    # find_unused_parameters=True keeps DDP's gradient buckets in their initial layout. By default DDP
+    # rebuilds them after its first iteration, so the first step after a resume would all-reduce with a
+    # different layout (a different float summation order) than the same step in an unbroken run, and the
+    # resumed run would not end bit-identical.
+    ddp = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
+                                  find_unused_parameters=True)
 
     loss = torch.zeros(())
     for step in range(run.start_step, args.steps):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -218,5 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def entrypoint() -> None:
+    """Console-script entry. Exits with os._exit after flushing: the Temporal SDK's native runtime threads
+    can abort the interpreter during finalization ("PyGILState_Release"), turning success into a crash."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as error:  # noqa: BLE001 - the CLI's last word: one readable line, not a traceback
+        print(f"trainguard: {error}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entrypoint()

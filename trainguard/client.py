@@ -87,7 +87,7 @@ class TrainguardClient:
         return RunView(workflow_id, execution, status, dict(sorted(steps.items())))
 
     async def result(self, workflow_id: str) -> RunResult:
-        return await self.handle(workflow_id).result(result_type=RunResult)
+        return await self.client.get_workflow_handle(workflow_id, result_type=RunResult).result()
 
     async def inject_fault(self, workflow_id: str, fault: str, node: str, rank: int | None = None) -> InjectFaultResult:
         """Chaos through the run itself: the node's agent crashes (`crash`) or freezes (`hang`) a rank."""

@@ -27,6 +27,9 @@ DEFAULT_NODES = ("node-0", "node-1", "node-2")
 DEFAULT_BUCKET = "trainguard"
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
+# The server stamps a poller when its long poll (up to about 70 s) starts: an idle, healthy worker can
+# look that old. Liveness of our own processes is checked by PID alongside.
+POLLER_IDLE_S = 90.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +105,21 @@ def _bin(name: str) -> str:
 
 
 def _start_time(pid: int) -> str | None:
+    """The kernel's start time of a live `pid` (None once it has exited), to tell it from a recycled pid.
+
+    A zombie counts as exited; when it is our own child it is reaped here.
+    """
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    if fields[0] == "Z":
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        return None
+    return fields[19]
 
 
 class DevStack:
@@ -305,8 +319,8 @@ class DevStack:
                 dead = [c for c in self.components() if not self._alive(c)]
                 if dead:
                     raise RuntimeError(f"{', '.join(dead)} exited during start-up; see {self.log_dir}")
-                missing = await missing_agents(client, list(self.config.nodes), max_idle_s=5.0)
-                if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, 5.0):
+                missing = await missing_agents(client, list(self.config.nodes), max_idle_s=POLLER_IDLE_S)
+                if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, POLLER_IDLE_S):
                     missing.append("controller")
                 if not missing:
                     return

@@ -1,0 +1,102 @@
+"""One real stack per test session: Temporal dev server, SeaweedFS, a controller and three node agents.
+
+It lives under `.pytest-stack/` (git-ignored) on its own ports, so it never meets a developer's
+`trainguard dev up`, and is stopped at the end with a check that nothing it started is still running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack, Ports, StackConfig, _start_time
+
+REPO = Path(__file__).resolve().parents[2]
+NODES = ("node-0", "node-1", "node-2")
+
+
+def _free_port_base() -> int:
+    for base in range(27100, 40000, 50):
+        ports = [getattr(Ports.from_base(base), f) for f in Ports.__dataclass_fields__]
+        if all(_port_free(p) for p in ports):
+            return base
+    raise RuntimeError("no free port range for the test stack")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[DevStack]:
+    home = REPO / ".pytest-stack" / uuid.uuid4().hex[:8]
+    base = _free_port_base()
+    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO)
+    dev = DevStack(config)
+    saved = {k: os.environ.get(k) for k in ("TRAINGUARD_TEMPORAL_ADDRESS",)}
+    os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
+    try:
+        dev.up(echo=lambda _line: None)
+        yield dev
+    finally:
+        pids = [json.loads(p.read_text()) for p in dev.run_dir.glob("*.json")]
+        dev.down(echo=lambda _line: None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        survivors = [p["argv"][0] for p in pids if _start_time(p["pid"]) == p["start_time"]]
+        leftover_socks = [s.name for port in config.ports.weed_grpc_ports()
+                          for s in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
+        shutil.rmtree(home, ignore_errors=True)
+        assert not survivors, f"processes survived dev down: {survivors}"
+        assert not leftover_socks, f"files left in /tmp: {leftover_socks}"
+
+
+@pytest.fixture(scope="session")
+async def client(stack: DevStack) -> AsyncIterator[TrainguardClient]:
+    yield await TrainguardClient.connect()
+
+
+def make_spec(prefix: str, steps: int = 60, every: int = 20, nodes: tuple[str, ...] = ("node-0", "node-1"),
+              spares: tuple[str, ...] = (), ranks_per_node: int = 1, **extra: Any) -> dict[str, Any]:
+    """A small run of the example trainer: about 10 s here, most of it torch imports."""
+    spec: dict[str, Any] = {
+        "entrypoint": ["python", "examples/train.py", "--steps", str(steps), "--step-time", "0.05",
+                       "--hidden", "64"],
+        "nodes": list(nodes),
+        "spare_nodes": list(spares),
+        "ranks_per_node": ranks_per_node,
+        "checkpoint": {"prefix": prefix, "every_steps": every, "keep_last": 2},
+        # Generous hang bounds: CI machines are shared and a GC pause must not read as a hang.
+        "health": {"hang_floor_s": 5.0},
+    }
+    spec.update(extra)
+    return spec
+
+
+@pytest.fixture
+def prefix() -> str:
+    """Each test gets its own bucket prefix."""
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+def live_rank_pids(stack: DevStack) -> list[int]:
+    """Rank processes the node agents recorded that are still alive."""
+    alive = []
+    for ranks_file in (stack.home / "nodes").glob("*/runs/*/ranks.json"):
+        for item in json.loads(ranks_file.read_text())["ranks"]:
+            if item["start_time"] and _start_time(item["pid"]) == item["start_time"]:
+                alive.append(item["pid"])
+    return alive

@@ -1,0 +1,164 @@
+"""A TrainingRun end to end on the real stack: Temporal dev server, SeaweedFS, node agents, torch ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowFailureError
+
+from activities.models import Manifest
+from trainguard import TASK_QUEUE, WORKFLOW_TYPE
+from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack
+from trainguard.models import Action, IncidentKind, RunResult
+
+from .conftest import REPO, live_rank_pids, make_spec
+
+RUN_TIMEOUT_S = 240
+
+
+async def wait_until(client: TrainguardClient, run_id: str, predicate, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        view = await client.status(run_id)
+        if predicate(view):
+            return
+        assert view.execution_status == "RUNNING", f"{run_id} ended early: {view.status.reason}"
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"condition not reached within {timeout_s}s for {run_id}")
+
+
+async def run_to_end(client: TrainguardClient, spec: dict, run_id: str | None = None) -> RunResult:
+    run_id = await client.start_run(spec, workflow_id=run_id or f"it-{uuid.uuid4().hex[:8]}")
+    return await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+async def baseline(client: TrainguardClient, stack: DevStack) -> RunResult:
+    """The same small job with no fault: what every recovered run must end identical to."""
+    return await run_to_end(client, make_spec(f"baseline-{uuid.uuid4().hex[:6]}"))
+
+
+async def test_run_completes_and_commits_checkpoints_to_s3(baseline: RunResult, stack: DevStack) -> None:
+    assert baseline.steps_completed == 60
+    assert baseline.attempts == 1
+    assert baseline.incidents == []
+    assert baseline.final_state_digest and len(baseline.final_state_digest) == 64
+    assert 0 < baseline.goodput <= 1
+    ref = baseline.final_checkpoint
+    assert ref is not None and ref.step == 60 and ref.world_size == 2
+
+    s3 = stack.s3()
+    manifest = Manifest.model_validate_json(s3.get_object(Bucket=ref.bucket, Key=ref.manifest_key)["Body"].read())
+    assert manifest.step == 60 and sorted(s.rank for s in manifest.shards) == [0, 1]
+    for shard in manifest.shards:
+        head = s3.head_object(Bucket=ref.bucket, Key=shard.key)
+        assert head["ContentLength"] == shard.size_bytes
+        assert head["Metadata"]["sha256"] == shard.sha256
+    # Retention keeps the newest two committed checkpoints (steps 40 and 60) and deletes 20.
+    prefix = ref.manifest_key.rsplit("/step-", 1)[0]
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=ref.bucket, Prefix=prefix + "/")["Contents"]]
+    assert sorted({k.split("/")[-2] for k in keys}) == ["step-00000040", "step-00000060"]
+    assert live_rank_pids(stack) == []
+
+
+async def test_crashed_rank_resumes_from_newest_committed_step(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    run_id = await client.start_run(make_spec(prefix), workflow_id=f"it-crash-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, run_id, lambda v: v.status.latest_checkpoint is not None and v.live_step >= 25)
+    committed = (await client.status(run_id)).status.latest_checkpoint
+    assert committed is not None
+    fault = await client.inject_fault(run_id, "crash", "node-1")
+    assert fault.rank == 1
+
+    result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+    assert result.steps_completed == 60
+    crashes = [i for i in result.incidents if i.kind is IncidentKind.CRASH]
+    assert crashes, result.incidents
+    first = crashes[0]
+    assert (first.node, first.rank, first.action) == ("node-1", 1, Action.RESTART)
+    assert first.resumed_step is not None and first.resumed_step >= committed.step > 0
+    assert first.detection_s is not None and first.detection_s < 5
+    assert first.recovery_s is not None and first.recovery_s > 0
+    assert result.attempts >= 2
+    # Exact resume: bit-identical to the run that never failed.
+    assert result.final_state_digest == baseline.final_state_digest
+    assert live_rank_pids(stack) == []
+
+
+async def test_hung_rank_is_detected_from_progress_and_recovered(
+    client: TrainguardClient, baseline: RunResult, prefix: str
+) -> None:
+    spec = make_spec(prefix, health={"hang_floor_s": 1.5})
+    run_id = await client.start_run(spec, workflow_id=f"it-hang-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, run_id, lambda v: v.status.latest_checkpoint is not None and v.live_step >= 25)
+    await client.inject_fault(run_id, "hang", "node-0")
+
+    result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+    hangs = [i for i in result.incidents if i.kind is IncidentKind.HANG]
+    assert hangs, result.incidents
+    assert hangs[0].node == "node-0" and hangs[0].rank == 0
+    # Seen from per-rank progress, long before gloo's 30-minute collective timeout.
+    assert hangs[0].detection_s is not None and hangs[0].detection_s < 10
+    assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_user_error_exit_code_stops_the_run_without_restarts(client: TrainguardClient, prefix: str) -> None:
+    spec = make_spec(prefix)
+    spec["entrypoint"] = ["python", "examples/train.py", "--steps", "0"]
+    run_id = await client.start_run(spec, workflow_id=f"it-usererr-{uuid.uuid4().hex[:6]}")
+    with pytest.raises(WorkflowFailureError) as failure:
+        await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+    assert "78" in str(failure.value.cause)
+    status = (await client.status(run_id)).status
+    assert status.attempt == 1
+    assert [i.kind for i in status.incidents] == [IncidentKind.USER_ERROR]
+
+
+@pytest.mark.parametrize(
+    ("spec_patch", "field"),
+    [
+        ({"entrypoint": "python examples/train.py"}, "entrypoint"),
+        ({"entrypoint": None}, "entrypoint"),
+        ({"nodes": ["node-9"]}, "nodes.0"),
+        ({"ranks_per_node": "two"}, "ranks_per_node"),
+    ],
+)
+async def test_bad_spec_fails_within_seconds_naming_the_field(
+    client: TrainguardClient, prefix: str, spec_patch: dict, field: str
+) -> None:
+    spec = make_spec(prefix)
+    spec.update(spec_patch)
+    spec = {k: v for k, v in spec.items() if v is not None}
+    started = time.monotonic()
+    # Straight to Temporal, as `temporal workflow start` would: no client-side validation to lean on.
+    handle = await client.client.start_workflow(WORKFLOW_TYPE, spec, id=f"it-bad-{uuid.uuid4().hex[:6]}",
+                                                task_queue=TASK_QUEUE)
+    with pytest.raises(WorkflowFailureError) as failure:
+        await asyncio.wait_for(handle.result(), 30)
+    assert field in str(failure.value.cause)
+    assert time.monotonic() - started < 30
+
+
+async def test_temporal_cli_starts_a_run_that_completes(client: TrainguardClient, prefix: str, stack: DevStack,
+                                                         tmp_path: Path) -> None:
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(make_spec(prefix, steps=20, every=10)))
+    run_id = f"it-cli-{uuid.uuid4().hex[:6]}"
+    temporal = str(Path(sys.executable).parent / "temporal")
+    subprocess.run(
+        [temporal, "workflow", "start", "--type", "TrainingRun", "--task-queue", "trainguard",
+         "--input-file", str(spec_file), "--workflow-id", run_id, "--address", stack.config.temporal_address],
+        check=True, cwd=REPO, capture_output=True, timeout=30,
+    )
+    result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+    assert result.steps_completed == 20
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 20

@@ -1,0 +1,135 @@
+"""The pure policy of a `TrainingRun`: what to do about an incident, and which phase may follow which."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.models import Action, IncidentKind, Phase
+from trainguard.spec import RunSpec, parse_spec
+from workflows.policy import (
+    ALLOWED_TRANSITIONS,
+    IllegalTransition,
+    RecoveryBudget,
+    classify_exit,
+    decide,
+    next_phase,
+)
+
+NOW = 1_000_000.0
+NODES = ["node-0", "node-1"]
+
+
+def _spec(max_restarts: int = 3, window_s: float = 600.0, without_checkpoint: int = 2) -> RunSpec:
+    return parse_spec({
+        "entrypoint": ["python", "train.py"],
+        "nodes": NODES,
+        "spare_nodes": ["spare-0"],
+        "restarts": {"max_restarts": max_restarts, "window_s": window_s,
+                     "max_restarts_without_checkpoint": without_checkpoint},
+    })
+
+
+DECIDE_CASES = [
+    # kind, node, spares, budget, expected action, fragment of the reason, replacement
+    pytest.param(IncidentKind.USER_ERROR, "node-0", ["spare-0"], RecoveryBudget(), Action.STOP,
+                 "code 78", None, id="user-error-stops"),
+    pytest.param(IncidentKind.USER_ERROR, "node-0", [], RecoveryBudget((NOW - 1,) * 9, 9), Action.STOP,
+                 "fix the script", None, id="user-error-stops-whatever-the-budget"),
+    pytest.param(IncidentKind.CRASH, "node-0", [], RecoveryBudget(), Action.RESTART,
+                 "crash: relaunch", None, id="crash-restarts"),
+    pytest.param(IncidentKind.HANG, "node-1", [], RecoveryBudget(), Action.RESTART,
+                 "hang", None, id="hang-restarts"),
+    pytest.param(IncidentKind.CHECKPOINT_CORRUPT, None, [], RecoveryBudget(), Action.RESTART,
+                 "checkpoint_corrupt", None, id="corrupt-checkpoint-restarts"),
+    pytest.param(IncidentKind.CRASH, "node-0", [], RecoveryBudget((NOW - 30, NOW - 20, NOW - 10)),
+                 Action.STOP, "restart budget spent: 3 restarts", None, id="budget-spent-in-window"),
+    pytest.param(IncidentKind.CRASH, "node-0", [], RecoveryBudget((NOW - 5000, NOW - 4000, NOW - 10)),
+                 Action.RESTART, "relaunch", None, id="old-restarts-outside-window-do-not-count"),
+    pytest.param(IncidentKind.CRASH, "node-0", [], RecoveryBudget((NOW - 600, NOW - 20, NOW - 10)),
+                 Action.RESTART, "relaunch", None, id="restart-exactly-window-ago-does-not-count"),
+    pytest.param(IncidentKind.CRASH, "node-0", [], RecoveryBudget((NOW - 20,), restarts_without_checkpoint=2),
+                 Action.STOP, "2 restarts in a row committed no new checkpoint", None,
+                 id="restarts-without-checkpoint-limit"),
+    pytest.param(IncidentKind.CRASH, "node-0", [], RecoveryBudget((NOW - 20,), restarts_without_checkpoint=1),
+                 Action.RESTART, "relaunch", None, id="below-without-checkpoint-limit"),
+    pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-1", ["spare-0", "spare-1"], RecoveryBudget(),
+                 Action.REPLACE_NODE, "replaced by spare spare-0", "spare-0", id="unresponsive-with-spare"),
+    pytest.param(IncidentKind.GPU_UNHEALTHY, "node-0", ["spare-0"], RecoveryBudget(),
+                 Action.REPLACE_NODE, "gpu_unhealthy on node-0", "spare-0", id="bad-gpu-with-spare"),
+    pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-1", [], RecoveryBudget(), Action.STOP,
+                 "no spare node left", None, id="unresponsive-without-spare"),
+    pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-9", [], RecoveryBudget(), Action.RESTART,
+                 "no longer in the run", None, id="unresponsive-node-already-gone"),
+    pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-1", ["spare-0"], RecoveryBudget((NOW - 1,) * 3),
+                 Action.STOP, "restart budget spent", None, id="budget-checked-before-replacing"),
+    pytest.param(IncidentKind.STRAGGLER, "node-0", [], RecoveryBudget((NOW - 1,) * 3, 5), Action.REPORT,
+                 "training goes on", None, id="straggler-only-reported"),
+]
+
+
+@pytest.mark.parametrize(("kind", "node", "spares", "budget", "action", "reason", "replacement"), DECIDE_CASES)
+def test_decide(kind: IncidentKind, node: str | None, spares: list[str], budget: RecoveryBudget,
+                action: Action, reason: str, replacement: str | None) -> None:
+    decision = decide(kind, node, _spec(), NODES, spares, budget, NOW)
+
+    assert decision.action is action
+    assert reason in decision.reason
+    assert decision.replacement == replacement
+
+
+def test_zero_restart_budget_stops_on_the_first_crash() -> None:
+    decision = decide(IncidentKind.CRASH, "node-0", _spec(max_restarts=0), NODES, [], RecoveryBudget(), NOW)
+
+    assert decision.action is Action.STOP
+    assert "restarts.max_restarts=0" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "kind"),
+    [(78, IncidentKind.USER_ERROR), (1, IncidentKind.CRASH), (-9, IncidentKind.CRASH),
+     (0, IncidentKind.CRASH), (None, IncidentKind.CRASH), (137, IncidentKind.CRASH)],
+)
+def test_classify_exit(exit_code: int | None, kind: IncidentKind) -> None:
+    assert classify_exit(exit_code) is kind
+
+
+@pytest.mark.parametrize(
+    ("current", "new"),
+    [
+        (Phase.VALIDATING, Phase.RESERVING),
+        (Phase.RESERVING, Phase.RESTORING),
+        (Phase.RESTORING, Phase.LAUNCHING),
+        (Phase.RESTORING, Phase.RESTORING),
+        (Phase.LAUNCHING, Phase.RUNNING),
+        (Phase.RUNNING, Phase.RECOVERING),
+        (Phase.RECOVERING, Phase.RESTORING),
+        (Phase.RUNNING, Phase.FINISHING),
+        (Phase.FINISHING, Phase.COMPLETED),
+        (Phase.RUNNING, Phase.FAILED),
+    ],
+)
+def test_next_phase_allows(current: Phase, new: Phase) -> None:
+    assert next_phase(current, new) is new
+
+
+@pytest.mark.parametrize(
+    ("current", "new"),
+    [
+        (Phase.COMPLETED, Phase.RUNNING),
+        (Phase.FAILED, Phase.RESTORING),
+        (Phase.COMPLETED, Phase.FAILED),
+        (Phase.VALIDATING, Phase.RUNNING),
+        (Phase.RUNNING, Phase.COMPLETED),
+        (Phase.RECOVERING, Phase.RUNNING),
+    ],
+)
+def test_next_phase_refuses(current: Phase, new: Phase) -> None:
+    with pytest.raises(IllegalTransition, match=f"phase {current.value} cannot move to {new.value}"):
+        next_phase(current, new)
+
+
+def test_every_phase_has_a_row_and_only_terminal_phases_are_dead_ends() -> None:
+    assert set(ALLOWED_TRANSITIONS) == set(Phase)
+    dead_ends = {phase for phase, allowed in ALLOWED_TRANSITIONS.items() if not allowed}
+    assert dead_ends == {Phase.COMPLETED, Phase.FAILED}
+    assert all(Phase.FAILED in allowed for phase, allowed in ALLOWED_TRANSITIONS.items() if allowed)

@@ -1,0 +1,93 @@
+"""Hang detection from rank progress: bounds on silence and which rank is hung, with the clock passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from activities.progress import RankReport, complete_steps, find_hung_rank, silence_bound_s
+from trainguard.spec import HealthSpec
+
+HEALTH = HealthSpec(startup_grace_s=100.0, hang_floor_s=2.0, hang_step_multiplier=10.0, hang_max_s=50.0,
+                    checkpoint_grace_s=30.0)
+LAUNCHED_AT = 1_000.0
+
+
+def _report(rank: int = 0, step: int = 5, time: float = LAUNCHED_AT, step_time_s: float | None = 1.0,
+            saving: bool = False, finished: bool = False) -> RankReport:
+    return RankReport(rank=rank, step=step, time=time, step_time_s=step_time_s, saving=saving, finished=finished)
+
+
+@pytest.mark.parametrize(
+    ("report", "start_step", "bound_s"),
+    [
+        pytest.param(None, 0, 100.0, id="no-report-yet-startup-grace"),
+        pytest.param(_report(step=0), 0, 100.0, id="no-step-yet-startup-grace"),
+        pytest.param(_report(step=40, step_time_s=0.01), 40, 100.0, id="resumed-not-past-restore-step"),
+        pytest.param(_report(step=40, saving=True), 40, 100.0, id="startup-grace-ignores-saving"),
+        pytest.param(_report(step_time_s=0.01), 0, 2.0, id="fast-steps-hit-the-floor"),
+        pytest.param(_report(step_time_s=1.0), 0, 10.0, id="multiplier-of-step-time"),
+        pytest.param(_report(step_time_s=100.0), 0, 50.0, id="capped-at-hang-max"),
+        pytest.param(_report(step_time_s=1.0, saving=True), 0, 40.0, id="checkpoint-grace-while-saving"),
+        pytest.param(_report(step_time_s=100.0, saving=True), 0, 80.0, id="checkpoint-grace-above-the-cap"),
+        pytest.param(_report(step=1, step_time_s=None), 0, 6.0, id="first-step-slack-three-floors"),
+        pytest.param(_report(step=41, step_time_s=None), 40, 6.0, id="first-step-slack-after-restore"),
+        pytest.param(_report(step=1, step_time_s=None, saving=True), 0, 36.0, id="first-step-slack-and-saving"),
+    ],
+)
+def test_silence_bound(report: RankReport | None, start_step: int, bound_s: float) -> None:
+    assert silence_bound_s(report, start_step, HEALTH) == pytest.approx(bound_s)
+
+
+def test_first_step_slack_is_capped_at_hang_max() -> None:
+    health = HealthSpec(hang_floor_s=20.0, hang_max_s=30.0)
+
+    assert silence_bound_s(_report(step=1, step_time_s=None), 0, health) == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize(
+    ("reports", "running", "now", "expected"),
+    [
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, 1_009.0, None,
+                     id="all-fresh"),
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, 1_011.0, (0, 11.0),
+                     id="one-past-its-bound"),
+        pytest.param({0: _report(0, time=1_010.0), 1: _report(1, time=1_000.0), 2: _report(2, time=1_005.0)},
+                     {0, 1, 2}, 1_030.0, (1, 30.0), id="longest-silent-wins"),
+        pytest.param({0: _report(0, time=1_000.0, finished=True), 1: _report(1, time=1_025.0)}, {0, 1},
+                     1_030.0, None, id="finished-rank-ignored"),
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_025.0)}, {1}, 1_030.0, None,
+                     id="rank-not-running-ignored"),
+        pytest.param({0: None, 1: _report(1, time=1_095.0)}, {0, 1}, 1_099.0, None,
+                     id="silent-since-launch-within-startup-grace"),
+        pytest.param({0: None}, {0}, 1_101.0, (0, 101.0), id="silent-since-launch-past-startup-grace"),
+        pytest.param({}, {0}, 1_101.0, (0, 101.0), id="missing-report-counts-from-launch"),
+        pytest.param({0: _report(0, time=900.0)}, {0}, 1_009.0, None, id="stale-report-counts-from-launch"),
+        pytest.param({0: _report(0, time=1_000.0, step_time_s=1.0, saving=True)}, {0}, 1_035.0, None,
+                     id="saving-rank-gets-grace"),
+    ],
+)
+def test_find_hung_rank(reports: dict[int, RankReport | None], running: set[int], now: float,
+                        expected: tuple[int, float] | None) -> None:
+    found = find_hung_rank(reports, running, 0, LAUNCHED_AT, now, HEALTH)
+
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert found[0] == expected[0]
+        assert found[1] == pytest.approx(expected[1])
+
+
+@pytest.mark.parametrize(
+    ("saved", "local_ranks", "after_step", "expected"),
+    [
+        pytest.param({}, {0, 1}, -1, [], id="nothing-saved"),
+        pytest.param({10: {0, 1}, 20: {0}, 30: {0, 1}}, {0, 1}, -1, [10, 30], id="only-complete-steps"),
+        pytest.param({10: {0, 1}, 20: {0, 1}}, {0, 1}, 10, [20], id="only-newer-than-reported"),
+        pytest.param({30: {2, 3}, 10: {2, 3, 9}}, {2, 3}, 0, [10, 30], id="sorted-extra-ranks-fine"),
+        pytest.param({10: {0, 1}}, {0, 1}, 10, [], id="already-reported"),
+    ],
+)
+def test_complete_steps(saved: dict[int, set[int]], local_ranks: set[int], after_step: int,
+                        expected: list[int]) -> None:
+    assert complete_steps(saved, local_ranks, after_step) == expected

@@ -1,0 +1,269 @@
+"""The rank helper a training script calls: progress heartbeats, checkpoint shards, verified restore."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainguard import rank as rank_module
+from trainguard.rank import EXIT_NO_RETRY, RankRun, state_digest
+
+
+class FakeClock:
+    """Stands in for the `time` module inside `trainguard.rank`: time moves only when a test says so."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(rank_module, "time", fake)
+    return fake
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_rng() -> Iterator[None]:
+    """Restore draws global RNG state; leave the process as we found it."""
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    yield
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+
+
+def _environ(tmp_path: Path, rank: int = 1, every: int = 10, **extra: str) -> dict[str, str]:
+    return {
+        "TRAINGUARD_PROGRESS_FILE": str(tmp_path / f"progress-{rank}.json"),
+        "TRAINGUARD_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        "TRAINGUARD_CHECKPOINT_EVERY": str(every),
+        "TRAINGUARD_ATTEMPT": "2",
+        "RANK": str(rank),
+        "WORLD_SIZE": "4",
+        **extra,
+    }
+
+
+def _progress(run_env: dict[str, str]) -> dict[str, Any]:
+    return json.loads(Path(run_env["TRAINGUARD_PROGRESS_FILE"]).read_text())
+
+
+# ------------------------------------------------------------------------------------------ progress
+
+
+def test_init_reports_the_start_step(tmp_path: Path, clock: FakeClock) -> None:
+    env = _environ(tmp_path, TRAINGUARD_RESTORE_STEP="40")
+
+    run = RankRun(env)
+
+    assert run.managed and run.start_step == 40
+    progress = _progress(env)
+    assert (progress["rank"], progress["attempt"], progress["step"]) == (1, 2, 40)
+    assert progress["time"] == clock.now
+    assert progress["step_time_s"] is None
+
+
+def test_step_done_writes_the_step_and_its_time(tmp_path: Path, clock: FakeClock) -> None:
+    env = _environ(tmp_path)
+    run = RankRun(env)
+
+    clock.advance(1.0)
+    run.step_done(1)
+    first = _progress(env)
+    clock.advance(0.5)
+    run.step_done(2)
+    second = _progress(env)
+
+    assert (first["step"], first["time"], first["step_time_s"]) == (1, clock.now - 0.5, None)
+    assert second["step"] == 2
+    assert second["time"] == clock.now
+    assert second["step_time_s"] == pytest.approx(0.5)
+    assert second["timed_steps"] == 1
+
+
+def test_step_done_throttles_progress_writes(tmp_path: Path, clock: FakeClock) -> None:
+    env = _environ(tmp_path)
+    run = RankRun(env)
+    clock.advance(1.0)
+    run.step_done(1)
+
+    clock.advance(0.01)
+    run.step_done(2)
+    throttled = _progress(env)["step"]
+    clock.advance(0.1)
+    run.step_done(3)
+
+    assert throttled == 1
+    assert _progress(env)["step"] == 3
+
+
+@pytest.mark.parametrize(
+    ("every", "step", "expected"),
+    [(10, 10, True), (10, 20, True), (10, 5, False), (10, 0, False), (1, 1, True), (0, 10, False)],
+)
+def test_should_save(tmp_path: Path, every: int, step: int, expected: bool) -> None:
+    assert RankRun(_environ(tmp_path, every=every)).should_save(step) is expected
+
+
+# --------------------------------------------------------------------------------------- checkpoints
+
+
+def _step_dir(tmp_path: Path, step: int) -> Path:
+    return tmp_path / "checkpoints" / f"step-{step:08d}"
+
+
+def test_save_writes_the_shard_then_its_meta(tmp_path: Path) -> None:
+    env = _environ(tmp_path, rank=3)
+    run = RankRun(env)
+
+    stall_s = run.save(20, {"model": {"w": torch.arange(6.0)}, "step": 20})
+    run.finish(digest="abc")
+
+    shard = _step_dir(tmp_path, 20) / "rank-00003.pt"
+    meta = json.loads((_step_dir(tmp_path, 20) / "rank-00003.json").read_text())
+    assert stall_s >= 0.0
+    assert meta == {
+        "rank": 3,
+        "step": 20,
+        "size_bytes": shard.stat().st_size,
+        "sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
+    }
+    assert sorted(p.name for p in _step_dir(tmp_path, 20).iterdir()) == ["rank-00003.json", "rank-00003.pt"]
+    progress = _progress(env)
+    assert progress["finished"] is True
+    assert progress["digest"] == "abc"
+
+
+def test_save_is_not_affected_by_training_after_it(tmp_path: Path) -> None:
+    weights = torch.zeros(4)
+    run = RankRun(_environ(tmp_path))
+
+    run.save(10, {"w": weights})
+    weights.add_(1.0)  # the next optimizer step, while the shard may still be being written
+    run.finish()
+
+    restored = RankRun(_environ(tmp_path, TRAINGUARD_RESTORE_DIR=str(_step_dir(tmp_path, 10)))).restore()
+    assert restored is not None
+    assert torch.equal(restored["w"], torch.zeros(4))
+
+
+def test_restore_returns_the_state_and_resumes_the_random_streams(tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    random.seed(7)
+    torch.rand(5)
+    saver = RankRun(_environ(tmp_path))
+    saver.save(10, {"model": {"w": torch.tensor([1.0, 2.0])}, "note": "hello"})
+    expected_torch, expected_python = torch.rand(3), random.random()
+    saver.finish()
+
+    torch.manual_seed(12345)
+    random.seed(12345)
+    restorer = RankRun(_environ(tmp_path, TRAINGUARD_RESTORE_DIR=str(_step_dir(tmp_path, 10)),
+                                TRAINGUARD_RESTORE_STEP="10"))
+    state = restorer.restore()
+
+    assert state is not None
+    assert torch.equal(state["model"]["w"], torch.tensor([1.0, 2.0]))
+    assert state["note"] == "hello"
+    assert "_trainguard" not in state
+    assert restorer.start_step == 10
+    assert torch.equal(torch.rand(3), expected_torch)
+    assert random.random() == expected_python
+
+
+def test_restore_refuses_a_shard_that_fails_its_checksum(tmp_path: Path) -> None:
+    run = RankRun(_environ(tmp_path))
+    run.save(10, {"w": torch.ones(64)})
+    run.finish()
+    shard = _step_dir(tmp_path, 10) / "rank-00001.pt"
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+    restorer = RankRun(_environ(tmp_path, TRAINGUARD_RESTORE_DIR=str(_step_dir(tmp_path, 10))))
+
+    with pytest.raises(RuntimeError, match="does not match its checksum"):
+        restorer.restore()
+
+
+def test_a_failed_shard_write_surfaces_at_finish(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").write_text("a file where the checkpoint directory should be")
+    run = RankRun(_environ(tmp_path))
+
+    run.save(10, {"w": torch.ones(2)})
+
+    with pytest.raises(RuntimeError, match="writing a checkpoint shard failed"):
+        run.finish()
+
+
+def test_restore_without_a_restore_dir_is_a_fresh_start(tmp_path: Path) -> None:
+    assert RankRun(_environ(tmp_path)).restore() is None
+
+
+# ---------------------------------------------------------------------------------- outside trainguard
+
+
+def test_outside_trainguard_every_call_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    run = RankRun({})
+
+    run.step_done(1)
+    stall_s = run.save(10, {"w": torch.ones(2)})
+    run.finish(digest="x")
+
+    assert run.managed is False
+    assert (run.rank, run.world_size, run.start_step) == (0, 1, 0)
+    assert run.should_save(10) is False
+    assert stall_s == 0.0
+    assert run.restore() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+# -------------------------------------------------------------------------------------- state_digest
+
+
+def test_state_digest_equal_for_equal_tensors() -> None:
+    first = {"b": torch.tensor([1.0, 2.0]), "a": torch.zeros(3, dtype=torch.int64)}
+    second = {"a": torch.zeros(3, dtype=torch.int64), "b": torch.tensor([1.0, 2.0])}
+
+    assert state_digest(first) == state_digest(second)
+
+
+def test_state_digest_changes_with_a_single_bit() -> None:
+    weights = torch.tensor([1.0, 2.0, 3.0])
+    flipped = weights.clone()
+    flipped.view(torch.int32)[1] ^= 1  # the lowest mantissa bit of 2.0
+
+    assert not torch.equal(weights, flipped)
+    assert state_digest({"w": weights}) != state_digest({"w": flipped})
+
+
+def test_state_digest_depends_on_parameter_names() -> None:
+    assert state_digest({"w": torch.ones(2)}) != state_digest({"v": torch.ones(2)})
+
+
+def test_state_digest_of_a_module_matches_its_state_dict() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+
+    assert state_digest(model) == state_digest(model.state_dict())
+
+
+def test_no_retry_exit_code_is_ex_config() -> None:
+    assert EXIT_NO_RETRY == 78
