@@ -33,6 +33,16 @@ class GpuReading:
 
 
 class GpuBackend(Protocol):
+    def _recovery_action(self, handle: Any) -> int:
+        """NVML's GPU recovery action field (0 = none) where the driver reports it."""
+        field_id = getattr(self.nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+        if field_id is None:
+            return 0
+        values = self._try("nvmlDeviceGetFieldValues", handle, [field_id], default=None)
+        if not values or getattr(values[0], "nvmlReturn", 1) != 0:
+            return 0
+        return int(getattr(values[0].value, "uiVal", 0) or 0)
+
     def read(self) -> list[GpuReading]: ...
 
 
@@ -66,33 +76,48 @@ class NvmlBackend:
     def __init__(self, nvml: Any) -> None:
         self.nvml = nvml
 
-    def _try(self, fn: Any, *args: Any, default: Any = None) -> Any:
+    def _try(self, query: str, *args: Any, default: Any = None) -> Any:
+        """Call `nvml.<query>(*args)`; a query this binding or driver lacks gives `default`."""
+        fn = getattr(self.nvml, query, None)
+        if fn is None:
+            return default
         try:
             return fn(*args)
-        except (self.nvml.NVMLError, AttributeError):
+        except self.nvml.NVMLError:
             return default
+
+    def _recovery_action(self, handle: Any) -> int:
+        """NVML's GPU recovery action field (0 = none) where the driver reports it."""
+        field_id = getattr(self.nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+        if field_id is None:
+            return 0
+        values = self._try("nvmlDeviceGetFieldValues", handle, [field_id], default=None)
+        if not values or getattr(values[0], "nvmlReturn", 1) != 0:
+            return 0
+        return int(getattr(values[0].value, "uiVal", 0) or 0)
 
     def read(self) -> list[GpuReading]:
         nvml = self.nvml
         readings = []
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            remap = self._try(nvml.nvmlDeviceGetRemappedRows, handle, default=(0, 0, 0, 0))
-            reasons = self._try(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle, default=0) or 0
+            remap = self._try("nvmlDeviceGetRemappedRows", handle, default=(0, 0, 0, 0))
+            reasons = self._try("nvmlDeviceGetCurrentClocksThrottleReasons", handle, default=0) or 0
             slowdown_mask = getattr(nvml, "nvmlClocksThrottleReasonHwSlowdown", 0x8)
             readings.append(
                 GpuReading(
                     index=index,
-                    temperature_c=self._try(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+                    temperature_c=self._try("nvmlDeviceGetTemperature", handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0)),
                     ecc_uncorrectable=self._try(
-                        nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                        nvml.NVML_VOLATILE_ECC, default=0,
+                        "nvmlDeviceGetTotalEccErrors", handle, getattr(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                        getattr(nvml, "NVML_VOLATILE_ECC", 0), default=0,
                     ) or 0,
-                    retired_pages_pending=bool(self._try(nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle,
+                    retired_pages_pending=bool(self._try("nvmlDeviceGetRetiredPagesPendingStatus", handle,
                                                          default=0)),
                     row_remap_pending=bool(remap[2]),
                     row_remap_failed=bool(remap[3]),
                     hw_slowdown=bool(reasons & slowdown_mask),
+                    recovery_action=self._recovery_action(handle),
                 )
             )
         return readings

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -162,3 +164,21 @@ async def test_temporal_cli_starts_a_run_that_completes(client: TrainguardClient
     result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
     assert result.steps_completed == 20
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
+
+
+async def test_unresponsive_node_is_replaced_by_a_spare(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    run_id = await client.start_run(make_spec(prefix, spares=("node-2",)), workflow_id=f"it-node-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, run_id, lambda v: v.status.latest_checkpoint is not None and v.live_step >= 25)
+    agent = json.loads((stack.run_dir / "agent-node-1.json").read_text())["pid"]
+    os.kill(agent, signal.SIGKILL)  # the agent is gone; its rank is orphaned and dies with its peers
+    try:
+        result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+    finally:
+        await asyncio.to_thread(stack.up, lambda _line: None)  # bring node-1's agent back for the tests after this one
+    lost = [i for i in result.incidents if i.kind is IncidentKind.NODE_UNRESPONSIVE]
+    assert lost and lost[0].node == "node-1" and lost[0].action is Action.REPLACE_NODE
+    status = (await client.status(run_id)).status
+    assert status.nodes == ["node-0", "node-2"] and status.cordoned == ["node-1"]
+    assert result.final_state_digest == baseline.final_state_digest

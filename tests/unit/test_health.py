@@ -4,6 +4,7 @@ no-GPU path that must never fail a run."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,7 @@ class FakeGpu:
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
     throttle_reasons: int = 0
     recovery_action: int = 0
+    """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, read through nvmlDeviceGetFieldValues."""
     unsupported: set[str] = field(default_factory=set)
     """Queries this GPU's driver answers with NVMLError (NOT_SUPPORTED on many consumer boards)."""
 
@@ -135,21 +137,13 @@ class FakeNvml:
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: int) -> int:
         return self._gpu("throttle", handle).throttle_reasons
 
-    def nvmlDeviceGetRecoveryAction(self, handle: int) -> int:
-        return self._gpu("recovery_action", handle).recovery_action
-
     def nvmlDeviceGetFieldValues(self, handle: int, field_ids: list[int]) -> list[Any]:
         gpu = self._gpu("field_values", handle)
-
-        class _Value:
-            uiVal = ullVal = gpu.recovery_action
-
-        class _Field:
-            fieldId = self.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-            nvmlReturn = 0
-            value = _Value()
-
-        return [_Field() for _ in field_ids]
+        assert field_ids == [self.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+        # NVML answers each field with its own return code: 3 is NVML_ERROR_NOT_SUPPORTED.
+        code = 3 if "recovery_action" in gpu.unsupported else 0
+        return [SimpleNamespace(fieldId=field_ids[0], nvmlReturn=code,
+                                value=SimpleNamespace(uiVal=gpu.recovery_action, ullVal=gpu.recovery_action))]
 
 
 # ---------------------------------------------------------------------------------------- NvmlBackend
@@ -202,27 +196,28 @@ def test_nvml_backend_skips_queries_the_driver_refuses(unsupported: set[str], ex
     assert NvmlBackend(nvml).read() == [expected]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NvmlBackend.read (activities/health.py:75-98) never queries NVML's GPU recovery action "
-    "(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION via nvmlDeviceGetFieldValues), so GpuReading.recovery_action "
-    "is always 0 and judge_gpus' recovery-action rule can never fire on a real node",
+@pytest.mark.parametrize(
+    ("gpu", "recovery_action"),
+    [
+        pytest.param(FakeGpu(recovery_action=2), 2, id="reset-requested"),
+        pytest.param(FakeGpu(recovery_action=0), 0, id="none-needed"),
+        pytest.param(FakeGpu(recovery_action=2, unsupported={"recovery_action"}), 0, id="field-not-supported"),
+        pytest.param(FakeGpu(recovery_action=2, unsupported={"field_values"}), 0, id="field-values-refused"),
+    ],
 )
-def test_nvml_backend_reads_recovery_action() -> None:
-    nvml = FakeNvml([FakeGpu(recovery_action=2)])
+def test_nvml_backend_reads_the_recovery_action(gpu: FakeGpu, recovery_action: int) -> None:
+    [reading] = NvmlBackend(FakeNvml([gpu])).read()
 
-    health = judge_gpus(NvmlBackend(nvml).read())
+    assert reading.recovery_action == recovery_action
+
+
+def test_recovery_action_makes_the_node_unhealthy() -> None:
+    health = judge_gpus(NvmlBackend(FakeNvml([FakeGpu(recovery_action=2)])).read())
 
     assert health.healthy is False
-    assert "recovery action 2" in health.detail
+    assert "GPU 0: NVML recovery action 2 requested" in health.detail
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AttributeError,
-    reason="NvmlBackend._try catches AttributeError for a binding that lacks a query, but read() looks the "
-    "function up (nvml.nvmlDeviceGet...) as an argument before _try runs (activities/health.py:72 vs 80-92), so a "
-    "pynvml without e.g. nvmlDeviceGetRetiredPagesPendingStatus makes read() raise instead of skipping it",
-)
 def test_nvml_backend_skips_queries_the_binding_lacks() -> None:
     class OldNvml(FakeNvml):
         def __getattribute__(self, name: str) -> Any:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from activities.progress import RankReport, complete_steps, find_hung_rank, silence_bound_s
+from activities.progress import (
+    COLLECTIVE_WAIT_GRACE_S,
+    RankReport,
+    complete_steps,
+    find_hung_rank,
+    silence_bound_s,
+)
 from trainguard.spec import HealthSpec
 
 HEALTH = HealthSpec(startup_grace_s=100.0, hang_floor_s=2.0, hang_step_multiplier=10.0, hang_max_s=50.0,
@@ -44,31 +50,42 @@ def test_first_step_slack_is_capped_at_hang_max() -> None:
     assert silence_bound_s(_report(step=1, step_time_s=None), 0, health) == pytest.approx(30.0)
 
 
+STOPPED, SLEEPING = "T", "S"
+"""/proc states: a rank stopped by a signal, and one asleep (blocked in a collective, or healthy)."""
+
+
 @pytest.mark.parametrize(
-    ("reports", "running", "now", "expected"),
+    ("reports", "running", "states", "now", "expected"),
     [
-        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, 1_009.0, None,
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, {}, 1_010.5, None,
                      id="all-fresh"),
-        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, 1_011.0, (0, 11.0),
-                     id="one-past-its-bound"),
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, {0: STOPPED}, 1_010.5,
+                     (0, 10.5), id="stopped-rank-past-its-bound"),
+        pytest.param({0: _report(0, time=1_000.0)}, {0}, {0: SLEEPING}, 1_010.5, None,
+                     id="sleeping-rank-gets-collective-grace"),
+        pytest.param({0: _report(0, time=1_000.0)}, {0}, {}, 1_011.5, (0, 11.5),
+                     id="sleeping-rank-past-bound-and-grace"),
+        pytest.param({0: _report(0, time=1_000.3), 1: _report(1, time=1_000.0)}, {0, 1},
+                     {0: STOPPED, 1: SLEEPING}, 1_010.9, (0, 10.6), id="stopped-culprit-named-before-its-peer"),
         pytest.param({0: _report(0, time=1_010.0), 1: _report(1, time=1_000.0), 2: _report(2, time=1_005.0)},
-                     {0, 1, 2}, 1_030.0, (1, 30.0), id="longest-silent-wins"),
+                     {0, 1, 2}, {}, 1_030.0, (1, 30.0), id="longest-silent-wins"),
         pytest.param({0: _report(0, time=1_000.0, finished=True), 1: _report(1, time=1_025.0)}, {0, 1},
-                     1_030.0, None, id="finished-rank-ignored"),
-        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_025.0)}, {1}, 1_030.0, None,
+                     {0: STOPPED}, 1_030.0, None, id="finished-rank-ignored"),
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_025.0)}, {1}, {0: STOPPED}, 1_030.0, None,
                      id="rank-not-running-ignored"),
-        pytest.param({0: None, 1: _report(1, time=1_095.0)}, {0, 1}, 1_099.0, None,
+        pytest.param({0: None, 1: _report(1, time=1_095.0)}, {0, 1}, {}, 1_099.0, None,
                      id="silent-since-launch-within-startup-grace"),
-        pytest.param({0: None}, {0}, 1_101.0, (0, 101.0), id="silent-since-launch-past-startup-grace"),
-        pytest.param({}, {0}, 1_101.0, (0, 101.0), id="missing-report-counts-from-launch"),
-        pytest.param({0: _report(0, time=900.0)}, {0}, 1_009.0, None, id="stale-report-counts-from-launch"),
-        pytest.param({0: _report(0, time=1_000.0, step_time_s=1.0, saving=True)}, {0}, 1_035.0, None,
-                     id="saving-rank-gets-grace"),
+        pytest.param({0: None}, {0}, {}, 1_100.5, (0, 100.5), id="startup-grace-has-no-collective-grace"),
+        pytest.param({}, {0}, {}, 1_101.0, (0, 101.0), id="missing-report-counts-from-launch"),
+        pytest.param({0: _report(0, time=900.0)}, {0}, {0: STOPPED}, 1_009.0, None,
+                     id="stale-report-counts-from-launch"),
+        pytest.param({0: _report(0, time=1_000.0, saving=True)}, {0}, {0: STOPPED}, 1_035.0, None,
+                     id="saving-rank-gets-checkpoint-grace"),
     ],
 )
-def test_find_hung_rank(reports: dict[int, RankReport | None], running: set[int], now: float,
-                        expected: tuple[int, float] | None) -> None:
-    found = find_hung_rank(reports, running, 0, LAUNCHED_AT, now, HEALTH)
+def test_find_hung_rank(reports: dict[int, RankReport | None], running: set[int], states: dict[int, str],
+                        now: float, expected: tuple[int, float] | None) -> None:
+    found = find_hung_rank(reports, running, 0, LAUNCHED_AT, now, HEALTH, states)
 
     if expected is None:
         assert found is None
@@ -76,6 +93,15 @@ def test_find_hung_rank(reports: dict[int, RankReport | None], running: set[int]
         assert found is not None
         assert found[0] == expected[0]
         assert found[1] == pytest.approx(expected[1])
+
+
+def test_unknown_process_state_counts_as_sleeping() -> None:
+    report = {0: _report(0, time=1_000.0)}  # bound 10 s
+    just_past = 1_000.0 + 10.0 + COLLECTIVE_WAIT_GRACE_S / 2
+
+    assert find_hung_rank(report, {0}, 0, LAUNCHED_AT, just_past, HEALTH) is None
+    assert find_hung_rank(report, {0}, 0, LAUNCHED_AT, just_past, HEALTH, {0: "?"}) is None
+    assert find_hung_rank(report, {0}, 0, LAUNCHED_AT, just_past, HEALTH, {0: "D"}) is not None
 
 
 @pytest.mark.parametrize(

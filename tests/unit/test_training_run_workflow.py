@@ -1,0 +1,566 @@
+"""`TrainingRun` on the time-skipping test server, with stand-ins for every activity.
+
+Controller stand-ins poll the test's own task queue (the workflow's); node stand-ins poll one
+`trainguard-node-<id>` queue per node, as real node agents do. Every call is recorded so the tests can
+assert on what the workflow asked the nodes and the store to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import pytest
+import pytest_asyncio
+from temporalio import activity
+from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from activities.models import (
+    CheckNodeInput,
+    CheckNodeResult,
+    CommitCheckpointInput,
+    DownloadShardsInput,
+    DownloadShardsResult,
+    FindCheckpointInput,
+    FindCheckpointResult,
+    FindNodeAgentsInput,
+    FindNodeAgentsResult,
+    GpuHealth,
+    InjectFaultInput,
+    InjectFaultResult,
+    LaunchRanksInput,
+    LaunchRanksResult,
+    Manifest,
+    PruneCheckpointsInput,
+    PruneCheckpointsResult,
+    ShardInfo,
+    StopRanksInput,
+    StopRanksResult,
+    UploadShardsInput,
+    UploadShardsResult,
+    WatchEvent,
+    WatchEventKind,
+    WatchRanksInput,
+)
+from trainguard import node_task_queue
+from trainguard.models import Action, CheckpointRef, IncidentKind, Phase, RunResult, RunStatus
+from workflows.training_run import TrainingRun
+
+RUN_TIMEOUT_S = 20.0
+"""Real seconds a single run may take before the test gives up (they take well under one)."""
+
+BLOCK = "block"
+"""A watch script entry: the watch runs until the workflow cancels it (a rank that is still training)."""
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def env() -> AsyncIterator[WorkflowEnvironment]:
+    environment = await WorkflowEnvironment.start_time_skipping(
+        test_server_existing_path=str(Path(sys.executable).parent / "temporal-test-server"),
+        data_converter=pydantic_data_converter,
+    )
+    yield environment
+    await environment.shutdown()
+
+
+def _node_ids(count: int) -> list[str]:
+    prefix = f"n{uuid4().hex[:6]}"
+    return [f"{prefix}-{i}" for i in range(count)]
+
+
+def _spec(nodes: list[str], **changes: Any) -> dict[str, Any]:
+    return {"entrypoint": ["python", "train.py"], "nodes": nodes, "checkpoint": {"every_steps": 10}, **changes}
+
+
+def _event(kind: WatchEventKind, step: int = -1, **fields: Any) -> WatchEvent:
+    return WatchEvent(kind=kind, node="", step=step, **fields)
+
+
+def _finished(step: int, digest: str = "d1g3st") -> WatchEvent:
+    return _event(WatchEventKind.FINISHED, step, state_digest=digest, mean_step_s=0.1)
+
+
+def _ready(*steps: int) -> WatchEvent:
+    return _event(WatchEventKind.CHECKPOINT_READY, max(steps), checkpoint_steps=list(steps))
+
+
+def _exited(code: int, rank: int = 0) -> WatchEvent:
+    return _event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=code, detail=f"rank {rank} exit code {code}")
+
+
+@dataclass
+class Cluster:
+    """The stand-ins' world: what they answer, and every call they received."""
+
+    nodes: list[str]
+    spares: list[str] = field(default_factory=list)
+    watch_script: dict[tuple[int, str], list[WatchEvent | str | Exception]] = field(default_factory=dict)
+    """What each (attempt, node) watch does in turn: return an event, BLOCK, or raise; FINISHED at step 20
+    once a script runs out."""
+    corrupt_steps: set[int] = field(default_factory=set)
+    """Checkpoint steps whose shards fail their checksum at download."""
+    missing: list[str] = field(default_factory=list)
+    """Nodes `find_node_agents` reports without an agent."""
+    unhealthy: dict[str, str] = field(default_factory=dict)
+    """Node -> GPU problem `check_node` reports."""
+    ranks_per_node: int = 1
+    manifests: list[Manifest] = field(default_factory=list)
+    calls: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    while_running: Callable[[WorkflowHandle[Any, Any]], Awaitable[None]] | None = None
+    """Called once, from the first watch, while the ranks train: to query or update the run."""
+    client: Any = None
+    """The test's client (set by `_run`), for `while_running`."""
+
+    def inputs(self, name: str) -> list[Any]:
+        return self.calls[name]
+
+    # ------------------------------------------------------------------------------ controller side
+    def controller_activities(self) -> list[Any]:
+        @activity.defn(name="find_node_agents")
+        async def find_node_agents(request: FindNodeAgentsInput) -> FindNodeAgentsResult:
+            self.calls["find_node_agents"].append(request)
+            return FindNodeAgentsResult(missing=[n for n in request.nodes if n in self.missing])
+
+        @activity.defn(name="find_checkpoint")
+        async def find_checkpoint(request: FindCheckpointInput) -> FindCheckpointResult:
+            self.calls["find_checkpoint"].append(request)
+            usable = [m for m in self.manifests
+                      if m.step not in request.exclude_steps and m.world_size == request.world_size]
+            if not usable:
+                return FindCheckpointResult()
+            newest = max(usable, key=lambda m: m.step)
+            return FindCheckpointResult(manifest=newest, manifest_key=_manifest_key(request.run_prefix, newest.step))
+
+        @activity.defn(name="commit_checkpoint")
+        async def commit_checkpoint(request: CommitCheckpointInput) -> CheckpointRef:
+            self.calls["commit_checkpoint"].append(request)
+            self.manifests.append(Manifest(workflow_id=request.workflow_id, step=request.step,
+                                           world_size=request.world_size, attempt=request.attempt,
+                                           shards=sorted(request.shards, key=lambda s: s.rank)))
+            return CheckpointRef(step=request.step, manifest_key=_manifest_key(request.run_prefix, request.step),
+                                 bucket=request.bucket, world_size=request.world_size,
+                                 total_bytes=sum(s.size_bytes for s in request.shards))
+
+        @activity.defn(name="prune_checkpoints")
+        async def prune_checkpoints(request: PruneCheckpointsInput) -> PruneCheckpointsResult:
+            self.calls["prune_checkpoints"].append(request)
+            return PruneCheckpointsResult()
+
+        return [find_node_agents, find_checkpoint, commit_checkpoint, prune_checkpoints]
+
+    # ------------------------------------------------------------------------------------ node side
+    def node_activities(self) -> list[Any]:
+        @activity.defn(name="check_node")
+        async def check_node(request: CheckNodeInput) -> CheckNodeResult:
+            self.calls["check_node"].append(request)
+            problem = self.unhealthy.get(request.node)
+            gpu = GpuHealth(available=True, healthy=problem is None, detail=problem or "1 GPUs healthy", num_gpus=1)
+            return CheckNodeResult(node=request.node, host=f"{request.node}.cluster", gpu=gpu)
+
+        @activity.defn(name="download_shards")
+        async def download_shards(request: DownloadShardsInput) -> DownloadShardsResult:
+            self.calls["download_shards"].append(request)
+            if any(f"/step-{step:08d}/" in shard.key for step in self.corrupt_steps for shard in request.shards):
+                raise ApplicationError("shard rank 0: sha256 mismatch", type="CorruptCheckpoint",
+                                       non_retryable=True)
+            return DownloadShardsResult(restore_dir=f"/restore/{request.node}/attempt-{request.attempt}",
+                                        num_bytes=sum(s.size_bytes for s in request.shards))
+
+        @activity.defn(name="launch_ranks")
+        async def launch_ranks(request: LaunchRanksInput) -> LaunchRanksResult:
+            self.calls["launch_ranks"].append(request)
+            return LaunchRanksResult(node=request.node, master_addr=request.master_addr or f"{request.node}.cluster",
+                                     master_port=request.master_port or 29500 + request.attempt,
+                                     pids=[1000 + i for i in range(request.ranks_per_node)])
+
+        @activity.defn(name="watch_ranks")
+        async def watch_ranks(request: WatchRanksInput) -> WatchEvent:
+            self.calls["watch_ranks"].append(request)
+            if self.while_running is not None:
+                while_running, self.while_running = self.while_running, None
+                await while_running(self.client.get_workflow_handle(activity.info().workflow_id))
+            script = self.watch_script.get((request.attempt, request.node), [])
+            step = script.pop(0) if script else _finished(20)
+            if isinstance(step, Exception):
+                raise step
+            if step == BLOCK:
+                while True:  # heartbeats keep it alive; the workflow's cancel (or worker shutdown) ends it
+                    activity.heartbeat()
+                    await asyncio.sleep(0.05)
+            assert isinstance(step, WatchEvent)
+            return step.model_copy(update={"node": request.node})
+
+        @activity.defn(name="upload_shards")
+        async def upload_shards(request: UploadShardsInput) -> UploadShardsResult:
+            self.calls["upload_shards"].append(request)
+            [launch] = [r for r in self.calls["launch_ranks"]
+                        if (r.node, r.attempt) == (request.node, request.attempt)]
+            first = launch.node_rank * self.ranks_per_node
+            shards = [ShardInfo(rank=r, key=f"{request.run_prefix}/step-{request.step:08d}/rank-{r:05d}.pt",
+                                size_bytes=100, sha256=f"{r:064x}", node=request.node)
+                      for r in range(first, first + self.ranks_per_node)]
+            return UploadShardsResult(shards=shards, num_bytes=100 * len(shards))
+
+        @activity.defn(name="inject_fault")
+        async def inject_fault(request: InjectFaultInput) -> InjectFaultResult:
+            self.calls["inject_fault"].append(request)
+            return InjectFaultResult(node=request.node, rank=request.rank or 0, pid=1000, injected_at=123.0)
+
+        @activity.defn(name="stop_ranks")
+        async def stop_ranks(request: StopRanksInput) -> StopRanksResult:
+            self.calls["stop_ranks"].append(request)
+            return StopRanksResult(stopped=self.ranks_per_node)
+
+        return [check_node, download_shards, launch_ranks, watch_ranks, upload_shards, inject_fault, stop_ranks]
+
+
+def _manifest_key(run_prefix: str, step: int) -> str:
+    return f"{run_prefix}/step-{step:08d}/manifest.json"
+
+
+@asynccontextmanager
+async def _workers(env: WorkflowEnvironment, cluster: Cluster, task_queue: str) -> AsyncIterator[None]:
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(Worker(env.client, task_queue=task_queue, workflows=[TrainingRun],
+                                               activities=cluster.controller_activities()))
+        node_activities = cluster.node_activities()
+        for node in [*cluster.nodes, *cluster.spares]:
+            await stack.enter_async_context(Worker(env.client, task_queue=node_task_queue(node),
+                                                   activities=node_activities))
+        yield
+
+
+@dataclass
+class Finished:
+    handle: WorkflowHandle[Any, Any]
+    outcome: RunResult | WorkflowFailureError
+    status: RunStatus
+    """The `status` query's answer once the run ended (asked while the workers still run: a closed
+    workflow's query is answered by replaying it on a worker)."""
+
+
+async def _run(env: WorkflowEnvironment, cluster: Cluster, spec: Any) -> Finished:
+    """Start a run on a fresh task queue and wait for it to end, successfully or not."""
+    task_queue = f"tq-{uuid4()}"
+    cluster.client = env.client
+    async with _workers(env, cluster, task_queue):
+        handle = await env.client.start_workflow(TrainingRun.run, spec, id=f"run-{uuid4()}", task_queue=task_queue,
+                                                 result_type=RunResult)
+        outcome: RunResult | WorkflowFailureError
+        try:
+            outcome = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+        except WorkflowFailureError as error:
+            outcome = error
+        status = await handle.query(TrainingRun.status)
+    return Finished(handle, outcome, status)
+
+
+def _failure_message(outcome: RunResult | WorkflowFailureError) -> str:
+    assert isinstance(outcome, WorkflowFailureError), f"expected the run to fail, it returned {outcome!r}"
+    assert isinstance(outcome.cause, ApplicationError)
+    return outcome.cause.message
+
+
+def _by_attempt(requests: Sequence[Any], attempt: int) -> list[Any]:
+    return [r for r in requests if r.attempt == attempt]
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+async def test_happy_path_commits_a_checkpoint_and_completes(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    seen: list[RunStatus] = []
+
+    async def query_status(handle: WorkflowHandle[Any, Any]) -> None:
+        seen.append(await handle.query(TrainingRun.status))
+
+    cluster = Cluster(nodes=nodes, while_running=query_status, watch_script={
+        (1, nodes[0]): [_ready(10), _finished(30, digest="abc123")],
+        (1, nodes[1]): [_ready(10), _event(WatchEventKind.KEEPALIVE, 12), _finished(30, digest="abc123")],
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult)
+    assert result.workflow_id == run.handle.id
+    assert result.steps_completed == 30
+    assert result.attempts == 1
+    assert result.incidents == []
+    assert result.final_state_digest == "abc123"
+    assert result.mean_step_s == pytest.approx(0.1)
+    assert result.final_checkpoint is not None
+    assert result.final_checkpoint.step == 10
+    assert result.final_checkpoint.world_size == 2
+    assert result.final_checkpoint.manifest_key == f"runs/{run.handle.id}/step-00000010/manifest.json"
+    # Reserving checks every node's agent; a fresh run restores nothing.
+    assert cluster.inputs("find_node_agents")[0].nodes == nodes
+    assert sorted(c.node for c in cluster.inputs("check_node")) == sorted(nodes)
+    assert cluster.inputs("download_shards") == []
+    # The master node launches first and the other joins its rendezvous.
+    launches = sorted(cluster.inputs("launch_ranks"), key=lambda r: r.node_rank)
+    assert [(r.node, r.node_rank, r.attempt, r.restore_step) for r in launches] == [
+        (nodes[0], 0, 1, 0), (nodes[1], 1, 1, 0)]
+    assert launches[0].master_addr is None
+    assert (launches[1].master_addr, launches[1].master_port) == (f"{nodes[0]}.cluster", 29501)
+    assert all(r.checkpoint_every == 10 and r.entrypoint == ["python", "train.py"] for r in launches)
+    # Both nodes' shards of step 10 were uploaded, then committed once as one checkpoint.
+    assert sorted((u.node, u.step) for u in cluster.inputs("upload_shards")) == [(nodes[0], 10), (nodes[1], 10)]
+    [commit] = cluster.inputs("commit_checkpoint")
+    assert (commit.step, commit.world_size, sorted(s.rank for s in commit.shards)) == (10, 2, [0, 1])
+    assert [p.protect_steps for p in cluster.inputs("prune_checkpoints")] == [[10]]
+    # A watch after a checkpoint reports only newer ones; a keepalive starts another watch; nothing stopped.
+    assert sorted((w.node, w.reported_step) for w in cluster.inputs("watch_ranks")) == [
+        (nodes[0], 0), (nodes[0], 10), (nodes[1], 0), (nodes[1], 10), (nodes[1], 10)]
+    assert cluster.inputs("stop_ranks") == []
+    # Queried while the ranks ran, and once done.
+    [status] = seen
+    assert (status.phase, status.attempt, status.nodes, status.world_size) == (Phase.RUNNING, 1, nodes, 2)
+    assert run.status.phase is Phase.COMPLETED
+    assert run.status.latest_checkpoint == result.final_checkpoint
+
+
+async def test_crash_stops_every_rank_and_relaunches_from_the_committed_checkpoint(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    crash = _exited(-9).model_copy(update={"detected_at": 1_000.0, "fault_at": 999.75})
+    cluster = Cluster(nodes=nodes, watch_script={
+        (1, nodes[0]): [_ready(10), crash],
+        (1, nodes[1]): [_ready(10), BLOCK],
+        (2, nodes[0]): [_finished(25).model_copy(update={"first_step_at": 1_006.5})],
+        (2, nodes[1]): [_finished(25)],
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult)
+    assert (result.attempts, result.steps_completed) == (2, 25)
+    [incident] = result.incidents
+    assert (incident.kind, incident.action) == (IncidentKind.CRASH, Action.RESTART)
+    assert (incident.node, incident.rank, incident.attempt) == (nodes[0], 0, 1)
+    assert incident.resumed_step == 10
+    assert (incident.detection_s, incident.recovery_s) == (0.25, 6.5)
+    assert "exit code -9" in incident.detail
+    # Every rank of attempt 1 was stopped before the relaunch.
+    assert sorted((s.node, s.attempt) for s in cluster.inputs("stop_ranks")) == [(nodes[0], 1), (nodes[1], 1)]
+    # Attempt 2 found the committed step 10, downloaded each node's shard and launched from it.
+    assert len(cluster.inputs("find_checkpoint")) == 2
+    downloads = sorted(_by_attempt(cluster.inputs("download_shards"), 2), key=lambda d: d.node)
+    assert [(d.node, [s.rank for s in d.shards]) for d in downloads] == [(nodes[0], [0]), (nodes[1], [1])]
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [(r.node, r.attempt, r.restore_step) for r in relaunches] == [(nodes[0], 2, 10), (nodes[1], 2, 10)]
+    assert [r.restore_dir for r in relaunches] == [f"/restore/{n}/attempt-2" for n in nodes]
+    assert {w.reported_step for w in _by_attempt(cluster.inputs("watch_ranks"), 2)} == {10}
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 10
+    assert run.status.phase is Phase.COMPLETED
+
+
+async def test_exit_78_stops_the_run_without_retrying(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [_exited(78)], (1, nodes[1]): [BLOCK]})
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    message = _failure_message(run.outcome)
+    assert "78" in message
+    assert "fix the script" in message
+    assert {s.node for s in cluster.inputs("stop_ranks")} == set(nodes)
+    assert {r.attempt for r in cluster.inputs("launch_ranks")} == {1}
+    assert run.status.phase is Phase.FAILED
+    assert run.status.reason == message
+    assert [(i.kind, i.action) for i in run.status.incidents] == [(IncidentKind.USER_ERROR, Action.STOP)]
+
+
+async def test_bad_spec_fails_at_once_naming_the_field(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes)
+
+    run = await _run(env, cluster, _spec(nodes, entrypoint="python train.py"))
+
+    message = _failure_message(run.outcome)
+    assert message.startswith("invalid run spec: entrypoint")
+    assert isinstance(run.outcome.cause, ApplicationError) and run.outcome.cause.type == "InvalidSpec"
+    assert dict(cluster.calls) == {}
+    assert run.status.phase is Phase.FAILED
+
+
+async def test_unknown_node_fails_naming_it(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, missing=[nodes[0]])
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    message = _failure_message(run.outcome)
+    assert f"nodes.0 '{nodes[0]}'" in message
+    assert node_task_queue(nodes[0]) in message
+    assert nodes[1] not in message
+    assert cluster.inputs("launch_ranks") == []
+    assert cluster.inputs("stop_ranks") == []
+
+
+async def test_unhealthy_gpu_is_replaced_by_a_spare_before_launch(env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, unhealthy={nodes[1]: "GPU 0: 3 uncorrectable ECC errors"})
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult)
+    [incident] = result.incidents
+    assert (incident.kind, incident.node, incident.action) == (IncidentKind.GPU_UNHEALTHY, nodes[1],
+                                                               Action.REPLACE_NODE)
+    assert sorted((r.node_rank, r.node) for r in cluster.inputs("launch_ranks")) == [(0, nodes[0]), (1, spares[0])]
+    assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
+
+
+async def test_unhealthy_gpu_without_a_spare_fails_before_launch(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, unhealthy={nodes[0]: "GPU 0: row remap failed"})
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    message = _failure_message(run.outcome)
+    assert f"node {nodes[0]} failed its GPU checks and no spare is left: GPU 0: row remap failed" in message
+    assert cluster.inputs("launch_ranks") == []
+
+
+async def test_lost_node_is_replaced_by_a_spare(env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, watch_script={
+        (1, nodes[0]): [BLOCK],
+        (1, nodes[1]): [ApplicationError("agent lost its ranks", type="AgentLost")],
+    })
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult)
+    [incident] = result.incidents
+    assert (incident.kind, incident.node, incident.action) == (IncidentKind.NODE_UNRESPONSIVE, nodes[1],
+                                                               Action.REPLACE_NODE)
+    assert "agent lost its ranks" in incident.detail
+    assert f"replaced by spare {spares[0]}" in incident.detail
+    # The lost node is not asked to stop anything; the relaunch runs on the spare in its place.
+    assert [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [(r.node, r.node_rank) for r in relaunches] == [(nodes[0], 0), (spares[0], 1)]
+    assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
+
+
+async def test_lost_node_without_a_spare_stops_the_run(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, watch_script={
+        (1, nodes[0]): [BLOCK],
+        (1, nodes[1]): [ApplicationError("agent lost its ranks", type="AgentLost")],
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    message = _failure_message(run.outcome)
+    assert f"node_unresponsive on {nodes[1]} and no spare node left" in message
+    assert {r.attempt for r in cluster.inputs("launch_ranks")} == {1}
+    assert (nodes[0], 1) in [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")]
+
+
+async def test_corrupt_checkpoint_falls_back_to_the_one_before(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, corrupt_steps={20}, watch_script={
+        (1, nodes[0]): [_ready(10, 20), _exited(-9)],
+        (2, nodes[0]): [_finished(30)],
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult)
+    assert [c.step for c in cluster.inputs("commit_checkpoint")] == [10, 20]
+    assert [f.exclude_steps for f in cluster.inputs("find_checkpoint")] == [[], [], [20]]
+    [relaunch] = _by_attempt(cluster.inputs("launch_ranks"), 2)
+    assert relaunch.restore_step == 10
+    assert [(i.kind, i.attempt) for i in result.incidents] == [(IncidentKind.CRASH, 1),
+                                                               (IncidentKind.CHECKPOINT_CORRUPT, 2)]
+    assert result.incidents[1].detail.startswith("step 20: ")
+    assert "sha256 mismatch" in result.incidents[1].detail
+    assert result.incidents[1].resumed_step == 10
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="workflows/training_run.py:271-272 sets resumed_step only on the newest incident: when the restore "
+    "records a checkpoint_corrupt incident, the crash that caused the relaunch keeps resumed_step=None although "
+    "its next attempt resumed from step 10 (Incident.resumed_step: 'Step the next attempt resumed from')",
+)
+async def test_incident_before_a_corrupt_checkpoint_records_where_the_run_resumed(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, corrupt_steps={20}, watch_script={
+        (1, nodes[0]): [_ready(10, 20), _exited(-9)],
+        (2, nodes[0]): [_finished(30)],
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, RunResult)
+    crash = run.outcome.incidents[0]
+    assert crash.kind is IncidentKind.CRASH
+    assert crash.resumed_step == 10
+
+
+async def test_inject_fault_reaches_the_node_and_unknown_nodes_are_refused(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    answers: list[Any] = []
+
+    async def inject(handle: WorkflowHandle[Any, Any]) -> None:
+        for node in (nodes[1], "not-a-node"):
+            try:
+                answers.append(await handle.execute_update(
+                    TrainingRun.inject_fault, InjectFaultInput(workflow_id="", node=node, fault="crash", rank=1)))
+            except WorkflowUpdateFailedError as error:
+                answers.append(error.cause)
+
+    cluster = Cluster(nodes=nodes, while_running=inject)
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, RunResult)
+    accepted, refused = answers
+    assert accepted == InjectFaultResult(node=nodes[1], rank=1, pid=1000, injected_at=123.0)
+    assert "'not-a-node' is not in the run" in str(refused)
+    [request] = cluster.inputs("inject_fault")
+    assert (request.workflow_id, request.node, request.fault) == (run.handle.id, nodes[1], "crash")
+
+
+@pytest.mark.parametrize(
+    ("restarts", "reason"),
+    [
+        pytest.param({"max_restarts": 2, "max_restarts_without_checkpoint": 5}, "restart budget spent: 2 restarts",
+                     id="restart-budget"),
+        pytest.param({"max_restarts": 10, "max_restarts_without_checkpoint": 2},
+                     "2 restarts in a row committed no new checkpoint", id="no-new-checkpoint"),
+    ],
+)
+async def test_a_run_that_keeps_crashing_stops_with_a_reason(env: WorkflowEnvironment, restarts: dict[str, int],
+                                                             reason: str) -> None:
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, watch_script={(a, nodes[0]): [_exited(-9)] for a in range(1, 10)})
+
+    run = await _run(env, cluster, _spec(nodes, restarts=restarts))
+
+    message = _failure_message(run.outcome)
+    assert reason in message
+    assert [r.attempt for r in cluster.inputs("launch_ranks")] == [1, 2, 3]
+    assert run.status.phase is Phase.FAILED
+    assert [i.action for i in run.status.incidents] == [Action.RESTART, Action.RESTART, Action.STOP]
