@@ -30,3 +30,7 @@ integration: $(STAMP)
 clean:
 	-$(BIN)/trainguard dev down
 	rm -rf .trainguard .pytest-stack
+
+.PHONY: bench-checkpoint
+bench-checkpoint: $(STAMP)
+	$(BIN)/python -m infra.bench.checkpoint $(BENCH_ARGS)

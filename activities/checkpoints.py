@@ -6,12 +6,18 @@ Layout in the bucket (readable with any S3 client, loadable with plain `torch.lo
     <prefix>/<workflow-id>/step-00000100/manifest.json     written last: the commit
 
 A checkpoint without a manifest does not exist. The manifest is written only after every shard it names is
-in the store with the size and sha256 the rank recorded, and never overwritten (conditional write).
+in the store with the size and sha256 the rank recorded, and never overwritten (conditional write). A reader
+trusts a manifest only when it describes a whole checkpoint of its own step in this layout; a manifest that
+cannot be parsed, or that names shards elsewhere or too few of them, is passed over like a missing one.
+
+Multipart uploads that an uploader abandoned (killed mid-upload) are invisible to listings but keep their
+parts until aborted: retention aborts the ones under the run's prefix once they are surely dead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import shutil
@@ -48,6 +54,19 @@ SHA256_METADATA = "sha256"
 # Parts of 64 MiB, 4 in flight: measured here as the best upload/download rate SeaweedFS gives on 2 cores.
 PART_SIZE_BYTES = 64 << 20
 TRANSFER_CONCURRENCY = 4
+_READ_CHUNK_BYTES = 8 << 20
+"""Reads for checksums; divides PART_SIZE_BYTES so part boundaries fall between chunks."""
+assert PART_SIZE_BYTES % _READ_CHUNK_BYTES == 0
+MANIFEST_FORMAT = Manifest.model_fields["format"].default
+
+ORPHANED_UPLOAD_AGE_S = 3600.0
+"""A multipart upload under a run's prefix initiated longer ago than this is abandoned, and aborted.
+
+An upload lives at most one `upload_shards` attempt (TRANSFER_TIMEOUT, 30 min, in workflows/training_run.py;
+boto3 starts a new upload on a retry, never resumes one). Twice that leaves room for clock skew between the
+store (which stamps `Initiated`) and the controller, so an upload still in flight is never aborted under
+its writer.
+"""
 
 
 def step_prefix(run_prefix: str, step: int) -> str:
@@ -107,6 +126,51 @@ def read_manifest(client: Any, bucket: str, key: str) -> Manifest | None:
     return Manifest.model_validate_json(body)
 
 
+def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | None:
+    """None when the manifest describes a whole checkpoint of `step` in this run's layout; else what is wrong.
+
+    Guards a restore against a manifest that is well-formed JSON but lies: copied into another step's folder,
+    naming shards of another run, or too few shards for its world size (a node would get none to restore).
+    """
+    if manifest.format != MANIFEST_FORMAT:
+        return f"manifest format {manifest.format!r}, expected {MANIFEST_FORMAT!r}"
+    if manifest.step != step:
+        return f"manifest in the folder of step {step} says step {manifest.step}"
+    ranks = sorted(s.rank for s in manifest.shards)
+    if ranks != list(range(manifest.world_size)):
+        return f"manifest names shards of ranks {ranks}, not one per rank of world size {manifest.world_size}"
+    for shard in manifest.shards:
+        expected = f"{step_prefix(run_prefix, step)}{shard_name(shard.rank)}"
+        if shard.key != expected:
+            return f"manifest puts the shard of rank {shard.rank} at {shard.key}, not {expected}"
+    return None
+
+
+def abort_orphaned_uploads(client: Any, bucket: str, prefix: str, *, older_than_s: float = ORPHANED_UPLOAD_AGE_S,
+                           now: float) -> list[str]:
+    """Abort the multipart uploads under `prefix` initiated more than `older_than_s` before `now` (Unix time).
+
+    Their parts are invisible to listings but occupy the store until aborted. `prefix` is a folder: a
+    trailing `/` is added so `runs/a` never reaches into `runs/ab`. Returns the keys of the uploads aborted.
+    """
+    folder = prefix if prefix.endswith("/") else f"{prefix}/"
+    aborted: list[str] = []
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=folder):
+        for upload in page.get("Uploads", []):
+            key = upload["Key"]
+            if not key.startswith(folder) or now - upload["Initiated"].timestamp() < older_than_s:
+                continue  # a store that ignores Prefix must not lead us into another run's uploads
+            try:
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+            except ClientError as error:
+                if _error_code(error) != "NoSuchUpload":  # completed or aborted since the listing
+                    raise
+            aborted.append(key)
+    if aborted:
+        log.info("aborted %d orphaned multipart uploads under s3://%s/%s", len(aborted), bucket, folder)
+    return aborted
+
+
 def check_shard_in_store(client: Any, bucket: str, shard: ShardInfo) -> str | None:
     """None when the object exists with the recorded size and sha256; else what is wrong with it."""
     try:
@@ -121,6 +185,68 @@ def check_shard_in_store(client: Any, bucket: str, shard: ShardInfo) -> str | No
     if recorded is not None and recorded != shard.sha256:
         return f"shard of rank {shard.rank} has sha256 {recorded[:12]}..., manifest says {shard.sha256[:12]}..."
     return None
+
+
+def step_of(key: str) -> int:
+    """The step of a shard or manifest key (`.../step-00000100/rank-00000.pt` -> 100)."""
+    return int(key.rsplit("/", 2)[-2].removeprefix("step-"))
+
+
+def local_digests(path: Path) -> tuple[str, str]:
+    """The file's sha256, and the ETag the store gives it once uploaded with our transfer settings.
+
+    The ETag is the MD5 of the body for a single PUT, and the MD5 of the parts' MD5s plus `-<parts>` for a
+    multipart upload (AWS S3, MinIO, SeaweedFS). A store that computes it otherwise (SSE-KMS) only costs a
+    re-upload where one could have been skipped; a match cannot be wrong.
+    """
+    sha = hashlib.sha256()
+    whole = hashlib.md5(usedforsecurity=False)
+    part_md5s: list[bytes] = []
+    part = hashlib.md5(usedforsecurity=False)
+    in_part = size = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(_READ_CHUNK_BYTES):
+            sha.update(chunk)
+            whole.update(chunk)
+            part.update(chunk)
+            in_part += len(chunk)
+            size += len(chunk)
+            if in_part == PART_SIZE_BYTES:
+                part_md5s.append(part.digest())
+                part, in_part = hashlib.md5(usedforsecurity=False), 0
+    if size < PART_SIZE_BYTES:  # boto3 uploads below its multipart threshold in one PUT
+        return sha.hexdigest(), whole.hexdigest()
+    if in_part:
+        part_md5s.append(part.digest())
+    return sha.hexdigest(), f"{hashlib.md5(b''.join(part_md5s), usedforsecurity=False).hexdigest()}-{len(part_md5s)}"
+
+
+def committed_shard(client: Any, bucket: str, key: str, rank: int) -> ShardInfo | None:
+    """The shard of `rank` that the manifest at `key` commits; None when there is no readable manifest."""
+    try:
+        manifest = read_manifest(client, bucket, key)
+    except ValueError:
+        return None  # unreadable: no reader will restore it, so it has nothing to protect
+    if manifest is None:
+        return None
+    return next((s for s in manifest.shards if s.rank == rank), None)
+
+
+def stored_intact(client: Any, bucket: str, shard: ShardInfo, etag: str) -> bool:
+    """True when the object holds exactly the local bytes: recorded size and sha256, and their ETag.
+
+    Size and metadata alone are not enough: bytes that rot in place keep both, and skipping the upload
+    would let the commit that follows vouch for them.
+    """
+    try:
+        head = client.head_object(Bucket=bucket, Key=shard.key)
+    except ClientError as error:
+        if _is_missing(error):
+            return False
+        raise
+    return (head["ContentLength"] == shard.size_bytes
+            and head.get("Metadata", {}).get(SHA256_METADATA) == shard.sha256
+            and str(head.get("ETag", "")).strip('"') == etag)
 
 
 class StoreActivities:
@@ -150,6 +276,10 @@ class StoreActivities:
                 continue
             if manifest is None:
                 skipped.append(f"step {step}: no manifest (never committed)")
+                continue
+            problem = manifest_problem(manifest, request.run_prefix, step)
+            if problem:
+                skipped.append(f"step {step}: {problem}")
                 continue
             if manifest.world_size != request.world_size:
                 skipped.append(f"step {step}: written by {manifest.world_size} ranks, run has {request.world_size}")
@@ -194,9 +324,17 @@ class StoreActivities:
             client.put_object(Bucket=request.bucket, Key=key, Body=body, ContentType="application/json",
                               IfNoneMatch="*")
         except ClientError as error:
-            if _error_code(error) not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            code = _error_code(error)
+            if code == "ConditionalRequestConflict":
+                # Another conditional write of this key is in flight: retry and compare with what it wrote.
+                raise ApplicationError(f"step {request.step}: concurrent manifest write, retrying",
+                                       type="ManifestWriteConflict") from None
+            if code not in ("PreconditionFailed", "412"):
                 raise
-            existing = read_manifest(client, request.bucket, key)
+            try:
+                existing = read_manifest(client, request.bucket, key)
+            except ValueError:
+                existing = None  # an unreadable manifest is not ours either
             if existing is None or [s.sha256 for s in existing.shards] != [s.sha256 for s in manifest.shards]:
                 raise ApplicationError(
                     f"step {request.step} was already committed with different shards (two writers?)",
@@ -238,6 +376,11 @@ class StoreActivities:
             ]
             for start in range(0, len(keys), 1000):
                 client.delete_objects(Bucket=request.bucket, Delete={"Objects": keys[start : start + 1000]})
+        try:
+            abort_orphaned_uploads(client, request.bucket, f"{request.run_prefix}/", now=time.time())
+        except ClientError as error:
+            # Retention is done; a store without ListMultipartUploads must not fail it over the janitor.
+            log.warning("could not abort orphaned uploads under %s: %s", request.run_prefix, error)
         return PruneCheckpointsResult(deleted_steps=sorted(doomed))
 
     @staticmethod
@@ -279,7 +422,8 @@ class NodeCheckpointActivities:
                 sha256=meta["sha256"],
                 node=self.node,
             )
-            await asyncio.to_thread(self._upload_one, request.bucket, step_dir / shard_name(shard.rank), shard)
+            await asyncio.to_thread(self._upload_one, request.bucket, step_dir / shard_name(shard.rank), shard,
+                                    manifest_key(request.run_prefix, request.step))
             activity.heartbeat({"uploaded_rank": shard.rank})
             shards.append(shard)
         # The local tier keeps only the newest uploaded step; older ones are in S3.
@@ -290,18 +434,30 @@ class NodeCheckpointActivities:
             shards=shards, num_bytes=sum(s.size_bytes for s in shards), seconds=time.monotonic() - started
         )
 
-    def _upload_one(self, bucket: str, path: Path, shard: ShardInfo) -> None:
+    def _upload_one(self, bucket: str, path: Path, shard: ShardInfo, manifest: str) -> None:
         client = s3_client()
-        if sha256_file(path) != shard.sha256:
+        sha256, etag = local_digests(path)
+        if sha256 != shard.sha256:
             raise ApplicationError(
                 f"local shard {path} no longer matches the checksum its rank recorded", type="CorruptLocalShard",
                 non_retryable=True,
             )
         try:
-            if check_shard_in_store(client, bucket, shard) is None:
+            committed = committed_shard(client, bucket, manifest, shard.rank)
+            if committed is not None and committed.sha256 != shard.sha256:
+                # Overwriting would leave the committed manifest naming bytes that are gone: a checkpoint
+                # that was whole would stop being so, and this step could not be committed anyway.
+                raise ApplicationError(
+                    f"step {step_of(shard.key)} is already committed with another shard of rank {shard.rank} "
+                    f"(sha256 {committed.sha256[:12]}..., this one {shard.sha256[:12]}...): not overwriting it",
+                    type="ConflictingCommit",
+                    non_retryable=True,
+                )
+            if stored_intact(client, bucket, shard, etag):
                 return  # already uploaded by an earlier attempt of this activity
         except ClientError as error:
             raise _bucket_missing(error, bucket) or error
+        # Also when a committed shard with this sha256 is there but its bytes are not: the upload repairs it.
         client.upload_file(
             str(path), bucket, shard.key,
             ExtraArgs={"Metadata": {SHA256_METADATA: shard.sha256}},
@@ -314,7 +470,7 @@ class NodeCheckpointActivities:
         if not request.shards:
             raise ApplicationError("no shards to download", type="NoShards", non_retryable=True)
         layout = RunLayout.of(self.workdir, request.workflow_id)
-        step = int(request.shards[0].key.rsplit("/", 2)[-2].removeprefix("step-"))
+        step = step_of(request.shards[0].key)
         restore_dir = layout.restore_dir(step)
         restore_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()

@@ -29,20 +29,10 @@ class GpuReading:
     row_remap_failed: bool = False
     hw_slowdown: bool = False
     recovery_action: int = 0
-    """NVML's `nvmlDeviceGetRecoveryAction` answer where the driver offers it: 0 means none needed."""
+    """NVML's GPU recovery action field where the driver offers it: 0 means none needed."""
 
 
 class GpuBackend(Protocol):
-    def _recovery_action(self, handle: Any) -> int:
-        """NVML's GPU recovery action field (0 = none) where the driver reports it."""
-        field_id = getattr(self.nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
-        if field_id is None:
-            return 0
-        values = self._try("nvmlDeviceGetFieldValues", handle, [field_id], default=None)
-        if not values or getattr(values[0], "nvmlReturn", 1) != 0:
-            return 0
-        return int(getattr(values[0].value, "uiVal", 0) or 0)
-
     def read(self) -> list[GpuReading]: ...
 
 
@@ -143,12 +133,31 @@ def read_gpu_health() -> GpuHealth:
             pass
 
 
+class NodeHealth:
+    """This node's GPU health as its agent sees it, including a fault injected by chaos (`gpu`), which
+    stands in for an XID error on machines without GPUs so the whole remediation path can be rehearsed."""
+
+    def __init__(self) -> None:
+        self.injected: str | None = None
+        self.injected_at: float | None = None
+
+    def inject(self, detail: str, at: float) -> None:
+        self.injected = detail
+        self.injected_at = at
+
+    def check(self) -> GpuHealth:
+        if self.injected is not None:
+            return GpuHealth(available=True, healthy=False, detail=self.injected)
+        return read_gpu_health()
+
+
 class HealthActivities:
-    def __init__(self, node: str, host: str) -> None:
+    def __init__(self, node: str, host: str, health: NodeHealth | None = None) -> None:
         self.node = node
         self.host = host
+        self.health = health or NodeHealth()
 
     @activity.defn(name="check_node")
     async def check_node(self, request: CheckNodeInput) -> CheckNodeResult:
         """Answer from the node: its rendezvous address and its GPUs' health."""
-        return CheckNodeResult(node=self.node, host=self.host, gpu=read_gpu_health())
+        return CheckNodeResult(node=self.node, host=self.host, gpu=self.health.check())

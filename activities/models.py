@@ -193,6 +193,7 @@ class WatchEventKind(str, Enum):
     HANG = "hang"
     CHECKPOINT_READY = "checkpoint_ready"
     FINISHED = "finished"
+    GPU_UNHEALTHY = "gpu_unhealthy"
     KEEPALIVE = "keepalive"
     """Nothing happened within the watch's lifetime; the workflow starts a new watch."""
 
@@ -227,6 +228,8 @@ class WatchEvent(BaseModel):
     """Lowest step across this node's ranks."""
     state_digest: str | None = None
     mean_step_s: float | None = None
+    rank_compute_s: dict[int, float] = Field(default_factory=dict)
+    """Each local rank's recent compute time per step (what it reports outside collectives), seconds."""
 
 
 class InjectFaultInput(BaseModel):
@@ -235,7 +238,10 @@ class InjectFaultInput(BaseModel):
     rank: int | None = None
     """Global rank; None picks the node's first rank."""
     fault: str
-    """`crash` (SIGKILL), `hang` (SIGSTOP), `exit` (exit code 1 via SIGTERM)."""
+    """`crash` (SIGKILL a rank), `hang` (SIGSTOP a rank), `slow` (stop/continue a rank with a duty cycle),
+    `gpu` (the node's GPU check reports an XID error), `node-down` (the agent kills its ranks and itself)."""
+    slow_duty: float = 0.5
+    """For `slow`: the fraction of time the rank is stopped (0..0.95)."""
 
 
 class InjectFaultResult(BaseModel):

@@ -24,6 +24,8 @@ class RankReport:
     saving: bool = False
     """The rank is taking its in-memory checkpoint snapshot."""
     finished: bool = False
+    compute_s: float | None = None
+    """Moving average of the rank's own compute per step, outside collectives, when the script reports it."""
 
 
 def silence_bound_s(report: RankReport | None, start_step: int, health: HealthSpec) -> float:
@@ -89,3 +91,26 @@ def find_hung_rank(
 def complete_steps(saved: dict[int, set[int]], local_ranks: set[int], after_step: int) -> list[int]:
     """Checkpoint steps newer than `after_step` for which every local rank has a finished shard."""
     return sorted(step for step, ranks in saved.items() if step > after_step and local_ranks <= ranks)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def find_stragglers(compute_s: dict[int, float], ratio: float) -> dict[int, float]:
+    """Ranks whose compute time per step is above `ratio` times the median of their peers': rank -> ratio.
+
+    Step wall times cannot show a straggler: in data-parallel training every rank waits for the slowest at
+    each collective, so all step times are equal. The compute time outside collectives differs.
+    """
+    found: dict[int, float] = {}
+    for rank, own in sorted(compute_s.items()):
+        peers = [t for r, t in compute_s.items() if r != rank]
+        if not peers:
+            continue
+        median = _median(peers)
+        if median > 0 and own > ratio * median:
+            found[rank] = round(own / median, 3)
+    return found

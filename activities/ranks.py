@@ -33,6 +33,7 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
+from activities.health import NodeHealth
 from activities.paths import RunLayout
 from activities.progress import RankReport, complete_steps, find_hung_rank
 
@@ -154,6 +155,7 @@ def _read_report(path: Path) -> RankReport | None:
         step_time_s=data.get("step_time_s"),
         saving=bool(data.get("saving")),
         finished=bool(data.get("finished")),
+        compute_s=data.get("compute_s"),
     )
 
 
@@ -173,12 +175,14 @@ def _free_port(host: str) -> int:
 class RankActivities:
     """Rank processes on one node. One instance per node agent."""
 
-    def __init__(self, node: str, workdir: Path, host: str, code_dir: Path) -> None:
+    def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None) -> None:
         self.node = node
         self.workdir = workdir
         self.host = host
         self.code_dir = code_dir
+        self.health = health or NodeHealth()
         self._attempts: dict[str, AttemptRecord] = {}
+        self._slowdowns: dict[int, asyncio.Task[None]] = {}
         self._reconcile()
 
     # ------------------------------------------------------------------------------- bookkeeping
@@ -347,7 +351,19 @@ class RankActivities:
 
     @activity.defn(name="inject_fault")
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
-        """Chaos: crash (SIGKILL) or hang (SIGSTOP) one of this node's ranks of the run's current attempt."""
+        """Chaos, carried out by the agent itself: the faults of the field, on demand."""
+        now = time.time()
+        if request.fault == "gpu":
+            self.health.inject("XID 79: GPU has fallen off the bus (injected by trainguard chaos)", now)
+            return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
+        if request.fault == "node-down":
+            # Reply first, then die with every rank: the machine is gone as far as the run can tell.
+            asyncio.get_running_loop().call_later(0.3, self._die)
+            record = self._record(request.workflow_id)
+            if record is not None:
+                for rank in record.ranks:
+                    record.faults.setdefault(rank, now)
+            return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
         record = self._record(request.workflow_id)
         live = {r: p for r, p in (record.ranks.items() if record else []) if not p.poll()}
         if not live:
@@ -361,22 +377,53 @@ class RankActivities:
                 type="NoSuchRank",
                 non_retryable=True,
             )
+        assert record is not None
+        pid = live[rank].pid
+        if request.fault == "slow":
+            duty = min(max(request.slow_duty, 0.05), 0.95)
+            self._slowdowns[pid] = asyncio.create_task(self._duty_cycle(live[rank], duty))
+            log.info("chaos: slowing rank %d (pid %d) on %s, stopped %.0f%% of the time", rank, pid, self.node,
+                     duty * 100)
+            return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=now)
         signals = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP, "exit": signal.SIGTERM}
         if request.fault not in signals:
             raise ApplicationError(
-                f"unknown fault {request.fault!r}; expected one of {sorted(signals)}", type="BadFault",
-                non_retryable=True,
+                f"unknown fault {request.fault!r}; expected one of crash, hang, slow, gpu, node-down",
+                type="BadFault", non_retryable=True,
             )
-        assert record is not None
-        injected_at = record.faults.setdefault(rank, time.time())
+        injected_at = record.faults.setdefault(rank, now)
         # Signal the rank's own process only: a real fault hits one process, not its group.
         try:
-            os.kill(live[rank].pid, signals[request.fault])
+            os.kill(pid, signals[request.fault])
         except ProcessLookupError:
             pass
-        log.info("chaos: %s rank %d (pid %d) of %s on %s", request.fault, rank, live[rank].pid,
-                 request.workflow_id, self.node)
-        return InjectFaultResult(node=self.node, rank=rank, pid=live[rank].pid, injected_at=injected_at)
+        log.info("chaos: %s rank %d (pid %d) of %s on %s", request.fault, rank, pid, request.workflow_id, self.node)
+        return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=injected_at)
+
+    @staticmethod
+    async def _duty_cycle(proc: RankProcess, duty: float, period_s: float = 0.1) -> None:
+        """Stop and continue a rank so it runs only (1 - duty) of the time: a slow GPU, a noisy neighbour."""
+        try:
+            while not proc.poll():
+                os.kill(proc.pid, signal.SIGSTOP)
+                await asyncio.sleep(period_s * duty)
+                os.kill(proc.pid, signal.SIGCONT)
+                await asyncio.sleep(period_s * (1 - duty))
+        except ProcessLookupError:
+            pass
+        finally:
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def _die(self) -> None:
+        for record in self._attempts.values():
+            for proc in record.ranks.values():
+                if not proc.poll():
+                    _kill_group(proc.pid, signal.SIGKILL)
+        log.warning("chaos: node-down on %s: agent and ranks killed", self.node)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     @activity.defn(name="watch_ranks")
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
@@ -391,6 +438,7 @@ class RankActivities:
         layout = RunLayout.of(self.workdir, request.workflow_id)
         health = request.health
         started = time.monotonic()
+        next_gpu_check = started + health.gpu_check_interval_s
         local_ranks = set(record.ranks)
         while True:
             now = time.time()
@@ -412,7 +460,15 @@ class RankActivities:
 
             ready = complete_steps(self._saved_steps(layout), local_ranks, request.reported_step)
             if ready:
-                return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready)
+                compute = {r: rep.compute_s for r, rep in reports.items() if rep is not None and rep.compute_s}
+                return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready, rank_compute_s=compute)
+
+            if self.health.injected is not None or time.monotonic() >= next_gpu_check:
+                next_gpu_check = time.monotonic() + health.gpu_check_interval_s
+                gpu = await asyncio.to_thread(self.health.check)
+                if gpu.available and not gpu.healthy:
+                    return event(WatchEventKind.GPU_UNHEALTHY, detail=gpu.detail,
+                                 fault_at=self.health.injected_at)
 
             for rank in sorted(local_ranks):
                 proc = record.ranks[rank]

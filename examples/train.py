@@ -68,14 +68,17 @@ def main() -> None:
 
     loss = torch.zeros(())
     for step in range(run.start_step, args.steps):
+        began = time.perf_counter()
         inputs, targets = batch_for(step, rank, args.batch_size, device)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(ddp(inputs), targets)
-        loss.backward()
+        forward_s = time.perf_counter() - began
+        loss.backward()  # the gradient all-reduce happens in here: every rank waits for the slowest
         optimizer.step()
+        began = time.perf_counter()
         if args.step_time > 0:
             time.sleep(args.step_time)
-        run.step_done(step + 1)
+        run.step_done(step + 1, compute_s=forward_s + time.perf_counter() - began)
         if run.should_save(step + 1) or step + 1 == args.steps:
             run.save(step + 1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
 

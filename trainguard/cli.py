@@ -95,6 +95,9 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         _print_json((await client.result(args.id)).model_dump(mode="json"))
     elif args.action == "cancel":
         await client.cancel(args.id)
+    elif args.action in ("pause", "resume", "abort"):
+        answer = await getattr(client, args.action)(args.id, args.reason or "")
+        print(f"{args.action} accepted (run was {answer.phase.value})")
     elif args.action == "list":
         for run_id, status in await client.list_runs(args.query):
             print(f"{status:<12} {run_id}")
@@ -104,9 +107,11 @@ async def _run_cmd(args: argparse.Namespace) -> int:
 async def _chaos_cmd(args: argparse.Namespace) -> int:
     from trainguard.client import TrainguardClient
 
+    args.fault = "gpu" if args.fault == "gpu-fault" else args.fault
     client = await TrainguardClient.connect()
-    result = await client.inject_fault(args.run, args.fault, args.node, args.rank)
-    print(f"{args.fault}: rank {result.rank} (pid {result.pid}) on {result.node}")
+    result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty)
+    target = f"rank {result.rank} (pid {result.pid})" if result.rank >= 0 else "the node"
+    print(f"{args.fault}: {target} on {result.node}")
     return 0
 
 
@@ -191,15 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--wait", action="store_true", help="wait for the result and print it")
     for name in ("status", "result", "cancel"):
         run_sub.add_parser(name).add_argument("id")
+    for name in ("pause", "resume", "abort"):
+        operator = run_sub.add_parser(name)
+        operator.add_argument("id")
+        operator.add_argument("--reason", help="recorded in the run's history and status")
     listing = run_sub.add_parser("list")
     listing.add_argument("--query", help="extra visibility query, e.g. \"ExecutionStatus='Running'\"")
     run.set_defaults(func=lambda a: asyncio.run(_run_cmd(a)))
 
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
-    chaos.add_argument("fault", choices=["crash", "hang"])
+    chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down"])
     chaos.add_argument("--run", required=True, help="workflow id")
     chaos.add_argument("--node", required=True)
     chaos.add_argument("--rank", type=int, help="global rank (default: the node's first)")
+    chaos.add_argument("--duty", type=float, default=0.5, help="slow: fraction of time the rank is stopped")
     chaos.set_defaults(func=lambda a: asyncio.run(_chaos_cmd(a)))
 
     demo = sub.add_parser("demo", help="bring the stack up, run the quickstart, crash a rank, recover")

@@ -23,7 +23,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from activities.models import InjectFaultInput, InjectFaultResult
 from trainguard import TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
-from trainguard.models import RunResult, RunStatus
+from trainguard.models import OperatorRequest, OperatorResult, Phase, RunResult, RunStatus
 from trainguard.settings import Settings
 from trainguard.spec import RunSpec, parse_spec
 
@@ -77,11 +77,14 @@ class TrainguardClient:
         description = await handle.describe()
         status = await handle.query("status", result_type=RunStatus)
         steps: dict[int, int | None] = {}
-        for pending in description.raw_description.pending_activities:
+        live = status.phase in (Phase.RUNNING, Phase.FINISHING)
+        for pending in description.raw_description.pending_activities if live else []:
             if pending.activity_type.name != "watch_ranks" or not pending.heartbeat_details.payloads:
                 continue
-            details = await self.client.data_converter.decode(pending.heartbeat_details.payloads)
-            for rank, step in (details[0].get("steps") or {}).items():
+            details = (await self.client.data_converter.decode(pending.heartbeat_details.payloads))[0]
+            if details.get("attempt") != status.attempt:
+                continue  # a cancelled watch of an earlier attempt, not yet acknowledged
+            for rank, step in (details.get("steps") or {}).items():
                 steps[int(rank)] = step
         execution = description.status.name if description.status else "UNKNOWN"
         return RunView(workflow_id, execution, status, dict(sorted(steps.items())))
@@ -89,12 +92,31 @@ class TrainguardClient:
     async def result(self, workflow_id: str) -> RunResult:
         return await self.client.get_workflow_handle(workflow_id, result_type=RunResult).result()
 
-    async def inject_fault(self, workflow_id: str, fault: str, node: str, rank: int | None = None) -> InjectFaultResult:
-        """Chaos through the run itself: the node's agent crashes (`crash`) or freezes (`hang`) a rank."""
+    async def inject_fault(self, workflow_id: str, fault: str, node: str, rank: int | None = None,
+                           slow_duty: float = 0.5) -> InjectFaultResult:
+        """Chaos through the run itself, carried out by the node's agent: `crash` or `hang` a rank, `slow` it
+        down, report a `gpu` fault, or take the whole node down (`node-down`)."""
         return await self.handle(workflow_id).execute_update(
             "inject_fault",
-            InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault),
+            InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault, slow_duty=slow_duty),
             result_type=InjectFaultResult,
+        )
+
+    async def pause(self, workflow_id: str, reason: str = "") -> OperatorResult:
+        """Stop the run's ranks and hold it PAUSED until `resume` (or `abort`)."""
+        return await self._operator(workflow_id, "pause", reason)
+
+    async def resume(self, workflow_id: str, reason: str = "") -> OperatorResult:
+        """Relaunch a paused run (paused by you, or by the policy when a node was lost with no spare)."""
+        return await self._operator(workflow_id, "resume", reason)
+
+    async def abort(self, workflow_id: str, reason: str = "") -> OperatorResult:
+        """End a paused run; it fails with `reason`."""
+        return await self._operator(workflow_id, "abort", reason)
+
+    async def _operator(self, workflow_id: str, update: str, reason: str) -> OperatorResult:
+        return await self.handle(workflow_id).execute_update(
+            update, OperatorRequest(reason=reason), result_type=OperatorResult
         )
 
     async def cancel(self, workflow_id: str) -> None:

@@ -29,6 +29,8 @@ class Action(str, Enum):
     """Cordon the bad node and relaunch on fewer nodes (no spare left, `min_nodes` allows it)."""
     REPORT = "report"
     """Record the incident and keep training."""
+    PAUSE = "pause"
+    """Stop the ranks and wait for an operator's `resume` (after fixing or adding nodes) or `abort`."""
     STOP = "stop"
     """End the run with the incident's reason (budget spent, or a user error)."""
 
@@ -40,6 +42,7 @@ class Phase(str, Enum):
     LAUNCHING = "launching"
     RUNNING = "running"
     RECOVERING = "recovering"
+    PAUSED = "paused"
     FINISHING = "finishing"
     COMPLETED = "completed"
     FAILED = "failed"
@@ -136,4 +139,16 @@ class RunStatus(BaseModel):
     incidents: list[Incident] = Field(default_factory=list)
     latest_checkpoint: CheckpointRef | None = None
     reason: str | None = None
-    """Why the run failed, when it did."""
+    """Why the run failed or is paused."""
+
+
+class OperatorRequest(BaseModel):
+    """Input of the `pause`, `resume` and `abort` updates."""
+
+    reason: str = ""
+    """Why, for the history and the status (e.g. `replacing PSU on node-1`)."""
+
+
+class OperatorResult(BaseModel):
+    phase: Phase
+    """The run's phase when the request was accepted."""

@@ -127,6 +127,7 @@ class RankRun:
         self._last_write = 0.0
         self._last_step_at: float | None = None
         self._step_time_ema: float | None = None
+        self._compute_ema: float | None = None
         self._num_timed_steps = 0
         self._sum_step_s = 0.0
         self._step = self.start_step
@@ -146,15 +147,24 @@ class RankRun:
             "step": self._step,
             "time": now,
             "step_time_s": self._step_time_ema,
+            "compute_s": self._compute_ema,
             "timed_steps": self._num_timed_steps,
             **extra,
         }
         _atomic_write_json(self._progress_path, payload)
         self._last_write = now
 
-    def step_done(self, step: int) -> None:
-        """Report that `step` steps are complete. Call once per training step: it is the heartbeat."""
+    def step_done(self, step: int, compute_s: float | None = None) -> None:
+        """Report that `step` steps are complete. Call once per training step: it is the heartbeat.
+
+        `compute_s` is this rank's own work in the step, outside collectives (forward pass, data, local
+        compute). Step wall times are equal on every rank of a data-parallel job, so this is what shows a
+        straggler; without it stragglers are not detected.
+        """
         now = time.monotonic()
+        if compute_s is not None:
+            ema = self._compute_ema
+            self._compute_ema = compute_s if ema is None else 0.8 * ema + 0.2 * compute_s
         if self._last_step_at is not None:
             elapsed = now - self._last_step_at
             self._sum_step_s += elapsed

@@ -80,6 +80,17 @@ class HealthSpec(_Strict):
     poll_interval_s: float = Field(0.2, ge=0.05, le=10)
     """How often a node agent reads its ranks' progress. Default 0.2 s."""
 
+    straggler_ratio: float = Field(1.5, gt=1, le=100)
+    """A rank whose compute time per step exceeds this many times its peers' median, over a checkpoint
+    interval, is a straggler. Default 1.5."""
+
+    straggler_windows: int = Field(2, ge=1, le=1000)
+    """Consecutive checkpoint intervals a straggler must persist before its node is replaced by a spare
+    (it is reported from the first). Default 2."""
+
+    gpu_check_interval_s: float = Field(30.0, ge=1, le=86_400)
+    """How often node agents re-check GPU health while ranks run. Default 30 s."""
+
     @model_validator(mode="after")
     def _floor_below_max(self) -> HealthSpec:
         if self.hang_floor_s > self.hang_max_s:

@@ -18,7 +18,7 @@ from pathlib import Path
 from temporalio.worker import Worker
 
 from activities.checkpoints import NodeCheckpointActivities
-from activities.health import HealthActivities
+from activities.health import HealthActivities, NodeHealth
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
@@ -29,9 +29,10 @@ log = logging.getLogger("trainguard.node_agent")
 
 
 def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path) -> tuple[Worker, RankActivities]:  # type: ignore[no-untyped-def]
-    ranks = RankActivities(node, workdir, host, code_dir)
+    node_health = NodeHealth()
+    ranks = RankActivities(node, workdir, host, code_dir, node_health)
     checkpoints = NodeCheckpointActivities(node, workdir)
-    health = HealthActivities(node, host)
+    health = HealthActivities(node, host, node_health)
     worker = Worker(
         client,
         task_queue=node_task_queue(node),

@@ -18,8 +18,9 @@ ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.RESERVING: frozenset({Phase.RESTORING, Phase.FAILED}),
     Phase.RESTORING: frozenset({Phase.LAUNCHING, Phase.RESTORING, Phase.RECOVERING, Phase.FAILED}),
     Phase.LAUNCHING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),
-    Phase.RUNNING: frozenset({Phase.RECOVERING, Phase.FINISHING, Phase.FAILED}),
-    Phase.RECOVERING: frozenset({Phase.RESTORING, Phase.FAILED}),
+    Phase.RUNNING: frozenset({Phase.RECOVERING, Phase.PAUSED, Phase.FINISHING, Phase.FAILED}),
+    Phase.RECOVERING: frozenset({Phase.RESTORING, Phase.PAUSED, Phase.FAILED}),
+    Phase.PAUSED: frozenset({Phase.RESTORING, Phase.FAILED}),
     Phase.FINISHING: frozenset({Phase.COMPLETED, Phase.FAILED}),
     Phase.COMPLETED: frozenset(),
     Phase.FAILED: frozenset(),
@@ -73,11 +74,19 @@ def decide(
     spares: list[str],
     budget: RecoveryBudget,
     now: float,
+    persisted: bool = False,
 ) -> Decision:
-    """The remediation ladder: restart in place; replace a bad node with a spare; otherwise stop."""
+    """The remediation ladder: restart in place; replace a bad node with a spare; otherwise pause for an
+    operator. Stop when the budget is spent or the script says a restart cannot help.
+
+    `persisted` is for stragglers: true once one has lasted `health.straggler_windows` intervals.
+    """
     if kind is IncidentKind.USER_ERROR:
         return Decision(Action.STOP, f"a rank exited with code {EXIT_NO_RETRY} (do not retry): fix the script")
     if kind is IncidentKind.STRAGGLER:
+        if persisted and node in active_nodes and spares:
+            return Decision(Action.REPLACE_NODE, f"straggler on {node} persisted: replaced by spare {spares[0]}",
+                            replacement=spares[0])
         return Decision(Action.REPORT, "straggler reported; training goes on")
     recent = [t for t in budget.restart_times if now - t < spec.restarts.window_s]
     if len(recent) >= spec.restarts.max_restarts:
@@ -98,5 +107,6 @@ def decide(
         if spares:
             return Decision(Action.REPLACE_NODE, f"{kind.value} on {node}: replaced by spare {spares[0]}",
                             replacement=spares[0])
-        return Decision(Action.STOP, f"{kind.value} on {node} and no spare node left (add spare_nodes)")
+        return Decision(Action.PAUSE, f"{kind.value} on {node} and no spare node left: paused for an operator "
+                                      f"(fix the node and `resume`, or `abort`)")
     return Decision(Action.RESTART, f"{kind.value}: relaunch every rank from the newest committed checkpoint")

@@ -50,11 +50,14 @@ with workflow.unsafe.imports_passed_through():
         CheckpointRef,
         Incident,
         IncidentKind,
+        OperatorRequest,
+        OperatorResult,
         Phase,
         RunResult,
         RunStatus,
     )
     from trainguard.spec import RunSpec, SpecError, parse_spec
+    from activities.progress import find_stragglers
     from workflows.policy import Decision, RecoveryBudget, classify_exit, decide, next_phase
 
 # ------------------------------------------------------------------------------ timeouts and retries
@@ -110,6 +113,16 @@ class _Outcome:
     finished: bool
     incident: Incident | None = None
     final_events: list[WatchEvent] = field(default_factory=list)
+    paused: bool = False
+    """An operator asked for a pause."""
+
+
+class _NodeFailed(Exception):
+    """A node could not do its part of a restore or launch: an incident, not the end of the run."""
+
+    def __init__(self, node: str, detail: str) -> None:
+        super().__init__(detail)
+        self.node = node
 
 
 class _CheckpointCorrupt(Exception):
@@ -141,6 +154,11 @@ class TrainingRun:
         self._spares: list[str] = []
         self._launched = False
         self._background: list[asyncio.Task[Any]] = []
+        self._pause_requested = False
+        self._resume_requested = False
+        self._abort_reason: str | None = None
+        self._straggler_streak: dict[int, int] = {}
+        self._compute_by_step: dict[int, dict[int, float]] = {}
 
     # ------------------------------------------------------------------------------ queries/updates
     @workflow.query
@@ -161,6 +179,40 @@ class TrainingRun:
             result_type=InjectFaultResult,
             summary=f"chaos {request.fault} on {request.node}",
         )
+
+    @workflow.update
+    async def pause(self, request: OperatorRequest) -> OperatorResult:
+        """Stop the ranks (progress since the newest checkpoint is redone later) and wait for `resume`."""
+        self._pause_requested = True
+        self._status.reason = f"pause requested: {request.reason}" if request.reason else "pause requested"
+        return OperatorResult(phase=self._status.phase)
+
+    @pause.validator
+    def _validate_pause(self, request: OperatorRequest) -> None:
+        if self._status.phase in (Phase.PAUSED, Phase.COMPLETED, Phase.FAILED, Phase.FINISHING):
+            raise ValueError(f"run is {self._status.phase.value}: cannot pause")
+
+    @workflow.update
+    async def resume(self, request: OperatorRequest) -> OperatorResult:
+        """Relaunch a paused run from its newest committed checkpoint (recovery budgets start afresh)."""
+        self._resume_requested = True
+        return OperatorResult(phase=self._status.phase)
+
+    @resume.validator
+    def _validate_resume(self, request: OperatorRequest) -> None:
+        if self._status.phase is not Phase.PAUSED:
+            raise ValueError(f"run is {self._status.phase.value}, not paused: nothing to resume")
+
+    @workflow.update
+    async def abort(self, request: OperatorRequest) -> OperatorResult:
+        """End a paused run: its ranks are already stopped; the run fails with the operator's reason."""
+        self._abort_reason = request.reason or "aborted by an operator"
+        return OperatorResult(phase=self._status.phase)
+
+    @abort.validator
+    def _validate_abort(self, request: OperatorRequest) -> None:
+        if self._status.phase is not Phase.PAUSED:
+            raise ValueError(f"run is {self._status.phase.value}: only a paused run is aborted (cancel it instead)")
 
     @inject_fault.validator
     def _validate_fault(self, request: InjectFaultInput) -> None:
@@ -193,6 +245,10 @@ class TrainingRun:
                 outcome = await self._run_attempt(spec, attempt)
                 if outcome.finished:
                     break
+                if outcome.paused:
+                    await self._stop_everywhere(self._status.nodes, attempt, "paused by an operator")
+                    await self._wait_for_operator()
+                    continue
                 assert outcome.incident is not None
                 await self._recover(spec, attempt, outcome.incident)
             for task in self._background:  # let retention finish before the run reports done
@@ -209,6 +265,20 @@ class TrainingRun:
             if self._launched:
                 await self._stop_everywhere(self._status.nodes, None, "run ended: stop every rank")
             raise
+
+    async def _wait_for_operator(self) -> None:
+        """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails)."""
+        self._set_phase(Phase.PAUSED)
+        self._pause_requested = self._resume_requested = False
+        await workflow.wait_condition(lambda: self._resume_requested or self._abort_reason is not None)
+        if self._abort_reason is not None:
+            self._status.reason = self._abort_reason
+            raise ApplicationError(self._abort_reason, type="Aborted", non_retryable=True)
+        self._resume_requested = False
+        self._status.reason = None
+        self._restart_times.clear()
+        self._restarts_without_checkpoint = 0
+        self._set_phase(Phase.RESTORING)
 
     def _set_phase(self, phase: Phase) -> None:
         if phase is not self._status.phase:
@@ -264,12 +334,17 @@ class TrainingRun:
         return f"{spec.checkpoint.prefix}/{workflow.info().workflow_id}"
 
     async def _run_attempt(self, spec: RunSpec, attempt: int) -> _Outcome:
-        manifest, restore_dirs = await self._restore(spec, attempt)
+        try:
+            manifest, restore_dirs = await self._restore(spec, attempt)
+        except _NodeFailed as failed:
+            return _Outcome(False, Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=failed.node, attempt=attempt,
+                                            detail=str(failed), detected_at=workflow.now().timestamp()))
         restore_step = manifest.step if manifest else 0
         self._status.resumed_step = restore_step
         self._status.step = max(self._status.step, restore_step)
-        if self._status.incidents and self._status.incidents[-1].resumed_step is None:
-            self._status.incidents[-1].resumed_step = restore_step
+        for incident in self._status.incidents:
+            if incident.resumed_step is None and incident.action is not Action.REPORT:
+                incident.resumed_step = restore_step
 
         self._set_phase(Phase.LAUNCHING)
         self._launched = True
@@ -339,13 +414,17 @@ class TrainingRun:
                 summary=f"download step {manifest.step} to {node} (attempt {attempt})",
             )
 
-        try:
-            results = await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
-        except ActivityError as error:
-            if _error_type(error) == "CorruptCheckpoint":
-                raise _CheckpointCorrupt(manifest.step, f"step {manifest.step}: {_cause_text(error)}") from None
-            raise
-        return {node: result.restore_dir for node, result in zip(nodes, results)}
+        results = await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)), return_exceptions=True)
+        for node, result in zip(nodes, results):
+            if isinstance(result, ActivityError) and _error_type(result) == "CorruptCheckpoint":
+                raise _CheckpointCorrupt(manifest.step, f"step {manifest.step}: {_cause_text(result)}")
+        for node, result in zip(nodes, results):
+            if isinstance(result, ActivityError):
+                raise _NodeFailed(node, f"download failed: {_cause_text(result)}")
+            if isinstance(result, BaseException):
+                raise result
+        return {node: result.restore_dir for node, result in zip(nodes, results)
+                if isinstance(result, DownloadShardsResult)}
 
     async def _launch(self, spec: RunSpec, attempt: int, index: int, master: LaunchRanksResult | None,
                       restore_dirs: dict[str, str], restore_step: int) -> LaunchRanksResult:
@@ -421,10 +500,13 @@ class TrainingRun:
         shards: dict[int, list[ShardInfo]] = {}
         finished: dict[str, WatchEvent] = {}
         incident: Incident | None = None
+        paused = False
+        control = asyncio.ensure_future(workflow.wait_condition(lambda: self._pause_requested))
 
-        while incident is None and (len(finished) < len(nodes) or uploads or commits):
-            pending: list[asyncio.Task[Any]] = [*watches.values(), *uploads.values(), *commits.values()]
+        while incident is None and not paused and (len(finished) < len(nodes) or uploads or commits):
+            pending: list[asyncio.Task[Any]] = [*watches.values(), *uploads.values(), *commits.values(), control]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            paused = control.done()
 
             for node in nodes:  # a fixed order keeps the workflow deterministic
                 task = watches.get(node)
@@ -441,12 +523,18 @@ class TrainingRun:
                 if event.kind is WatchEventKind.CHECKPOINT_READY:
                     for step in event.checkpoint_steps:
                         uploads[(step, node)] = self._upload(spec, attempt, node, step)
+                    self._compute_by_step.setdefault(max(event.checkpoint_steps), {}).update(event.rank_compute_s)
                     reported[node] = max(event.checkpoint_steps)
                     watches[node] = self._watch(spec, attempt, node, reported[node])
                 elif event.kind is WatchEventKind.KEEPALIVE:
                     watches[node] = self._watch(spec, attempt, node, reported[node])
                 elif event.kind is WatchEventKind.FINISHED:
                     finished[node] = event
+                elif event.kind is WatchEventKind.GPU_UNHEALTHY:
+                    incident = incident or Incident(
+                        kind=IncidentKind.GPU_UNHEALTHY, node=node, attempt=attempt, detail=event.detail,
+                        detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
+                        detected_at=event.detected_at)
                 elif incident is None:
                     incident = self._rank_incident(event, attempt)
 
@@ -468,9 +556,14 @@ class TrainingRun:
                     workflow.logger.warning("commit of step %d failed: %s", step, _cause_text(error))
                     continue
                 self._committed(spec, ref)
+                incident = incident or self._judge_stragglers(spec, attempt, step)
 
+        control.cancel()
         for task in watches.values():
             task.cancel()
+        if paused and incident is None:
+            await self._drain(spec, attempt, uploads, commits, shards)
+            return _Outcome(False, paused=True)
         if incident is not None:
             # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
             await self._drain(spec, attempt, uploads, commits, shards)
@@ -510,6 +603,28 @@ class TrainingRun:
             summary=f"prune checkpoints (keep {spec.checkpoint.keep_last})",
         ))
 
+    def _judge_stragglers(self, spec: RunSpec, attempt: int, step: int) -> Incident | None:
+        """At each committed checkpoint: compare the ranks' compute times over the interval. A straggler is
+        reported when first seen; one that persists comes back as an incident for the policy to act on."""
+        compute = self._compute_by_step.pop(step, {})
+        for old in [s for s in self._compute_by_step if s < step]:
+            del self._compute_by_step[old]
+        slow = find_stragglers(compute, spec.health.straggler_ratio)
+        self._straggler_streak = {r: self._straggler_streak.get(r, 0) + 1 for r in slow}
+        for rank, ratio in slow.items():
+            node = self._status.nodes[rank // spec.ranks_per_node]
+            streak = self._straggler_streak[rank]
+            incident = Incident(kind=IncidentKind.STRAGGLER, node=node, rank=rank, attempt=attempt,
+                                detail=f"rank {rank} computes {ratio:.2f}x slower than its peers' median "
+                                       f"(interval ending at step {step}, {streak} in a row)",
+                                action=Action.REPORT, detected_at=workflow.now().timestamp())
+            if streak == 1:
+                self._record_incident(incident)
+            if streak >= spec.health.straggler_windows and self._spares:
+                self._straggler_streak.clear()
+                return incident
+        return None
+
     def _note_first_step(self, event: WatchEvent) -> None:
         """The first step after a relaunch closes the previous incident's time to recover."""
         if event.first_step_at is None:
@@ -536,6 +651,7 @@ class TrainingRun:
         decision: Decision = decide(
             incident.kind, incident.node, spec, self._status.nodes, self._spares,
             RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint), now,
+            persisted=incident.kind is IncidentKind.STRAGGLER,
         )
         incident.action = decision.action
         incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
@@ -548,6 +664,10 @@ class TrainingRun:
         if decision.action is Action.STOP:
             self._status.reason = decision.reason
             raise ApplicationError(decision.reason, type="RunStopped", non_retryable=True)
+        if decision.action is Action.PAUSE:
+            self._status.reason = decision.reason
+            await self._wait_for_operator()
+            return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
             self._spares.remove(decision.replacement)
             self._replace(incident.node, decision.replacement)

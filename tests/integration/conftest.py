@@ -6,22 +6,27 @@ It lives under `.pytest-stack/` (git-ignored) on its own ports, so it never meet
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
+import time
 import shutil
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from trainguard.client import TrainguardClient
+from trainguard.client import RunView, TrainguardClient
+from trainguard.models import RunResult
 from trainguard.devstack import DevStack, Ports, StackConfig, _start_time
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("node-0", "node-1", "node-2")
+RUN_TIMEOUT_S = 240
 
 
 def _free_port_base() -> int:
@@ -100,3 +105,42 @@ def live_rank_pids(stack: DevStack) -> list[int]:
             if item["start_time"] and _start_time(item["pid"]) == item["start_time"]:
                 alive.append(item["pid"])
     return alive
+
+
+async def wait_until(client: TrainguardClient, run_id: str, predicate: Callable[[RunView], bool],
+                     timeout_s: float = 120) -> RunView:
+    """Poll the run's status until `predicate` holds; fail if the run ends first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        view = await client.status(run_id)
+        if predicate(view):
+            return view
+        assert view.execution_status == "RUNNING", f"{run_id} ended early: {view.status.reason}"
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"condition not reached within {timeout_s}s for {run_id}")
+
+
+def checkpointed(view: RunView, min_step: int = 25) -> bool:
+    """A checkpoint is committed and training has moved past it: a fault now must resume from it."""
+    return view.status.phase.value == "running" and view.status.latest_checkpoint is not None \
+        and view.live_step >= min_step
+
+
+async def restart_agent(stack: DevStack, node: str) -> None:
+    """Stop a node's agent (if it still runs) and start a fresh one, as an operator would."""
+    pidfile = stack.run_dir / f"agent-{node}.json"
+    if pidfile.exists():
+        record = json.loads(pidfile.read_text())
+        if _start_time(record["pid"]) == record["start_time"]:
+            os.kill(record["pid"], signal.SIGTERM)
+            while _start_time(record["pid"]) == record["start_time"]:
+                await asyncio.sleep(0.1)
+    await asyncio.to_thread(stack.up, lambda _line: None)
+
+
+@pytest.fixture(scope="session")
+async def baseline(client: TrainguardClient, stack: DevStack) -> RunResult:
+    """The small job with no fault: every recovered run of the same job must end identical to it."""
+    run_id = await client.start_run(make_spec(f"baseline-{uuid.uuid4().hex[:6]}"),
+                                    workflow_id=f"it-base-{uuid.uuid4().hex[:8]}")
+    return await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)

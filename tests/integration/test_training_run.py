@@ -21,31 +21,7 @@ from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import Action, IncidentKind, RunResult
 
-from .conftest import REPO, live_rank_pids, make_spec
-
-RUN_TIMEOUT_S = 240
-
-
-async def wait_until(client: TrainguardClient, run_id: str, predicate, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        view = await client.status(run_id)
-        if predicate(view):
-            return
-        assert view.execution_status == "RUNNING", f"{run_id} ended early: {view.status.reason}"
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"condition not reached within {timeout_s}s for {run_id}")
-
-
-async def run_to_end(client: TrainguardClient, spec: dict, run_id: str | None = None) -> RunResult:
-    run_id = await client.start_run(spec, workflow_id=run_id or f"it-{uuid.uuid4().hex[:8]}")
-    return await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-async def baseline(client: TrainguardClient, stack: DevStack) -> RunResult:
-    """The same small job with no fault: what every recovered run must end identical to."""
-    return await run_to_end(client, make_spec(f"baseline-{uuid.uuid4().hex[:6]}"))
+from .conftest import REPO, RUN_TIMEOUT_S, checkpointed, live_rank_pids, make_spec, restart_agent, wait_until
 
 
 async def test_run_completes_and_commits_checkpoints_to_s3(baseline: RunResult, stack: DevStack) -> None:
@@ -75,7 +51,7 @@ async def test_crashed_rank_resumes_from_newest_committed_step(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
     run_id = await client.start_run(make_spec(prefix), workflow_id=f"it-crash-{uuid.uuid4().hex[:6]}")
-    await wait_until(client, run_id, lambda v: v.status.latest_checkpoint is not None and v.live_step >= 25)
+    await wait_until(client, run_id, checkpointed)
     committed = (await client.status(run_id)).status.latest_checkpoint
     assert committed is not None
     fault = await client.inject_fault(run_id, "crash", "node-1")
@@ -101,7 +77,7 @@ async def test_hung_rank_is_detected_from_progress_and_recovered(
 ) -> None:
     spec = make_spec(prefix, health={"hang_floor_s": 1.5})
     run_id = await client.start_run(spec, workflow_id=f"it-hang-{uuid.uuid4().hex[:6]}")
-    await wait_until(client, run_id, lambda v: v.status.latest_checkpoint is not None and v.live_step >= 25)
+    await wait_until(client, run_id, checkpointed)
     await client.inject_fault(run_id, "hang", "node-0")
 
     result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
@@ -170,13 +146,13 @@ async def test_unresponsive_node_is_replaced_by_a_spare(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
     run_id = await client.start_run(make_spec(prefix, spares=("node-2",)), workflow_id=f"it-node-{uuid.uuid4().hex[:6]}")
-    await wait_until(client, run_id, lambda v: v.status.latest_checkpoint is not None and v.live_step >= 25)
+    await wait_until(client, run_id, checkpointed)
     agent = json.loads((stack.run_dir / "agent-node-1.json").read_text())["pid"]
     os.kill(agent, signal.SIGKILL)  # the agent is gone; its rank is orphaned and dies with its peers
     try:
         result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
     finally:
-        await asyncio.to_thread(stack.up, lambda _line: None)  # bring node-1's agent back for the tests after this one
+        await restart_agent(stack, "node-1")  # back for the tests after this one
     lost = [i for i in result.incidents if i.kind is IncidentKind.NODE_UNRESPONSIVE]
     assert lost and lost[0].node == "node-1" and lost[0].action is Action.REPLACE_NODE
     status = (await client.status(run_id)).status

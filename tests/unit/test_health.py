@@ -4,8 +4,8 @@ no-GPU path that must never fail a run."""
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,7 +23,8 @@ from activities.health import MAX_GPU_TEMPERATURE_C, GpuReading, NvmlBackend, ju
                      id="retired-pages"),
         pytest.param(GpuReading(index=0, row_remap_pending=True), "GPU 0: row remap pending",
                      id="row-remap-pending"),
-        pytest.param(GpuReading(index=0, row_remap_failed=True), "GPU 0: row remap failed", id="row-remap-failed"),
+        pytest.param(GpuReading(index=0, row_remap_failed=True), "GPU 0: row remap failed",
+                     id="row-remap-failed"),
         pytest.param(GpuReading(index=0, row_remap_pending=True, row_remap_failed=True), "row remap failed",
                      id="row-remap-failed-wins"),
         pytest.param(GpuReading(index=2, recovery_action=2), "GPU 2: NVML recovery action 2 requested",
@@ -61,7 +62,8 @@ def test_judge_gpus_healthy(readings: list[GpuReading]) -> None:
 def test_judge_gpus_lists_every_problem() -> None:
     health = judge_gpus([GpuReading(index=0, ecc_uncorrectable=1), GpuReading(index=1, hw_slowdown=True)])
 
-    assert health.detail == "GPU 0: 1 uncorrectable ECC errors; GPU 1: hardware slowdown (thermal or power brake)"
+    assert health.detail == ("GPU 0: 1 uncorrectable ECC errors; "
+                             "GPU 1: hardware slowdown (thermal or power brake)")
 
 
 # ---------------------------------------------------------------------------------- a fake pynvml
@@ -160,8 +162,9 @@ def test_nvml_backend_reads_every_gpu() -> None:
     readings = NvmlBackend(nvml).read()
 
     assert readings[0] == GpuReading(index=0, temperature_c=45)
-    assert readings[1] == GpuReading(index=1, temperature_c=70, ecc_uncorrectable=2, retired_pages_pending=True,
-                                     row_remap_pending=True, row_remap_failed=False, hw_slowdown=True)
+    assert readings[1] == GpuReading(index=1, temperature_c=70, ecc_uncorrectable=2,
+                                     retired_pages_pending=True, row_remap_pending=True,
+                                     row_remap_failed=False, hw_slowdown=True)
     assert readings[2] == GpuReading(index=2, temperature_c=40, row_remap_failed=True, hw_slowdown=False)
 
 
@@ -186,8 +189,8 @@ def _troubled_gpu(unsupported: set[str]) -> FakeGpu:
         pytest.param({"retired_pages"}, _reading(retired_pages_pending=False), id="no-page-retirement"),
         pytest.param({"remapped_rows"}, _reading(row_remap_pending=False), id="no-row-remapping"),
         pytest.param({"throttle"}, _reading(hw_slowdown=False), id="no-throttle-reasons"),
-        pytest.param({"temperature", "ecc", "retired_pages", "remapped_rows", "throttle"}, GpuReading(index=0),
-                     id="nothing-supported"),
+        pytest.param({"temperature", "ecc", "retired_pages", "remapped_rows", "throttle", "field_values"},
+                     GpuReading(index=0), id="nothing-supported"),
     ],
 )
 def test_nvml_backend_skips_queries_the_driver_refuses(unsupported: set[str], expected: GpuReading) -> None:
@@ -201,7 +204,8 @@ def test_nvml_backend_skips_queries_the_driver_refuses(unsupported: set[str], ex
     [
         pytest.param(FakeGpu(recovery_action=2), 2, id="reset-requested"),
         pytest.param(FakeGpu(recovery_action=0), 0, id="none-needed"),
-        pytest.param(FakeGpu(recovery_action=2, unsupported={"recovery_action"}), 0, id="field-not-supported"),
+        pytest.param(FakeGpu(recovery_action=2, unsupported={"recovery_action"}), 0,
+                     id="field-not-supported"),
         pytest.param(FakeGpu(recovery_action=2, unsupported={"field_values"}), 0, id="field-values-refused"),
     ],
 )
@@ -245,7 +249,8 @@ def test_read_gpu_health_judges_what_nvml_reports(monkeypatch: pytest.MonkeyPatc
     assert nvml.calls[-1] == "nvmlShutdown"
 
 
-def test_read_gpu_health_without_a_driver_is_unavailable_not_unhealthy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_gpu_health_without_a_driver_is_unavailable_not_unhealthy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([], fail_init=True))
 
     health = read_gpu_health()

@@ -30,7 +30,7 @@ def _spec(max_restarts: int = 3, window_s: float = 600.0, without_checkpoint: in
 
 
 DECIDE_CASES = [
-    # kind, node, spares, budget, expected action, fragment of the reason, replacement
+    # kind, node, spares, budget, expected action, fragment of the reason, replacement (persisted=False)
     pytest.param(IncidentKind.USER_ERROR, "node-0", ["spare-0"], RecoveryBudget(), Action.STOP,
                  "code 78", None, id="user-error-stops"),
     pytest.param(IncidentKind.USER_ERROR, "node-0", [], RecoveryBudget((NOW - 1,) * 9, 9), Action.STOP,
@@ -56,8 +56,10 @@ DECIDE_CASES = [
                  Action.REPLACE_NODE, "replaced by spare spare-0", "spare-0", id="unresponsive-with-spare"),
     pytest.param(IncidentKind.GPU_UNHEALTHY, "node-0", ["spare-0"], RecoveryBudget(),
                  Action.REPLACE_NODE, "gpu_unhealthy on node-0", "spare-0", id="bad-gpu-with-spare"),
-    pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-1", [], RecoveryBudget(), Action.STOP,
-                 "no spare node left", None, id="unresponsive-without-spare"),
+    pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-1", [], RecoveryBudget(), Action.PAUSE,
+                 "no spare node left: paused for an operator", None, id="unresponsive-without-spare-pauses"),
+    pytest.param(IncidentKind.GPU_UNHEALTHY, "node-0", [], RecoveryBudget(), Action.PAUSE,
+                 "gpu_unhealthy on node-0 and no spare node left", None, id="bad-gpu-without-spare-pauses"),
     pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-9", [], RecoveryBudget(), Action.RESTART,
                  "no longer in the run", None, id="unresponsive-node-already-gone"),
     pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-1", ["spare-0"], RecoveryBudget((NOW - 1,) * 3),
@@ -67,13 +69,31 @@ DECIDE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "node", "spares", "budget", "action", "reason", "replacement"), DECIDE_CASES)
+@pytest.mark.parametrize(("kind", "node", "spares", "budget", "action", "reason", "replacement"),
+                         DECIDE_CASES)
 def test_decide(kind: IncidentKind, node: str | None, spares: list[str], budget: RecoveryBudget,
                 action: Action, reason: str, replacement: str | None) -> None:
     decision = decide(kind, node, _spec(), NODES, spares, budget, NOW)
 
     assert decision.action is action
     assert reason in decision.reason
+    assert decision.replacement == replacement
+
+
+@pytest.mark.parametrize(
+    ("node", "spares", "action", "replacement"),
+    [
+        pytest.param("node-1", ["spare-0"], Action.REPLACE_NODE, "spare-0",
+                     id="persisted-with-spare-replaced"),
+        pytest.param("node-1", [], Action.REPORT, None, id="persisted-without-spare-reported"),
+        pytest.param("node-9", ["spare-0"], Action.REPORT, None, id="persisted-on-node-not-in-run-reported"),
+    ],
+)
+def test_persisting_straggler(node: str, spares: list[str], action: Action, replacement: str | None) -> None:
+    decision = decide(IncidentKind.STRAGGLER, node, _spec(), NODES, spares, RecoveryBudget(), NOW,
+                      persisted=True)
+
+    assert decision.action is action
     assert decision.replacement == replacement
 
 
@@ -106,6 +126,10 @@ def test_classify_exit(exit_code: int | None, kind: IncidentKind) -> None:
         (Phase.RUNNING, Phase.FINISHING),
         (Phase.FINISHING, Phase.COMPLETED),
         (Phase.RUNNING, Phase.FAILED),
+        (Phase.RUNNING, Phase.PAUSED),
+        (Phase.RECOVERING, Phase.PAUSED),
+        (Phase.PAUSED, Phase.RESTORING),
+        (Phase.PAUSED, Phase.FAILED),
     ],
 )
 def test_next_phase_allows(current: Phase, new: Phase) -> None:
@@ -121,6 +145,8 @@ def test_next_phase_allows(current: Phase, new: Phase) -> None:
         (Phase.VALIDATING, Phase.RUNNING),
         (Phase.RUNNING, Phase.COMPLETED),
         (Phase.RECOVERING, Phase.RUNNING),
+        (Phase.PAUSED, Phase.RUNNING),
+        (Phase.PAUSED, Phase.COMPLETED),
     ],
 )
 def test_next_phase_refuses(current: Phase, new: Phase) -> None:

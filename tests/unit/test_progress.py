@@ -9,6 +9,7 @@ from activities.progress import (
     RankReport,
     complete_steps,
     find_hung_rank,
+    find_stragglers,
     silence_bound_s,
 )
 from trainguard.spec import HealthSpec
@@ -20,7 +21,8 @@ LAUNCHED_AT = 1_000.0
 
 def _report(rank: int = 0, step: int = 5, time: float = LAUNCHED_AT, step_time_s: float | None = 1.0,
             saving: bool = False, finished: bool = False) -> RankReport:
-    return RankReport(rank=rank, step=step, time=time, step_time_s=step_time_s, saving=saving, finished=finished)
+    return RankReport(rank=rank, step=step, time=time, step_time_s=step_time_s, saving=saving,
+                      finished=finished)
 
 
 @pytest.mark.parametrize(
@@ -37,7 +39,8 @@ def _report(rank: int = 0, step: int = 5, time: float = LAUNCHED_AT, step_time_s
         pytest.param(_report(step_time_s=100.0, saving=True), 0, 80.0, id="checkpoint-grace-above-the-cap"),
         pytest.param(_report(step=1, step_time_s=None), 0, 6.0, id="first-step-slack-three-floors"),
         pytest.param(_report(step=41, step_time_s=None), 40, 6.0, id="first-step-slack-after-restore"),
-        pytest.param(_report(step=1, step_time_s=None, saving=True), 0, 36.0, id="first-step-slack-and-saving"),
+        pytest.param(_report(step=1, step_time_s=None, saving=True), 0, 36.0,
+                     id="first-step-slack-and-saving"),
     ],
 )
 def test_silence_bound(report: RankReport | None, start_step: int, bound_s: float) -> None:
@@ -59,20 +62,21 @@ STOPPED, SLEEPING = "T", "S"
     [
         pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, {}, 1_010.5, None,
                      id="all-fresh"),
-        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, {0: STOPPED}, 1_010.5,
-                     (0, 10.5), id="stopped-rank-past-its-bound"),
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_005.0)}, {0, 1}, {0: STOPPED},
+                     1_010.5, (0, 10.5), id="stopped-rank-past-its-bound"),
         pytest.param({0: _report(0, time=1_000.0)}, {0}, {0: SLEEPING}, 1_010.5, None,
                      id="sleeping-rank-gets-collective-grace"),
         pytest.param({0: _report(0, time=1_000.0)}, {0}, {}, 1_011.5, (0, 11.5),
                      id="sleeping-rank-past-bound-and-grace"),
         pytest.param({0: _report(0, time=1_000.3), 1: _report(1, time=1_000.0)}, {0, 1},
-                     {0: STOPPED, 1: SLEEPING}, 1_010.9, (0, 10.6), id="stopped-culprit-named-before-its-peer"),
+                     {0: STOPPED, 1: SLEEPING}, 1_010.9, (0, 10.6),
+                     id="stopped-culprit-named-before-its-peer"),
         pytest.param({0: _report(0, time=1_010.0), 1: _report(1, time=1_000.0), 2: _report(2, time=1_005.0)},
                      {0, 1, 2}, {}, 1_030.0, (1, 30.0), id="longest-silent-wins"),
         pytest.param({0: _report(0, time=1_000.0, finished=True), 1: _report(1, time=1_025.0)}, {0, 1},
                      {0: STOPPED}, 1_030.0, None, id="finished-rank-ignored"),
-        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_025.0)}, {1}, {0: STOPPED}, 1_030.0, None,
-                     id="rank-not-running-ignored"),
+        pytest.param({0: _report(0, time=1_000.0), 1: _report(1, time=1_025.0)}, {1}, {0: STOPPED}, 1_030.0,
+                     None, id="rank-not-running-ignored"),
         pytest.param({0: None, 1: _report(1, time=1_095.0)}, {0, 1}, {}, 1_099.0, None,
                      id="silent-since-launch-within-startup-grace"),
         pytest.param({0: None}, {0}, {}, 1_100.5, (0, 100.5), id="startup-grace-has-no-collective-grace"),
@@ -117,3 +121,22 @@ def test_unknown_process_state_counts_as_sleeping() -> None:
 def test_complete_steps(saved: dict[int, set[int]], local_ranks: set[int], after_step: int,
                         expected: list[int]) -> None:
     assert complete_steps(saved, local_ranks, after_step) == expected
+
+
+@pytest.mark.parametrize(
+    ("compute_s", "ratio", "expected"),
+    [
+        pytest.param({}, 1.5, {}, id="no-reports"),
+        pytest.param({0: 0.5}, 1.5, {}, id="a-single-rank-has-no-peers"),
+        pytest.param({0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}, 1.5, {}, id="all-even"),
+        pytest.param({0: 0.1, 1: 0.1, 2: 0.1, 3: 0.3}, 1.5, {3: 3.0}, id="one-slow-rank"),
+        pytest.param({0: 0.1, 1: 0.1, 2: 0.14}, 1.5, {}, id="within-ratio"),
+        pytest.param({0: 0.1, 1: 0.1, 2: 0.14}, 1.2, {2: 1.4}, id="past-a-tighter-ratio"),
+        pytest.param({0: 0.1, 1: 0.1, 2: 0.15}, 1.5, {}, id="exactly-at-ratio-is-not-slow"),
+        pytest.param({0: 0.1, 1: 0.2}, 1.5, {1: 2.0}, id="two-ranks-the-slower-named"),
+        pytest.param({0: 0.1, 1: 0.1, 2: 0.4, 3: 0.4}, 1.5, {2: 4.0, 3: 4.0}, id="median-of-the-other-ranks"),
+        pytest.param({0: 0.0, 1: 0.0, 2: 0.3}, 1.5, {}, id="zero-median-ignored"),
+    ],
+)
+def test_find_stragglers(compute_s: dict[int, float], ratio: float, expected: dict[int, float]) -> None:
+    assert find_stragglers(compute_s, ratio) == pytest.approx(expected)

@@ -97,6 +97,20 @@ def test_step_done_writes_the_step_and_its_time(tmp_path: Path, clock: FakeClock
     assert second["timed_steps"] == 1
 
 
+def test_step_done_reports_compute_time_as_a_moving_average(tmp_path: Path, clock: FakeClock) -> None:
+    env = _environ(tmp_path)
+    run = RankRun(env)
+    clock.advance(1.0)
+    run.step_done(1)
+    assert _progress(env)["compute_s"] is None
+
+    for step, compute_s in ((2, 0.1), (3, 0.6)):
+        clock.advance(1.0)
+        run.step_done(step, compute_s=compute_s)
+
+    assert _progress(env)["compute_s"] == pytest.approx(0.8 * 0.1 + 0.2 * 0.6)
+
+
 def test_step_done_throttles_progress_writes(tmp_path: Path, clock: FakeClock) -> None:
     env = _environ(tmp_path)
     run = RankRun(env)

@@ -77,6 +77,8 @@ BAD_SPECS = [
     pytest.param(_with(checkpoint={"every_steps": 0}), ["checkpoint.every_steps"], id="every-steps-zero"),
     pytest.param(_with(health={"hang_floor_s": 10, "hang_max_s": 5}),
                  ["health", "hang_floor_s must not exceed health.hang_max_s"], id="floor-above-max"),
+    pytest.param(_with(health={"straggler_ratio": 1.0}), ["health.straggler_ratio"],
+                 id="straggler-ratio-one"),
     pytest.param(_with(restarts={"max_restarts": -1}), ["restarts.max_restarts"], id="negative-restarts"),
     pytest.param(_with(ranks_per_node=0), ["ranks_per_node"], id="zero-ranks-per-node"),
     pytest.param(_with(bogus=1), ["bogus", "Extra inputs are not permitted"], id="unknown-field"),

@@ -1,0 +1,1 @@
+"""Tooling that is not part of the trainguard package: benchmarks and the like."""

@@ -1,0 +1,1 @@
+"""Benchmarks: each module prints measured figures; none of them asserts a time."""

@@ -1,0 +1,608 @@
+"""Checkpoint benchmark: what a checkpoint costs training, and how fast shards move to and from S3.
+
+    python -m infra.bench.checkpoint [--size-mib 256] [--repeats 3] [--json .bench/checkpoint.json]
+
+Measured side by side in one run, on this machine:
+
+1. Training stall per checkpoint. A model state of `--size-mib` float32 (a few large parameter tensors plus
+   an Adam-like optimizer state twice their size) is saved with the rank helper's `RankRun.save` (in-memory
+   snapshot, background write), against a synchronous `torch.save` + fsync of the same state to the same
+   disk, and against the floor: the in-memory copy alone (`trainguard.rank._snapshot`). While the
+   background write runs, a synthetic training step (a single-threaded matmul) keeps running, so the hidden
+   cost of the overlap (steps slowed by the writer) is measured too, not only the stall.
+2. Upload and download throughput of the shard `RankRun.save` wrote (the same bytes every time) through
+   trainguard's own code path (`NodeCheckpointActivities._upload_one` / `._download_one`, which include a
+   sha256 of the file before upload and after download) against raw boto3 `upload_file` / `download_file`
+   with the same `TransferConfig`, to the same private SeaweedFS, in alternating order.
+
+This is a benchmark, not a test: it prints figures and never asserts a time. Targets are shown with
+whether this run met them. Everything it starts (SeaweedFS) is stopped and its files removed on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.devstack import DevStack
+
+log = logging.getLogger("infra.bench.checkpoint")
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO / ".bench"
+DEFAULT_JSON = BENCH_DIR / "checkpoint.json"
+BUCKET = "trainguard"
+PORT_SEARCH = range(31000, 40000, 50)
+STEP_MATRIX = 1024
+"""Side of the square matmul that stands in for a training step (about 25 ms on one core here)."""
+IDLE_STEPS = 8
+"""Steps timed just before each async save: the reference the steps overlapping its write are held to."""
+WRITE_TIMEOUT_S = 300.0
+STALL_TARGET = 1.2
+"""Async stall at most this many times the in-memory copy floor."""
+THROUGHPUT_TARGET = 0.9
+"""trainguard's upload/download rate at least this fraction of raw boto3's."""
+MB = 1e6
+
+
+# ------------------------------------------------------------------------------------------- results
+
+
+@dataclass(slots=True)
+class Figure:
+    """One row of the report: trainguard's median against a baseline and, where one exists, a floor."""
+
+    name: str
+    unit: str
+    trainguard: float
+    baseline: float | None = None
+    floor: float | None = None
+    ratio: float | None = None
+    ratio_of: str = ""
+    """What the ratio divides by: "floor" or "baseline"."""
+    target: str = ""
+    met: bool | None = None
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(slots=True)
+class StallSamples:
+    floor_s: list[float] = field(default_factory=list)
+    async_s: list[float] = field(default_factory=list)
+    async_reported_s: list[float] = field(default_factory=list)
+    """What `RankRun.save` itself returned (its own clock, inside the call)."""
+    sync_s: list[float] = field(default_factory=list)
+    write_s: list[float] = field(default_factory=list)
+    """Background write (torch.save, fsync, sha256, meta file) from `save` returning to the meta file."""
+    slowdown_s: list[float] = field(default_factory=list)
+    """Extra time the training steps run during the background write took, over idle steps."""
+    step_inflation: list[float] = field(default_factory=list)
+    idle_step_s: list[float] = field(default_factory=list)
+    shard: Path | None = None
+    shard_meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TransferSamples:
+    size_bytes: int = 0
+    upload_tg_s: list[float] = field(default_factory=list)
+    upload_raw_s: list[float] = field(default_factory=list)
+    download_tg_s: list[float] = field(default_factory=list)
+    download_raw_s: list[float] = field(default_factory=list)
+    sha256_s: list[float] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------- the model state
+
+
+def make_state(size_mib: int) -> dict[str, Any]:
+    """A state dict of about `size_mib` MiB of float32, shaped like `{"model": ..., "optim": ...}` of Adam.
+
+    A third is parameters (four equal tensors), two thirds the optimizer's `exp_avg` and `exp_avg_sq`.
+    """
+    import torch
+
+    per_tensor = max(1, (size_mib << 20) // 4 // 12)
+    generator = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.weight": torch.randn(per_tensor, generator=generator) for i in range(4)}
+    optim_state = {
+        i: {"step": torch.tensor(100.0), "exp_avg": torch.randn(per_tensor, generator=generator),
+            "exp_avg_sq": torch.rand(per_tensor, generator=generator)}
+        for i in range(4)
+    }
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1, 2, 3]}]
+    optim = {"state": optim_state, "param_groups": groups}
+    return {"model": model, "optim": optim}
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of tensor data in a nested state."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+class TrainingStep:
+    """A stand-in for a training step: one single-threaded matmul, outside the GIL like real kernels."""
+
+    def __init__(self, side: int = STEP_MATRIX) -> None:
+        import torch
+
+        generator = torch.Generator().manual_seed(1)
+        self._a = torch.randn(side, side, generator=generator)
+        self._b = torch.randn(side, side, generator=generator)
+        self._out = torch.empty(side, side)
+
+    def __call__(self) -> float:
+        import torch
+
+        started = time.perf_counter()
+        torch.mm(self._a, self._b, out=self._out)
+        return time.perf_counter() - started
+
+
+# ---------------------------------------------------------------------------------- part 1: the stall
+
+
+def _sync_save(state: dict[str, Any], path: Path) -> float:
+    """The baseline: a blocking torch.save of the live state, flushed and fsynced. Returns seconds."""
+    import torch
+
+    started = time.perf_counter()
+    with path.open("wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return time.perf_counter() - started
+
+
+def _floor_copy(state: dict[str, Any]) -> float:
+    """The floor: the in-memory copy `RankRun.save` makes before it returns. Returns seconds."""
+    from trainguard.rank import _snapshot
+
+    started = time.perf_counter()
+    copy = _snapshot(state)
+    elapsed = time.perf_counter() - started
+    del copy
+    return elapsed
+
+
+def measure_stall(state: dict[str, Any], work: Path, repeats: int) -> StallSamples:
+    """Floor, async and sync saves of `state`, `repeats` times each in a rotating order."""
+    from trainguard.rank import RankRun
+
+    checkpoint_dir = work / "checkpoints"
+    progress = work / "progress" / "rank-00000.json"
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    environ = {
+        "TRAINGUARD_PROGRESS_FILE": str(progress),
+        "TRAINGUARD_CHECKPOINT_DIR": str(checkpoint_dir),
+        "TRAINGUARD_CHECKPOINT_EVERY": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    run = RankRun(environ=environ)
+    step = TrainingStep()
+    step()  # warm up the kernel
+    samples = StallSamples()
+    # One untimed round of each kind first: allocator, page cache, torch.save's first call, the writer thread.
+    _floor_copy(state)
+    warmup = work / "warmup.pt"
+    _sync_save(state, warmup)
+    warmup.unlink()
+    run.save(0, state)
+    run._wait_for_writer()
+
+    def async_save(index: int) -> None:
+        step_no = index + 1
+        idle = statistics.median(step() for _ in range(IDLE_STEPS))
+        samples.idle_step_s.append(idle)
+        started = time.perf_counter()
+        reported = run.save(step_no, state)
+        samples.async_s.append(time.perf_counter() - started)
+        samples.async_reported_s.append(reported)
+        returned_at = time.time()
+        # Training goes on while the writer runs: time those steps against idle ones. The meta file is
+        # written last, so its appearance is the end of the write (the node agent watches for it too).
+        meta_path = checkpoint_dir / f"step-{step_no:08d}" / "rank-00000.json"
+        writer = getattr(run, "_writer", None)
+        deadline = time.monotonic() + WRITE_TIMEOUT_S
+
+        def writing() -> bool:
+            alive = writer is None or writer.is_alive()
+            return alive and not meta_path.exists() and time.monotonic() < deadline
+
+        during: list[float] = []
+        while writing():
+            during.append(step())
+        run._wait_for_writer()  # raises if the background write failed
+        samples.write_s.append(max(0.0, meta_path.stat().st_mtime - returned_at))
+        samples.slowdown_s.append(max(0.0, sum(during) - len(during) * idle))
+        samples.step_inflation.append(statistics.mean(during) / idle if during else 1.0)
+        for older in checkpoint_dir.glob("step-*"):
+            if older.name != f"step-{step_no:08d}":
+                shutil.rmtree(older)
+        samples.shard = meta_path.with_name("rank-00000.pt")
+        samples.shard_meta = json.loads(meta_path.read_text())
+
+    def sync_save(index: int) -> None:
+        path = work / f"sync-{index}.pt"
+        samples.sync_s.append(_sync_save(state, path))
+        path.unlink()
+
+    def floor(_index: int) -> None:
+        samples.floor_s.append(_floor_copy(state))
+
+    kinds: list[Callable[[int], None]] = [floor, async_save, sync_save]
+    for index in range(repeats):
+        for offset in range(len(kinds)):
+            kind = kinds[(index + offset) % len(kinds)]
+            kind(index)
+        log.info("stall repeat %d/%d: copy %.3fs, async %.3fs, sync %.3fs", index + 1, repeats,
+                 samples.floor_s[-1], samples.async_s[-1], samples.sync_s[-1])
+    run.finish()
+    return samples
+
+
+# ------------------------------------------------------------------------------------ part 2: transfer
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def free_port_base() -> int:
+    """The first base from 31000 (steps of 50) whose every port is free and has no stale weed socket."""
+    from trainguard.devstack import Ports
+
+    for base in PORT_SEARCH:
+        ports = Ports.from_base(base)
+        every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
+        stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
+        if not stale and all(_port_free(port) for port in every):
+            return base
+    raise RuntimeError(f"no free port range in {PORT_SEARCH}")
+
+
+@contextmanager
+def private_store() -> Iterator[DevStack]:
+    """A SeaweedFS of our own under .bench/, with the bucket made; stopped and removed on the way out."""
+    from trainguard.devstack import DevStack, Ports, StackConfig, _start_time
+
+    base = free_port_base()
+    home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
+    dev = DevStack(StackConfig(home=home, ports=Ports.from_base(base), nodes=(), code_dir=REPO))
+    log.info("starting SeaweedFS in %s on port base %d", home, base)
+    try:
+        started = time.monotonic()
+        dev._start_s3()
+        dev._ensure_bucket(BUCKET)
+        log.info("S3 store answered after %.1fs at %s", time.monotonic() - started, dev.config.s3_endpoint)
+        yield dev
+    finally:
+        records = []
+        for path in dev.run_dir.glob("*.json"):
+            with suppress(OSError, ValueError):
+                records.append(json.loads(path.read_text()))
+        dev.down(echo=lambda _line: None)
+        survivors = [r["argv"][0] for r in records if _start_time(r["pid"]) == r["start_time"]]
+        if survivors:
+            log.error("still running after dev down: %s", survivors)
+        shutil.rmtree(home, ignore_errors=True)
+        log.info("SeaweedFS stopped, %s removed", home.name)
+
+
+@contextmanager
+def scoped_environ(updates: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block, then put the old values back."""
+    saved = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def measure_transfer(dev: DevStack, shard: Path, meta: dict[str, Any], work: Path,
+                     repeats: int) -> TransferSamples:
+    """Upload and download `shard` through trainguard and through raw boto3, alternating which goes first."""
+    creds = dev.credentials()
+    endpoint = dev.config.s3_endpoint
+    environ = {
+        "TRAINGUARD_S3_ENDPOINT": endpoint,
+        "AWS_ACCESS_KEY_ID": creds["access_key"],
+        "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
+        "AWS_REGION": "us-east-1",
+    }
+    with scoped_environ(environ):
+        return _measure_transfer(endpoint, creds, shard, meta, work, repeats)
+
+
+def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: dict[str, Any], work: Path,
+                      repeats: int) -> TransferSamples:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+
+    from activities.checkpoints import PART_SIZE_BYTES, TRANSFER_CONCURRENCY, NodeCheckpointActivities
+    from activities.models import ShardInfo
+    from trainguard.rank import sha256_file
+    from trainguard.settings import s3_client
+
+    raw = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        aws_access_key_id=creds["access_key"], aws_secret_access_key=creds["secret_key"],
+        config=Config(s3={"addressing_style": "path"}),
+    )
+    config = TransferConfig(multipart_threshold=PART_SIZE_BYTES, multipart_chunksize=PART_SIZE_BYTES,
+                            max_concurrency=TRANSFER_CONCURRENCY, use_threads=True)
+    node = NodeCheckpointActivities("bench", work / "node")
+    prefix = f"bench/{secrets.token_hex(4)}"
+    samples = TransferSamples(size_bytes=shard.stat().st_size)
+
+    def info(key: str) -> ShardInfo:
+        return ShardInfo(rank=0, key=key, size_bytes=meta["size_bytes"], sha256=meta["sha256"], node="bench")
+
+    def tg_up(key: str) -> float:
+        return _timed(lambda: node._upload_one(BUCKET, shard, info(key)))
+
+    def raw_up(key: str) -> float:
+        return _timed(lambda: raw.upload_file(str(shard), BUCKET, key, Config=config))
+
+    def tg_down(key: str, into: Path) -> float:
+        into.mkdir(parents=True)
+        return _timed(lambda: node._download_one(BUCKET, into, info(key)))
+
+    def raw_down(key: str, into: Path) -> float:
+        into.mkdir(parents=True)
+        return _timed(lambda: raw.download_file(BUCKET, key, str(into / shard.name), Config=config))
+
+    def one_round(tag: str, tg_first: bool) -> tuple[float, float, float, float]:
+        keys = {who: f"{prefix}/{tag}-{who}/{shard.name}" for who in ("tg", "raw")}
+        ups = [("tg", tg_up), ("raw", raw_up)]
+        downs = [("tg", tg_down), ("raw", raw_down)]
+        if not tg_first:
+            ups.reverse()
+            downs.reverse()
+        up = {who: fn(keys[who]) for who, fn in ups}
+        down = {who: fn(keys[who], work / f"{tag}-{who}") for who, fn in downs}
+        for who in ("tg", "raw"):
+            shutil.rmtree(work / f"{tag}-{who}")
+            raw.delete_object(Bucket=BUCKET, Key=keys[who])
+        return up["tg"], up["raw"], down["tg"], down["raw"]
+
+    # Connections, credentials and the store's first volume, untimed.
+    s3_client().head_bucket(Bucket=BUCKET)
+    raw.head_bucket(Bucket=BUCKET)
+    one_round("warmup", tg_first=True)
+    for index in range(repeats):
+        tg_first = index % 2 == 0
+        up_tg, up_raw, down_tg, down_raw = one_round(f"r{index}", tg_first)
+        samples.upload_tg_s.append(up_tg)
+        samples.upload_raw_s.append(up_raw)
+        samples.download_tg_s.append(down_tg)
+        samples.download_raw_s.append(down_raw)
+        samples.sha256_s.append(_timed(lambda: sha256_file(shard)))
+        log.info("transfer repeat %d/%d (%s first): up tg %.2fs raw %.2fs, down tg %.2fs raw %.2fs",
+                 index + 1, repeats, "trainguard" if tg_first else "raw", up_tg, up_raw, down_tg, down_raw)
+    return samples
+
+
+# ------------------------------------------------------------------------------------------- figures
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def stall_figures(s: StallSamples, size_mib: int) -> list[Figure]:
+    floor, stall, sync = _median(s.floor_s), _median(s.async_s), _median(s.sync_s)
+    effective = [a + b for a, b in zip(s.async_s, s.slowdown_s, strict=True)]
+    ratio = stall / floor
+    return [
+        Figure(f"checkpoint stall, {size_mib} MiB", "s", stall, sync, floor, ratio, "floor",
+               f"<= {STALL_TARGET}x floor", ratio <= STALL_TARGET,
+               {"trainguard": s.async_s, "trainguard_reported": s.async_reported_s, "baseline": s.sync_s,
+                "floor": s.floor_s},
+               "time RankRun.save blocks the caller"),
+        Figure("stall vs synchronous save", "s", stall, sync, None, stall / sync, "baseline", "", None,
+               {"trainguard": s.async_s, "baseline": s.sync_s}),
+        Figure("background write (overlapped)", "s", _median(s.write_s), None, None, None, "", "", None,
+               {"trainguard": s.write_s},
+               "torch.save + fsync + sha256 + meta file, from save() returning, while training steps run"),
+        Figure("training slowed during write", "s", _median(s.slowdown_s), None, None,
+               _median(s.step_inflation), "idle step", "", None,
+               {"trainguard": s.slowdown_s, "step_inflation": s.step_inflation, "idle_step_s": s.idle_step_s},
+               f"extra time of {STEP_MATRIX}x{STEP_MATRIX} single-thread matmul steps run during the write, "
+               f"over the same steps timed just before (median {_median(s.idle_step_s) * 1e3:.1f} ms); "
+               "ratio: mean step during the write / idle step"),
+        Figure("stall + slowdown vs sync save", "s", _median(effective), sync, None,
+               _median(effective) / sync, "baseline", "", None,
+               {"trainguard": effective, "baseline": s.sync_s},
+               "what a checkpoint costs training in all, per repeat, against the blocking save"),
+    ]
+
+
+def transfer_figures(t: TransferSamples) -> list[Figure]:
+    def rates(seconds: list[float]) -> list[float]:
+        return [t.size_bytes / MB / value for value in seconds]
+
+    sha = _median(t.sha256_s)
+    figures = []
+    for what, tg, raw in (("upload", t.upload_tg_s, t.upload_raw_s),
+                          ("download", t.download_tg_s, t.download_raw_s)):
+        tg_rate, raw_rate = _median(rates(tg)), _median(rates(raw))
+        ratio = tg_rate / raw_rate
+        figures.append(Figure(
+            f"{what} {t.size_bytes / (1 << 20):.0f} MiB shard", "MB/s", tg_rate, raw_rate, None, ratio,
+            "baseline", f">= {THROUGHPUT_TARGET}x raw", ratio >= THROUGHPUT_TARGET,
+            {"trainguard_s": tg, "baseline_s": raw, "trainguard_mb_s": rates(tg), "baseline_mb_s": rates(raw),
+             "trainguard_without_sha256_mb_s_estimate": rates([max(1e-9, v - sha) for v in tg]),
+             # The store slows as it fills: a per-round ratio is immune to that drift between rounds.
+             "paired_ratio": [r / t for t, r in zip(tg, raw, strict=True)]},
+            f"trainguard: NodeCheckpointActivities._{what}_one, sha256 included"
+            + (" (and a HEAD before the upload)" if what == "upload" else "")))
+    figures.append(Figure("sha256 of shard (included above)", "MB/s", _median(rates(t.sha256_s)), None, None,
+                          None, "", "", None, {"seconds": t.sha256_s},
+                          "trainguard.rank.sha256_file of the shard, file in the page cache"))
+    return figures
+
+
+# ------------------------------------------------------------------------------------------- report
+
+LEGEND = (
+    "trainguard: RankRun.save (async: in-memory snapshot, background write); _upload_one/_download_one",
+    "baseline:   torch.save + flush + fsync of the same state to the same disk; boto3 upload_file/"
+    "download_file, same TransferConfig, same store, alternating order",
+    "floor:      trainguard.rank._snapshot alone (the in-memory copy save() cannot avoid)",
+)
+
+
+def _cell(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "s":
+        return f"{value:.3f} s"
+    return f"{value:.0f} {unit}"
+
+
+def report(figures: list[Figure], context: dict[str, Any]) -> None:
+    """Print the table of figures to stdout (the only output of this module besides logging and JSON)."""
+    header = ["figure", "trainguard", "baseline", "floor", "ratio", "target", "met?"]
+    rows = [header]
+    for f in figures:
+        ratio = "-" if f.ratio is None else f"{f.ratio:.2f}x {f.ratio_of}"
+        met = "-" if f.met is None else ("yes" if f.met else "NO")
+        rows.append([f.name, _cell(f.trainguard, f.unit), _cell(f.baseline, f.unit), _cell(f.floor, f.unit),
+                     ratio, f.target or "-", met])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        f"checkpoint benchmark: {context['size_mib']} MiB float32 state, "
+        f"medians of {context['repeats']} repeats, {context['cpus']} CPUs "
+        f"(load {context['load_avg_start']:.1f} at start), torch {context['torch']} "
+        f"({context['torch_threads']} thread), parts {context['part_size_mib']} MiB x "
+        f"{context['transfer_concurrency']}",
+        "",
+    ]
+    for index, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    lines.extend(["", *LEGEND])
+    lines.extend(f"- {f.name}: {f.note}" for f in figures if f.note)
+    print("\n".join(lines))
+
+
+def write_json(path: Path, figures: list[Figure], context: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"context": context, "figures": [asdict(f) for f in figures]}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m infra.bench.checkpoint",
+        description="What a checkpoint costs training, and how fast shards move to and from S3.",
+    )
+    parser.add_argument("--size-mib", type=int, default=256, help="model + optimizer state in MiB (256)")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per figure (3)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file ({DEFAULT_JSON})")
+    args = parser.parse_args(argv)
+    if args.size_mib < 1 or args.repeats < 1:
+        parser.error("--size-mib and --repeats must be at least 1")
+    return args
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # so the finally blocks stop the store
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
+    logging.getLogger("botocore").setLevel(logging.WARNING)
+    load_start = os.getloadavg()[0]
+    # One intra-op thread, like a rank under torchrun here; set before torch is imported.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    import torch
+
+    from activities.checkpoints import PART_SIZE_BYTES, TRANSFER_CONCURRENCY
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    work = BENCH_DIR / f"run-{secrets.token_hex(4)}"
+    work.mkdir(parents=True)
+    started = time.monotonic()
+    try:
+        state = make_state(args.size_mib)
+        log.info("state: %.0f MiB in tensors; measuring the stall", state_bytes(state) / (1 << 20))
+        stall = measure_stall(state, work, args.repeats)
+        del state
+        if stall.shard is None:
+            raise RuntimeError("RankRun.save wrote no shard")
+        with private_store() as dev:
+            transfer = measure_transfer(dev, stall.shard, stall.shard_meta, work, args.repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    context = {
+        "size_mib": args.size_mib,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__.split("+")[0],
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "part_size_mib": PART_SIZE_BYTES >> 20,
+        "transfer_concurrency": TRANSFER_CONCURRENCY,
+        "shard_bytes": transfer.size_bytes,
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg()[0],
+        "wall_s": round(time.monotonic() - started, 1),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    figures = stall_figures(stall, args.size_mib) + transfer_figures(transfer)
+    write_json(args.json, figures, context)
+    report(figures, context)
+    log.info("wrote %s (%.0fs)", args.json, context["wall_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

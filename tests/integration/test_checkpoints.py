@@ -1,0 +1,502 @@
+"""Checkpoints that cannot lie, on the real SeaweedFS: bad bytes are never restored and runs still complete.
+
+One source run writes genuine checkpoints (steps 10..40). Each case plants some of them under the prefix of a
+new workflow id, as if an earlier run with that id had left them, damages them in one way, and starts a run
+with that id. It must resume from the newest checkpoint that is still whole (or from 0), never from the
+damaged one, finish, and end bit-identical to the source run: any restored byte that differed would show in
+the final digest. One case uses literally the same workflow id as a finished run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from temporalio.exceptions import ApplicationError
+
+from activities.checkpoints import (
+    NodeCheckpointActivities,
+    StoreActivities,
+    abort_orphaned_uploads,
+    check_shard_in_store,
+    list_steps,
+    manifest_key,
+    manifest_problem,
+    read_manifest,
+    step_prefix,
+)
+from activities.models import (
+    CommitCheckpointInput,
+    FindCheckpointInput,
+    FindCheckpointResult,
+    LaunchRanksInput,
+    Manifest,
+    PruneCheckpointsInput,
+    UploadShardsInput,
+    UploadShardsResult,
+    ShardInfo,
+)
+from activities.paths import RunLayout, shard_name
+from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack
+from trainguard.models import CheckpointRef, IncidentKind, RunResult
+
+from .conftest import NODES, make_spec
+
+BUCKET = "trainguard"
+STEPS = 40
+EVERY = 10
+RUN_TIMEOUT_S = 240
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class Source:
+    """A finished run's genuine checkpoints: the bytes every case plants, and the digest every case must end at."""
+
+    run_prefix: str
+    digest: str
+    manifests: dict[int, Manifest]
+
+
+def spec_for(prefix: str, keep_last: int = 2) -> dict[str, Any]:
+    spec = make_spec(prefix, steps=STEPS, every=EVERY)
+    spec["checkpoint"]["keep_last"] = keep_last
+    return spec
+
+
+async def run_to_end(client: TrainguardClient, spec: dict[str, Any], workflow_id: str) -> RunResult:
+    await client.start_run(spec, workflow_id=workflow_id)
+    return await asyncio.wait_for(client.result(workflow_id), RUN_TIMEOUT_S)
+
+
+async def activity_calls(client: TrainguardClient, workflow_id: str, name: str, input_type: type,
+                         result_type: type | None = None) -> list[tuple[Any, Any]]:
+    """(input, result or None) of every `name` activity the run's latest execution scheduled, in order."""
+    converter = client.client.data_converter
+    calls: list[list[Any]] = []
+    index: dict[int, int] = {}
+    async for event in client.handle(workflow_id).fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            scheduled = event.activity_task_scheduled_event_attributes
+            if scheduled.activity_type.name == name:
+                [request] = await converter.decode(scheduled.input.payloads, [input_type])
+                index[event.event_id] = len(calls)
+                calls.append([request, None])
+        elif event.HasField("activity_task_completed_event_attributes") and result_type is not None:
+            completed = event.activity_task_completed_event_attributes
+            if completed.scheduled_event_id in index:
+                [result] = await converter.decode(completed.result.payloads, [result_type])
+                calls[index[completed.scheduled_event_id]][1] = result
+    return [(request, result) for request, result in calls]
+
+
+def plant(s3: Any, source: Source, run_prefix: str, workflow_id: str, steps: list[int]) -> None:
+    """Copy the source's checkpoints of `steps` under `run_prefix`, as the run `workflow_id` would have written them."""
+    for step in steps:
+        original = source.manifests[step]
+        shards = []
+        for shard in original.shards:
+            key = f"{step_prefix(run_prefix, step)}{shard_name(shard.rank)}"
+            s3.copy_object(Bucket=BUCKET, Key=key, CopySource={"Bucket": BUCKET, "Key": shard.key})
+            shards.append(shard.model_copy(update={"key": key}))
+            assert check_shard_in_store(s3, BUCKET, shards[-1]) is None  # size and sha256 metadata came along
+        manifest = original.model_copy(update={"workflow_id": workflow_id, "shards": shards})
+        s3.put_object(Bucket=BUCKET, Key=manifest_key(run_prefix, step), Body=manifest.model_dump_json(indent=1))
+
+
+def shard_key(run_prefix: str, step: int, rank: int) -> str:
+    return f"{step_prefix(run_prefix, step)}{shard_name(rank)}"
+
+
+def rewrite_shard(s3: Any, key: str, change: Callable[[bytes], bytes]) -> None:
+    """Replace a shard's bytes, keeping its sha256 metadata: only a check of the bytes themselves can tell."""
+    head = s3.head_object(Bucket=BUCKET, Key=key)
+    body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=change(body), Metadata=head["Metadata"])
+
+
+def flip_byte(body: bytes) -> bytes:
+    middle = len(body) // 2
+    return body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1:]
+
+
+def rewrite_manifest(s3: Any, run_prefix: str, step: int, change: Callable[[Manifest], Manifest]) -> None:
+    key = manifest_key(run_prefix, step)
+    manifest = Manifest.model_validate_json(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    s3.put_object(Bucket=BUCKET, Key=key, Body=change(manifest).model_dump_json(indent=1))
+
+
+def lying_checkpoints(s3: Any, run_prefix: str, steps: list[int] | None = None, world_size: int = 2) -> list[str]:
+    """Checkpoints a reader would accept from their manifest and HEADs whose bytes do not match the manifest."""
+    lies = []
+    for step in list_steps(s3, BUCKET, run_prefix) if steps is None else steps:
+        try:
+            manifest = read_manifest(s3, BUCKET, manifest_key(run_prefix, step))
+        except ValueError:
+            continue
+        if (manifest is None or manifest.world_size != world_size or manifest_problem(manifest, run_prefix, step)
+                or any(check_shard_in_store(s3, BUCKET, s) for s in manifest.shards)):
+            continue
+        for shard in manifest.shards:
+            body = s3.get_object(Bucket=BUCKET, Key=shard.key)["Body"].read()
+            if hashlib.sha256(body).hexdigest() != shard.sha256:
+                lies.append(f"step {step} rank {shard.rank}")
+    return lies
+
+
+def restored_files(stack: DevStack, workflow_id: str) -> list[Path]:
+    """Every file the node agents kept in the run's restore folders."""
+    return sorted(p for node in NODES for p in RunLayout.of(stack.home / "nodes" / node, workflow_id)
+                  .root.joinpath("restore").rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+async def source(client: TrainguardClient, stack: DevStack) -> Source:
+    tag = uuid.uuid4().hex[:6]
+    prefix, workflow_id = f"ck-source-{tag}", f"ck-source-{tag}"
+    result = await run_to_end(client, spec_for(prefix, keep_last=10), workflow_id)
+    assert result.steps_completed == STEPS and result.incidents == [] and result.final_state_digest
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/{workflow_id}"
+    manifests = {step: read_manifest(s3, BUCKET, manifest_key(run_prefix, step)) for step in (10, 20, 30, 40)}
+    assert all(manifests.values()), manifests
+    return Source(run_prefix, result.final_state_digest, manifests)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store_env(stack: DevStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The activities' own S3 client (trainguard.settings) pointed at the test stack, as the workers have it."""
+    env = stack.worker_env()
+    for name in ("TRAINGUARD_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        monkeypatch.setenv(name, env[name])
+
+
+# ------------------------------------------------------------------------------------------ the matrix
+
+
+def _no_damage(s3: Any, rp: str) -> None:
+    pass
+
+
+def _truncated_shard(s3: Any, rp: str) -> None:
+    rewrite_shard(s3, shard_key(rp, 30, 1), lambda body: body[: len(body) // 2])
+
+
+def _flipped_byte(s3: Any, rp: str) -> None:
+    rewrite_shard(s3, shard_key(rp, 30, 0), flip_byte)
+
+
+def _missing_shard(s3: Any, rp: str) -> None:
+    s3.delete_object(Bucket=BUCKET, Key=shard_key(rp, 30, 1))
+
+
+def _missing_manifest(s3: Any, rp: str) -> None:
+    s3.delete_object(Bucket=BUCKET, Key=manifest_key(rp, 30))
+
+
+def _manifest_names_missing_shard(s3: Any, rp: str) -> None:
+    def elsewhere(m: Manifest) -> Manifest:
+        shards = [s.model_copy(update={"key": f"{s.key}.gone"}) if s.rank == 1 else s for s in m.shards]
+        return m.model_copy(update={"shards": shards})
+
+    rewrite_manifest(s3, rp, 30, elsewhere)
+
+
+def _manifest_lacks_a_rank(s3: Any, rp: str) -> None:
+    rewrite_manifest(s3, rp, 30, lambda m: m.model_copy(update={"shards": m.shards[:1]}))
+
+
+def _garbage_manifest(s3: Any, rp: str) -> None:
+    s3.put_object(Bucket=BUCKET, Key=manifest_key(rp, 30), Body=b'{"format": "trainguard-checkpoint/1", \x00\xff')
+
+
+def _every_checkpoint_corrupt(s3: Any, rp: str) -> None:
+    for step in (10, 20, 30):
+        rewrite_shard(s3, shard_key(rp, step, step // 10 % 2), flip_byte)
+
+
+@dataclass(frozen=True)
+class Case:
+    damage: Callable[[Any, str], None]
+    resumes_from: int
+    num_corrupt_incidents: int = 0
+    """Damage only a download can see (the bytes, not their size or metadata) costs one incident per step."""
+    skipped: str | None = None
+    """What the first `find_checkpoint` says about step 30, when it passes it over without downloading."""
+
+
+CASES = {
+    "control_no_damage": Case(_no_damage, 30),
+    "truncated_shard": Case(_truncated_shard, 20, skipped="step 30: shard of rank 1 is"),
+    "flipped_byte_same_size_and_metadata": Case(_flipped_byte, 20, num_corrupt_incidents=1),
+    "missing_shard": Case(_missing_shard, 20, skipped="step 30: shard of rank 1 missing"),
+    "missing_manifest": Case(_missing_manifest, 20, skipped="step 30: no manifest"),
+    "manifest_names_missing_shard": Case(_manifest_names_missing_shard, 20, skipped="step 30: manifest puts"),
+    "manifest_lacks_a_rank": Case(_manifest_lacks_a_rank, 20, skipped="step 30: manifest names shards of ranks [0]"),
+    "garbage_manifest": Case(_garbage_manifest, 20, skipped="step 30: unreadable manifest"),
+    "every_checkpoint_corrupt": Case(_every_checkpoint_corrupt, 0, num_corrupt_incidents=3),
+}
+
+
+async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, source: Source, workflow_id: str,
+                                 run_prefix: str, result: RunResult, case: Case) -> None:
+    assert result.steps_completed == STEPS
+    # Bit-identical to the run that wrote the genuine checkpoints: no damaged byte reached a rank.
+    assert result.final_state_digest == source.digest
+    launches = await activity_calls(client, workflow_id, "launch_ranks", LaunchRanksInput)
+    assert {request.restore_step for request, _ in launches} == {case.resumes_from}, launches
+    assert result.attempts == 1
+    corrupt = [i for i in result.incidents if i.kind is IncidentKind.CHECKPOINT_CORRUPT]
+    assert len(corrupt) == case.num_corrupt_incidents, result.incidents
+    assert len(result.incidents) == len(corrupt), result.incidents
+    if case.skipped is not None:
+        finds = await activity_calls(client, workflow_id, "find_checkpoint", FindCheckpointInput,
+                                     FindCheckpointResult)
+        assert any(case.skipped in reason for reason in finds[0][1].skipped), finds[0][1].skipped
+    # The agents kept no byte that failed verification: every file in a restore folder is a genuine shard.
+    genuine = {s.sha256 for m in source.manifests.values() for s in m.shards}
+    for path in restored_files(stack, workflow_id):
+        assert not path.name.endswith(".part"), path
+        if path.suffix == ".pt":
+            assert hashlib.sha256(path.read_bytes()).hexdigest() in genuine, path
+    # Every commit the run made vouches for bytes that are really there: a re-saved step whose old shard
+    # rotted in place is repaired by the upload, not waved through because its size and metadata still match.
+    commits = await activity_calls(client, workflow_id, "commit_checkpoint", CommitCheckpointInput, CheckpointRef)
+    committed = sorted({ref.step for _, ref in commits if ref is not None})
+    assert committed and committed[-1] == STEPS, commits
+    assert lying_checkpoints(stack.s3(), run_prefix, committed) == []
+
+
+@pytest.mark.parametrize("name", list(CASES))
+async def test_damaged_checkpoint_is_never_restored_and_the_run_completes(
+    client: TrainguardClient, stack: DevStack, source: Source, prefix: str, name: str
+) -> None:
+    case = CASES[name]
+    workflow_id = f"ck-{name.replace('_', '-')[:24]}-{uuid.uuid4().hex[:6]}"
+    run_prefix = f"{prefix}/{workflow_id}"
+    s3 = stack.s3()
+    plant(s3, source, run_prefix, workflow_id, [10, 20, 30])
+    case.damage(s3, run_prefix)
+
+    result = await run_to_end(client, spec_for(prefix), workflow_id)
+
+    await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, result, case)
+    if case.num_corrupt_incidents:
+        detail = [i.detail for i in result.incidents]
+        assert all("sha256" in d for d in detail), detail
+
+
+async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
+    client: TrainguardClient, stack: DevStack, source: Source, prefix: str
+) -> None:
+    """The literal story: a run finishes, its newest checkpoint rots, the same workflow id is started again."""
+    workflow_id = f"ck-rerun-{uuid.uuid4().hex[:6]}"
+    run_prefix = f"{prefix}/{workflow_id}"
+    first = await run_to_end(client, spec_for(prefix), workflow_id)
+    assert first.steps_completed == STEPS and first.final_state_digest == source.digest
+    s3 = stack.s3()
+    kept = {o["Key"].split("/")[-2] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_prefix}/")["Contents"]}
+    assert kept == {"step-00000030", "step-00000040"}  # keep_last=2
+    rewrite_shard(s3, shard_key(run_prefix, 40, 1), flip_byte)
+
+    second = await run_to_end(client, spec_for(prefix), workflow_id)
+
+    await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, second,
+                                 Case(_no_damage, 30, num_corrupt_incidents=1))
+    assert second.incidents[0].resumed_step == 30
+
+
+async def test_orphaned_multipart_upload_neither_counts_nor_survives_the_janitor(
+    client: TrainguardClient, stack: DevStack, source: Source, prefix: str
+) -> None:
+    workflow_id = f"ck-orphan-{uuid.uuid4().hex[:6]}"
+    run_prefix = f"{prefix}/{workflow_id}"
+    s3 = stack.s3()
+    plant(s3, source, run_prefix, workflow_id, [10, 20, 30])
+    # Step 40 as an agent killed mid-upload leaves it: rank 1's shard landed, rank 0's multipart never completed.
+    s3.copy_object(Bucket=BUCKET, Key=shard_key(run_prefix, 40, 1),
+                   CopySource={"Bucket": BUCKET, "Key": source.manifests[40].shards[1].key})
+    orphans = {
+        "ours": shard_key(run_prefix, 40, 0),
+        "sibling run": shard_key(f"{run_prefix}x", 40, 0),  # shares the prefix string, not the folder
+        "other run": shard_key(f"{prefix}-other/{workflow_id}", 40, 0),
+    }
+    upload_ids = {}
+    for what, key in orphans.items():
+        upload_ids[what] = s3.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+        s3.upload_part(Bucket=BUCKET, Key=key, UploadId=upload_ids[what], PartNumber=1, Body=b"\x01" * 4096)
+
+    def pending(under: str) -> list[str]:
+        return [u["Key"] for u in s3.list_multipart_uploads(Bucket=BUCKET, Prefix=under).get("Uploads", [])]
+
+    try:
+        result = await run_to_end(client, spec_for(prefix), workflow_id)
+        await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, result,
+                                     Case(_no_damage, 30, skipped="step 40: no manifest"))
+        # Retention ran its janitor, which leaves an upload younger than its bound alone: it may be in flight.
+        assert await activity_calls(client, workflow_id, "prune_checkpoints", PruneCheckpointsInput)
+        assert pending(f"{run_prefix}/") == [orphans["ours"]]
+
+        assert abort_orphaned_uploads(s3, BUCKET, run_prefix, older_than_s=3600, now=time.time()) == []
+        assert abort_orphaned_uploads(s3, BUCKET, run_prefix, older_than_s=0, now=time.time()) == [orphans["ours"]]
+        assert pending(f"{run_prefix}/") == []
+        assert pending(f"{run_prefix}x/") == [orphans["sibling run"]]
+        assert pending(f"{prefix}-other/") == [orphans["other run"]]
+        # Aborting the orphan left the committed shard at the same key whole.
+        assert lying_checkpoints(s3, run_prefix) == []
+        assert read_manifest(s3, BUCKET, manifest_key(run_prefix, 40)) is not None
+    finally:
+        for what, key in orphans.items():
+            s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_ids[what])
+
+
+# ------------------------------------------------------------------------- the activities, called directly
+
+
+def _put_shard(s3: Any, run_prefix: str, step: int, rank: int, body: bytes) -> ShardInfo:
+    key = shard_key(run_prefix, step, rank)
+    sha = hashlib.sha256(body).hexdigest()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=body, Metadata={"sha256": sha})
+    return ShardInfo(rank=rank, key=key, size_bytes=len(body), sha256=sha, node=f"node-{rank}")
+
+
+def test_two_writers_for_one_step_cannot_replace_the_committed_manifest(
+    stack: DevStack, store_env: None, prefix: str, tmp_path: Path
+) -> None:
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/ck-writers"
+    store = StoreActivities()
+
+    def commit(shards: list[ShardInfo], attempt: int) -> CheckpointRef:
+        return store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-writers",
+                                                   attempt=attempt, step=10, world_size=2, shards=shards))
+
+    first = [_put_shard(s3, run_prefix, 10, rank, f"writer A rank {rank}".encode() * 64) for rank in (0, 1)]
+    ref = commit(first, attempt=1)
+    committed = s3.get_object(Bucket=BUCKET, Key=ref.manifest_key)["Body"].read()
+    assert ref.step == 10 and ref.world_size == 2
+
+    # The same commit again (a retried activity) is idempotent: same answer, manifest untouched.
+    assert commit(first, attempt=1) == ref
+    assert s3.get_object(Bucket=BUCKET, Key=ref.manifest_key)["Body"].read() == committed
+
+    # A second writer's agent (a zombie attempt, a restarted run) may not overwrite the committed shards.
+    late = tmp_path / shard_name(0)
+    late.write_bytes(b"writer B rank 0" * 64)
+    late_shard = ShardInfo(rank=0, key=first[0].key, size_bytes=late.stat().st_size,
+                           sha256=hashlib.sha256(late.read_bytes()).hexdigest())
+    with pytest.raises(ApplicationError) as refused:
+        NodeCheckpointActivities("node-b", tmp_path)._upload_one(BUCKET, late, late_shard, ref.manifest_key)
+    assert refused.value.type == "ConflictingCommit" and refused.value.non_retryable
+    assert s3.get_object(Bucket=BUCKET, Key=first[0].key)["Body"].read() == b"writer A rank 0" * 64
+
+    # Its shards land anyway (written around the agent) and it commits them.
+    second = [_put_shard(s3, run_prefix, 10, rank, f"writer B rank {rank}".encode() * 64) for rank in (0, 1)]
+    with pytest.raises(ApplicationError) as conflict:
+        commit(second, attempt=2)
+    assert conflict.value.type == "ConflictingCommit" and conflict.value.non_retryable
+    assert s3.get_object(Bucket=BUCKET, Key=ref.manifest_key)["Body"].read() == committed
+
+    # Writer B's bytes now sit under writer A's manifest: a reader passes the step over, never restores it.
+    found = store._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=2))
+    assert found.manifest is None and found.skipped and found.skipped[0].startswith("step 10: shard of rank 0")
+
+
+def test_upload_skips_an_intact_shard_and_repairs_a_rotted_one(
+    stack: DevStack, store_env: None, prefix: str, tmp_path: Path
+) -> None:
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/ck-repair"
+    local = tmp_path / shard_name(0)
+    local.write_bytes(bytes(range(256)) * 64)
+    shard = _put_shard(s3, run_prefix, 10, 0, local.read_bytes())
+    agent = NodeCheckpointActivities("node-x", tmp_path)
+    manifest = manifest_key(run_prefix, 10)
+
+    intact = s3.head_object(Bucket=BUCKET, Key=shard.key)["LastModified"]
+    time.sleep(1.1)  # LastModified has one-second resolution
+    agent._upload_one(BUCKET, local, shard, manifest)
+    assert s3.head_object(Bucket=BUCKET, Key=shard.key)["LastModified"] == intact  # skipped, not re-sent
+
+    rewrite_shard(s3, shard.key, flip_byte)
+    assert check_shard_in_store(s3, BUCKET, shard) is None  # size and metadata still vouch for it
+    agent._upload_one(BUCKET, local, shard, manifest)
+    assert s3.get_object(Bucket=BUCKET, Key=shard.key)["Body"].read() == local.read_bytes()
+
+
+def test_download_keeps_no_byte_that_fails_its_checksum(
+    stack: DevStack, store_env: None, prefix: str, tmp_path: Path
+) -> None:
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/ck-download"
+    genuine = b"".join(i.to_bytes(4, "little") for i in range(4096))
+    shard = _put_shard(s3, run_prefix, 10, 0, genuine)
+    agent = NodeCheckpointActivities("node-x", tmp_path)
+    restore_dir = tmp_path / "restore"
+    restore_dir.mkdir()
+
+    # Same size, same sha256 metadata, one byte different: the HEAD check passes, the bytes do not.
+    rewrite_shard(s3, shard.key, flip_byte)
+    assert check_shard_in_store(s3, BUCKET, shard) is None
+    with pytest.raises(ApplicationError) as corrupt:
+        agent._download_one(BUCKET, restore_dir, shard)
+    assert corrupt.value.type == "CorruptCheckpoint" and corrupt.value.non_retryable
+    assert list(restore_dir.iterdir()) == []
+
+    # Gone between the reader's HEAD and the download.
+    s3.delete_object(Bucket=BUCKET, Key=shard.key)
+    with pytest.raises(ApplicationError) as missing:
+        agent._download_one(BUCKET, restore_dir, shard)
+    assert missing.value.type == "CorruptCheckpoint" and missing.value.non_retryable
+    assert list(restore_dir.iterdir()) == []
+
+    # The genuine bytes are kept, with the checksum the rank re-verifies before loading.
+    _put_shard(s3, run_prefix, 10, 0, genuine)
+    agent._download_one(BUCKET, restore_dir, shard)
+    assert (restore_dir / shard_name(0)).read_bytes() == genuine
+
+
+def test_find_checkpoint_passes_over_unreadable_manifests(stack: DevStack, store_env: None, prefix: str) -> None:
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/ck-garbage"
+    shards = [_put_shard(s3, run_prefix, 10, rank, f"rank {rank}".encode() * 64) for rank in (0, 1)]
+    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-garbage",
+                                                    attempt=1, step=10, world_size=2, shards=shards))
+    bodies = [b"", b"\x00\xff\xfe", b"[1, 2, 3]", b'{"step": "twenty"}', b"null"]
+    for index, body in enumerate(bodies):
+        step = 20 + 10 * index
+        s3.put_object(Bucket=BUCKET, Key=shard_key(run_prefix, step, 0), Body=b"x")
+        s3.put_object(Bucket=BUCKET, Key=manifest_key(run_prefix, step), Body=body)
+
+    found = StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=2))
+
+    assert found.manifest is not None and found.manifest.step == 10
+    assert [r.split(":")[0] for r in found.skipped] == [f"step {20 + 10 * i}" for i in reversed(range(len(bodies)))]
+    assert all("unreadable manifest" in r for r in found.skipped), found.skipped
+
+
+def test_janitor_bound_is_measured_from_the_store_clock(stack: DevStack, prefix: str) -> None:
+    s3 = stack.s3()
+    key = shard_key(f"{prefix}/ck-janitor", 10, 0)
+    upload = s3.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+    try:
+        now = time.time()
+        assert abort_orphaned_uploads(s3, BUCKET, f"{prefix}/ck-janitor", older_than_s=60, now=now) == []
+        assert abort_orphaned_uploads(s3, BUCKET, f"{prefix}/ck-janitor", older_than_s=60, now=now + 61) == [key]
+        assert not s3.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{prefix}/").get("Uploads")
+    finally:
+        try:
+            s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload)
+        except ClientError:
+            pass

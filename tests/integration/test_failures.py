@@ -1,0 +1,111 @@
+"""Every failure class from the field, injected through the node agents into live runs on the real stack.
+
+Each recovered run must end bit-identical to the same job run without a fault (the `baseline`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack
+from trainguard.models import Action, IncidentKind, Phase, RunResult
+
+from .conftest import RUN_TIMEOUT_S, checkpointed, make_spec, restart_agent, wait_until
+
+
+def run_id(kind: str) -> str:
+    return f"it-{kind}-{uuid.uuid4().hex[:6]}"
+
+
+async def test_straggler_is_reported_then_replaced_by_a_spare_when_it_persists(
+    client: TrainguardClient, baseline: RunResult, prefix: str
+) -> None:
+    spec = make_spec(prefix, every=10, spares=("node-2",), health={"hang_floor_s": 5.0, "straggler_windows": 2})
+    rid = await client.start_run(spec, workflow_id=run_id("straggler"))
+    await wait_until(client, rid, lambda v: checkpointed(v, min_step=12))
+    await client.inject_fault(rid, "slow", "node-1", slow_duty=0.8)
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    stragglers = [i for i in result.incidents if i.kind is IncidentKind.STRAGGLER]
+    assert [i.action for i in stragglers] == [Action.REPORT, Action.REPLACE_NODE], result.incidents
+    assert {(i.node, i.rank) for i in stragglers} == {("node-1", 1)}
+    status = (await client.status(rid)).status
+    assert status.nodes == ["node-0", "node-2"]
+    assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_gpu_fault_cordons_the_node_and_a_spare_takes_over(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    rid = await client.start_run(make_spec(prefix, spares=("node-2",)), workflow_id=run_id("gpu"))
+    await wait_until(client, rid, checkpointed)
+    await client.inject_fault(rid, "gpu", "node-1")
+    try:
+        result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    finally:
+        await restart_agent(stack, "node-1")  # a repaired node: the injected XID is gone
+    gpu = [i for i in result.incidents if i.kind is IncidentKind.GPU_UNHEALTHY]
+    assert gpu and gpu[0].node == "node-1" and gpu[0].action is Action.REPLACE_NODE
+    assert "XID" in gpu[0].detail
+    assert gpu[0].detection_s is not None and gpu[0].detection_s < 5
+    assert (await client.status(rid)).status.cordoned == ["node-1"]
+    assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_lost_node_without_spare_pauses_for_an_operator_then_resumes(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    rid = await client.start_run(make_spec(prefix), workflow_id=run_id("nodedown"))
+    await wait_until(client, rid, checkpointed)
+    await client.inject_fault(rid, "node-down", "node-1")
+    try:
+        view = await wait_until(client, rid, lambda v: v.status.phase is Phase.PAUSED, timeout_s=60)
+        assert "no spare" in (view.status.reason or "")
+    finally:
+        await restart_agent(stack, "node-1")  # the operator brings the node back
+    await client.resume(rid, reason="node-1 rebooted")
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    lost = [i for i in result.incidents if i.kind is IncidentKind.NODE_UNRESPONSIVE]
+    assert lost and lost[0].node == "node-1" and lost[0].action is Action.PAUSE
+    assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_second_crash_while_recovering_from_the_first(
+    client: TrainguardClient, baseline: RunResult, prefix: str
+) -> None:
+    rid = await client.start_run(make_spec(prefix), workflow_id=run_id("double"))
+    await wait_until(client, rid, checkpointed)
+    await client.inject_fault(rid, "crash", "node-1")
+    # Attempt 2 is launched and its ranks are starting (importing torch, restoring): crash one again.
+    await wait_until(client, rid, lambda v: v.status.attempt == 2 and v.status.phase is Phase.RUNNING)
+    await client.inject_fault(rid, "crash", "node-0")
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    crashes = [i for i in result.incidents if i.kind is IncidentKind.CRASH]
+    assert [(i.node, i.attempt) for i in crashes[:2]] == [("node-1", 1), ("node-0", 2)], result.incidents
+    assert result.attempts >= 3
+    assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_operator_pause_and_resume_from_the_temporal_cli(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    rid = await client.start_run(make_spec(prefix), workflow_id=run_id("pause"))
+    await wait_until(client, rid, checkpointed)
+    temporal = str(Path(sys.executable).parent / "temporal")
+    subprocess.run([temporal, "workflow", "update", "execute", "--workflow-id", rid, "--name", "pause",
+                    "--input", '{"reason": "maintenance"}', "--address", stack.config.temporal_address],
+                   check=True, capture_output=True, timeout=30)
+    view = await wait_until(client, rid, lambda v: v.status.phase is Phase.PAUSED, timeout_s=60)
+    assert view.rank_steps == {}  # no rank runs while paused
+    await client.resume(rid)
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    assert result.incidents == []
+    assert result.final_state_digest == baseline.final_state_digest
