@@ -24,6 +24,8 @@ class FindNodeAgentsInput(BaseModel):
 class FindNodeAgentsResult(BaseModel):
     missing: list[str] = Field(default_factory=list)
     """Nodes with no agent polling `trainguard-node-<id>`."""
+    search_attributes: bool = False
+    """Whether trainguard's custom search attributes are registered, so the workflow may upsert them."""
 
 
 class GpuHealth(BaseModel):

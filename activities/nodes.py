@@ -12,6 +12,7 @@ from temporalio.client import Client
 
 from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
 from trainguard import node_task_queue
+from trainguard.search_attributes import registered
 
 
 async def has_pollers(client: Client, task_queue: str, kind: TaskQueueType.ValueType, max_idle_s: float) -> bool:
@@ -38,4 +39,7 @@ class NodeActivities:
     @activity.defn(name="find_node_agents")
     async def find_node_agents(self, request: FindNodeAgentsInput) -> FindNodeAgentsResult:
         """Which of the nodes have no agent polling their queue (as the server saw it recently)."""
-        return FindNodeAgentsResult(missing=await missing_agents(self.client, request.nodes, request.max_idle_s))
+        return FindNodeAgentsResult(
+            missing=await missing_agents(self.client, request.nodes, request.max_idle_s),
+            search_attributes=await registered(self.client),
+        )

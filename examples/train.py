@@ -3,6 +3,10 @@
 Runs under trainguard (node agents set the environment) or plain torchrun. gloo on CPU, NCCL when GPUs
 are present. Each step's batch is derived from the step number and the rank, so a run resumed from any
 committed checkpoint ends bit-identical to one that never failed.
+
+Under plain torchrun (no trainguard environment) `--local-checkpoint-dir` keeps a local checkpoint, so
+`torchrun --max-restarts` can resume from it, `--pg-timeout-s` bounds the process-group timeout and
+`--progress-file` logs progress; trainguard ignores all three.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +37,17 @@ def batch_for(step: int, rank: int, batch_size: int, device: torch.device) -> tu
     return inputs.to(device), targets.to(device)
 
 
+def save_local_checkpoint(directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """{model, optim, step} to DIRECTORY/ckpt.pt, atomically (written beside it, then renamed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".ckpt.pt.{os.getpid()}.tmp"
+    with tmp.open("wb") as handle:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, directory / "ckpt.pt")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300, help="training steps in total (default 300)")
@@ -38,6 +55,15 @@ def main() -> None:
                         help="simulated compute per step in seconds, on top of the real step (default 0.1)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
     parser.add_argument("--batch-size", type=int, default=64)
+    plain = parser.add_argument_group("plain torchrun only (ignored under trainguard)")
+    plain.add_argument("--local-checkpoint-dir", type=Path, default=None,
+                       help="save {model, optim, step} to DIR/ckpt.pt and resume from it at start if present")
+    plain.add_argument("--local-checkpoint-every", type=int, default=50,
+                       help="local checkpoint cadence in steps (default 50)")
+    plain.add_argument("--pg-timeout-s", type=float, default=None,
+                       help="timeout of init_process_group in seconds (default: torch's)")
+    plain.add_argument("--progress-file", type=Path, default=None,
+                       help="rank 0 appends a 'step unix-time restart-count' line per completed step")
     args = parser.parse_args()
     if args.steps < 1:
         print("--steps must be at least 1", flush=True)
@@ -45,7 +71,12 @@ def main() -> None:
 
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend=backend)
+    # What trainguard.rank.RankRun.managed reads; the rank helper is created after the process group.
+    managed = "TRAINGUARD_PROGRESS_FILE" in os.environ
+    if args.pg_timeout_s and not managed:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=args.pg_timeout_s))
+    else:
+        dist.init_process_group(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -59,6 +90,15 @@ def main() -> None:
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
+    start_step = run.start_step
+    local_dir = args.local_checkpoint_dir if not run.managed else None
+    progress_file = args.progress_file if not run.managed and rank == 0 else None
+    restart_count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if local_dir is not None and (local_dir / "ckpt.pt").exists():
+        local = torch.load(local_dir / "ckpt.pt", map_location=device, weights_only=False)
+        model.load_state_dict(local["model"])
+        optimizer.load_state_dict(local["optim"])
+        start_step = int(local["step"])
     # find_unused_parameters=True keeps DDP's gradient buckets in their initial layout. By default DDP
     # rebuilds them after its first iteration, so the first step after a resume would all-reduce with a
     # different layout (a different float summation order) than the same step in an unbroken run, and the
@@ -67,7 +107,7 @@ def main() -> None:
                                   find_unused_parameters=True)
 
     loss = torch.zeros(())
-    for step in range(run.start_step, args.steps):
+    for step in range(start_step, args.steps):
         began = time.perf_counter()
         inputs, targets = batch_for(step, rank, args.batch_size, device)
         optimizer.zero_grad(set_to_none=True)
@@ -81,6 +121,12 @@ def main() -> None:
         run.step_done(step + 1, compute_s=forward_s + time.perf_counter() - began)
         if run.should_save(step + 1) or step + 1 == args.steps:
             run.save(step + 1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+        if local_dir is not None and local_rank == 0 and args.local_checkpoint_every > 0 \
+                and (step + 1) % args.local_checkpoint_every == 0:
+            save_local_checkpoint(local_dir, step + 1, model, optimizer)
+        if progress_file is not None:
+            with progress_file.open("a") as handle:
+                handle.write(f"{step + 1} {time.time():.6f} {restart_count}\n")
 
     digest = tg.state_digest(model)
     run.finish(digest=digest)

@@ -152,3 +152,25 @@ class OperatorRequest(BaseModel):
 class OperatorResult(BaseModel):
     phase: Phase
     """The run's phase when the request was accepted."""
+
+
+class CarriedState(BaseModel):
+    """What a run carries into its next history when it continues as new (ranks keep running)."""
+
+    attempt: int
+    nodes: list[str]
+    cordoned: list[str] = Field(default_factory=list)
+    spares: list[str] = Field(default_factory=list)
+    incidents: list[Incident] = Field(default_factory=list)
+    restart_times: list[float] = Field(default_factory=list)
+    restarts_without_checkpoint: int = 0
+    last_committed_step: int = -1
+    latest_checkpoint: CheckpointRef | None = None
+    started_at: float = 0.0
+    """Workflow-clock time the run first started, so wall time and goodput span every history."""
+    resumed_step: int = 0
+    step: int = 0
+    straggler_streak: dict[int, int] = Field(default_factory=dict)
+    publish_search_attributes: bool = False
+    continued: int = 0
+    """How many times the run has continued as new."""

@@ -145,6 +145,10 @@ class RunSpec(_Strict):
     restarts: RestartSpec = Field(default_factory=RestartSpec)
     """Restart budget."""
 
+    max_history_events: int = Field(10_000, ge=100, le=40_000)
+    """The run continues as new (ranks keep running) once its history has this many events, well before
+    Temporal's 10,240-event warning and 51,200-event limit. Default 10,000."""
+
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_args(cls, value: list[str]) -> list[str]:

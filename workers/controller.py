@@ -14,6 +14,7 @@ from activities.checkpoints import StoreActivities
 from activities.nodes import NodeActivities
 from trainguard import TASK_QUEUE
 from trainguard.connect import connect
+from trainguard.search_attributes import ensure_registered
 from workers.common import GRACEFUL_SHUTDOWN, STICKY_SCHEDULE_TO_START, setup_logging, stop_event
 from workflows.training_run import TrainingRun
 
@@ -41,6 +42,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE) -> Worker:  # type: ignor
 async def main() -> None:
     setup_logging("controller")
     client = await connect()
+    await ensure_registered(client)
     worker = build_worker(client)
     stop = stop_event()
     log.info("controller polling task queue %s", TASK_QUEUE)

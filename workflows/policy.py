@@ -14,7 +14,8 @@ from trainguard.spec import RunSpec
 # --------------------------------------------------------------------------------------------- phases
 
 ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.VALIDATING: frozenset({Phase.RESERVING, Phase.FAILED}),
+    # A run continued as new goes straight back to watching the ranks it already runs.
+    Phase.VALIDATING: frozenset({Phase.RESERVING, Phase.RUNNING, Phase.FAILED}),
     Phase.RESERVING: frozenset({Phase.RESTORING, Phase.FAILED}),
     Phase.RESTORING: frozenset({Phase.LAUNCHING, Phase.RESTORING, Phase.RECOVERING, Phase.FAILED}),
     Phase.LAUNCHING: frozenset({Phase.RUNNING, Phase.RECOVERING, Phase.FAILED}),

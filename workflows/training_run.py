@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import WORKFLOW_TYPE, node_task_queue
     from trainguard.models import (
         Action,
+        CarriedState,
         CheckpointRef,
         Incident,
         IncidentKind,
@@ -56,6 +57,7 @@ with workflow.unsafe.imports_passed_through():
         RunResult,
         RunStatus,
     )
+    from trainguard import search_attributes
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.progress import find_stragglers
     from workflows.policy import Decision, RecoveryBudget, classify_exit, decide, next_phase
@@ -115,6 +117,8 @@ class _Outcome:
     final_events: list[WatchEvent] = field(default_factory=list)
     paused: bool = False
     """An operator asked for a pause."""
+    continue_as_new: bool = False
+    """The history is long: continue as new, the ranks keep running."""
 
 
 class _NodeFailed(Exception):
@@ -159,6 +163,8 @@ class TrainingRun:
         self._abort_reason: str | None = None
         self._straggler_streak: dict[int, int] = {}
         self._compute_by_step: dict[int, dict[int, float]] = {}
+        self._publish_search_attributes = False
+        self._continued = 0
 
     # ------------------------------------------------------------------------------ queries/updates
     @workflow.query
@@ -224,6 +230,10 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------------ run
     @workflow.run
     async def run(self, raw_spec: Any) -> RunResult:
+        carried: CarriedState | None = None
+        if isinstance(raw_spec, dict) and set(raw_spec) == {"spec", "carried"}:
+            carried = CarriedState.model_validate(raw_spec["carried"])
+            raw_spec = raw_spec["spec"]
         try:
             spec = parse_spec(raw_spec)
         except SpecError as error:
@@ -232,31 +242,40 @@ class TrainingRun:
             raise ApplicationError(str(error), type="InvalidSpec", non_retryable=True) from None
         self._spec = spec
         started = workflow.now().timestamp()
-        nodes = list(spec.nodes)
-        self._status.nodes = nodes
+        self._status.nodes = list(spec.nodes)
         self._status.world_size = spec.world_size
+        attempt = 0
         try:
-            self._set_phase(Phase.RESERVING)
-            self._spares = await self._reserve(spec)
-            attempt = 0
+            if carried is None:
+                self._set_phase(Phase.RESERVING)
+                self._spares = await self._reserve(spec)
+            else:
+                started, attempt = carried.started_at, carried.attempt
+                self._adopt(carried)
             while True:
-                attempt += 1
-                self._status.attempt = attempt
-                outcome = await self._run_attempt(spec, attempt)
+                if carried is not None:
+                    carried = None  # watch the ranks the previous history launched
+                    outcome = await self._supervise(spec, attempt)
+                else:
+                    attempt += 1
+                    self._status.attempt = attempt
+                    outcome = await self._run_attempt(spec, attempt)
                 if outcome.finished:
                     break
+                if outcome.continue_as_new:
+                    await self._finish_background()
+                    workflow.continue_as_new({"spec": spec.model_dump(mode="json"),
+                                              "carried": self._carry(attempt, started).model_dump(mode="json")})
                 if outcome.paused:
                     await self._stop_everywhere(self._status.nodes, attempt, "paused by an operator")
                     await self._wait_for_operator()
                     continue
                 assert outcome.incident is not None
                 await self._recover(spec, attempt, outcome.incident)
-            for task in self._background:  # let retention finish before the run reports done
-                try:
-                    await task
-                except ActivityError as error:
-                    workflow.logger.warning("pruning failed: %s", _cause_text(error))
+            await self._finish_background()
             return self._result(spec, attempt, started, outcome.final_events)
+        except workflow.ContinueAsNewError:
+            raise
         except BaseException as error:
             # Whatever ends the run (a stop decision, cancellation, a bug): no rank may outlive it.
             if self._status.phase is not Phase.FAILED:
@@ -265,6 +284,44 @@ class TrainingRun:
             if self._launched:
                 await self._stop_everywhere(self._status.nodes, None, "run ended: stop every rank")
             raise
+
+    async def _finish_background(self) -> None:
+        """Let retention finish before the run reports done or continues as new."""
+        for task in self._background:
+            try:
+                await task
+            except ActivityError as error:
+                workflow.logger.warning("pruning failed: %s", _cause_text(error))
+        self._background.clear()
+
+    def _carry(self, attempt: int, started: float) -> CarriedState:
+        return CarriedState(
+            attempt=attempt, nodes=self._status.nodes, cordoned=self._status.cordoned, spares=self._spares,
+            incidents=self._status.incidents, restart_times=self._restart_times,
+            restarts_without_checkpoint=self._restarts_without_checkpoint,
+            last_committed_step=self._last_committed_step, latest_checkpoint=self._status.latest_checkpoint,
+            started_at=started, resumed_step=self._status.resumed_step, step=self._status.step,
+            straggler_streak=self._straggler_streak, publish_search_attributes=self._publish_search_attributes,
+            continued=self._continued + 1,
+        )
+
+    def _adopt(self, carried: CarriedState) -> None:
+        self._status.attempt = carried.attempt
+        self._status.nodes = carried.nodes
+        self._status.cordoned = carried.cordoned
+        self._status.incidents = carried.incidents
+        self._status.latest_checkpoint = carried.latest_checkpoint
+        self._status.resumed_step = carried.resumed_step
+        self._status.step = carried.step
+        self._spares = carried.spares
+        self._restart_times = carried.restart_times
+        self._restarts_without_checkpoint = carried.restarts_without_checkpoint
+        self._last_committed_step = carried.last_committed_step
+        self._straggler_streak = carried.straggler_streak
+        self._publish_search_attributes = carried.publish_search_attributes
+        self._continued = carried.continued
+        self._launched = True
+        self._set_phase(Phase.RUNNING)
 
     async def _wait_for_operator(self) -> None:
         """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails)."""
@@ -283,6 +340,18 @@ class TrainingRun:
     def _set_phase(self, phase: Phase) -> None:
         if phase is not self._status.phase:
             self._status.phase = next_phase(self._status.phase, phase)
+            self._publish()
+
+    def _publish(self) -> None:
+        """Phase, committed step and incident count as search attributes, for filtering runs."""
+        if not self._publish_search_attributes:
+            return
+        committed = self._status.latest_checkpoint.step if self._status.latest_checkpoint else 0
+        workflow.upsert_search_attributes([
+            search_attributes.PHASE.value_set(self._status.phase.value),
+            search_attributes.STEP.value_set(committed),
+            search_attributes.INCIDENTS.value_set(len(self._status.incidents)),
+        ])
 
     # ------------------------------------------------------------------------------------- reserve
     async def _reserve(self, spec: RunSpec) -> list[str]:
@@ -294,6 +363,7 @@ class TrainingRun:
             result_type=FindNodeAgentsResult,
             summary="find node agents",
         )
+        self._publish_search_attributes = found.search_attributes
         unknown = [f"nodes.{i} {n!r}" for i, n in enumerate(spec.nodes) if n in found.missing]
         if unknown:
             reason = (f"invalid run spec: {', '.join(unknown)}: no node agent polls "
@@ -493,7 +563,8 @@ class TrainingRun:
 
     async def _supervise(self, spec: RunSpec, attempt: int) -> _Outcome:
         nodes = list(self._status.nodes)
-        reported = {node: self._status.resumed_step for node in nodes}
+        # Steps up to the newest commit need no second report (after continue-as-new too).
+        reported = {node: max(self._status.resumed_step, self._last_committed_step) for node in nodes}
         watches: dict[str, asyncio.Task[WatchEvent]] = {n: self._watch(spec, attempt, n, reported[n]) for n in nodes}
         uploads: dict[tuple[int, str], asyncio.Task[UploadShardsResult]] = {}
         commits: dict[int, asyncio.Task[CheckpointRef]] = {}
@@ -503,7 +574,9 @@ class TrainingRun:
         paused = False
         control = asyncio.ensure_future(workflow.wait_condition(lambda: self._pause_requested))
 
-        while incident is None and not paused and (len(finished) < len(nodes) or uploads or commits):
+        continue_as_new = False
+        while incident is None and not paused and not continue_as_new and (
+                len(finished) < len(nodes) or uploads or commits):
             pending: list[asyncio.Task[Any]] = [*watches.values(), *uploads.values(), *commits.values(), control]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             paused = control.done()
@@ -558,12 +631,18 @@ class TrainingRun:
                 self._committed(spec, ref)
                 incident = incident or self._judge_stragglers(spec, attempt, step)
 
+            info = workflow.info()
+            continue_as_new = not finished and not uploads and not commits and (
+                info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
+
         control.cancel()
         for task in watches.values():
             task.cancel()
         if paused and incident is None:
             await self._drain(spec, attempt, uploads, commits, shards)
             return _Outcome(False, paused=True)
+        if continue_as_new and incident is None:
+            return _Outcome(False, continue_as_new=True)
         if incident is not None:
             # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
             await self._drain(spec, attempt, uploads, commits, shards)
@@ -593,6 +672,7 @@ class TrainingRun:
             self._restarts_without_checkpoint = 0
             self._status.latest_checkpoint = ref
             self._status.step = max(self._status.step, ref.step)
+            self._publish()
         self._background.append(workflow.start_activity(
             "prune_checkpoints",
             PruneCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),

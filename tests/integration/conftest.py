@@ -75,10 +75,12 @@ async def client(stack: DevStack) -> AsyncIterator[TrainguardClient]:
 
 
 def make_spec(prefix: str, steps: int = 60, every: int = 20, nodes: tuple[str, ...] = ("node-0", "node-1"),
-              spares: tuple[str, ...] = (), ranks_per_node: int = 1, **extra: Any) -> dict[str, Any]:
-    """A small run of the example trainer: about 10 s here, most of it torch imports."""
+              spares: tuple[str, ...] = (), ranks_per_node: int = 1, step_time: float = 0.05,
+              **extra: Any) -> dict[str, Any]:
+    """A small run of the example trainer: about 10 s here, most of it torch imports. The step time is
+    a sleep: it changes how long the run takes, not its final state."""
     spec: dict[str, Any] = {
-        "entrypoint": ["python", "examples/train.py", "--steps", str(steps), "--step-time", "0.05",
+        "entrypoint": ["python", "examples/train.py", "--steps", str(steps), "--step-time", str(step_time),
                        "--hidden", "64"],
         "nodes": list(nodes),
         "spare_nodes": list(spares),

@@ -40,8 +40,6 @@ from activities.models import (
     LaunchRanksInput,
     Manifest,
     PruneCheckpointsInput,
-    UploadShardsInput,
-    UploadShardsResult,
     ShardInfo,
 )
 from activities.paths import RunLayout, shard_name
@@ -67,6 +65,11 @@ class Source:
     run_prefix: str
     digest: str
     manifests: dict[int, Manifest]
+
+    @property
+    def genuine(self) -> set[str]:
+        """sha256 of every shard it wrote."""
+        return {s.sha256 for m in self.manifests.values() for s in m.shards}
 
 
 def spec_for(prefix: str, keep_last: int = 2) -> dict[str, Any]:
@@ -250,7 +253,7 @@ CASES = {
 
 
 async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, source: Source, workflow_id: str,
-                                 run_prefix: str, result: RunResult, case: Case) -> None:
+                                 run_prefix: str, result: RunResult, case: Case, genuine: set[str]) -> None:
     assert result.steps_completed == STEPS
     # Bit-identical to the run that wrote the genuine checkpoints: no damaged byte reached a rank.
     assert result.final_state_digest == source.digest
@@ -265,7 +268,6 @@ async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, sour
                                      FindCheckpointResult)
         assert any(case.skipped in reason for reason in finds[0][1].skipped), finds[0][1].skipped
     # The agents kept no byte that failed verification: every file in a restore folder is a genuine shard.
-    genuine = {s.sha256 for m in source.manifests.values() for s in m.shards}
     for path in restored_files(stack, workflow_id):
         assert not path.name.endswith(".part"), path
         if path.suffix == ".pt":
@@ -291,7 +293,7 @@ async def test_damaged_checkpoint_is_never_restored_and_the_run_completes(
 
     result = await run_to_end(client, spec_for(prefix), workflow_id)
 
-    await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, result, case)
+    await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, result, case, source.genuine)
     if case.num_corrupt_incidents:
         detail = [i.detail for i in result.incidents]
         assert all("sha256" in d for d in detail), detail
@@ -308,12 +310,14 @@ async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     s3 = stack.s3()
     kept = {o["Key"].split("/")[-2] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_prefix}/")["Contents"]}
     assert kept == {"step-00000030", "step-00000040"}  # keep_last=2
+    # A fresh start seeds Python's RNG from the OS, so this run's shards are its own, not the source's.
+    genuine = {s.sha256 for step in (30, 40) for s in read_manifest(s3, BUCKET, manifest_key(run_prefix, step)).shards}
     rewrite_shard(s3, shard_key(run_prefix, 40, 1), flip_byte)
 
     second = await run_to_end(client, spec_for(prefix), workflow_id)
 
     await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, second,
-                                 Case(_no_damage, 30, num_corrupt_incidents=1))
+                                 Case(_no_damage, 30, num_corrupt_incidents=1), genuine)
     assert second.incidents[0].resumed_step == 30
 
 
@@ -343,7 +347,7 @@ async def test_orphaned_multipart_upload_neither_counts_nor_survives_the_janitor
     try:
         result = await run_to_end(client, spec_for(prefix), workflow_id)
         await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, result,
-                                     Case(_no_damage, 30, skipped="step 40: no manifest"))
+                                     Case(_no_damage, 30, skipped="step 40: no manifest"), source.genuine)
         # Retention ran its janitor, which leaves an upload younger than its bound alone: it may be in flight.
         assert await activity_calls(client, workflow_id, "prune_checkpoints", PruneCheckpointsInput)
         assert pending(f"{run_prefix}/") == [orphans["ours"]]
@@ -486,7 +490,7 @@ def test_find_checkpoint_passes_over_unreadable_manifests(stack: DevStack, store
     assert all("unreadable manifest" in r for r in found.skipped), found.skipped
 
 
-def test_janitor_bound_is_measured_from_the_store_clock(stack: DevStack, prefix: str) -> None:
+def test_janitor_aborts_only_uploads_older_than_its_bound(stack: DevStack, prefix: str) -> None:
     s3 = stack.s3()
     key = shard_key(f"{prefix}/ck-janitor", 10, 0)
     upload = s3.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]

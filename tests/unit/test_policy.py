@@ -142,7 +142,7 @@ def test_next_phase_allows(current: Phase, new: Phase) -> None:
         (Phase.COMPLETED, Phase.RUNNING),
         (Phase.FAILED, Phase.RESTORING),
         (Phase.COMPLETED, Phase.FAILED),
-        (Phase.VALIDATING, Phase.RUNNING),
+        (Phase.VALIDATING, Phase.LAUNCHING),
         (Phase.RUNNING, Phase.COMPLETED),
         (Phase.RECOVERING, Phase.RUNNING),
         (Phase.PAUSED, Phase.RUNNING),

@@ -1,0 +1,693 @@
+"""Recovery benchmark: trainguard against torchrun --max-restarts, on the same job and the same faults.
+
+    python -m infra.bench.recovery [--faults crash,hang] [--steps 400] [--json .bench/recovery.json]
+                                   [--skip-torchrun]
+
+Measured side by side in one run, on this machine, for a 2-rank gloo job of `examples/train.py`
+(`--steps 400 --step-time 0.1 --hidden 64`, a checkpoint every 50 steps), each fault hitting rank 1 once
+training has passed step `--fault-step` (120):
+
+1. trainguard: a private dev stack (Temporal dev server, SeaweedFS, controller, agents `node-0` and
+   `node-1`) under `.bench/stack-<random>` on free ports from 32000. The fault goes through
+   `TrainguardClient.inject_fault` (crash: SIGKILL, hang: SIGSTOP of rank 1's process, carried out by
+   node-1's agent). Figures come from the run's result: the incident's `detection_s` (fault to detection)
+   and `recovery_s` (detection to the first training step of the next attempt), and the run's goodput and
+   wall time. Default health settings (hang floor 2 s).
+2. torchrun: `torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d` with
+   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the configuration that restarts reliably here, see PLATFORM.md)
+   running the same script with a local checkpoint (`--local-checkpoint-dir`, same cadence) and the
+   process-group timeout a user would set (`--pg-timeout-s 60`). The benchmark finds rank 1's worker in
+   /proc (by a marker variable it sets, `RANK=1` and torchrun's pid as parent) and sends it SIGKILL (crash)
+   or SIGSTOP (hang) itself. Detection is when torchrun's agent logs `Worker group FAILED ... will restart`
+   (its stderr, timestamped on arrival, `LOGLEVEL=INFO`); recovery is the first step of the next attempt in
+   the trainer's `--progress-file` (rank 0 appends `step unix-time restart-count` per step). Goodput is
+   computed as trainguard computes it: steps x mean step time of the final attempt / wall time.
+3. The floor: the same 2 ranks started cold by plain torchrun with a local checkpoint present, time from
+   launch to the first training step. No recovery can beat a cold start of the job it restarts.
+
+This is a benchmark, not a test: it prints figures and writes them to JSON; it never asserts a time.
+Every process it starts is killed (process groups, and workers found by the marker) and every file it
+writes outside `.bench/recovery.json` and its log is removed, also on errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO / ".bench"
+DEFAULT_JSON = BENCH_DIR / "recovery.json"
+PORT_SEARCH = range(32000, 40000, 50)
+NODES = ("node-0", "node-1")
+FAULT_NODE = "node-1"
+FAULT_RANK = 1
+TORCHRUN_MAX_RESTARTS = 3
+TORCHRUN_PG_TIMEOUT_S = 60.0
+MARK_VAR = "TG_BENCH_MARK"
+DETECTED = re.compile(r"Worker group (FAILED|UNHEALTHY)")
+TORCHRUN_EVENTS = re.compile(r"Worker group (FAILED|UNHEALTHY)|Stopping worker group|closing signal|"
+                             r"Rendezvous'ing worker group|Starting worker group|ChildFailedError|"
+                             r"Unable to shutdown process|timed out|Connection reset|Timed out")
+SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+# ------------------------------------------------------------------------------------------- results
+
+
+@dataclass(slots=True)
+class Measurement:
+    """One fault under one system."""
+
+    fault: str
+    system: str
+    detection_s: float | None = None
+    """Fault to detection (trainguard: the incident; torchrun: its agent's `Worker group FAILED` line)."""
+    restart_s: float | None = None
+    """Detection to the first training step of the next attempt."""
+    time_to_recover_s: float | None = None
+    """Fault to the first training step of the next attempt (detection_s + restart_s)."""
+    goodput: float | None = None
+    wall_s: float | None = None
+    steps_completed: int | None = None
+    completed: bool = False
+    fault_step: int | None = None
+    """Step the job had reached when the fault was sent."""
+    resumed_step: int | None = None
+    attempts: int | None = None
+    mean_step_s: float | None = None
+    note: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """torchrun's log lines about the failure and restart, seconds after the fault."""
+
+
+@dataclass(slots=True)
+class Floor:
+    cold_start_s: float | None = None
+    """Launch of plain torchrun to the first training step, with a local checkpoint present."""
+    resumed_step: int | None = None
+    note: str = ""
+
+
+# -------------------------------------------------------------------------------------- processes
+
+
+def _proc_environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        data = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split(b"=", 1) for item in data.split(b"\0") if b"=" in item)
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields after the command name of /proc/PID/stat (state first, then ppid), None once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Every live process carrying our marker variable (torchrun and its workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        if _proc_environ(int(entry)).get(MARK_VAR.encode()) == mark.encode():
+            stat = _proc_stat(int(entry))
+            if stat is not None and stat[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def find_worker(mark: str, parent: int, rank: int) -> tuple[int, int] | None:
+    """(pid, restart count) of the newest live worker of `rank` that torchrun `parent` started."""
+    best: tuple[int, int] | None = None
+    for pid in marked_pids(mark):
+        stat = _proc_stat(pid)
+        env = _proc_environ(pid)
+        if stat is None or int(stat[1]) != parent or env.get(b"RANK") != str(rank).encode():
+            continue
+        restart = int(env.get(b"TORCHELASTIC_RESTART_COUNT", b"0"))
+        if best is None or restart > best[1]:
+            best = (pid, restart)
+    return best
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def free_port_base() -> int:
+    """The first base from 32000 (steps of 50) whose every port is free and has no stale weed socket."""
+    from trainguard.devstack import Ports
+
+    for base in PORT_SEARCH:
+        ports = Ports.from_base(base)
+        every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
+        stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
+        if not stale and all(_port_free(port) for port in every):
+            return base
+    raise RuntimeError(f"no free port range in {PORT_SEARCH}")
+
+
+class Torchrun:
+    """One plain torchrun job of the example trainer, its output timestamped line by line on arrival."""
+
+    def __init__(self, work: Path, name: str, train_args: list[str], max_restarts: int, log: Path) -> None:
+        self.work = work
+        self.mark = f"{name}-{secrets.token_hex(6)}"
+        self.ckpt_dir = work / "ckpt"
+        self.progress = work / f"{name}.progress"
+        self.tmp = work / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.lines: list[tuple[float, str]] = []
+        self.log_path = log
+        torchrun = Path(sys.executable).parent / "torchrun"
+        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        self.argv = [
+            *launcher, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "examples/train.py", *train_args,
+            "--local-checkpoint-dir", str(self.ckpt_dir), "--pg-timeout-s", f"{TORCHRUN_PG_TIMEOUT_S:g}",
+            "--progress-file", str(self.progress),
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.ended: float | None = None
+        self._reader: threading.Thread | None = None
+
+    def env(self) -> dict[str, str]:
+        reserved = ("TRAINGUARD_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(reserved)}
+        env.update({
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "TMPDIR": str(self.tmp),
+            "LOGLEVEL": "INFO", "PYTHONUNBUFFERED": "1", MARK_VAR: self.mark,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+        })
+        return env
+
+    def start(self) -> None:
+        self.progress.unlink(missing_ok=True)
+        self.started = time.time()
+        self.proc = subprocess.Popen(  # noqa: S603 - argv list
+            self.argv, cwd=REPO, env=self.env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with self.log_path.open("a") as log:
+            log.write(f"# {time.time():.6f} {' '.join(self.argv)}\n")
+            for raw in self.proc.stdout:
+                now = time.time()
+                text = raw.decode(errors="replace").rstrip("\n")
+                self.lines.append((now, text))
+                log.write(f"{now:.6f} {text}\n")
+                log.flush()
+
+    def steps(self) -> list[tuple[int, float, int]]:
+        """(step, unix time, restart count) of every complete progress line of rank 0."""
+        try:
+            text = self.progress.read_text()
+        except OSError:
+            return []
+        rows = []
+        for line in text.split("\n")[:-1]:
+            parts = line.split()
+            if len(parts) == 3:
+                with suppress(ValueError):
+                    rows.append((int(parts[0]), float(parts[1]), int(parts[2])))
+        return rows
+
+    def wait(self, timeout_s: float) -> int | None:
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        self.ended = time.time()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL torchrun's process group and every worker carrying our marker (workers have own sessions)."""
+        for _ in range(3):
+            pids = marked_pids(self.mark)
+            if self.proc is not None and self.proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in pids:
+                with suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if self.proc is not None:
+                with suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=5)
+            deadline = time.monotonic() + 5
+            while marked_pids(self.mark) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not marked_pids(self.mark):
+                break
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+
+# -------------------------------------------------------------------------------------- torchrun
+
+
+def train_args(opts: argparse.Namespace, steps: int | None = None, step_time: float | None = None) -> list[str]:
+    return ["--steps", str(steps if steps is not None else opts.steps),
+            "--step-time", f"{opts.step_time if step_time is None else step_time:g}",
+            "--hidden", str(opts.hidden), "--local-checkpoint-every", str(opts.every)]
+
+
+def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) -> Measurement:
+    result = Measurement(fault=fault, system="torchrun")
+    job = Torchrun(work / f"torchrun-{fault}", f"torchrun-{fault}", train_args(opts), TORCHRUN_MAX_RESTARTS, log)
+    timeout_s = 120 + 3 * opts.steps * opts.step_time + (3 * TORCHRUN_PG_TIMEOUT_S if fault == "hang" else 0)
+    try:
+        job.start()
+        deadline = time.time() + timeout_s
+        fault_at: float | None = None
+        fault_restart = 0
+        while time.time() < deadline:
+            rows = job.steps()
+            if rows and rows[-1][0] >= opts.fault_step:
+                found = find_worker(job.mark, job.proc.pid, FAULT_RANK) if job.proc else None
+                if found is None:
+                    time.sleep(0.05)
+                    continue
+                pid, fault_restart = found
+                result.fault_step = rows[-1][0]
+                fault_at = time.time()
+                os.kill(pid, SIGNALS[fault])
+                say(f"  torchrun {fault}: sent {SIGNALS[fault].name} to rank {FAULT_RANK} (pid {pid}) at step "
+                    f"{result.fault_step}")
+                break
+            if job.proc is not None and job.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if fault_at is None:
+            result.note = "the job ended or timed out before the fault could be sent"
+            return result
+        code = job.wait(max(1.0, deadline - time.time()))
+        if code is None:
+            result.note = f"torchrun did not finish within {timeout_s:.0f}s; killed"
+        elif code != 0:
+            result.note = f"torchrun exited {code}"
+        end = job.ended or time.time()
+        result.wall_s = round(end - job.started, 3)
+        detection = next((t for t, text in job.lines if t >= fault_at and DETECTED.search(text)), None)
+        result.events = [{"after_fault_s": round(t - fault_at, 3), "line": text[:300]}
+                         for t, text in job.lines if t >= fault_at and TORCHRUN_EVENTS.search(text)][:40]
+        rows = job.steps()
+        first_new = next(((s, t, r) for s, t, r in rows if r > fault_restart and t >= fault_at), None)
+        if detection is not None:
+            result.detection_s = round(detection - fault_at, 3)
+        else:
+            result.note = (result.note + "; " if result.note else "") + "no 'Worker group FAILED' line seen"
+        if first_new is not None:
+            result.time_to_recover_s = round(first_new[1] - fault_at, 3)
+            result.resumed_step = first_new[0] - 1
+            if detection is not None:
+                result.restart_s = round(first_new[1] - detection, 3)
+        if rows:
+            final_restart = rows[-1][2]
+            final = [(s, t) for s, t, r in rows if r == final_restart]
+            gaps = [b[1] - a[1] for a, b in zip(final, final[1:]) if b[0] == a[0] + 1]
+            result.attempts = final_restart + 1
+            result.steps_completed = rows[-1][0]
+            result.completed = code == 0 and rows[-1][0] == opts.steps
+            if gaps and result.wall_s:
+                result.mean_step_s = round(sum(gaps) / len(gaps), 6)
+                result.goodput = round(min(1.0, result.steps_completed * result.mean_step_s / result.wall_s), 4)
+        return result
+    finally:
+        job.kill()
+
+
+def torchrun_floor(opts: argparse.Namespace, work: Path, log: Path) -> Floor:
+    """A cold start of the same 2 ranks from a local checkpoint: launch to first training step."""
+    floor = Floor()
+    home = work / "floor"
+    # The checkpoint: the same job's state at `every` steps (no simulated compute, so it takes seconds).
+    prep = Torchrun(home, "floor-prep", train_args(opts, steps=opts.every, step_time=0.0), 0, log)
+    try:
+        prep.start()
+        code = prep.wait(180)
+    finally:
+        prep.kill()
+    if code != 0 or not (prep.ckpt_dir / "ckpt.pt").exists():
+        floor.note = f"preparing the checkpoint failed (exit {code})"
+        return floor
+    job = Torchrun(home, "floor", train_args(opts), 0, log)
+    try:
+        job.start()
+        deadline = time.time() + 180
+        while time.time() < deadline and not job.steps() and job.proc is not None and job.proc.poll() is None:
+            time.sleep(0.02)
+        rows = job.steps()
+        if rows:
+            floor.cold_start_s = round(rows[0][1] - job.started, 3)
+            floor.resumed_step = rows[0][0] - 1
+        else:
+            floor.note = "no training step seen"
+    finally:
+        job.kill()
+    return floor
+
+
+# ------------------------------------------------------------------------------------- trainguard
+
+
+def trainguard_spec(opts: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    return {
+        "entrypoint": ["python", "examples/train.py", "--steps", str(opts.steps), "--step-time",
+                       f"{opts.step_time:g}", "--hidden", str(opts.hidden)],
+        "nodes": list(NODES),
+        "ranks_per_node": 1,
+        "checkpoint": {"prefix": prefix, "every_steps": opts.every},
+    }
+
+
+async def trainguard_faults(opts: argparse.Namespace, faults: list[str], home: Path) -> list[Measurement]:
+    from trainguard.client import TrainguardClient
+
+    client = await TrainguardClient.connect()
+    results = []
+    for fault in faults:
+        results.append(await trainguard_fault(client, opts, fault, home))
+    return results
+
+
+def rank_step(home: Path, node: str, run_id: str, attempt: int, rank: int) -> int | None:
+    """The step a rank last reported, read straight from its progress file on the node agent's disk.
+
+    The run's status (watch heartbeats) lags by seconds; this is how the fault is sent at the same step
+    as torchrun's, which the benchmark watches the same way (its trainer's progress file).
+    """
+    from activities.paths import RunLayout
+
+    path = RunLayout.of(home / "nodes" / node, run_id).progress_file(attempt, rank)
+    try:
+        return int(json.loads(path.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, home: Path) -> Measurement:
+    result = Measurement(fault=fault, system="trainguard")
+    tag = secrets.token_hex(4)
+    run_id = await client.start_run(trainguard_spec(opts, f"bench-recovery-{fault}-{tag}"),
+                                    workflow_id=f"bench-recovery-{fault}-{tag}")
+    timeout_s = 180 + 3 * opts.steps * opts.step_time
+    deadline = time.monotonic() + timeout_s
+    finished = False
+    try:
+        attempt: int | None = None
+        last_status = 0.0
+        while time.monotonic() < deadline:
+            if attempt is None or time.monotonic() - last_status > 2.0:
+                view = await client.status(run_id)
+                last_status = time.monotonic()
+                if view.execution_status != "RUNNING":
+                    result.note = f"the run ended before the fault: {view.status.reason}"
+                    return result
+                if view.status.phase.value == "running":
+                    attempt = view.status.attempt
+            step = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
+            if step is not None and step >= opts.fault_step:
+                injected = await client.inject_fault(run_id, fault, FAULT_NODE)
+                landed = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
+                result.fault_step = landed if landed is not None else step
+                say(f"  trainguard {fault}: {fault} of rank {injected.rank} (pid {injected.pid}) on {FAULT_NODE}; "
+                    f"rank 0 at step {step} when asked, {result.fault_step} when done")
+                break
+            await asyncio.sleep(0.02)
+        else:
+            result.note = f"step {opts.fault_step} not reached within {timeout_s:.0f}s"
+            return result
+        outcome = await asyncio.wait_for(client.result(run_id), max(1.0, deadline - time.monotonic()))
+        finished = True
+        incidents = list(outcome.incidents)
+        incident = next((i for i in incidents if i.kind.value == fault), incidents[0] if incidents else None)
+        others = [i.kind.value for i in incidents if i is not incident]
+        if incident is None:
+            result.note = "no incident recorded"
+        else:
+            if incident.kind.value != fault:
+                result.note = f"incident kind {incident.kind.value}"
+            result.detection_s = incident.detection_s
+            result.restart_s = incident.recovery_s
+            if incident.detection_s is not None and incident.recovery_s is not None:
+                result.time_to_recover_s = round(incident.detection_s + incident.recovery_s, 3)
+            result.resumed_step = incident.resumed_step
+        if others:
+            result.note = (result.note + "; " if result.note else "") + f"other incidents: {', '.join(others)}"
+        result.goodput = outcome.goodput
+        result.wall_s = outcome.wall_s
+        result.steps_completed = outcome.steps_completed
+        result.completed = outcome.steps_completed == opts.steps
+        result.attempts = outcome.attempts
+        result.mean_step_s = outcome.mean_step_s
+        return result
+    except asyncio.TimeoutError:
+        result.note = f"the run did not finish within {timeout_s:.0f}s"
+        return result
+    finally:
+        if not finished:
+            with suppress(Exception):
+                await client.cancel(run_id)
+
+
+def run_trainguard(opts: argparse.Namespace, faults: list[str], work: Path) -> tuple[list[Measurement], dict[str, Any]]:
+    from trainguard.devstack import DevStack, Ports, StackConfig
+
+    home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
+    base = free_port_base()
+    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO)
+    dev = DevStack(config)
+    saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
+    info: dict[str, Any] = {"home": str(home), "port_base": base,
+                            "weed_grpc_ports": config.ports.weed_grpc_ports()}
+    try:
+        os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
+        began = time.monotonic()
+        dev.up(echo=lambda line: say(f"  stack: {line}"))
+        info["stack_up_s"] = round(time.monotonic() - began, 3)
+        say(f"  stack up in {info['stack_up_s']:.1f}s on port base {base}")
+        return asyncio.run(trainguard_faults(opts, faults, home)), info
+    finally:
+        began = time.monotonic()
+        try:
+            dev.down(echo=lambda line: say(f"  stack: {line}"))
+        finally:
+            info["stack_down_s"] = round(time.monotonic() - began, 3)
+            if saved is None:
+                os.environ.pop("TRAINGUARD_TEMPORAL_ADDRESS", None)
+            else:
+                os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = saved
+            if opts.keep_logs:
+                logs = work / "stack-logs"
+                with suppress(OSError):
+                    shutil.copytree(dev.log_dir, logs, dirs_exist_ok=True)
+            shutil.rmtree(home, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return round(numerator / denominator, 3)
+
+
+def report(results: list[Measurement], floor: Floor | None) -> tuple[list[str], dict[str, Any]]:
+    lines = [f"{'fault':<6} {'system':<11} {'detection_s':>11} {'restart_s':>9} {'time_to_recover_s':>17} "
+             f"{'goodput':>8} {'wall_s':>7} {'fault@':>6} {'resumed':>7} {'done':>4}  note"]
+    for m in results:
+        lines.append(
+            f"{m.fault:<6} {m.system:<11} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
+            f"{_fmt(m.time_to_recover_s):>17} {_fmt(None if m.goodput is None else m.goodput * 100, '{:.1f}%'):>8} "
+            f"{_fmt(m.wall_s, '{:.1f}'):>7} {_fmt(m.fault_step, '{}'):>6} {_fmt(m.resumed_step, '{}'):>7} "
+            f"{'yes' if m.completed else 'no':>4}  {m.note}")
+    ratios: dict[str, Any] = {}
+    floor_s = floor.cold_start_s if floor else None
+    if floor is not None:
+        lines.append(f"floor: cold start of the 2 ranks from a local checkpoint (plain torchrun, launch to first "
+                     f"step) {_fmt(floor_s)} s{'  ' + floor.note if floor.note else ''}")
+    lines.append("ratios (torchrun / trainguard for times: >1 means trainguard is faster; trainguard / torchrun "
+                 "for goodput):")
+    for fault in dict.fromkeys(m.fault for m in results):
+        tg = next((m for m in results if m.fault == fault and m.system == "trainguard"), None)
+        tr = next((m for m in results if m.fault == fault and m.system == "torchrun"), None)
+        entry: dict[str, Any] = {}
+        if tg and tr:
+            entry = {
+                "detection": _ratio(tr.detection_s, tg.detection_s),
+                "time_to_recover": _ratio(tr.time_to_recover_s, tg.time_to_recover_s),
+                "restart": _ratio(tr.restart_s, tg.restart_s),
+                "wall": _ratio(tr.wall_s, tg.wall_s),
+                "goodput": _ratio(tg.goodput, tr.goodput),
+            }
+            lines.append(f"  {fault}: detection {_fmt(entry['detection'])}x, time to recover "
+                         f"{_fmt(entry['time_to_recover'])}x, restart {_fmt(entry['restart'])}x, wall "
+                         f"{_fmt(entry['wall'])}x, goodput {_fmt(entry['goodput'])}x")
+        for m in (tg, tr):
+            if m is not None and floor_s:
+                entry[f"{m.system}_restart_over_floor"] = _ratio(m.restart_s, floor_s)
+                entry[f"{m.system}_time_to_recover_over_floor"] = _ratio(m.time_to_recover_s, floor_s)
+                lines.append(f"  {fault}: {m.system} restart / floor {_fmt(entry[f'{m.system}_restart_over_floor'])}x, "
+                             f"time to recover / floor {_fmt(entry[f'{m.system}_time_to_recover_over_floor'])}x")
+        ratios[fault] = entry
+    return lines, ratios
+
+
+def _tmp_entries() -> set[str]:
+    try:
+        return set(os.listdir("/tmp"))
+    except OSError:
+        return set()
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", default="crash,hang", help="comma-separated: crash, hang (default both)")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
+    parser.add_argument("--step-time", type=float, default=0.1, help="trainer --step-time (default 0.1)")
+    parser.add_argument("--hidden", type=int, default=64, help="trainer --hidden (default 64)")
+    parser.add_argument("--every", type=int, default=50, help="checkpoint every N steps (default 50)")
+    parser.add_argument("--fault-step", type=int, default=120, help="inject once training passes this step")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
+    parser.add_argument("--skip-torchrun", action="store_true", help="trainguard only (still measures the floor)")
+    parser.add_argument("--skip-trainguard", action="store_true", help="torchrun and the floor only")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep torchrun output and the stack's logs under .bench/recovery-logs")
+    opts = parser.parse_args(argv)
+    faults = [f.strip() for f in opts.faults.split(",") if f.strip()]
+    unknown = [f for f in faults if f not in SIGNALS]
+    if unknown:
+        parser.error(f"unknown fault(s): {', '.join(unknown)} (known: {', '.join(SIGNALS)})")
+    if not 0 < opts.fault_step < opts.steps:
+        parser.error("--fault-step must be between 0 and --steps")
+
+    BENCH_DIR.mkdir(parents=True, exist_ok=True)
+    work = BENCH_DIR / f"recovery-{secrets.token_hex(4)}"
+    work.mkdir(parents=True)
+    log = work / "torchrun.log"
+    tmp_before = _tmp_entries()
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    results: list[Measurement] = []
+    floor: Floor | None = None
+    stack_info: dict[str, Any] = {}
+    say(f"recovery benchmark: {len(faults)} fault(s) {faults}, 2 ranks gloo, {opts.steps} steps x "
+        f"{opts.step_time:g}s, checkpoint every {opts.every}, fault after step {opts.fault_step}; "
+        f"{os.cpu_count()} CPUs, load {load_before[0]:.2f}")
+    try:
+        if not opts.skip_trainguard:
+            say("trainguard: private dev stack")
+            tg_results, stack_info = run_trainguard(opts, faults, work)
+            results.extend(tg_results)
+        say("floor: cold start from a local checkpoint under plain torchrun")
+        floor = torchrun_floor(opts, work, log)
+        say(f"  floor {_fmt(floor.cold_start_s)} s {floor.note}")
+        if not opts.skip_torchrun:
+            for fault in faults:
+                say(f"torchrun: {fault}")
+                results.append(torchrun_fault(opts, fault, work, log))
+    finally:
+        if opts.keep_logs:
+            keep = BENCH_DIR / "recovery-logs"
+            keep.mkdir(exist_ok=True)
+            for item in (log, work / "stack-logs"):
+                if item.exists():
+                    target = keep / item.name
+                    if item.is_dir():
+                        shutil.copytree(item, target, dirs_exist_ok=True)
+                    else:
+                        shutil.copy2(item, target)
+        shutil.rmtree(work, ignore_errors=True)
+
+    order = {f: i for i, f in enumerate(faults)}
+    results.sort(key=lambda m: (order[m.fault], m.system != "trainguard"))
+    lines, ratios = report(results, floor)
+    new_tmp = sorted(_tmp_entries() - tmp_before)
+    stack_socks = tuple(f"-{port}.sock" for port in stack_info.get("weed_grpc_ports", []))
+    ours = [n for n in new_tmp if n.startswith(("torchelastic_", "torchinductor_"))
+            or (n.startswith("seaweedfs-") and n.endswith(stack_socks))]
+    load_after = os.getloadavg()
+    say("")
+    for line in lines:
+        say(line)
+    say(f"total {time.monotonic() - started:.0f}s; load average {load_before[0]:.2f} before, {load_after[0]:.2f} "
+        f"after (other jobs may share the CPUs)")
+    if ours:
+        say(f"warning: new entries in /tmp that look like ours: {ours}")
+    payload = {
+        "benchmark": "recovery",
+        "config": {"faults": faults, "steps": opts.steps, "step_time": opts.step_time, "hidden": opts.hidden,
+                   "checkpoint_every": opts.every, "fault_step": opts.fault_step, "nodes": list(NODES),
+                   "fault_node": FAULT_NODE, "fault_rank": FAULT_RANK,
+                   "torchrun": {"max_restarts": TORCHRUN_MAX_RESTARTS, "pg_timeout_s": TORCHRUN_PG_TIMEOUT_S,
+                                "rdzv_backend": "c10d", "share_rdzv_store": False}},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "loadavg_before": load_before, "loadavg_after": load_after},
+        "stack": stack_info,
+        "results": [asdict(m) for m in results],
+        "floor": asdict(floor) if floor else None,
+        "ratios": ratios,
+        "table": lines,
+        "new_tmp_entries": new_tmp,
+        "total_s": round(time.monotonic() - started, 3),
+    }
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps(payload, indent=2) + "\n")
+    say(f"wrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
