@@ -34,3 +34,7 @@ clean:
 .PHONY: bench-checkpoint
 bench-checkpoint: $(STAMP)
 	$(BIN)/python -m infra.bench.checkpoint $(BENCH_ARGS)
+
+.PHONY: bench-recovery
+bench-recovery: $(STAMP)
+	$(BIN)/python -m infra.bench.recovery $(BENCH_ARGS)

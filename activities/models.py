@@ -251,3 +251,19 @@ class InjectFaultResult(BaseModel):
     rank: int
     pid: int
     injected_at: float
+
+
+class RequestCheckpointInput(BaseModel):
+    workflow_id: str
+    attempt: int
+    node: str
+    step: int | None = None
+    """Ask the ranks to save at this step; None only reports where the ranks are."""
+
+
+class RequestCheckpointResult(BaseModel):
+    node: str
+    step: int = -1
+    """Newest step any local rank reported."""
+    step_time_s: float | None = None
+    """Slowest local rank's recent step time."""

@@ -51,6 +51,10 @@ class RunLayout:
     def progress_file(self, attempt: int, rank: int) -> Path:
         return self.attempt_dir(attempt) / "progress" / f"rank-{rank:05d}.json"
 
+    def checkpoint_request_file(self, attempt: int) -> Path:
+        """An operator's `checkpoint_now`: the step every rank of the attempt saves at."""
+        return self.attempt_dir(attempt) / "checkpoint-request.json"
+
     def log_file(self, attempt: int, rank: int) -> Path:
         return self.attempt_dir(attempt) / "logs" / f"rank-{rank:05d}.log"
 

@@ -27,6 +27,8 @@ from activities.models import (
     InjectFaultResult,
     LaunchRanksInput,
     LaunchRanksResult,
+    RequestCheckpointInput,
+    RequestCheckpointResult,
     StopRanksInput,
     StopRanksResult,
     WatchEvent,
@@ -307,6 +309,7 @@ class RankActivities:
                 "TRAINGUARD_CHECKPOINT_DIR": str(layout.checkpoint_dir),
                 "TRAINGUARD_CHECKPOINT_EVERY": str(request.checkpoint_every),
                 "TRAINGUARD_RESTORE_STEP": str(request.restore_step),
+                "TRAINGUARD_CHECKPOINT_REQUEST_FILE": str(layout.checkpoint_request_file(request.attempt)),
             }
             if request.restore_dir:
                 env["TRAINGUARD_RESTORE_DIR"] = request.restore_dir
@@ -348,6 +351,24 @@ class RankActivities:
         if record is None or (request.attempt is not None and record.attempt > request.attempt):
             return StopRanksResult(stopped=0)
         return StopRanksResult(stopped=await self._stop_record(record, request.grace_s))
+
+    @activity.defn(name="request_checkpoint")
+    async def request_checkpoint(self, request: RequestCheckpointInput) -> RequestCheckpointResult:
+        """Report where this node's ranks are; with a step, ask them to checkpoint at it. Idempotent."""
+        record = self._record(request.workflow_id)
+        if record is None or record.attempt != request.attempt:
+            raise ApplicationError(f"node {self.node} runs no attempt {request.attempt} of {request.workflow_id}",
+                                   type="NoSuchAttempt", non_retryable=True)
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        reports = [r for r in (_read_report(layout.progress_file(record.attempt, rank)) for rank in record.ranks) if r]
+        if request.step is not None:
+            path = layout.checkpoint_request_file(record.attempt)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": request.step}))
+            os.replace(tmp, path)
+        times = [r.step_time_s for r in reports if r.step_time_s]
+        return RequestCheckpointResult(node=self.node, step=max((r.step for r in reports), default=-1),
+                                       step_time_s=max(times) if times else None)
 
     @activity.defn(name="inject_fault")
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:

@@ -37,7 +37,8 @@ def batch_for(step: int, rank: int, batch_size: int, device: torch.device) -> tu
     return inputs.to(device), targets.to(device)
 
 
-def save_local_checkpoint(directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_local_checkpoint(directory: Path, step: int, model: nn.Module,
+                          optimizer: torch.optim.Optimizer) -> None:
     """{model, optim, step} to DIRECTORY/ckpt.pt, atomically (written beside it, then renamed)."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".ckpt.pt.{os.getpid()}.tmp"

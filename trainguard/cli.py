@@ -95,6 +95,11 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         _print_json((await client.result(args.id)).model_dump(mode="json"))
     elif args.action == "cancel":
         await client.cancel(args.id)
+    elif args.action == "drain":
+        answer = await client.drain_node(args.id, args.node, args.reason or "")
+        print(f"draining {args.node} at the next checkpoint (run was {answer.phase.value})")
+    elif args.action == "checkpoint":
+        print(f"every rank checkpoints at step {(await client.checkpoint_now(args.id)).step}")
     elif args.action in ("pause", "resume", "abort"):
         answer = await getattr(client, args.action)(args.id, args.reason or "")
         print(f"{args.action} accepted (run was {answer.phase.value})")
@@ -200,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         operator = run_sub.add_parser(name)
         operator.add_argument("id")
         operator.add_argument("--reason", help="recorded in the run's history and status")
+    drain = run_sub.add_parser("drain", help="move the run off a node at its next checkpoint")
+    drain.add_argument("id")
+    drain.add_argument("--node", required=True)
+    drain.add_argument("--reason")
+    run_sub.add_parser("checkpoint", help="checkpoint every rank now").add_argument("id")
     listing = run_sub.add_parser("list")
     listing.add_argument("--query", help="extra visibility query, e.g. \"ExecutionStatus='Running'\"")
     run.set_defaults(func=lambda a: asyncio.run(_run_cmd(a)))

@@ -23,7 +23,15 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from activities.models import InjectFaultInput, InjectFaultResult
 from trainguard import TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
-from trainguard.models import OperatorRequest, OperatorResult, Phase, RunResult, RunStatus
+from trainguard.models import (
+    CheckpointNowResult,
+    DrainRequest,
+    OperatorRequest,
+    OperatorResult,
+    Phase,
+    RunResult,
+    RunStatus,
+)
 from trainguard.settings import Settings
 from trainguard.spec import RunSpec, parse_spec
 
@@ -113,6 +121,18 @@ class TrainguardClient:
     async def abort(self, workflow_id: str, reason: str = "") -> OperatorResult:
         """End a paused run; it fails with `reason`."""
         return await self._operator(workflow_id, "abort", reason)
+
+    async def drain_node(self, workflow_id: str, node: str, reason: str = "") -> OperatorResult:
+        """Move the run off `node` at its next committed checkpoint; a spare takes its place."""
+        return await self.handle(workflow_id).execute_update(
+            "drain_node", DrainRequest(node=node, reason=reason), result_type=OperatorResult
+        )
+
+    async def checkpoint_now(self, workflow_id: str, reason: str = "") -> CheckpointNowResult:
+        """Have every rank checkpoint a couple of seconds from now; returns the step it will commit."""
+        return await self.handle(workflow_id).execute_update(
+            "checkpoint_now", OperatorRequest(reason=reason), result_type=CheckpointNowResult
+        )
 
     async def _operator(self, workflow_id: str, update: str, reason: str) -> OperatorResult:
         return await self.handle(workflow_id).execute_update(

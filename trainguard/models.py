@@ -174,3 +174,16 @@ class CarriedState(BaseModel):
     publish_search_attributes: bool = False
     continued: int = 0
     """How many times the run has continued as new."""
+
+
+class DrainRequest(BaseModel):
+    """Input of the `drain_node` update."""
+
+    node: str
+    """Node to move the run off, at the next committed checkpoint (no work lost); a spare takes its place."""
+    reason: str = ""
+
+
+class CheckpointNowResult(BaseModel):
+    step: int
+    """The step every rank will checkpoint at (about a second ahead of the fastest rank)."""

@@ -120,6 +120,10 @@ class RankRun:
         self.start_step = int(environ.get("TRAINGUARD_RESTORE_STEP", "0"))
         self._progress_path = Path(environ["TRAINGUARD_PROGRESS_FILE"]) if self.managed else None
         self._checkpoint_dir = Path(environ.get("TRAINGUARD_CHECKPOINT_DIR", ".")) if self.managed else None
+        request = environ.get("TRAINGUARD_CHECKPOINT_REQUEST_FILE")
+        self._request_path = Path(request) if request else None
+        self._request_mtime = 0.0
+        self._requested_step: int | None = None
         restore = environ.get("TRAINGUARD_RESTORE_DIR")
         self._restore_dir = Path(restore) if restore else None
         self._writer: threading.Thread | None = None
@@ -177,7 +181,28 @@ class RankRun:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def should_save(self, step: int) -> bool:
-        return self.managed and self.checkpoint_every > 0 and step > 0 and step % self.checkpoint_every == 0
+        """True at every `checkpoint.every_steps` step, and at the step an operator's `checkpoint_now` named."""
+        if not self.managed or step <= 0:
+            return False
+        if self.checkpoint_every > 0 and step % self.checkpoint_every == 0:
+            return True
+        return step == self._checkpoint_requested()
+
+    def _checkpoint_requested(self) -> int | None:
+        """The step of the latest `checkpoint_now`, re-read only when its file changes (a stat per step)."""
+        if self._request_path is None:
+            return None
+        try:
+            mtime = self._request_path.stat().st_mtime
+        except OSError:
+            return self._requested_step
+        if mtime != self._request_mtime:
+            self._request_mtime = mtime
+            try:
+                self._requested_step = int(json.loads(self._request_path.read_text())["step"])
+            except (OSError, ValueError, KeyError):
+                pass
+        return self._requested_step
 
     def save(self, step: int, state: dict[str, Any]) -> float:
         """Snapshot `state` into memory and write it in the background. Returns the stall in seconds."""

@@ -41,6 +41,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path) ->
             ranks.watch_ranks,
             ranks.stop_ranks,
             ranks.inject_fault,
+            ranks.request_checkpoint,
             checkpoints.upload_shards,
             checkpoints.download_shards,
             health.check_node,

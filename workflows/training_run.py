@@ -9,6 +9,7 @@ survives the crash of the controller that drives it.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,8 @@ with workflow.unsafe.imports_passed_through():
         Manifest,
         PruneCheckpointsInput,
         PruneCheckpointsResult,
+        RequestCheckpointInput,
+        RequestCheckpointResult,
         ShardInfo,
         StopRanksInput,
         StopRanksResult,
@@ -48,7 +51,9 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.models import (
         Action,
         CarriedState,
+        CheckpointNowResult,
         CheckpointRef,
+        DrainRequest,
         Incident,
         IncidentKind,
         OperatorRequest,
@@ -117,6 +122,8 @@ class _Outcome:
     final_events: list[WatchEvent] = field(default_factory=list)
     paused: bool = False
     """An operator asked for a pause."""
+    drain: bool = False
+    """A node being drained can leave now: a checkpoint was just committed."""
     continue_as_new: bool = False
     """The history is long: continue as new, the ranks keep running."""
 
@@ -159,6 +166,7 @@ class TrainingRun:
         self._launched = False
         self._background: list[asyncio.Task[Any]] = []
         self._pause_requested = False
+        self._draining: list[str] = []
         self._resume_requested = False
         self._abort_reason: str | None = None
         self._straggler_streak: dict[int, int] = {}
@@ -220,6 +228,49 @@ class TrainingRun:
         if self._status.phase is not Phase.PAUSED:
             raise ValueError(f"run is {self._status.phase.value}: only a paused run is aborted (cancel it instead)")
 
+    @workflow.update
+    async def drain_node(self, request: DrainRequest) -> OperatorResult:
+        """Move the run off a node at the next committed checkpoint; a spare takes its place."""
+        if request.node not in self._draining:
+            self._draining.append(request.node)
+        return OperatorResult(phase=self._status.phase)
+
+    @drain_node.validator
+    def _validate_drain(self, request: DrainRequest) -> None:
+        if request.node not in self._status.nodes:
+            raise ValueError(f"node {request.node!r} is not in the run (nodes: {', '.join(self._status.nodes)})")
+        if len(self._spares) <= len(self._draining):
+            raise ValueError(f"no spare node left to take {request.node}'s place (add spare_nodes)")
+
+    @workflow.update
+    async def checkpoint_now(self, request: OperatorRequest) -> CheckpointNowResult:
+        """Have every rank checkpoint about a second from now; it commits like any other checkpoint."""
+        attempt, nodes = self._status.attempt, list(self._status.nodes)
+        where = await asyncio.gather(*(self._request_checkpoint(attempt, n, None) for n in nodes))
+        step_time = max((w.step_time_s or 0.1) for w in where)
+        # About a second of steps ahead of the fastest rank: the request reaches every rank (two activity
+        # round trips, tens of milliseconds) well before that step.
+        target = max(w.step for w in where) + max(5, math.ceil(1.0 / step_time))
+        await asyncio.gather(*(self._request_checkpoint(attempt, n, target) for n in nodes))
+        return CheckpointNowResult(step=target)
+
+    @checkpoint_now.validator
+    def _validate_checkpoint_now(self, request: OperatorRequest) -> None:
+        if self._status.phase is not Phase.RUNNING:
+            raise ValueError(f"run is {self._status.phase.value}, not running: no ranks to checkpoint")
+
+    async def _request_checkpoint(self, attempt: int, node: str, step: int | None) -> RequestCheckpointResult:
+        return await workflow.execute_activity(
+            "request_checkpoint",
+            RequestCheckpointInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node, step=step),
+            task_queue=node_task_queue(node),
+            start_to_close_timeout=CHECK_NODE_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            retry_policy=NODE_CALL_RETRY,
+            result_type=RequestCheckpointResult,
+            summary=f"checkpoint now on {node}" + (f" at step {step}" if step is not None else ""),
+        )
+
     @inject_fault.validator
     def _validate_fault(self, request: InjectFaultInput) -> None:
         if self._status.phase is not Phase.RUNNING:
@@ -270,6 +321,9 @@ class TrainingRun:
                     await self._stop_everywhere(self._status.nodes, attempt, "paused by an operator")
                     await self._wait_for_operator()
                     continue
+                if outcome.drain:
+                    await self._move_off_drained(attempt)
+                    continue
                 assert outcome.incident is not None
                 await self._recover(spec, attempt, outcome.incident)
             await self._finish_background()
@@ -284,6 +338,15 @@ class TrainingRun:
             if self._launched:
                 await self._stop_everywhere(self._status.nodes, None, "run ended: stop every rank")
             raise
+
+    async def _move_off_drained(self, attempt: int) -> None:
+        """At a checkpoint boundary: stop the attempt, put spares in the drained nodes' places, relaunch."""
+        self._set_phase(Phase.RECOVERING)
+        await self._stop_everywhere(self._status.nodes, attempt, f"drain {', '.join(self._draining)}")
+        for node in [n for n in self._draining if n in self._status.nodes]:
+            self._replace(node, self._spares.pop(0))
+        self._draining.clear()
+        self._set_phase(Phase.RESTORING)
 
     async def _finish_background(self) -> None:
         """Let retention finish before the run reports done or continues as new."""
@@ -574,8 +637,8 @@ class TrainingRun:
         paused = False
         control = asyncio.ensure_future(workflow.wait_condition(lambda: self._pause_requested))
 
-        continue_as_new = False
-        while incident is None and not paused and not continue_as_new and (
+        continue_as_new = drain = False
+        while incident is None and not paused and not continue_as_new and not drain and (
                 len(finished) < len(nodes) or uploads or commits):
             pending: list[asyncio.Task[Any]] = [*watches.values(), *uploads.values(), *commits.values(), control]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -630,9 +693,10 @@ class TrainingRun:
                     continue
                 self._committed(spec, ref)
                 incident = incident or self._judge_stragglers(spec, attempt, step)
+                drain = drain or any(n in nodes for n in self._draining)
 
             info = workflow.info()
-            continue_as_new = not finished and not uploads and not commits and (
+            continue_as_new = not drain and not finished and not uploads and not commits and (
                 info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
 
         control.cancel()
@@ -643,6 +707,9 @@ class TrainingRun:
             return _Outcome(False, paused=True)
         if continue_as_new and incident is None:
             return _Outcome(False, continue_as_new=True)
+        if drain and incident is None:
+            await self._drain(spec, attempt, uploads, commits, shards)
+            return _Outcome(False, drain=True)
         if incident is not None:
             # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
             await self._drain(spec, attempt, uploads, commits, shards)

@@ -18,8 +18,9 @@ training has passed step `--fault-step` (120):
    running the same script with a local checkpoint (`--local-checkpoint-dir`, same cadence) and the
    process-group timeout a user would set (`--pg-timeout-s 60`). The benchmark finds rank 1's worker in
    /proc (by a marker variable it sets, `RANK=1` and torchrun's pid as parent) and sends it SIGKILL (crash)
-   or SIGSTOP (hang) itself. Detection is when torchrun's agent logs `Worker group FAILED ... will restart`
-   (its stderr, timestamped on arrival, `LOGLEVEL=INFO`); recovery is the first step of the next attempt in
+   or SIGSTOP (hang) itself. Detection is torchrun's agent's first reaction in its log (`Sending process N
+   closing signal SIGTERM` to the survivors, else `Worker group FAILED`; its output is timestamped on
+   arrival, `LOGLEVEL=INFO`); recovery is the first step of the next attempt in
    the trainer's `--progress-file` (rank 0 appends `step unix-time restart-count` per step). Goodput is
    computed as trainguard computes it: steps x mean step time of the final attempt / wall time.
 3. The floor: the same 2 ranks started cold by plain torchrun with a local checkpoint present, time from
@@ -27,7 +28,8 @@ training has passed step `--fault-step` (120):
 
 This is a benchmark, not a test: it prints figures and writes them to JSON; it never asserts a time.
 Every process it starts is killed (process groups, and workers found by the marker) and every file it
-writes outside `.bench/recovery.json` and its log is removed, also on errors.
+writes but `.bench/recovery.json` is removed, also on errors (`--keep-logs` keeps torchrun's output and the
+stack's logs under `.bench/recovery-logs/`). torch's temporary files go to a TMPDIR under `.bench/`.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ FAULT_RANK = 1
 TORCHRUN_MAX_RESTARTS = 3
 TORCHRUN_PG_TIMEOUT_S = 60.0
 MARK_VAR = "TG_BENCH_MARK"
-DETECTED = re.compile(r"Worker group (FAILED|UNHEALTHY)")
+DETECTED = re.compile(r"closing signal|Worker group (FAILED|UNHEALTHY)")
+"""torchrun's agent noticed a failed worker: it signals the others to close (first), then logs the failure."""
 TORCHRUN_EVENTS = re.compile(r"Worker group (FAILED|UNHEALTHY)|Stopping worker group|closing signal|"
                              r"Rendezvous'ing worker group|Starting worker group|ChildFailedError|"
                              r"Unable to shutdown process|timed out|Connection reset|Timed out")
@@ -82,7 +85,8 @@ class Measurement:
     fault: str
     system: str
     detection_s: float | None = None
-    """Fault to detection (trainguard: the incident; torchrun: its agent's `Worker group FAILED` line)."""
+    """Fault to detection (trainguard: the incident; torchrun: its agent's first reaction in its log, the
+    `closing signal SIGTERM` to the surviving workers, or `Worker group FAILED`)."""
     restart_s: float | None = None
     """Detection to the first training step of the next attempt."""
     time_to_recover_s: float | None = None
@@ -263,7 +267,7 @@ class Torchrun:
         return code
 
     def kill(self) -> None:
-        """SIGKILL torchrun's process group and every worker carrying our marker (workers have own sessions)."""
+        """SIGKILL torchrun's group and every worker carrying our marker (workers have their own sessions)."""
         for _ in range(3):
             pids = marked_pids(self.mark)
             if self.proc is not None and self.proc.poll() is None:
@@ -289,7 +293,8 @@ class Torchrun:
 # -------------------------------------------------------------------------------------- torchrun
 
 
-def train_args(opts: argparse.Namespace, steps: int | None = None, step_time: float | None = None) -> list[str]:
+def train_args(opts: argparse.Namespace, steps: int | None = None,
+               step_time: float | None = None) -> list[str]:
     return ["--steps", str(steps if steps is not None else opts.steps),
             "--step-time", f"{opts.step_time if step_time is None else step_time:g}",
             "--hidden", str(opts.hidden), "--local-checkpoint-every", str(opts.every)]
@@ -297,7 +302,8 @@ def train_args(opts: argparse.Namespace, steps: int | None = None, step_time: fl
 
 def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) -> Measurement:
     result = Measurement(fault=fault, system="torchrun")
-    job = Torchrun(work / f"torchrun-{fault}", f"torchrun-{fault}", train_args(opts), TORCHRUN_MAX_RESTARTS, log)
+    job = Torchrun(work / f"torchrun-{fault}", f"torchrun-{fault}", train_args(opts), TORCHRUN_MAX_RESTARTS,
+                   log)
     timeout_s = 120 + 3 * opts.steps * opts.step_time + (3 * TORCHRUN_PG_TIMEOUT_S if fault == "hang" else 0)
     try:
         job.start()
@@ -315,7 +321,8 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
                 result.fault_step = rows[-1][0]
                 fault_at = time.time()
                 os.kill(pid, SIGNALS[fault])
-                say(f"  torchrun {fault}: sent {SIGNALS[fault].name} to rank {FAULT_RANK} (pid {pid}) at step "
+                say(f"  torchrun {fault}: sent {SIGNALS[fault].name} to rank {FAULT_RANK} (pid {pid}) "
+                    f"at step "
                     f"{result.fault_step}")
                 break
             if job.proc is not None and job.proc.poll() is not None:
@@ -331,7 +338,8 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
             result.note = f"torchrun exited {code}"
         end = job.ended or time.time()
         result.wall_s = round(end - job.started, 3)
-        detection = next((t for t, text in job.lines if t >= fault_at and DETECTED.search(text)), None)
+        detection = next((t for t, text in job.lines
+                          if t >= fault_at and not text.startswith("[rank") and DETECTED.search(text)), None)
         result.events = [{"after_fault_s": round(t - fault_at, 3), "line": text[:300]}
                          for t, text in job.lines if t >= fault_at and TORCHRUN_EVENTS.search(text)][:40]
         rows = job.steps()
@@ -339,7 +347,7 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
         if detection is not None:
             result.detection_s = round(detection - fault_at, 3)
         else:
-            result.note = (result.note + "; " if result.note else "") + "no 'Worker group FAILED' line seen"
+            result.note = (result.note + "; " if result.note else "") + "torchrun logged no failure"
         if first_new is not None:
             result.time_to_recover_s = round(first_new[1] - fault_at, 3)
             result.resumed_step = first_new[0] - 1
@@ -354,7 +362,8 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
             result.completed = code == 0 and rows[-1][0] == opts.steps
             if gaps and result.wall_s:
                 result.mean_step_s = round(sum(gaps) / len(gaps), 6)
-                result.goodput = round(min(1.0, result.steps_completed * result.mean_step_s / result.wall_s), 4)
+                useful = result.steps_completed * result.mean_step_s
+                result.goodput = round(min(1.0, useful / result.wall_s), 4)
         return result
     finally:
         job.kill()
@@ -410,7 +419,12 @@ async def trainguard_faults(opts: argparse.Namespace, faults: list[str], home: P
     client = await TrainguardClient.connect()
     results = []
     for fault in faults:
-        results.append(await trainguard_fault(client, opts, fault, home))
+        try:
+            measured = await trainguard_fault(client, opts, fault, home)
+        except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
+            measured = Measurement(fault=fault, system="trainguard", note=f"error: {error!r}"[:300])
+        say(f"  -> {summary(measured)}")
+        results.append(measured)
     return results
 
 
@@ -430,6 +444,8 @@ def rank_step(home: Path, node: str, run_id: str, attempt: int, rank: int) -> in
 
 
 async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, home: Path) -> Measurement:
+    from temporalio.service import RPCError
+
     result = Measurement(fault=fault, system="trainguard")
     tag = secrets.token_hex(4)
     run_id = await client.start_run(trainguard_spec(opts, f"bench-recovery-{fault}-{tag}"),
@@ -440,10 +456,17 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
     try:
         attempt: int | None = None
         last_status = 0.0
+        failed_queries = 0
         while time.monotonic() < deadline:
             if attempt is None or time.monotonic() - last_status > 2.0:
-                view = await client.status(run_id)
                 last_status = time.monotonic()
+                try:
+                    view = await client.status(run_id)
+                except RPCError as error:  # a query waits on a workflow task: a busy controller times it out
+                    failed_queries += 1
+                    say(f"  trainguard {fault}: status query failed ({error.message}); retrying")
+                    await asyncio.sleep(0.5)
+                    continue
                 if view.execution_status != "RUNNING":
                     result.note = f"the run ended before the fault: {view.status.reason}"
                     return result
@@ -454,13 +477,16 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 injected = await client.inject_fault(run_id, fault, FAULT_NODE)
                 landed = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
                 result.fault_step = landed if landed is not None else step
-                say(f"  trainguard {fault}: {fault} of rank {injected.rank} (pid {injected.pid}) on {FAULT_NODE}; "
+                say(f"  trainguard {fault}: {fault} of rank {injected.rank} (pid {injected.pid}) "
+                    f"on {FAULT_NODE}; "
                     f"rank 0 at step {step} when asked, {result.fault_step} when done")
                 break
             await asyncio.sleep(0.02)
         else:
             result.note = f"step {opts.fault_step} not reached within {timeout_s:.0f}s"
             return result
+        if failed_queries:
+            result.note = f"{failed_queries} status queries timed out before the fault"
         outcome = await asyncio.wait_for(client.result(run_id), max(1.0, deadline - time.monotonic()))
         finished = True
         incidents = list(outcome.incidents)
@@ -470,14 +496,16 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
             result.note = "no incident recorded"
         else:
             if incident.kind.value != fault:
-                result.note = f"incident kind {incident.kind.value}"
+                kind = f"incident kind {incident.kind.value}"
+                result.note = f"{result.note}; {kind}" if result.note else kind
             result.detection_s = incident.detection_s
             result.restart_s = incident.recovery_s
             if incident.detection_s is not None and incident.recovery_s is not None:
                 result.time_to_recover_s = round(incident.detection_s + incident.recovery_s, 3)
             result.resumed_step = incident.resumed_step
         if others:
-            result.note = (result.note + "; " if result.note else "") + f"other incidents: {', '.join(others)}"
+            extra = f"other incidents: {', '.join(others)}"
+            result.note = f"{result.note}; {extra}" if result.note else extra
         result.goodput = outcome.goodput
         result.wall_s = outcome.wall_s
         result.steps_completed = outcome.steps_completed
@@ -494,7 +522,8 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 await client.cancel(run_id)
 
 
-def run_trainguard(opts: argparse.Namespace, faults: list[str], work: Path) -> tuple[list[Measurement], dict[str, Any]]:
+def run_trainguard(opts: argparse.Namespace, faults: list[str],
+                   work: Path) -> tuple[list[Measurement], dict[str, Any]]:
     from trainguard.devstack import DevStack, Ports, StackConfig
 
     home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
@@ -535,6 +564,13 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def summary(m: Measurement) -> str:
+    goodput = None if m.goodput is None else m.goodput * 100
+    return (f"{m.system} {m.fault}: detection {_fmt(m.detection_s)} s, restart {_fmt(m.restart_s)} s, "
+            f"time to recover {_fmt(m.time_to_recover_s)} s, goodput {_fmt(goodput, '{:.1f}%')}, "
+            f"wall {_fmt(m.wall_s, '{:.1f}')} s{'; ' + m.note if m.note else ''}")
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None
@@ -547,15 +583,18 @@ def report(results: list[Measurement], floor: Floor | None) -> tuple[list[str], 
     for m in results:
         lines.append(
             f"{m.fault:<6} {m.system:<11} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
-            f"{_fmt(m.time_to_recover_s):>17} {_fmt(None if m.goodput is None else m.goodput * 100, '{:.1f}%'):>8} "
+            f"{_fmt(m.time_to_recover_s):>17} "
+            f"{_fmt(None if m.goodput is None else m.goodput * 100, '{:.1f}%'):>8} "
             f"{_fmt(m.wall_s, '{:.1f}'):>7} {_fmt(m.fault_step, '{}'):>6} {_fmt(m.resumed_step, '{}'):>7} "
             f"{'yes' if m.completed else 'no':>4}  {m.note}")
     ratios: dict[str, Any] = {}
     floor_s = floor.cold_start_s if floor else None
     if floor is not None:
-        lines.append(f"floor: cold start of the 2 ranks from a local checkpoint (plain torchrun, launch to first "
+        lines.append(f"floor: cold start of the 2 ranks from a local checkpoint (plain torchrun, launch to "
+                     f"first "
                      f"step) {_fmt(floor_s)} s{'  ' + floor.note if floor.note else ''}")
-    lines.append("ratios (torchrun / trainguard for times: >1 means trainguard is faster; trainguard / torchrun "
+    lines.append("ratios (torchrun / trainguard for times: >1 means trainguard is faster; "
+                 "trainguard / torchrun "
                  "for goodput):")
     for fault in dict.fromkeys(m.fault for m in results):
         tg = next((m for m in results if m.fault == fault and m.system == "trainguard"), None)
@@ -576,8 +615,10 @@ def report(results: list[Measurement], floor: Floor | None) -> tuple[list[str], 
             if m is not None and floor_s:
                 entry[f"{m.system}_restart_over_floor"] = _ratio(m.restart_s, floor_s)
                 entry[f"{m.system}_time_to_recover_over_floor"] = _ratio(m.time_to_recover_s, floor_s)
-                lines.append(f"  {fault}: {m.system} restart / floor {_fmt(entry[f'{m.system}_restart_over_floor'])}x, "
-                             f"time to recover / floor {_fmt(entry[f'{m.system}_time_to_recover_over_floor'])}x")
+                over_restart = entry[f"{m.system}_restart_over_floor"]
+                over_recover = entry[f"{m.system}_time_to_recover_over_floor"]
+                lines.append(f"  {fault}: {m.system} restart / floor {_fmt(over_restart)}x, "
+                             f"time to recover / floor {_fmt(over_recover)}x")
         ratios[fault] = entry
     return lines, ratios
 
@@ -593,15 +634,18 @@ def _tmp_entries() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", default="crash,hang", help="comma-separated: crash, hang (default both)")
     parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
     parser.add_argument("--step-time", type=float, default=0.1, help="trainer --step-time (default 0.1)")
     parser.add_argument("--hidden", type=int, default=64, help="trainer --hidden (default 64)")
     parser.add_argument("--every", type=int, default=50, help="checkpoint every N steps (default 50)")
     parser.add_argument("--fault-step", type=int, default=120, help="inject once training passes this step")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
-    parser.add_argument("--skip-torchrun", action="store_true", help="trainguard only (still measures the floor)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON,
+                        help=f"results file (default {DEFAULT_JSON})")
+    parser.add_argument("--skip-torchrun", action="store_true",
+                        help="trainguard only (still measures the floor)")
     parser.add_argument("--skip-trainguard", action="store_true", help="torchrun and the floor only")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep torchrun output and the stack's logs under .bench/recovery-logs")
@@ -637,7 +681,12 @@ def main(argv: list[str] | None = None) -> int:
         if not opts.skip_torchrun:
             for fault in faults:
                 say(f"torchrun: {fault}")
-                results.append(torchrun_fault(opts, fault, work, log))
+                try:
+                    measured = torchrun_fault(opts, fault, work, log)
+                except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
+                    measured = Measurement(fault=fault, system="torchrun", note=f"error: {error!r}"[:300])
+                say(f"  -> {summary(measured)}")
+                results.append(measured)
     finally:
         if opts.keep_logs:
             keep = BENCH_DIR / "recovery-logs"
@@ -662,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     say("")
     for line in lines:
         say(line)
-    say(f"total {time.monotonic() - started:.0f}s; load average {load_before[0]:.2f} before, {load_after[0]:.2f} "
+    say(f"total {time.monotonic() - started:.0f}s; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} "
         f"after (other jobs may share the CPUs)")
     if ours:
         say(f"warning: new entries in /tmp that look like ours: {ours}")
@@ -673,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                    "fault_node": FAULT_NODE, "fault_rank": FAULT_RANK,
                    "torchrun": {"max_restarts": TORCHRUN_MAX_RESTARTS, "pg_timeout_s": TORCHRUN_PG_TIMEOUT_S,
                                 "rdzv_backend": "c10d", "share_rdzv_store": False}},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform(),
                     "loadavg_before": load_before, "loadavg_after": load_after},
         "stack": stack_info,
         "results": [asdict(m) for m in results],
