@@ -12,6 +12,7 @@ from temporalio.client import Client
 
 from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
 from trainguard import node_task_queue
+from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode, RegisterNodeRequest
 from trainguard.search_attributes import registered
 
 
@@ -43,3 +44,65 @@ class NodeActivities:
             missing=await missing_agents(self.client, request.nodes, request.max_idle_s),
             search_attributes=await registered(self.client),
         )
+
+
+# ------------------------------------------------------------------------------------------- node pool
+
+
+async def pool_handle(client: Client):  # type: ignore[no-untyped-def]
+    """The node pool workflow, started on first use (a second start just finds the running one)."""
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    from trainguard import TASK_QUEUE
+    from workflows.node_pool import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE
+
+    return await client.start_workflow(
+        POOL_WORKFLOW_TYPE, None, id=POOL_WORKFLOW_ID, task_queue=TASK_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+
+
+async def register_node(client: Client, node: str, host: str, healthy: bool) -> PoolNode:
+    handle = await pool_handle(client)
+    return await handle.execute_update(
+        "register", RegisterNodeRequest(node=node, host=host, healthy=healthy), result_type=PoolNode
+    )
+
+
+async def pool_nodes(client: Client) -> list[PoolNode]:
+    """The pool's nodes; empty when the pool has not started yet."""
+    from temporalio.service import RPCError
+
+    from trainguard.models import PoolStatus
+    from workflows.node_pool import POOL_WORKFLOW_ID
+
+    try:
+        status = await client.get_workflow_handle(POOL_WORKFLOW_ID).query("nodes", result_type=PoolStatus)
+    except RPCError:
+        return []
+    return status.nodes
+
+
+class PoolActivities:
+    """Controller-side activities a run uses to lease, release and cordon nodes in the pool."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    @activity.defn(name="acquire_nodes")
+    async def acquire_nodes(self, request: AcquireNodesRequest) -> AcquireNodesResult:
+        """Lease the run's nodes (all or none) and whichever of its spares are free. Idempotent per run."""
+        handle = await pool_handle(self.client)
+        return await handle.execute_update("acquire", request, result_type=AcquireNodesResult)
+
+    @activity.defn(name="release_nodes")
+    async def release_nodes(self, request: NodeRequest) -> list[str]:
+        """Give the run's nodes (or one of them) back to the pool. Idempotent."""
+        handle = await pool_handle(self.client)
+        return await handle.execute_update("release", request, result_type=list[str])
+
+    @activity.defn(name="cordon_node")
+    async def cordon_node(self, request: NodeRequest) -> PoolNode:
+        """Take a failed node out of the pool (and out of the run's lease) until it is repaired."""
+        handle = await pool_handle(self.client)
+        return await handle.execute_update("cordon", request, result_type=PoolNode)

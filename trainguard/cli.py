@@ -120,6 +120,23 @@ async def _chaos_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _nodes_cmd(args: argparse.Namespace) -> int:
+    from trainguard.client import TrainguardClient
+
+    client = await TrainguardClient.connect()
+    if args.action == "cordon":
+        await client.cordon(args.node, args.reason or "")
+    elif args.action == "uncordon":
+        await client.uncordon(args.node)
+    elif args.action == "drain":
+        await client.drain_pool_node(args.node)
+    for node in await client.nodes():
+        state = f"cordoned: {node.cordoned}" if node.cordoned else ("draining" if node.draining else "schedulable")
+        lease = f"leased to {node.leased_to}" if node.leased_to else "free"
+        print(f"{node.node:<16} {state:<40} {lease}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------- demo
 async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_s: float) -> RunResult:
     from trainguard.client import TrainguardClient
@@ -214,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--query", help="extra visibility query, e.g. \"ExecutionStatus='Running'\"")
     run.set_defaults(func=lambda a: asyncio.run(_run_cmd(a)))
 
+    nodes = sub.add_parser("nodes", help="the node pool: list, cordon, uncordon, drain")
+    nodes.add_argument("action", choices=["list", "cordon", "uncordon", "drain"])
+    nodes.add_argument("node", nargs="?")
+    nodes.add_argument("--reason")
+    nodes.set_defaults(func=lambda a: asyncio.run(_nodes_cmd(a)))
+
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
     chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down"])
     chaos.add_argument("--run", required=True, help="workflow id")
@@ -235,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "spec" and args.action == "check" and not args.file:
         print("trainguard spec check: give the spec file to check", file=sys.stderr)
+        return 2
+    if args.command == "nodes" and args.action != "list" and not args.node:
+        print(f"trainguard nodes {args.action}: name the node", file=sys.stderr)
         return 2
     return int(args.func(args) or 0)
 

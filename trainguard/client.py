@@ -26,7 +26,10 @@ from trainguard.connect import connect
 from trainguard.models import (
     CheckpointNowResult,
     DrainRequest,
+    NodeRequest,
     OperatorRequest,
+    PoolNode,
+    PoolStatus,
     OperatorResult,
     Phase,
     RunResult,
@@ -141,6 +144,30 @@ class TrainguardClient:
 
     async def cancel(self, workflow_id: str) -> None:
         await self.handle(workflow_id).cancel()
+
+    # ------------------------------------------------------------------------------------ node pool
+    async def nodes(self) -> list[PoolNode]:
+        """The node pool: each node's registration, lease, cordon and drain state."""
+        from activities.nodes import pool_nodes
+
+        return await pool_nodes(self.client)
+
+    async def cordon(self, node: str, reason: str = "") -> PoolNode:
+        """Keep `node` out of every future lease until `uncordon` (or its agent comes back healthy)."""
+        return await self._pool_update("cordon", NodeRequest(node=node, reason=reason or "cordoned by an operator"),
+                                       PoolNode)
+
+    async def uncordon(self, node: str) -> PoolNode:
+        return await self._pool_update("uncordon", NodeRequest(node=node), PoolNode)
+
+    async def drain_pool_node(self, node: str) -> PoolStatus:
+        """Take `node` out of the pool once its current run releases it (at once if it is free)."""
+        return await self._pool_update("drain", NodeRequest(node=node), PoolStatus)
+
+    async def _pool_update(self, name: str, request: NodeRequest, result_type: type) -> Any:
+        from activities.nodes import pool_handle
+
+        return await (await pool_handle(self.client)).execute_update(name, request, result_type=result_type)
 
     async def list_runs(self, query: str | None = None, limit: int = 50) -> list[tuple[str, str]]:
         """(workflow id, execution status) of recent runs, newest first."""

@@ -309,11 +309,13 @@ class DevStack:
         from temporalio.api.enums.v1 import TaskQueueType
         from temporalio.client import Client
 
-        from activities.nodes import has_pollers, missing_agents
+        from activities.nodes import has_pollers, missing_agents, pool_nodes
         from trainguard import TASK_QUEUE
 
         async def wait() -> None:
-            client = await Client.connect(self.config.temporal_address)
+            from temporalio.contrib.pydantic import pydantic_data_converter
+
+            client = await Client.connect(self.config.temporal_address, data_converter=pydantic_data_converter)
             deadline = time.monotonic() + READY_TIMEOUT_S
             while True:
                 dead = [c for c in self.components() if not self._alive(c)]
@@ -322,6 +324,9 @@ class DevStack:
                 missing = await missing_agents(client, list(self.config.nodes), max_idle_s=POLLER_IDLE_S)
                 if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, POLLER_IDLE_S):
                     missing.append("controller")
+                else:
+                    registered = {n.node for n in await pool_nodes(client)}
+                    missing += [f"{n} (pool registration)" for n in self.config.nodes if n not in registered]
                 if not missing:
                     return
                 if time.monotonic() > deadline:

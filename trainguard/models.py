@@ -187,3 +187,59 @@ class DrainRequest(BaseModel):
 class CheckpointNowResult(BaseModel):
     step: int
     """The step every rank will checkpoint at (about a second ahead of the fastest rank)."""
+
+
+# ------------------------------------------------------------------------------------------- node pool
+
+
+class PoolNode(BaseModel):
+    """One node in the long-lived inventory."""
+
+    node: str
+    host: str = ""
+    registered_at: float = 0.0
+    """Workflow-clock time of the agent's latest registration."""
+    healthy: bool = True
+    """GPU health the agent reported when it registered."""
+    leased_to: str | None = None
+    """Workflow id of the run holding the node."""
+    cordoned: str | None = None
+    """Why the node may not be leased (a failure, or an operator); None when schedulable."""
+    cordoned_at: float | None = None
+    draining: bool = False
+    """Leaves the pool once its current run releases it."""
+
+
+class PoolStatus(BaseModel):
+    nodes: list[PoolNode] = Field(default_factory=list)
+
+
+class RegisterNodeRequest(BaseModel):
+    node: str
+    host: str = ""
+    healthy: bool = True
+
+
+class AcquireNodesRequest(BaseModel):
+    run_id: str
+    nodes: list[str]
+    spares: list[str] = Field(default_factory=list)
+
+
+class AcquireNodesResult(BaseModel):
+    granted: bool
+    spares: list[str] = Field(default_factory=list)
+    """Spares granted with the nodes (those free and schedulable)."""
+    cordoned: dict[str, str] = Field(default_factory=dict)
+    """Requested nodes that are cordoned, with why: the run cannot start until they are uncordoned."""
+    busy: dict[str, str] = Field(default_factory=dict)
+    """Requested nodes leased to other runs (node -> run id): the run waits for them."""
+    unregistered: list[str] = Field(default_factory=list)
+
+
+class NodeRequest(BaseModel):
+    """Input of the pool's `cordon`, `uncordon`, `drain` and `release` updates."""
+
+    node: str | None = None
+    run_id: str | None = None
+    reason: str = ""

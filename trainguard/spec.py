@@ -145,6 +145,9 @@ class RunSpec(_Strict):
     restarts: RestartSpec = Field(default_factory=RestartSpec)
     """Restart budget."""
 
+    reserve_timeout_s: float = Field(600.0, ge=0, le=7 * 86_400)
+    """How long the run waits for nodes leased to other runs before it fails. Default 600 s."""
+
     max_history_events: int = Field(10_000, ge=100, le=40_000)
     """The run continues as new (ranks keep running) once its history has this many events, well before
     Temporal's 10,240-event warning and 51,200-event limit. Default 10,000."""

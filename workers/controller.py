@@ -11,11 +11,12 @@ import logging
 from temporalio.worker import Worker
 
 from activities.checkpoints import StoreActivities
-from activities.nodes import NodeActivities
+from activities.nodes import NodeActivities, PoolActivities, pool_handle
 from trainguard import TASK_QUEUE
 from trainguard.connect import connect
 from trainguard.search_attributes import ensure_registered
 from workers.common import GRACEFUL_SHUTDOWN, STICKY_SCHEDULE_TO_START, setup_logging, stop_event
+from workflows.node_pool import NodePool
 from workflows.training_run import TrainingRun
 
 log = logging.getLogger("trainguard.controller")
@@ -24,15 +25,19 @@ log = logging.getLogger("trainguard.controller")
 def build_worker(client, task_queue: str = TASK_QUEUE) -> Worker:  # type: ignore[no-untyped-def]
     store = StoreActivities()
     nodes = NodeActivities(client)
+    pool = PoolActivities(client)
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=[TrainingRun],
+        workflows=[TrainingRun, NodePool],
         activities=[
             store.find_checkpoint,
             store.commit_checkpoint,
             store.prune_checkpoints,
             nodes.find_node_agents,
+            pool.acquire_nodes,
+            pool.release_nodes,
+            pool.cordon_node,
         ],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
@@ -47,6 +52,7 @@ async def main() -> None:
     stop = stop_event()
     log.info("controller polling task queue %s", TASK_QUEUE)
     async with worker:
+        await pool_handle(client)  # the node inventory exists from the first controller on
         await stop.wait()
     log.info("controller stopped")
 

@@ -19,6 +19,7 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import NodeCheckpointActivities
 from activities.health import HealthActivities, NodeHealth
+from activities.nodes import register_node
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
@@ -52,6 +53,23 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path) ->
     return worker, ranks
 
 
+REGISTER_RETRY_S = 2.0
+"""The pool answers once a controller runs; until then keep asking (agents may start first)."""
+
+
+async def register_until_done(client, node: str, host: str) -> None:  # type: ignore[no-untyped-def]
+    """Join the node pool, reporting GPU health: a cordoned node that comes back healthy is repaired."""
+    healthy = (await asyncio.to_thread(NodeHealth().check)).healthy
+    while True:
+        try:
+            state = await asyncio.wait_for(register_node(client, node, host, healthy), timeout=30)
+            log.info("registered %s in the node pool (cordoned: %s)", node, state.cordoned or "no")
+            return
+        except Exception as error:  # noqa: BLE001 - retried until the controller answers
+            log.warning("registering %s in the node pool failed, retrying: %s", node, error)
+            await asyncio.sleep(REGISTER_RETRY_S)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description="trainguard node agent")
     parser.add_argument("--node", required=True, help="this node's id (task queue trainguard-node-<id>)")
@@ -70,7 +88,9 @@ async def main() -> None:
     log.info("node agent %s polling %s", args.node, node_task_queue(args.node))
     try:
         async with worker:
+            registration = asyncio.create_task(register_until_done(client, args.node, args.host))
             await stop.wait()
+            registration.cancel()
     finally:
         stopped = await ranks.stop_all(grace_s=2.0)
         log.info("node agent %s stopped (%d ranks stopped)", args.node, stopped)

@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         WatchEventKind,
         WatchRanksInput,
     )
+    from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
     from trainguard import WORKFLOW_TYPE, node_task_queue
     from trainguard.models import (
         Action,
@@ -95,6 +96,15 @@ TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
 
 STORE_TIMEOUT = timedelta(minutes=2)
 """Listing, HEADs and a small manifest PUT."""
+
+RESERVE_POLL_INTERVAL = timedelta(seconds=2)
+"""How often a run waiting for nodes leased to other runs asks the pool again."""
+
+POOL_TIMEOUT = timedelta(seconds=30)
+"""One update on the node pool workflow: milliseconds when the controller is up."""
+
+POOL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
+"""The pool lives in the same Temporal as the run: retry until it answers (each call is idempotent)."""
 
 NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
                               maximum_attempts=3)
@@ -164,6 +174,7 @@ class TrainingRun:
         self._last_committed_step = -1
         self._spares: list[str] = []
         self._launched = False
+        self._leased = False
         self._background: list[asyncio.Task[Any]] = []
         self._pause_requested = False
         self._draining: list[str] = []
@@ -327,6 +338,7 @@ class TrainingRun:
                 assert outcome.incident is not None
                 await self._recover(spec, attempt, outcome.incident)
             await self._finish_background()
+            await self._release()
             return self._result(spec, attempt, started, outcome.final_events)
         except workflow.ContinueAsNewError:
             raise
@@ -337,6 +349,7 @@ class TrainingRun:
                 self._set_phase(Phase.FAILED)
             if self._launched:
                 await self._stop_everywhere(self._status.nodes, None, "run ended: stop every rank")
+            await self._release()
             raise
 
     async def _move_off_drained(self, attempt: int) -> None:
@@ -345,6 +358,7 @@ class TrainingRun:
         await self._stop_everywhere(self._status.nodes, attempt, f"drain {', '.join(self._draining)}")
         for node in [n for n in self._draining if n in self._status.nodes]:
             self._replace(node, self._spares.pop(0))
+            await self._release(node)
         self._draining.clear()
         self._set_phase(Phase.RESTORING)
 
@@ -384,6 +398,7 @@ class TrainingRun:
         self._publish_search_attributes = carried.publish_search_attributes
         self._continued = carried.continued
         self._launched = True
+        self._leased = True
         self._set_phase(Phase.RUNNING)
 
     async def _wait_for_operator(self) -> None:
@@ -434,17 +449,60 @@ class TrainingRun:
             self._status.reason = reason
             self._set_phase(Phase.FAILED)
             raise ApplicationError(reason, type="InvalidSpec", non_retryable=True)
-        spares = [n for n in spec.spare_nodes if n not in found.missing]
+        spares = await self._acquire(spec, [n for n in spec.spare_nodes if n not in found.missing])
         checks = await asyncio.gather(*(self._check_node(n) for n in self._status.nodes))
         for check in checks:
             if check.gpu.available and not check.gpu.healthy:
                 self._record_incident(Incident(kind=IncidentKind.GPU_UNHEALTHY, node=check.node,
                                                detail=check.gpu.detail, action=Action.REPLACE_NODE))
+                await self._cordon(check.node, f"GPU checks failed: {check.gpu.detail}")
                 if not spares:
                     raise ApplicationError(f"node {check.node} failed its GPU checks and no spare is left: "
                                            f"{check.gpu.detail}", type="NoHealthyNodes", non_retryable=True)
                 self._replace(check.node, spares.pop(0))
         return spares
+
+    async def _acquire(self, spec: RunSpec, spares: list[str]) -> list[str]:
+        """Lease the nodes from the pool; wait (bounded) for nodes other runs hold; fail on cordoned ones."""
+        waited = 0.0
+        while True:
+            lease = await self._pool("acquire_nodes", AcquireNodesRequest(
+                run_id=workflow.info().workflow_id, nodes=spec.nodes, spares=spares), AcquireNodesResult,
+                "lease nodes from the pool")
+            if lease.granted:
+                self._leased = True
+                self._status.reason = None
+                return lease.spares
+            if lease.cordoned:
+                where = ", ".join(f"nodes.{spec.nodes.index(n)} {n!r} is cordoned ({why})"
+                                  for n, why in lease.cordoned.items())
+                reason = f"{where}: uncordon it (`trainguard nodes uncordon NODE`) or choose another node"
+                self._status.reason = reason
+                raise ApplicationError(reason, type="NodesCordoned", non_retryable=True)
+            waiting = [f"{n} (leased to {run})" for n, run in lease.busy.items()]
+            waiting += [f"{n} (agent not registered yet)" for n in lease.unregistered]
+            if waited >= spec.reserve_timeout_s:
+                reason = f"nodes still unavailable after {waited:.0f}s: {', '.join(waiting)}"
+                self._status.reason = reason
+                raise ApplicationError(reason, type="NodesUnavailable", non_retryable=True)
+            self._status.reason = f"waiting for {', '.join(waiting)}"
+            await workflow.sleep(RESERVE_POLL_INTERVAL)
+            waited += RESERVE_POLL_INTERVAL.total_seconds()
+
+    async def _pool(self, name: str, request: Any, result_type: type, summary: str) -> Any:
+        return await workflow.execute_activity(
+            name, request, start_to_close_timeout=POOL_TIMEOUT, retry_policy=POOL_RETRY,
+            result_type=result_type, summary=summary,
+        )
+
+    async def _cordon(self, node: str, reason: str) -> None:
+        await self._pool("cordon_node", NodeRequest(node=node, run_id=workflow.info().workflow_id, reason=reason),
+                         PoolNode, f"cordon {node}: {reason[:80]}")
+
+    async def _release(self, node: str | None = None) -> None:
+        if self._leased:
+            await self._pool("release_nodes", NodeRequest(run_id=workflow.info().workflow_id, node=node),
+                             list[str], f"release {node or 'nodes'}")
 
     async def _check_node(self, node: str) -> CheckNodeResult:
         return await workflow.execute_activity(
@@ -816,6 +874,7 @@ class TrainingRun:
             await self._wait_for_operator()
             return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
+            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
             self._spares.remove(decision.replacement)
             self._replace(incident.node, decision.replacement)
         self._restart_times.append(now)

@@ -30,7 +30,10 @@ async def test_straggler_is_reported_then_replaced_by_a_spare_when_it_persists(
     await wait_until(client, rid, lambda v: checkpointed(v, min_step=12))
     await client.inject_fault(rid, "slow", "node-1", slow_duty=0.8)
 
-    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    try:
+        result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    finally:
+        await client.uncordon("node-1")  # the operator has looked at the slow node
     stragglers = [i for i in result.incidents if i.kind is IncidentKind.STRAGGLER]
     assert [i.action for i in stragglers] == [Action.REPORT, Action.REPLACE_NODE], result.incidents
     assert {(i.node, i.rank) for i in stragglers} == {("node-1", 1)}

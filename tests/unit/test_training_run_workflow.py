@@ -54,6 +54,7 @@ from activities.models import (
     WatchRanksInput,
 )
 from trainguard import node_task_queue
+from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
 from trainguard.models import (
     Action,
     CheckpointRef,
@@ -181,7 +182,23 @@ class Cluster:
             self.calls["prune_checkpoints"].append(request)
             return PruneCheckpointsResult()
 
-        return [find_node_agents, find_checkpoint, commit_checkpoint, prune_checkpoints]
+        @activity.defn(name="acquire_nodes")
+        async def acquire_nodes(request: AcquireNodesRequest) -> AcquireNodesResult:
+            self.calls["acquire_nodes"].append(request)
+            return AcquireNodesResult(granted=True, spares=request.spares)
+
+        @activity.defn(name="release_nodes")
+        async def release_nodes(request: NodeRequest) -> list[str]:
+            self.calls["release_nodes"].append(request)
+            return []
+
+        @activity.defn(name="cordon_node")
+        async def cordon_node(request: NodeRequest) -> PoolNode:
+            self.calls["cordon_node"].append(request)
+            return PoolNode(node=request.node or "", cordoned=request.reason)
+
+        return [find_node_agents, find_checkpoint, commit_checkpoint, prune_checkpoints,
+                acquire_nodes, release_nodes, cordon_node]
 
     # ------------------------------------------------------------------------------------ node side
     def node_activities(self) -> list[Any]:

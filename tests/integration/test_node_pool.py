@@ -1,0 +1,43 @@
+"""The node pool on the real stack: leases keep concurrent runs apart, cordons outlive runs."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from temporalio.client import WorkflowFailureError
+
+from trainguard.client import TrainguardClient
+from trainguard.models import Phase
+
+from .conftest import RUN_TIMEOUT_S, make_spec, wait_until
+
+
+async def test_two_concurrent_runs_never_share_a_node(client: TrainguardClient, prefix: str) -> None:
+    first = await client.start_run(make_spec(prefix, steps=30), workflow_id=f"it-pool-a-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, first, lambda v: v.status.phase is Phase.RUNNING)
+    second = await client.start_run(make_spec(prefix, steps=30), workflow_id=f"it-pool-b-{uuid.uuid4().hex[:6]}")
+    view = await wait_until(client, second, lambda v: "leased to" in (v.status.reason or ""))
+    assert first in (view.status.reason or "")
+    leases = {n.node: n.leased_to for n in await client.nodes()}
+    assert leases["node-0"] == leases["node-1"] == first
+
+    await asyncio.wait_for(client.result(first), RUN_TIMEOUT_S)
+    result = await asyncio.wait_for(client.result(second), RUN_TIMEOUT_S)  # got the nodes once freed
+    assert result.steps_completed == 30
+    assert all(n.leased_to is None for n in await client.nodes())
+
+
+async def test_a_cordon_outlives_runs_until_an_operator_lifts_it(client: TrainguardClient, prefix: str) -> None:
+    await client.cordon("node-1", reason="fan failure")
+    try:
+        rid = await client.start_run(make_spec(prefix, steps=20), workflow_id=f"it-cordon-{uuid.uuid4().hex[:6]}")
+        with pytest.raises(WorkflowFailureError) as failure:
+            await asyncio.wait_for(client.result(rid), 60)
+        message = str(failure.value.cause)
+        assert "nodes.1 'node-1' is cordoned (fan failure)" in message
+    finally:
+        await client.uncordon("node-1")
+    rid = await client.start_run(make_spec(prefix, steps=20), workflow_id=f"it-uncordon-{uuid.uuid4().hex[:6]}")
+    assert (await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)).steps_completed == 20
