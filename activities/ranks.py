@@ -177,8 +177,11 @@ def _free_port(host: str) -> int:
 class RankActivities:
     """Rank processes on one node. One instance per node agent."""
 
-    def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None) -> None:
+    def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
+                 allowed: tuple[str, ...] = ("*",), chaos: bool = True) -> None:
         self.node = node
+        self.allowed = allowed
+        self.chaos = chaos
         self.workdir = workdir
         self.host = host
         self.code_dir = code_dir
@@ -265,6 +268,7 @@ class RankActivities:
             if stopped:
                 log.info("fenced %d ranks of %s attempt %d", stopped, request.workflow_id, current.attempt)
 
+        self._check_allowed(request.entrypoint)
         master_addr = request.master_addr or self.host
         master_port = request.master_port or _free_port(self.host)
         record = AttemptRecord(
@@ -344,6 +348,24 @@ class RankActivities:
             pids=[p.pid for p in record.ranks.values()],
         )
 
+    def _check_allowed(self, entrypoint: list[str]) -> None:
+        """Run only programs this agent's own configuration allows (`--allow`): a spec is user input."""
+        if "*" in self.allowed:
+            return
+        program = shutil.which(entrypoint[0]) if os.sep not in entrypoint[0] else entrypoint[0]
+        # Both the path as named (a venv's python is a symlink) and its target may match.
+        candidates = {Path(program).absolute(), Path(program).resolve()} if program else set()
+        for allowed in self.allowed:
+            root = Path(allowed).absolute()
+            if any(path == root or root in path.parents for path in candidates):
+                return
+        raise ApplicationError(
+            f"entrypoint {entrypoint[0]!r} is not allowed on node {self.node} (allowed: {', '.join(self.allowed)}); "
+            f"ask the node's operator to add it with --allow",
+            type="EntrypointNotAllowed",
+            non_retryable=True,
+        )
+
     @activity.defn(name="stop_ranks")
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
         """Stop the run's ranks on this node (whole process groups): SIGTERM, then SIGKILL after the grace."""
@@ -373,6 +395,9 @@ class RankActivities:
     @activity.defn(name="inject_fault")
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
         """Chaos, carried out by the agent itself: the faults of the field, on demand."""
+        if not self.chaos:
+            raise ApplicationError(f"chaos is switched off on node {self.node} (agent started with --no-chaos)",
+                                   type="ChaosDisabled", non_retryable=True)
         now = time.time()
         if request.fault == "gpu":
             self.health.inject("XID 79: GPU has fallen off the bus (injected by trainguard chaos)", now)

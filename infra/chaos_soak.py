@@ -1,27 +1,31 @@
 """Chaos soak: keep small training runs going while the controller, node agents and the Temporal server die.
 
-    python -m infra.chaos_soak [--minutes 10] [--seed N] [--json .bench/soak.json] [--concurrency 3]
+    python -m infra.chaos_soak [--minutes 10] [--seed N] [--json .bench/soak.json] [--pools 1]
 
 Issue: "A controller that survives anything". On a private dev stack (Temporal dev server, SeaweedFS, a
 controller, agents `node-0`..`node-2`, under `.bench/soak-<random>` on free ports from 33000) the soak
 
 1. runs every job of its catalogue once with no fault: the baselines (`final_state_digest` per job);
-2. for `--minutes`, keeps `--concurrency` runs of the example trainer going (2 nodes x 1 rank each, the
-   third node of the pool as the run's spare; runs rotate which node is the spare), and at random,
-   seeded intervals kills one component and brings it back with `DevStack.up` (it restarts only what is
-   missing), waiting between kills long enough for the runs to recover:
+2. for `--minutes`, keeps runs of the example trainer going, one after another: 2 nodes x 1 rank with the
+   third node of the pool as the run's spare (runs rotate which node is the spare). Runs lease their nodes
+   from the node pool exclusively, so one pool of 3 nodes carries one such run at a time; `--pools N`
+   gives the stack N pools (3N nodes) and N runs at once. At random, seeded intervals it kills one
+   component and brings it back with `DevStack.up` (it restarts only what is missing), waiting between
+   kills long enough for the runs to recover:
    - the controller worker: SIGKILL;
    - a node agent: SIGKILL (its ranks live on and are adopted by the new agent; the run sees the node as
-     unresponsive once the watch's heartbeat times out, and replaces it with its spare, or, with none left,
-     pauses: the soak resumes a paused run once every agent is back, as an operator would);
+     unresponsive once the watch's heartbeat times out, and replaces it with its spare, cordoning it, or,
+     with no spare left, pauses);
    - the Temporal server: SIGTERM (it restarts on its SQLite file);
+   and acts as the operator would once every agent is back: resumes a paused run, uncordons a node a run
+   cordoned (its agent is back, so the node is repaired);
 3. waits for every run to finish and checks the invariants:
    - every run completed (none failed, none left unfinished);
    - no duplicate rank sets: sampled about once a second during the soak, no node ever has live rank
      processes of two different attempts of one run at once (found in /proc by the environment the agent
-     gives its ranks, and confirmed by re-reading the older process after the newer one was seen), and the
-     live pids of every agent record (`nodes/*/runs/*/ranks.json`, pid + /proc start time) belong to the
-     attempt recorded there;
+     gives its ranks, and confirmed by re-reading the older process after the newer one was seen), and
+     while the ranks an agent's record (`nodes/*/runs/*/ranks.json`: attempt, pid + /proc start time)
+     names are alive, every live rank of that run on that node is of the recorded attempt;
    - no incident counted twice: a result's incidents have distinct (kind, node, rank, attempt) (straggler
      reports excepted: a straggler is reported again when it comes back, by design);
    - no checkpoint lost: the final checkpoint's manifest exists in S3, and so does the manifest of every
@@ -29,9 +33,14 @@ controller, agents `node-0`..`node-2`, under `.bench/soak-<random>` on free port
      (steps >= the oldest of the newest `keep_last`);
    - every completed run ends with its job's baseline `final_state_digest` (bit-identical).
 
+The stack runs a snapshot of the working tree's code (`trainguard/`, `workflows/`, `activities/`,
+`workers/`, `examples/`, copied under the stack's home at the start and put first on `PYTHONPATH`), so a
+controller restarted mid-soak runs the code the soak started with, not an edit made since
+(`--no-snapshot` runs the repository itself).
+
 It prints counts and writes a JSON report (`--json`); the exit status is 1 when an invariant fails. The
-stack is always stopped (`DevStack.down`) and its directory deleted, also on errors or Ctrl-C. Ranks of a
-killed agent that outlived everything are found by their environment and killed by pid.
+stack is always stopped (`DevStack.down`) and its directory deleted, also on errors, Ctrl-C or SIGTERM.
+Ranks of a killed agent that outlived everything are found by their environment and killed by pid.
 """
 
 from __future__ import annotations

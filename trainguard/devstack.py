@@ -218,6 +218,8 @@ class DevStack:
             self._spawn(f"agent-{node}", [
                 sys.executable, "-m", "workers.node_agent", "--node", node, "--workdir", str(workdir),
                 "--host", "127.0.0.1", "--code-dir", str(cfg.code_dir),
+                # The dev pool runs the venv's programs (python, torchrun) and nothing else.
+                "--allow", str(Path(sys.executable).parent),
             ], env=env, cwd=cfg.code_dir)
         self._wait_workers()
         echo(f"Temporal Web UI: {cfg.ui_url}   (Temporal at {cfg.temporal_address}, S3 at {cfg.s3_endpoint})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
 log = logging.getLogger("trainguard.node_agent")
 
 
-def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path) -> tuple[Worker, RankActivities]:  # type: ignore[no-untyped-def]
+def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
+                 allowed: tuple[str, ...] = ("*",), chaos: bool = True) -> tuple[Worker, RankActivities]:
     node_health = NodeHealth()
-    ranks = RankActivities(node, workdir, host, code_dir, node_health)
+    ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos)
     checkpoints = NodeCheckpointActivities(node, workdir)
     health = HealthActivities(node, host, node_health)
     worker = Worker(
@@ -77,13 +79,24 @@ async def main() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address peers reach this node's ranks at")
     parser.add_argument("--code-dir", type=Path, default=Path.cwd(),
                         help="default working directory of ranks (default: current directory)")
+    parser.add_argument("--allow", action="append", default=[],
+                        help="a program, or a directory of programs, ranks may be started with (repeatable; "
+                             "'*' allows anything). Also TRAINGUARD_ALLOWED_ENTRYPOINTS, separated by ':'. "
+                             "Nothing is allowed by default.")
+    parser.add_argument("--no-chaos", action="store_true", default=os.environ.get("TRAINGUARD_CHAOS") == "off",
+                        help="refuse fault injection (production); also TRAINGUARD_CHAOS=off")
     args = parser.parse_args()
+    allowed = tuple(args.allow) + tuple(
+        p for p in os.environ.get("TRAINGUARD_ALLOWED_ENTRYPOINTS", "").split(os.pathsep) if p)
+    if not allowed:
+        parser.error("no entrypoint is allowed: pass --allow PROGRAM_OR_DIR (or --allow '*')")
     if not re.match(NODE_ID_PATTERN, args.node):
         parser.error(f"--node {args.node!r}: lowercase letters, digits and '-', at most 63 characters")
     setup_logging(f"node-agent[{args.node}]")
     args.workdir.mkdir(parents=True, exist_ok=True)
     client = await connect()
-    worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve())
+    worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve(),
+                                 allowed=allowed, chaos=not args.no_chaos)
     stop = stop_event()
     log.info("node agent %s polling %s", args.node, node_task_queue(args.node))
     try:

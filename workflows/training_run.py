@@ -553,7 +553,7 @@ class TrainingRun:
                 continue
             if not isinstance(outcome, ActivityError):
                 raise outcome
-            if _error_type(outcome) in ("BadSpec", "StaleAttempt"):
+            if _error_type(outcome) in ("BadSpec", "StaleAttempt", "EntrypointNotAllowed"):
                 self._status.reason = _cause_text(outcome)
                 raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True) from None
             return _Outcome(False, Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt,

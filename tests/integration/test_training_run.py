@@ -158,3 +158,20 @@ async def test_unresponsive_node_is_replaced_by_a_spare(
     status = (await client.status(run_id)).status
     assert status.nodes == ["node-0", "node-2"] and status.cordoned == ["node-1"]
     assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_no_secret_reaches_the_history(client: TrainguardClient, baseline: RunResult, stack: DevStack) -> None:
+    history = (await client.handle(baseline.workflow_id).fetch_history()).to_json()
+    secrets = [stack.credentials()["secret_key"], stack.credentials()["access_key"]]
+    secrets += [v for k, v in os.environ.items() if any(w in k for w in ("SECRET", "TOKEN", "PASSWORD")) and len(v) > 8]
+    assert "upload_shards" in history  # the scan covers a whole run: launches, uploads, commits
+    assert not [s for s in secrets if s in history]
+
+
+async def test_a_program_the_node_does_not_allow_is_refused(client: TrainguardClient, prefix: str) -> None:
+    spec = make_spec(prefix)
+    spec["entrypoint"] = ["/bin/sh", "-c", "echo pwned"]
+    rid = await client.start_run(spec, workflow_id=f"it-allow-{uuid.uuid4().hex[:6]}")
+    with pytest.raises(WorkflowFailureError) as failure:
+        await asyncio.wait_for(client.result(rid), 60)
+    assert "entrypoint '/bin/sh' is not allowed on node node-0" in str(failure.value.cause)
