@@ -485,6 +485,7 @@ class RankActivities:
         health = request.health
         started = time.monotonic()
         next_gpu_check = started + health.gpu_check_interval_s
+        alive_reported = -1
         local_ranks = set(record.ranks)
         while True:
             now = time.time()
@@ -531,6 +532,10 @@ class RankActivities:
                              mean_step_s=finish.get("mean_step_s"))
 
             running = {r for r in local_ranks if not record.ranks[r].poll()}
+            if len(running) != alive_reported:
+                alive_reported = len(running)
+                activity.metric_meter().create_gauge("trainguard_ranks_alive", "Rank processes alive").set(
+                    alive_reported, {"node": self.node})
             states = {r: _process_state(record.ranks[r].pid) for r in running}
             hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states)
             if hung is not None:

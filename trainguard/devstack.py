@@ -37,7 +37,7 @@ class Ports:
     temporal: int = 7233
     ui: int = 8233
     http: int = 7243
-    metrics: int = 7244
+    server_metrics: int = 7244
     s3: int = 8333
     s3_grpc: int = 18333
     master: int = 9333
@@ -48,6 +48,8 @@ class Ports:
     filer_grpc: int = 18888
     admin: int = 23646
     admin_grpc: int = 33646
+    metrics: int = 9464
+    """Prometheus metrics of the controller; node agents use the ports after it, one each."""
 
     @classmethod
     def from_base(cls, base: int | None) -> Ports:
@@ -191,6 +193,10 @@ class DevStack:
                                                    "argv": argv}))
         return proc.pid
 
+    def metrics_port(self, node_index: int | None = None) -> int:
+        """The controller's Prometheus port, or the node agent's (by its index in the dev pool)."""
+        return self.config.ports.metrics + (0 if node_index is None else 1 + node_index)
+
     def components(self) -> list[str]:
         return ["temporal", "s3", "controller", *(f"agent-{n}" for n in self.config.nodes)]
 
@@ -203,7 +209,7 @@ class DevStack:
         self._spawn("temporal", [
             _bin("temporal"), "server", "start-dev", "--db-filename", str(self.home / "temporal.db"),
             "--ip", "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
-            "--http-port", str(ports.http), "--metrics-port", str(ports.metrics),
+            "--http-port", str(ports.http), "--metrics-port", str(ports.server_metrics),
             "--ui-disable-news-fetch", "--log-level", "warn",
         ])
         self._start_s3()
@@ -211,8 +217,9 @@ class DevStack:
         self._wait_http(f"{cfg.ui_url}/api/v1/namespaces", "Temporal Web UI")
         self._ensure_bucket(DEFAULT_BUCKET)
         env = self.worker_env()
-        self._spawn("controller", [sys.executable, "-m", "workers.controller"], env=env, cwd=cfg.code_dir)
-        for node in cfg.nodes:
+        self._spawn("controller", [sys.executable, "-m", "workers.controller"], cwd=cfg.code_dir,
+                    env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{ports.metrics}"})
+        for index, node in enumerate(cfg.nodes):
             workdir = self.home / "nodes" / node
             workdir.mkdir(parents=True, exist_ok=True)
             self._spawn(f"agent-{node}", [
@@ -220,7 +227,7 @@ class DevStack:
                 "--host", "127.0.0.1", "--code-dir", str(cfg.code_dir),
                 # The dev pool runs the venv's programs (python, torchrun) and nothing else.
                 "--allow", str(Path(sys.executable).parent),
-            ], env=env, cwd=cfg.code_dir)
+            ], env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{self.metrics_port(index)}"}, cwd=cfg.code_dir)
         self._wait_workers()
         echo(f"Temporal Web UI: {cfg.ui_url}   (Temporal at {cfg.temporal_address}, S3 at {cfg.s3_endpoint})")
 

@@ -24,6 +24,8 @@ class Settings:
     """`AWS_REGION`, default `us-east-1`."""
     s3_path_style: bool
     """`TRAINGUARD_S3_PATH_STYLE`, default on (SeaweedFS, MinIO and Ceph want it)."""
+    metrics_address: str | None = None
+    """`TRAINGUARD_METRICS_ADDRESS` (e.g. `0.0.0.0:9464`): serve Prometheus metrics there; default off."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -34,6 +36,7 @@ class Settings:
             s3_endpoint=env.get("TRAINGUARD_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None,
             s3_region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
             s3_path_style=env.get("TRAINGUARD_S3_PATH_STYLE", "1").lower() not in ("0", "false", "no"),
+            metrics_address=env.get("TRAINGUARD_METRICS_ADDRESS") or None,
         )
 
 

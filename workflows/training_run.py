@@ -837,6 +837,9 @@ class TrainingRun:
         for incident in self._status.incidents:
             if incident.recovery_s is None and incident.action is not Action.REPORT and incident.attempt < self._status.attempt:
                 incident.recovery_s = round(max(0.0, event.first_step_at - incident.detected_at), 3)
+                workflow.metric_meter().create_histogram_float(
+                    "trainguard_recovery_seconds", "Detection to the first step of the next attempt", "s"
+                ).record(incident.recovery_s, {"kind": incident.kind.value})
 
     def _rank_incident(self, event: WatchEvent, attempt: int) -> Incident:
         kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
@@ -884,6 +887,12 @@ class TrainingRun:
     def _record_incident(self, incident: Incident) -> None:
         if incident not in self._status.incidents:
             self._status.incidents = [*self._status.incidents, incident]
+            meter = workflow.metric_meter()  # replay-safe: nothing is emitted while replaying
+            labels = {"kind": incident.kind.value, "action": incident.action.value}
+            meter.create_counter("trainguard_incidents", "Incidents by kind and action").add(1, labels)
+            if incident.detection_s is not None:
+                meter.create_histogram_float("trainguard_detection_seconds", "Fault to detection", "s").record(
+                    incident.detection_s, {"kind": incident.kind.value})
 
     async def _stop_everywhere(self, nodes: list[str], attempt: int | None, why: str) -> None:
         async def stop(node: str) -> None:
@@ -913,6 +922,8 @@ class TrainingRun:
         goodput = min(1.0, steps * mean / wall) if mean else 0.0
         self._status.step = max(self._status.step, steps)
         self._set_phase(Phase.COMPLETED)
+        workflow.metric_meter().create_gauge_float("trainguard_goodput", "Useful training time / wall time of "
+                                                   "the latest completed run").set(goodput)
         return RunResult(
             workflow_id=workflow.info().workflow_id,
             steps_completed=steps,

@@ -175,3 +175,17 @@ async def test_a_program_the_node_does_not_allow_is_refused(client: TrainguardCl
     with pytest.raises(WorkflowFailureError) as failure:
         await asyncio.wait_for(client.result(rid), 60)
     assert "entrypoint '/bin/sh' is not allowed on node node-0" in str(failure.value.cause)
+
+
+async def test_workers_serve_prometheus_metrics(baseline: RunResult, stack: DevStack) -> None:
+    import urllib.request
+
+    def scrape(port: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # noqa: S310
+            return response.read().decode()
+
+    controller = scrape(stack.metrics_port())
+    assert "trainguard_goodput" in controller
+    assert "temporal_workflow_completed" in controller  # the SDK's own metrics beside ours
+    agent = scrape(stack.metrics_port(0))
+    assert "trainguard_ranks_alive" in agent and "temporal_activity_execution_latency" in agent
