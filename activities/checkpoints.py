@@ -146,8 +146,9 @@ def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | No
     return None
 
 
-def abort_orphaned_uploads(client: Any, bucket: str, prefix: str, *, older_than_s: float = ORPHANED_UPLOAD_AGE_S,
-                           now: float) -> list[str]:
+def abort_orphaned_uploads(
+    client: Any, bucket: str, prefix: str, *, older_than_s: float = ORPHANED_UPLOAD_AGE_S, now: float
+) -> list[str]:
     """Abort the multipart uploads under `prefix` initiated more than `older_than_s` before `now` (Unix time).
 
     Their parts are invisible to listings but occupy the store until aborted. `prefix` is a folder: a
@@ -218,7 +219,8 @@ def local_digests(path: Path) -> tuple[str, str]:
         return sha.hexdigest(), whole.hexdigest()
     if in_part:
         part_md5s.append(part.digest())
-    return sha.hexdigest(), f"{hashlib.md5(b''.join(part_md5s), usedforsecurity=False).hexdigest()}-{len(part_md5s)}"
+    of_parts = hashlib.md5(b"".join(part_md5s), usedforsecurity=False).hexdigest()
+    return sha.hexdigest(), f"{of_parts}-{len(part_md5s)}"
 
 
 def committed_shard(client: Any, bucket: str, key: str, rank: int) -> ShardInfo | None:
@@ -449,7 +451,8 @@ class NodeCheckpointActivities:
                 # that was whole would stop being so, and this step could not be committed anyway.
                 raise ApplicationError(
                     f"step {step_of(shard.key)} is already committed with another shard of rank {shard.rank} "
-                    f"(sha256 {committed.sha256[:12]}..., this one {shard.sha256[:12]}...): not overwriting it",
+                    f"(sha256 {committed.sha256[:12]}..., this one {shard.sha256[:12]}...): "
+                    "not overwriting it",
                     type="ConflictingCommit",
                     non_retryable=True,
                 )

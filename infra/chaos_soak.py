@@ -67,19 +67,27 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / ".bench"
 DEFAULT_JSON = BENCH_DIR / "soak.json"
 PORT_SEARCH = range(33000, 40000, 50)
-NODES = ("node-0", "node-1", "node-2")
+POOL_SIZE = 3
 COMPONENTS = ("controller", "agent", "temporal")
+CODE_DIRS = ("trainguard", "workflows", "activities", "workers", "examples")
+BUCKET = "trainguard"
 KEEP_LAST = 2
 HIDDEN = 64
 
 POLL_S = 1.0
 """How often each run's status is read (committed steps, phase) and the ranks are sampled."""
 RPC_TIMEOUT_S = 10.0
-"""A describe or a query that takes longer is retried (the server or the controller may be down)."""
+"""A describe, query or update that takes longer is retried (the server or the controller may be down)."""
 KILL_WAIT_S = 30.0
 """A signalled process that has not exited after this long gets SIGKILL."""
 UP_ATTEMPTS = 3
 """`DevStack.up` after a kill waits up to a minute per try; a loaded machine may need another."""
+RESTART_DELAY_S = 1.0
+"""Seconds a killed component stays down before it is brought back."""
+
+
+def pool_nodes(pools: int) -> tuple[str, ...]:
+    return tuple(f"node-{i}" for i in range(POOL_SIZE * pools))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +111,8 @@ class SoakConfig:
     minutes: float = 10.0
     seed: int | None = None
     json_path: Path | None = DEFAULT_JSON
-    concurrency: int = 3
-    """Runs kept going at once during the chaos."""
+    pools: int = 1
+    """Pools of 3 nodes; each carries one run at a time (2 nodes + its spare)."""
     gap_s: tuple[float, float] = (15.0, 30.0)
     """Seconds between one component being back and the next kill (uniform, seeded)."""
     first_kill_s: float = 8.0
@@ -114,6 +122,8 @@ class SoakConfig:
     """Simulated compute per step: a sleep, so it sets how long runs train, not their final state."""
     drain_timeout_s: float = 600.0
     """After the chaos: how long to wait for the runs still going to finish."""
+    snapshot: bool = True
+    """Run the stack on a copy of the code taken at the start (see the module docstring)."""
     echo: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
 
@@ -148,9 +158,7 @@ def soak_spec(prefix: str, job: Job, nodes: tuple[str, ...], spares: tuple[str, 
 
 
 def manifest_key(prefix: str, workflow_id: str, step: int) -> str:
-    from activities.paths import step_dir_name
-
-    return f"{prefix}/{workflow_id}/{step_dir_name(step)}/manifest.json"
+    return f"{prefix}/{workflow_id}/step-{step:08d}/manifest.json"
 
 
 # --------------------------------------------------------------------------------------------- records
@@ -163,7 +171,7 @@ class Kill:
     target: str
     """The dev stack's name for it: controller, agent-node-1, temporal."""
     at_s: float
-    """Seconds into the chaos."""
+    """Seconds into the soak."""
     signal: str
     pid: int | None = None
     down_s: float = 0.0
@@ -209,14 +217,13 @@ class Duplicate:
     attempts: list[int]
     pids: dict[str, list[int]]
     at_s: float
-    how: str
 
 
 # ----------------------------------------------------------------------------------------- /proc reading
 
 
 def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a live pid, None once gone."""
+    """(state, start time) of a pid, None once gone (as trainguard.devstack._start_time reads it)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
@@ -243,7 +250,7 @@ class RankProc:
 def scan_ranks(home: Path) -> list[RankProc]:
     """Live rank processes of this stack, from /proc: the agent gives every rank its workflow id, node and
     attempt in the environment, and a checkpoint directory under the stack's home."""
-    marker = f"{home}{os.sep}".encode()
+    marker = b"TRAINGUARD_CHECKPOINT_DIR=" + f"{home}{os.sep}".encode()
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -253,7 +260,7 @@ def scan_ranks(home: Path) -> list[RankProc]:
             raw = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if b"TRAINGUARD_CHECKPOINT_DIR=" + marker not in raw:
+        if marker not in raw:
             continue
         env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
         stat = _stat(pid)
@@ -291,13 +298,14 @@ class RankSampler:
         self.record_samples = 0
         self.duplicates: list[Duplicate] = []
         self.record_mismatches: list[dict[str, Any]] = []
-        self.cross_node_overlaps = 0
-        """Samples where a run had live ranks of an older attempt on a node it no longer uses (a killed
-        agent's orphans) while a newer attempt ran elsewhere. Expected briefly by design: an unreachable
-        node is fenced by its agent at its next launch; reported, not an invariant."""
+        self.cross_node_samples = 0
+        """Samples where a run had live ranks of two attempts on different nodes: a killed agent's orphans
+        on a node the run has left, beside the newer attempt. Expected briefly by design (an unreachable
+        node is fenced by its agent at its next launch; the orphans die when their peers are stopped).
+        Reported, not an invariant."""
         self.cross_node_longest_s = 0.0
         self._cross_since: dict[str, float] = {}
-        self._seen: set[tuple[str, str, tuple[int, ...]]] = set()
+        self._seen: set[tuple[Any, ...]] = set()
 
     def sample(self) -> None:
         procs = scan_ranks(self.home)
@@ -309,30 +317,29 @@ class RankSampler:
             attempts = sorted({p.attempt for p in group})
             if len(attempts) < 2:
                 continue
-            # Confirm: the older attempt's process is still alive now that a newer one has been seen alive
+            # Confirm: an older attempt's process is still alive now that a newer one has been seen alive
             # (the scan reads processes one by one; an old rank may have exited between two reads).
             newest = attempts[-1]
             older_alive = [p for p in group if p.attempt < newest and _alive(p.pid, p.start_time)]
             newer_alive = [p for p in group if p.attempt == newest and _alive(p.pid, p.start_time)]
             if not older_alive or not newer_alive:
                 continue
-            key = (workflow_id, node, tuple(attempts))
-            if key in self._seen:
-                continue
-            self._seen.add(key)
-            self.duplicates.append(Duplicate(
-                workflow_id, node, attempts,
-                {str(a): sorted(p.pid for p in group if p.attempt == a) for a in attempts},
-                round(self.clock(), 1), "live processes of two attempts on one node"))
+            key = ("node", workflow_id, node, tuple(attempts))
+            if key not in self._seen:
+                self._seen.add(key)
+                self.duplicates.append(Duplicate(
+                    workflow_id, node, attempts,
+                    {str(a): sorted(p.pid for p in group if p.attempt == a) for a in attempts},
+                    round(self.clock(), 1)))
 
-        # Across nodes: live ranks of more than one attempt of a run (informational).
+        # Across nodes (informational).
         by_run: dict[str, set[int]] = {}
         for proc in procs:
             by_run.setdefault(proc.workflow_id, set()).add(proc.attempt)
         now = self.clock()
         overlapping = {w for w, attempts in by_run.items() if len(attempts) > 1}
         if overlapping:
-            self.cross_node_overlaps += 1
+            self.cross_node_samples += 1
         for workflow_id in overlapping:
             since = self._cross_since.setdefault(workflow_id, now)
             self.cross_node_longest_s = max(self.cross_node_longest_s, round(now - since, 1))
@@ -344,21 +351,22 @@ class RankSampler:
         # on that node belongs to the recorded attempt.
         for record in read_agent_records(self.home):
             self.record_samples += 1
-            if not any(_alive(i["pid"], i.get("start_time")) for i in record.get("ranks", [])):
+            ranks = record.get("ranks", [])
+            if not any(_alive(i["pid"], i.get("start_time")) for i in ranks):
                 continue
             strays = [p for p in by_run_node.get((record["workflow_id"], record["node"]), [])
                       if p.attempt != record["attempt"] and _alive(p.pid, p.start_time)]
-            # Re-read: the record may have moved on (a launch fences the old ranks first) since it was read.
-            if not strays or not any(_alive(i["pid"], i.get("start_time")) for i in record.get("ranks", [])):
+            # Re-read: the recorded ranks may have been fenced (and the record moved on) meanwhile.
+            if not strays or not any(_alive(i["pid"], i.get("start_time")) for i in ranks):
                 continue
-            key = (record["workflow_id"], record["node"], (record["attempt"], *sorted({p.attempt for p in strays})))
-            if key in self._seen:
-                continue
-            self._seen.add(key)
-            self.record_mismatches.append({
-                "workflow_id": record["workflow_id"], "node": record["node"],
-                "recorded_attempt": record["attempt"], "stray_attempts": sorted({p.attempt for p in strays}),
-                "stray_pids": sorted(p.pid for p in strays), "at_s": round(self.clock(), 1)})
+            key = ("record", record["workflow_id"], record["node"], record["attempt"],
+                   tuple(sorted({p.attempt for p in strays})))
+            if key not in self._seen:
+                self._seen.add(key)
+                self.record_mismatches.append({
+                    "workflow_id": record["workflow_id"], "node": record["node"],
+                    "recorded_attempt": record["attempt"], "stray_attempts": sorted({p.attempt for p in strays}),
+                    "stray_pids": sorted(p.pid for p in strays), "at_s": round(self.clock(), 1)})
 
 
 # ------------------------------------------------------------------------------------------- the stack
@@ -379,6 +387,14 @@ def free_port_base() -> int:
     raise RuntimeError(f"no free port range from {PORT_SEARCH.start}")
 
 
+def snapshot_code(destination: Path) -> Path:
+    """A copy of the code the stack runs, so edits made during the soak do not reach restarted workers."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in CODE_DIRS:
+        shutil.copytree(REPO / name, destination / name, ignore=ignore)
+    return destination
+
+
 def _quiet(_line: str) -> None:
     return None
 
@@ -386,15 +402,16 @@ def _quiet(_line: str) -> None:
 class Chaos:
     """Kills a component of the stack and brings it back."""
 
-    def __init__(self, stack: Any, rng: random.Random, clock: Callable[[], float],
-                 echo: Callable[[str], None]) -> None:
+    def __init__(self, stack: Any, nodes: tuple[str, ...], rng: random.Random, clock: Callable[[], float],
+                 say: Callable[[str], None]) -> None:
         self.stack = stack
+        self.nodes = nodes
         self.rng = rng
         self.clock = clock
-        self.echo = echo
+        self.say = say
         self.kills: list[Kill] = []
         self.busy = False
-        """A component is down or coming back: paused runs wait for the stack to be whole."""
+        """A component is down or coming back: operator actions wait for the stack to be whole."""
         self._cycle: list[str] = []
 
     def next_component(self) -> str:
@@ -406,7 +423,7 @@ class Chaos:
 
     async def strike(self, component: str) -> Kill:
         if component == "agent":
-            target, sig = f"agent-{self.rng.choice(NODES)}", signal.SIGKILL
+            target, sig = f"agent-{self.rng.choice(self.nodes)}", signal.SIGKILL
         elif component == "controller":
             target, sig = "controller", signal.SIGKILL
         else:
@@ -417,15 +434,15 @@ class Chaos:
         started = time.monotonic()
         try:
             kill.pid = await self._signal(target, sig)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(RESTART_DELAY_S)
             await self.restore()
         except Exception as error:  # noqa: BLE001 - recorded; the soak goes on and the invariants judge
             kill.error = f"{type(error).__name__}: {error}"
         finally:
             kill.down_s = round(time.monotonic() - started, 1)
             self.busy = False
-        self.echo(f"[{kill.at_s:7.1f}s] killed {target} ({sig.name}, pid {kill.pid}); back after {kill.down_s:.1f}s"
-                  + (f"  ERROR {kill.error}" if kill.error else ""))
+        self.say(f"killed {target} ({sig.name}, pid {kill.pid}); back after {kill.down_s:.1f}s"
+                 + (f"  ERROR {kill.error}" if kill.error else ""))
         return kill
 
     async def restore(self) -> None:
@@ -439,24 +456,31 @@ class Chaos:
                 await asyncio.sleep(2.0)
 
     async def _signal(self, target: str, sig: signal.Signals) -> int | None:
-        from trainguard.devstack import _start_time
-
         pidfile = self.stack.run_dir / f"{target}.json"
         try:
             record = json.loads(pidfile.read_text())
         except (OSError, ValueError):
             return None
         pid = record["pid"]
-        if _start_time(pid) != record["start_time"]:
+        if not _alive(pid, record["start_time"]):
             return None
         os.kill(pid, sig)
         deadline = time.monotonic() + KILL_WAIT_S
-        while _start_time(pid) == record["start_time"]:
+        while _alive(pid, record["start_time"]):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 deadline = time.monotonic() + KILL_WAIT_S
             await asyncio.sleep(0.05)
+        _reap(pid)
         return pid
+
+
+def _reap(pid: int) -> None:
+    """The stack's components are our children: collect a killed one's exit status."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
 
 
 # --------------------------------------------------------------------------------------------- the soak
@@ -476,37 +500,43 @@ class Soak:
         self.config = config
         self.seed = config.seed if config.seed is not None else random.SystemRandom().randrange(1, 2**31)
         self.rng = random.Random(self.seed)
-        self.echo = config.echo
+        self.nodes = pool_nodes(config.pools)
         self.t0 = time.monotonic()
         self.runs: dict[str, RunRecord] = {}
         self.baselines: dict[str, RunRecord] = {}
         self.errors: list[str] = []
+        self.uncordons = 0
+        self.leftovers: list[str] = []
+        """Processes still alive after `DevStack.down` (killed then; none expected)."""
         self.stack: Any = None
         self.client: Any = None
         self.chaos: Chaos | None = None
         self.sampler: RankSampler | None = None
         self._followers: dict[str, asyncio.Task[None]] = {}
-        self._run_index = 0
+        self._launches = [0] * config.pools
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
 
     def say(self, line: str) -> None:
-        self.echo(f"[{self.clock():7.1f}s] {line}")
+        self.config.echo(f"[{self.clock():7.1f}s] {line}")
 
     # ---------------------------------------------------------------------------------- run handling
-    async def start(self, job: Job, baseline: bool = False) -> RunRecord:
-        index = self._run_index
-        self._run_index += 1
+    async def start(self, pool: int, job: Job, baseline: bool = False) -> RunRecord:
+        members = self.nodes[POOL_SIZE * pool:POOL_SIZE * (pool + 1)]
+        turn = self._launches[pool]
+        self._launches[pool] += 1
         # Rotate which node is the spare, so every node carries runs and every agent kill hits some.
-        nodes = (NODES[index % 3], NODES[(index + 1) % 3])
-        spares = () if baseline else (NODES[(index + 2) % 3],)
+        nodes = (members[turn % 3], members[(turn + 1) % 3])
+        spares = () if baseline else (members[(turn + 2) % 3],)
         tag = uuid.uuid4().hex[:6]
-        workflow_id = f"soak-{'base' if baseline else 'run'}-{job.name}-{index:03d}-{tag}"
+        index = len(self.runs) + len(self.baselines)
+        workflow_id = f"soak-{'base' if baseline else 'run'}-{index:03d}-{job.name}-{tag}"
         prefix = f"soak-{tag}"
         spec = soak_spec(prefix, job, nodes, spares, self.config.step_time)
         record = RunRecord(workflow_id, job.name, list(nodes), list(spares), prefix, baseline,
                            round(self.clock(), 1))
+        await self._make_schedulable(members)
         while True:
             try:
                 await asyncio.wait_for(self.client.start_run(spec, workflow_id=workflow_id), RPC_TIMEOUT_S)
@@ -518,10 +548,12 @@ class Soak:
                     break  # a start whose reply was lost
                 await asyncio.sleep(1.0)
         (self.baselines if baseline else self.runs)[workflow_id] = record
-        self._followers[workflow_id] = asyncio.ensure_future(self.follow(record, job))
+        self._followers[workflow_id] = asyncio.ensure_future(self.follow(record))
+        if not baseline:
+            self.say(f"started {workflow_id} on {','.join(nodes)} (spare {spares[0]})")
         return record
 
-    async def follow(self, record: RunRecord, job: Job) -> None:
+    async def follow(self, record: RunRecord) -> None:
         """Watch one run to its end: committed steps and phases from its status; resume it when paused."""
         from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 
@@ -558,9 +590,9 @@ class Soak:
                 break
             except WorkflowFailureError as error:
                 record.outcome = "failed"
-                cause = error.cause
-                while getattr(cause, "cause", None) is not None:
-                    cause = cause.cause
+                cause: BaseException | None = error.cause
+                while cause is not None and cause.__cause__ is not None:
+                    cause = cause.__cause__
                 record.reason = str(cause or error)
                 self.say(f"FAILED {record.workflow_id}: {record.reason}")
                 return
@@ -574,8 +606,8 @@ class Soak:
         record.wall_s = result.wall_s
         if result.final_checkpoint is not None:
             record.committed_seen.add(result.final_checkpoint.step)
-        kinds = Counter(i.kind.value for i in result.incidents)
         if not record.baseline:
+            kinds = Counter(i.kind.value for i in result.incidents)
             self.say(f"completed {record.workflow_id}: {result.steps_completed} steps, {result.attempts} attempts, "
                      f"incidents {dict(kinds) or 'none'}")
 
@@ -584,26 +616,49 @@ class Soak:
             return False
         return all(self.stack.status().values())
 
-    def active(self) -> list[str]:
-        return [w for w, r in self.runs.items() if r.outcome == "running"]
+    async def _make_schedulable(self, members: tuple[str, ...]) -> None:
+        """The operator's part before a run starts: a node an earlier run cordoned (its agent was killed) is
+        repaired once its agent is back; lift the cordon, or the run would fail on it at once."""
+        while True:
+            while not self._stack_whole():
+                await asyncio.sleep(0.5)
+            try:
+                nodes = await asyncio.wait_for(self.client.nodes(), RPC_TIMEOUT_S)
+                for node in nodes:
+                    if node.node in members and node.cordoned:
+                        await asyncio.wait_for(self.client.uncordon(node.node), RPC_TIMEOUT_S)
+                        self.uncordons += 1
+                        self.say(f"uncordoned {node.node} (cordoned: {node.cordoned[:90]})")
+                return
+            except Exception:  # noqa: BLE001 - server or controller restarting: ask again
+                await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------------------------------ phases
     async def run_baselines(self) -> None:
         self.say(f"baselines: {', '.join(j.name for j in self.config.jobs)} (no faults)")
-        records = [await self.start(job, baseline=True) for job in self.config.jobs]
-        await asyncio.gather(*(self._followers[r.workflow_id] for r in records))
-        for record in records:
-            if record.outcome != "completed" or not record.final_digest:
-                raise RuntimeError(f"baseline {record.workflow_id} did not complete: {record.reason}")
-            self.say(f"baseline {record.job}: digest {record.final_digest[:16]}..., {record.wall_s:.1f}s")
+        pools = self.config.pools
 
-    async def keep_runs_going(self, until: float) -> None:
+        async def pool_baselines(pool: int) -> list[RunRecord]:
+            done = []
+            for job in self.config.jobs[pool::pools]:
+                record = await self.start(pool, job, baseline=True)
+                await self._followers[record.workflow_id]
+                done.append(record)
+            return done
+
+        for records in await asyncio.gather(*(pool_baselines(p) for p in range(pools))):
+            for record in records:
+                if record.outcome != "completed" or not record.final_digest:
+                    raise RuntimeError(f"baseline {record.workflow_id} did not complete: {record.reason}")
+                self.say(f"baseline {record.job}: digest {record.final_digest[:16]}..., {record.wall_s:.1f}s")
+
+    async def keep_runs_going(self, pool: int, until: float) -> None:
+        """One run at a time on the pool: its 2 nodes and its spare are leased exclusively."""
         while self.clock() < until:
-            while len(self.active()) < self.config.concurrency and self.clock() < until:
-                job = self.rng.choice(self.config.jobs)
-                record = await self.start(job)
-                self.say(f"started {record.workflow_id} on {','.join(record.nodes)} (spare {record.spares[0]})")
-            await asyncio.sleep(0.5)
+            record = await self.start(pool, self.rng.choice(self.config.jobs))
+            follower = self._followers[record.workflow_id]
+            while not follower.done() and self.clock() < until:
+                await asyncio.sleep(0.5)
 
     async def make_chaos(self, until: float) -> None:
         assert self.chaos is not None
@@ -621,18 +676,21 @@ class Soak:
             try:
                 await asyncio.to_thread(self.sampler.sample)
             except Exception as error:  # noqa: BLE001 - a sampling error must not end the soak
-                self.errors.append(f"sampler: {error}")
+                self.errors.append(f"sampler: {type(error).__name__}: {error}")
             try:
                 await asyncio.wait_for(stop.wait(), POLL_S)
             except asyncio.TimeoutError:
                 pass
+
+    def active(self) -> list[str]:
+        return [w for w, r in self.runs.items() if r.outcome == "running"]
 
     async def drain(self) -> None:
         pending = [self._followers[w] for w in self.active()]
         if not pending:
             return
         self.say(f"chaos over: waiting for {len(pending)} runs to finish")
-        done, still = await asyncio.wait(pending, timeout=self.config.drain_timeout_s)
+        _done, still = await asyncio.wait(pending, timeout=self.config.drain_timeout_s)
         for workflow_id in self.active():
             self.runs[workflow_id].outcome = "unfinished"
             self.runs[workflow_id].reason = f"not finished {self.config.drain_timeout_s:.0f}s after the chaos"
@@ -654,17 +712,15 @@ class Soak:
             job = jobs[record.job]
             listing = await asyncio.to_thread(_manifest_steps, s3, record.prefix, record.workflow_id)
             record.manifests_left = sorted(listing)
-            oldest_kept = job.steps - (KEEP_LAST - 1) * job.every
-            must_exist = {s for s in record.committed_seen if s >= oldest_kept}
-            must_exist |= {job.steps - k * job.every for k in range(KEEP_LAST) if job.steps - k * job.every > 0}
+            newest = [job.steps - k * job.every for k in range(KEEP_LAST) if job.steps - k * job.every > 0]
+            must_exist = {s for s in record.committed_seen if s >= min(newest)} | set(newest)
             if record.final_step is not None:
                 must_exist.add(record.final_step)
             lost = set()
             for step in sorted(must_exist):
-                if step in listing:
-                    continue
-                # Listing is the first word; a HEAD of the very key is the last.
-                if not await asyncio.to_thread(_exists, s3, manifest_key(record.prefix, record.workflow_id, step)):
+                # The listing first; a HEAD of the very key has the last word.
+                if step not in listing and not await asyncio.to_thread(
+                        _exists, s3, manifest_key(record.prefix, record.workflow_id, step)):
                     lost.add(step)
             if record.final_step != job.steps:
                 lost.add(job.steps)  # the final checkpoint is missing or not the last step
@@ -685,6 +741,7 @@ class Soak:
         mismatched = [r for r in completed if not r.digest_ok]
         duplicates = len(self.sampler.duplicates) + len(self.sampler.record_mismatches)
         commits_seen = sum(len(r.committed_seen) for r in completed)
+        resumes = sum(r.resumes for r in runs)
         counts = {
             "seed": self.seed,
             "chaos_minutes": self.config.minutes,
@@ -695,12 +752,13 @@ class Soak:
             "runs_completed": len(completed),
             "runs_failed": len(failed),
             "runs_unfinished": len(unfinished),
-            "resumes_after_pause": sum(r.resumes for r in runs),
+            "resumes_after_pause": resumes,
+            "uncordons": self.uncordons,
             "incidents": dict(sorted(incidents.items())),
             "duplicate_rank_sets": duplicates,
             "duplicate_incidents": duplicate_incidents,
             "rank_samples": self.sampler.samples,
-            "cross_node_stale_samples": self.sampler.cross_node_overlaps,
+            "cross_node_stale_samples": self.sampler.cross_node_samples,
             "cross_node_stale_longest_s": self.sampler.cross_node_longest_s,
             "commits_observed": commits_seen,
             "checkpoints_lost": lost,
@@ -714,7 +772,8 @@ class Soak:
         if unfinished:
             failures.append(f"{len(unfinished)} runs unfinished: " + ", ".join(r.workflow_id for r in unfinished))
         if duplicates:
-            failures.append(f"{duplicates} duplicate rank sets: {self.sampler.duplicates + self.sampler.record_mismatches}")
+            failures.append(f"{duplicates} duplicate rank sets: "
+                            f"{[asdict(d) for d in self.sampler.duplicates] + self.sampler.record_mismatches}")
         if duplicate_incidents:
             failures.append("incidents counted twice: " + "; ".join(
                 f"{r.workflow_id}: {r.duplicate_incidents}" for r in completed if r.duplicate_incidents))
@@ -723,19 +782,23 @@ class Soak:
                 f"{r.workflow_id}: steps {r.lost_steps} (left: {r.manifests_left})" for r in completed if r.lost_steps))
         if mismatched:
             failures.append("final state differs from the baseline: " + ", ".join(r.workflow_id for r in mismatched))
+        if self.leftovers:
+            failures.append(f"processes left after the stack was stopped: {', '.join(self.leftovers)}")
         if kill_errors:
             failures.append("components that did not come back: " + "; ".join(
                 f"{k.target} at {k.at_s}s: {k.error}" for k in kill_errors))
         lines = [
-            f"soak: {self.config.minutes:g} min of chaos, seed {self.seed}, {self.config.concurrency} runs at a time",
+            f"soak: {self.config.minutes:g} min of chaos, seed {self.seed}, {self.config.pools} pool(s) of 3 nodes "
+            f"({len(self.nodes)} nodes), jobs {', '.join(j.name for j in self.config.jobs)}",
             "kills: " + " ".join(f"{c}={kills.get(c, 0)}" for c in COMPONENTS)
             + f" (total {len(self.chaos.kills)}, {len(kill_errors)} did not come back)",
             f"runs: started={len(runs)} completed={len(completed)} failed={len(failed)} "
-            f"unfinished={len(unfinished)} resumed-after-pause={counts['resumes_after_pause']}",
+            f"unfinished={len(unfinished)} (operator: {resumes} resumes after a pause, {self.uncordons} uncordons)",
             "incidents: " + (" ".join(f"{k}={v}" for k, v in sorted(incidents.items())) or "none")
             + f"; counted twice: {duplicate_incidents}",
-            f"duplicates found: {duplicates} (rank samples {self.sampler.samples}; stale ranks of an older attempt "
-            f"on another node: {self.sampler.cross_node_overlaps} samples, longest {self.sampler.cross_node_longest_s}s)",
+            f"duplicates found: {duplicates} (rank samples {self.sampler.samples}; live ranks of an older attempt "
+            f"on a node the run had left: {self.sampler.cross_node_samples} samples, "
+            f"longest {self.sampler.cross_node_longest_s}s)",
             f"checkpoints lost: {lost} (committed steps observed: {commits_seen}); "
             f"final state digest mismatches: {len(mismatched)}",
             "result: " + ("PASS" if not failures else "FAIL"),
@@ -745,9 +808,11 @@ class Soak:
             "counts": counts,
             "ok": not failures,
             "failures": failures,
-            "config": {"minutes": self.config.minutes, "seed": self.seed, "concurrency": self.config.concurrency,
+            "config": {"minutes": self.config.minutes, "seed": self.seed, "pools": self.config.pools,
                        "gap_s": list(self.config.gap_s), "jobs": [j.name for j in self.config.jobs],
-                       "step_time": self.config.step_time, "nodes": list(NODES), "keep_last": KEEP_LAST},
+                       "step_time": self.config.step_time, "nodes": list(self.nodes), "keep_last": KEEP_LAST,
+                       "snapshot": self.config.snapshot, "home": str(self.stack.home)},
+            "leftovers": self.leftovers,
             "kills": [asdict(k) for k in self.chaos.kills],
             "baselines": [r.to_json() for r in self.baselines.values()],
             "runs": [r.to_json() for r in runs],
@@ -763,58 +828,80 @@ class Soak:
         from trainguard.devstack import DevStack, Ports, StackConfig
 
         home = BENCH_DIR / f"soak-{secrets.token_hex(4)}"
-        config = StackConfig(home=home, ports=Ports.from_base(free_port_base()), nodes=NODES, code_dir=REPO)
+        home.mkdir(parents=True)
+        saved = {k: os.environ.get(k) for k in ("TRAINGUARD_TEMPORAL_ADDRESS", "PYTHONPATH")}
+        code_dir = REPO
+        if self.config.snapshot:
+            code_dir = snapshot_code(home / "code")
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), saved["PYTHONPATH"]) if p)
+        config = StackConfig(home=home, ports=Ports.from_base(free_port_base()), nodes=self.nodes, code_dir=code_dir)
         self.stack = DevStack(config)
-        saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
         stop_sampling = asyncio.Event()
         sampling: asyncio.Task[None] | None = None
         try:
-            self.say(f"stack in {home} (Temporal {config.temporal_address}, S3 {config.s3_endpoint}), seed {self.seed}")
+            self.say(f"stack in {home} (Temporal {config.temporal_address}, S3 {config.s3_endpoint}), "
+                     f"seed {self.seed}")
             await asyncio.to_thread(self.stack.up, _quiet)
             os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
             self.client = await TrainguardClient.connect()
-            self.chaos = Chaos(self.stack, self.rng, self.clock, self.echo)
+            self.chaos = Chaos(self.stack, self.nodes, self.rng, self.clock, self.say)
             self.sampler = RankSampler(home, self.clock)
             sampling = asyncio.ensure_future(self.sample_ranks(stop_sampling))
             await self.run_baselines()
 
             until = self.clock() + self.config.minutes * 60
-            self.say(f"chaos for {self.config.minutes:g} min, {self.config.concurrency} runs at a time")
-            await asyncio.gather(self.keep_runs_going(until), self.make_chaos(until))
+            self.say(f"chaos for {self.config.minutes:g} min on {self.config.pools} pool(s)")
+            await asyncio.gather(self.make_chaos(until),
+                                 *(self.keep_runs_going(p, until) for p in range(self.config.pools)))
             await self.drain()
             stop_sampling.set()
             await sampling
             await self.check_runs()
-            report = self.report()
         finally:
             stop_sampling.set()
             if sampling is not None and not sampling.done():
                 sampling.cancel()
             for task in self._followers.values():
                 task.cancel()
+            started = _started_components(self.stack)
             try:
                 await asyncio.to_thread(self.stack.down, _quiet)
             finally:
+                self.leftovers = [f"{name} (pid {pid})" for name, pid, start in started if _alive(pid, start)]
+                self.leftovers += [f"rank {p.rank} of {p.workflow_id} (pid {p.pid})" for p in scan_ranks(home)]
                 _kill_leftover_ranks(home)
-                if saved is None:
-                    os.environ.pop("TRAINGUARD_TEMPORAL_ADDRESS", None)
-                else:
-                    os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = saved
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
                 shutil.rmtree(home, ignore_errors=True)
+        report = self.report()
         for line in report.lines:
-            self.echo(line)
+            self.config.echo(line)
         if self.config.json_path is not None:
             path = Path(self.config.json_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report.data, indent=2, default=str))
-            self.echo(f"report: {path}")
+            self.config.echo(f"report: {path}")
         return report
+
+
+def _started_components(stack: Any) -> list[tuple[str, int, str | None]]:
+    """(name, pid, start time) of every component the stack's pidfiles name."""
+    found = []
+    for pidfile in stack.run_dir.glob("*.json"):
+        try:
+            record = json.loads(pidfile.read_text())
+            found.append((pidfile.stem, int(record["pid"]), record.get("start_time")))
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
 
 
 def _manifest_steps(s3: Any, prefix: str, workflow_id: str) -> set[int]:
     steps = set()
-    paginator = s3.get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket="trainguard", Prefix=f"{prefix}/{workflow_id}/"):
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/{workflow_id}/"):
         for item in page.get("Contents", []):
             parts = item["Key"].rsplit("/", 2)
             if len(parts) == 3 and parts[2] == "manifest.json" and parts[1].startswith("step-"):
@@ -826,7 +913,7 @@ def _exists(s3: Any, key: str) -> bool:
     from botocore.exceptions import ClientError
 
     try:
-        s3.head_object(Bucket="trainguard", Key=key)
+        s3.head_object(Bucket=BUCKET, Key=key)
         return True
     except ClientError:
         return False
@@ -835,18 +922,27 @@ def _exists(s3: Any, key: str) -> bool:
 def _kill_leftover_ranks(home: Path) -> None:
     """Ranks started for this stack that outlived `down` (none expected): killed by pid, group first."""
     for proc in scan_ranks(home):
-        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks lead their own process group
+        except (ProcessLookupError, PermissionError):
             try:
-                kill()
-                break
+                os.kill(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
-                continue
+                pass
 
 
 async def run_soak(config: SoakConfig) -> SoakReport:
-    """The soak's main coroutine: stack up, baselines, chaos, drain, checks, stack down. Never raises for a
-    failed invariant: see `SoakReport.ok` and `.failures`."""
+    """The soak's main coroutine: stack up, baselines, chaos, drain, checks, stack down. A failed invariant
+    does not raise: see `SoakReport.ok` and `.failures`."""
     return await Soak(config).run()
+
+
+async def _main(config: SoakConfig) -> SoakReport:
+    # SIGTERM (a timeout, a CI runner) cancels the soak like Ctrl-C does, so the stack is always stopped.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await run_soak(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -854,18 +950,25 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of chaos (default 10)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the kill schedule (default: random, printed)")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"report file (default {DEFAULT_JSON.relative_to(REPO)})")
-    parser.add_argument("--concurrency", type=int, default=3, help="runs kept going at once (default 3)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON,
+                        help=f"report file (default {DEFAULT_JSON.relative_to(REPO)})")
+    parser.add_argument("--pools", type=int, default=1,
+                        help="pools of 3 nodes, each carrying one run at a time (default 1)")
     parser.add_argument("--gap", type=float, nargs=2, default=(15.0, 30.0), metavar=("MIN_S", "MAX_S"),
                         help="seconds between a component being back and the next kill (default 15 30)")
-    parser.add_argument("--step-time", type=float, default=0.15, help="trainer's simulated step time (default 0.15)")
+    parser.add_argument("--step-time", type=float, default=0.15,
+                        help="the trainer's simulated compute per step, seconds (default 0.15)")
+    parser.add_argument("--no-snapshot", action="store_true",
+                        help="run the stack on the repository's code itself, not a copy taken at the start")
     args = parser.parse_args(argv)
-    config = SoakConfig(minutes=args.minutes, seed=args.seed, json_path=args.json, concurrency=args.concurrency,
-                        gap_s=(args.gap[0], args.gap[1]), step_time=args.step_time)
+    if args.pools < 1 or args.minutes <= 0 or not 0 < args.gap[0] <= args.gap[1]:
+        parser.error("--pools >= 1, --minutes > 0 and 0 < MIN_S <= MAX_S")
+    config = SoakConfig(minutes=args.minutes, seed=args.seed, json_path=args.json, pools=args.pools,
+                        gap_s=(args.gap[0], args.gap[1]), step_time=args.step_time, snapshot=not args.no_snapshot)
     try:
-        report = asyncio.run(run_soak(config))
-    except KeyboardInterrupt:
-        print("interrupted: stack stopped", file=sys.stderr)
+        report = asyncio.run(_main(config))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("soak interrupted: stack stopped and removed", file=sys.stderr)
         return 130
     return 0 if report.ok else 1
 

@@ -177,6 +177,9 @@ def free_port_base() -> int:
     for base in PORT_SEARCH:
         ports = Ports.from_base(base)
         every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
+        # Node agents serve their metrics on the ports after the controller's.
+        if isinstance(getattr(ports, "metrics", None), int):
+            every += [ports.metrics + 1 + index for index in range(len(NODES))]
         stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
         if not stale and all(_port_free(port) for port in every):
             return base

@@ -29,6 +29,27 @@ NODES = ("node-0", "node-1", "node-2")
 RUN_TIMEOUT_S = 240
 
 
+HISTORIES = REPO / "tests" / "histories"
+
+
+async def _record_histories(address: str) -> None:
+    """`TRAINGUARD_RECORD_HISTORIES=1 make integration` refreshes the histories the replay test runs: one
+    closed run per kind of test (its workflow id without the random suffix), and the node pool."""
+    from temporalio.client import Client
+
+    client = await Client.connect(address)
+    HISTORIES.mkdir(exist_ok=True)
+    seen: set[str] = set()
+    async for execution in client.list_workflows("ExecutionStatus != 'Running'"):
+        kind = execution.id.rsplit("-", 1)[0] if execution.id.startswith("it-") else None
+        if kind and kind not in seen:
+            seen.add(kind)
+            history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+            (HISTORIES / f"{kind}.json").write_text(history.to_json())
+    pool = await client.get_workflow_handle("trainguard-node-pool").fetch_history()
+    (HISTORIES / "node-pool.json").write_text(pool.to_json())
+
+
 def _free_port_base() -> int:
     for base in range(27100, 40000, 50):
         ports = [getattr(Ports.from_base(base), f) for f in Ports.__dataclass_fields__]
@@ -53,6 +74,8 @@ def stack() -> Iterator[DevStack]:
     try:
         dev.up(echo=lambda _line: None)
         yield dev
+        if os.environ.get("TRAINGUARD_RECORD_HISTORIES"):
+            asyncio.run(_record_histories(config.temporal_address))
     finally:
         pids = [json.loads(p.read_text()) for p in dev.run_dir.glob("*.json")]
         dev.down(echo=lambda _line: None)

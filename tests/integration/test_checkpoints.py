@@ -60,7 +60,7 @@ RUN_TIMEOUT_S = 240
 
 @dataclass(frozen=True)
 class Source:
-    """A finished run's genuine checkpoints: the bytes every case plants, and the digest every case must end at."""
+    """A finished run's genuine checkpoints: the bytes cases plant, and the digest they must end at."""
 
     run_prefix: str
     digest: str
@@ -105,7 +105,7 @@ async def activity_calls(client: TrainguardClient, workflow_id: str, name: str, 
 
 
 def plant(s3: Any, source: Source, run_prefix: str, workflow_id: str, steps: list[int]) -> None:
-    """Copy the source's checkpoints of `steps` under `run_prefix`, as the run `workflow_id` would have written them."""
+    """Copy the source's checkpoints of `steps` under `run_prefix`, as run `workflow_id` would write them."""
     for step in steps:
         original = source.manifests[step]
         shards = []
@@ -115,7 +115,8 @@ def plant(s3: Any, source: Source, run_prefix: str, workflow_id: str, steps: lis
             shards.append(shard.model_copy(update={"key": key}))
             assert check_shard_in_store(s3, BUCKET, shards[-1]) is None  # size and sha256 metadata came along
         manifest = original.model_copy(update={"workflow_id": workflow_id, "shards": shards})
-        s3.put_object(Bucket=BUCKET, Key=manifest_key(run_prefix, step), Body=manifest.model_dump_json(indent=1))
+        body = manifest.model_dump_json(indent=1)
+        s3.put_object(Bucket=BUCKET, Key=manifest_key(run_prefix, step), Body=body)
 
 
 def shard_key(run_prefix: str, step: int, rank: int) -> str:
@@ -140,15 +141,15 @@ def rewrite_manifest(s3: Any, run_prefix: str, step: int, change: Callable[[Mani
     s3.put_object(Bucket=BUCKET, Key=key, Body=change(manifest).model_dump_json(indent=1))
 
 
-def lying_checkpoints(s3: Any, run_prefix: str, steps: list[int] | None = None, world_size: int = 2) -> list[str]:
-    """Checkpoints a reader would accept from their manifest and HEADs whose bytes do not match the manifest."""
+def lying_checkpoints(s3: Any, run_prefix: str, steps: list[int] | None = None) -> list[str]:
+    """Checkpoints a reader accepts from their manifest and HEADs whose bytes do not match the manifest."""
     lies = []
     for step in list_steps(s3, BUCKET, run_prefix) if steps is None else steps:
         try:
             manifest = read_manifest(s3, BUCKET, manifest_key(run_prefix, step))
         except ValueError:
             continue
-        if (manifest is None or manifest.world_size != world_size or manifest_problem(manifest, run_prefix, step)
+        if (manifest is None or manifest_problem(manifest, run_prefix, step)
                 or any(check_shard_in_store(s3, BUCKET, s) for s in manifest.shards)):
             continue
         for shard in manifest.shards:
@@ -179,7 +180,7 @@ async def source(client: TrainguardClient, stack: DevStack) -> Source:
 
 @pytest.fixture
 def store_env(stack: DevStack, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The activities' own S3 client (trainguard.settings) pointed at the test stack, as the workers have it."""
+    """The activities' own S3 client (trainguard.settings) pointed at the test stack, as workers have it."""
     env = stack.worker_env()
     for name in ("TRAINGUARD_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
         monkeypatch.setenv(name, env[name])
@@ -221,7 +222,8 @@ def _manifest_lacks_a_rank(s3: Any, rp: str) -> None:
 
 
 def _garbage_manifest(s3: Any, rp: str) -> None:
-    s3.put_object(Bucket=BUCKET, Key=manifest_key(rp, 30), Body=b'{"format": "trainguard-checkpoint/1", \x00\xff')
+    body = b'{"format": "trainguard-checkpoint/1", \x00\xff'
+    s3.put_object(Bucket=BUCKET, Key=manifest_key(rp, 30), Body=body)
 
 
 def _every_checkpoint_corrupt(s3: Any, rp: str) -> None:
@@ -246,7 +248,7 @@ CASES = {
     "missing_shard": Case(_missing_shard, 20, skipped="step 30: shard of rank 1 missing"),
     "missing_manifest": Case(_missing_manifest, 20, skipped="step 30: no manifest"),
     "manifest_names_missing_shard": Case(_manifest_names_missing_shard, 20, skipped="step 30: manifest puts"),
-    "manifest_lacks_a_rank": Case(_manifest_lacks_a_rank, 20, skipped="step 30: manifest names shards of ranks [0]"),
+    "manifest_lacks_a_rank": Case(_manifest_lacks_a_rank, 20, skipped="step 30: manifest names shards of"),
     "garbage_manifest": Case(_garbage_manifest, 20, skipped="step 30: unreadable manifest"),
     "every_checkpoint_corrupt": Case(_every_checkpoint_corrupt, 0, num_corrupt_incidents=3),
 }
@@ -274,7 +276,8 @@ async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, sour
             assert hashlib.sha256(path.read_bytes()).hexdigest() in genuine, path
     # Every commit the run made vouches for bytes that are really there: a re-saved step whose old shard
     # rotted in place is repaired by the upload, not waved through because its size and metadata still match.
-    commits = await activity_calls(client, workflow_id, "commit_checkpoint", CommitCheckpointInput, CheckpointRef)
+    commits = await activity_calls(client, workflow_id, "commit_checkpoint", CommitCheckpointInput,
+                                   CheckpointRef)
     committed = sorted({ref.step for _, ref in commits if ref is not None})
     assert committed and committed[-1] == STEPS, commits
     assert lying_checkpoints(stack.s3(), run_prefix, committed) == []
@@ -302,16 +305,18 @@ async def test_damaged_checkpoint_is_never_restored_and_the_run_completes(
 async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     client: TrainguardClient, stack: DevStack, source: Source, prefix: str
 ) -> None:
-    """The literal story: a run finishes, its newest checkpoint rots, the same workflow id is started again."""
+    """The literal story: a run finishes, its newest checkpoint rots, the same workflow id starts again."""
     workflow_id = f"ck-rerun-{uuid.uuid4().hex[:6]}"
     run_prefix = f"{prefix}/{workflow_id}"
     first = await run_to_end(client, spec_for(prefix), workflow_id)
     assert first.steps_completed == STEPS and first.final_state_digest == source.digest
     s3 = stack.s3()
-    kept = {o["Key"].split("/")[-2] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_prefix}/")["Contents"]}
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_prefix}/")["Contents"]
+    kept = {o["Key"].split("/")[-2] for o in listed}
     assert kept == {"step-00000030", "step-00000040"}  # keep_last=2
     # A fresh start seeds Python's RNG from the OS, so this run's shards are its own, not the source's.
-    genuine = {s.sha256 for step in (30, 40) for s in read_manifest(s3, BUCKET, manifest_key(run_prefix, step)).shards}
+    manifests = [read_manifest(s3, BUCKET, manifest_key(run_prefix, step)) for step in (30, 40)]
+    genuine = {s.sha256 for m in manifests if m is not None for s in m.shards}
     rewrite_shard(s3, shard_key(run_prefix, 40, 1), flip_byte)
 
     second = await run_to_end(client, spec_for(prefix), workflow_id)
@@ -328,7 +333,7 @@ async def test_orphaned_multipart_upload_neither_counts_nor_survives_the_janitor
     run_prefix = f"{prefix}/{workflow_id}"
     s3 = stack.s3()
     plant(s3, source, run_prefix, workflow_id, [10, 20, 30])
-    # Step 40 as an agent killed mid-upload leaves it: rank 1's shard landed, rank 0's multipart never completed.
+    # Step 40 as an agent killed mid-upload leaves it: rank 1's shard landed, rank 0's upload never completed.
     s3.copy_object(Bucket=BUCKET, Key=shard_key(run_prefix, 40, 1),
                    CopySource={"Bucket": BUCKET, "Key": source.manifests[40].shards[1].key})
     orphans = {
@@ -353,7 +358,8 @@ async def test_orphaned_multipart_upload_neither_counts_nor_survives_the_janitor
         assert pending(f"{run_prefix}/") == [orphans["ours"]]
 
         assert abort_orphaned_uploads(s3, BUCKET, run_prefix, older_than_s=3600, now=time.time()) == []
-        assert abort_orphaned_uploads(s3, BUCKET, run_prefix, older_than_s=0, now=time.time()) == [orphans["ours"]]
+        aborted = abort_orphaned_uploads(s3, BUCKET, run_prefix, older_than_s=0, now=time.time())
+        assert aborted == [orphans["ours"]]
         assert pending(f"{run_prefix}/") == []
         assert pending(f"{run_prefix}x/") == [orphans["sibling run"]]
         assert pending(f"{prefix}-other/") == [orphans["other run"]]
@@ -383,7 +389,7 @@ def test_two_writers_for_one_step_cannot_replace_the_committed_manifest(
     store = StoreActivities()
 
     def commit(shards: list[ShardInfo], attempt: int) -> CheckpointRef:
-        return store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-writers",
+        return store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-w",
                                                    attempt=attempt, step=10, world_size=2, shards=shards))
 
     first = [_put_shard(s3, run_prefix, 10, rank, f"writer A rank {rank}".encode() * 64) for rank in (0, 1)]
@@ -414,7 +420,8 @@ def test_two_writers_for_one_step_cannot_replace_the_committed_manifest(
 
     # Writer B's bytes now sit under writer A's manifest: a reader passes the step over, never restores it.
     found = store._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=2))
-    assert found.manifest is None and found.skipped and found.skipped[0].startswith("step 10: shard of rank 0")
+    assert found.manifest is None
+    assert found.skipped and found.skipped[0].startswith("step 10: shard of rank 0"), found.skipped
 
 
 def test_upload_skips_an_intact_shard_and_repairs_a_rotted_one(
@@ -471,11 +478,13 @@ def test_download_keeps_no_byte_that_fails_its_checksum(
     assert (restore_dir / shard_name(0)).read_bytes() == genuine
 
 
-def test_find_checkpoint_passes_over_unreadable_manifests(stack: DevStack, store_env: None, prefix: str) -> None:
+def test_find_checkpoint_passes_over_unreadable_manifests(
+    stack: DevStack, store_env: None, prefix: str
+) -> None:
     s3 = stack.s3()
     run_prefix = f"{prefix}/ck-garbage"
     shards = [_put_shard(s3, run_prefix, 10, rank, f"rank {rank}".encode() * 64) for rank in (0, 1)]
-    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-garbage",
+    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-g",
                                                     attempt=1, step=10, world_size=2, shards=shards))
     bodies = [b"", b"\x00\xff\xfe", b"[1, 2, 3]", b'{"step": "twenty"}', b"null"]
     for index, body in enumerate(bodies):
@@ -486,7 +495,8 @@ def test_find_checkpoint_passes_over_unreadable_manifests(stack: DevStack, store
     found = StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=2))
 
     assert found.manifest is not None and found.manifest.step == 10
-    assert [r.split(":")[0] for r in found.skipped] == [f"step {20 + 10 * i}" for i in reversed(range(len(bodies)))]
+    newest_first = [f"step {20 + 10 * i}" for i in reversed(range(len(bodies)))]
+    assert [r.split(":")[0] for r in found.skipped] == newest_first
     assert all("unreadable manifest" in r for r in found.skipped), found.skipped
 
 
@@ -497,7 +507,8 @@ def test_janitor_aborts_only_uploads_older_than_its_bound(stack: DevStack, prefi
     try:
         now = time.time()
         assert abort_orphaned_uploads(s3, BUCKET, f"{prefix}/ck-janitor", older_than_s=60, now=now) == []
-        assert abort_orphaned_uploads(s3, BUCKET, f"{prefix}/ck-janitor", older_than_s=60, now=now + 61) == [key]
+        later = now + 61
+        assert abort_orphaned_uploads(s3, BUCKET, f"{prefix}/ck-janitor", older_than_s=60, now=later) == [key]
         assert not s3.list_multipart_uploads(Bucket=BUCKET, Prefix=f"{prefix}/").get("Uploads")
     finally:
         try:

@@ -1,0 +1,1 @@
+"""Slurm deployment: the batch script and its Python helper."""
