@@ -38,3 +38,7 @@ bench-checkpoint: $(STAMP)
 .PHONY: bench-recovery
 bench-recovery: $(STAMP)
 	$(BIN)/python -m infra.bench.recovery $(BENCH_ARGS)
+
+.PHONY: soak
+soak: $(STAMP)
+	$(BIN)/python -m infra.chaos_soak $(SOAK_ARGS)

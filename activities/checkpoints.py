@@ -477,8 +477,10 @@ class NodeCheckpointActivities:
         restore_dir = layout.restore_dir(step)
         restore_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        tiers: dict[int, str] = {}
         for shard in request.shards:
-            await asyncio.to_thread(self._download_one, request.bucket, restore_dir, shard)
+            tiers[shard.rank] = await asyncio.to_thread(
+                self._download_one, request.bucket, restore_dir, shard, layout.local_step_dir(step))
             activity.heartbeat({"downloaded_rank": shard.rank})
         for old in restore_dir.parent.glob("step-*"):
             if old != restore_dir:
@@ -487,14 +489,23 @@ class NodeCheckpointActivities:
             restore_dir=str(restore_dir),
             num_bytes=sum(s.size_bytes for s in request.shards),
             seconds=time.monotonic() - started,
+            tiers=tiers,
         )
 
-    def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo) -> None:
+    def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path) -> str:
+        """Put a verified copy of `shard` in `restore_dir`; returns the tier it came from: `local` (this
+        node's own copy of a shard it wrote, checked against the manifest's sha256) or `s3`."""
         final = restore_dir / shard_name(shard.rank)
         meta = restore_dir / shard_meta_name(shard.rank)
         if final.exists() and meta.exists() and json.loads(meta.read_text()).get("sha256") == shard.sha256:
-            return
+            return "local"
         partial = restore_dir / f".{shard_name(shard.rank)}.part"
+        local = local_step_dir / shard_name(shard.rank)
+        if local.exists() and local.stat().st_size == shard.size_bytes and sha256_file(local) == shard.sha256:
+            shutil.copyfile(local, partial)  # a copy: the rank's next save must not write through a link
+            partial.replace(final)
+            meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
+            return "local"
         try:
             s3_client().download_file(bucket, shard.key, str(partial), Config=_transfer_config())
         except ClientError as error:
@@ -512,3 +523,4 @@ class NodeCheckpointActivities:
             )
         partial.replace(final)
         meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
+        return "s3"

@@ -106,6 +106,8 @@ class DownloadShardsResult(BaseModel):
     restore_dir: str
     num_bytes: int = 0
     seconds: float = 0.0
+    tiers: dict[int, str] = Field(default_factory=dict)
+    """Where each rank's shard came from: `local` (the node's own verified copy) or `s3`."""
 
 
 class UploadShardsInput(BaseModel):

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import subprocess
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from enum import Enum
 from typing import Protocol
@@ -82,7 +83,7 @@ class NoScheduler:
         return []
 
 
-class _CommandScheduler:
+class _CommandScheduler(ABC):
     """Runs a scheduler's command line tool; `executable` replaces argv[0] (a full path, or a stand-in)."""
 
     name = ""
@@ -91,6 +92,12 @@ class _CommandScheduler:
     def __init__(self, executable: str | None = None, timeout_s: float = COMMAND_TIMEOUT_S) -> None:
         self.executable = executable or self.default_executable
         self.timeout_s = timeout_s
+
+    @abstractmethod
+    def cordon(self, node: str, reason: str) -> list[list[str]]: ...
+
+    @abstractmethod
+    def uncordon(self, node: str) -> list[list[str]]: ...
 
     def _run(self, args: list[str], tolerate: tuple[str, ...] = ()) -> list[str]:
         """Run `executable args...`; a failure whose stderr contains one of `tolerate` counts as done."""

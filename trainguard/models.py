@@ -69,6 +69,9 @@ class Incident(BaseModel):
     """What the policy decided."""
     resumed_step: int | None = None
     """Step the next attempt resumed from (0 when no checkpoint was committed yet)."""
+    restore_tier: str | None = None
+    """Where the next attempt's shards came from: `local` (each node's own verified copy), `s3`, or
+    `local+s3`; None when it started from scratch."""
     detected_at: float = 0.0
     """Unix time of detection, on the detecting node agent's clock."""
 

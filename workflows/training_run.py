@@ -175,6 +175,7 @@ class TrainingRun:
         self._spares: list[str] = []
         self._launched = False
         self._leased = False
+        self._restore_tier: str | None = None
         self._background: list[asyncio.Task[Any]] = []
         self._pause_requested = False
         self._draining: list[str] = []
@@ -536,6 +537,7 @@ class TrainingRun:
         for incident in self._status.incidents:
             if incident.resumed_step is None and incident.action is not Action.REPORT:
                 incident.resumed_step = restore_step
+                incident.restore_tier = self._restore_tier if manifest else None
 
         self._set_phase(Phase.LAUNCHING)
         self._launched = True
@@ -614,6 +616,8 @@ class TrainingRun:
                 raise _NodeFailed(node, f"download failed: {_cause_text(result)}")
             if isinstance(result, BaseException):
                 raise result
+        tiers = {tier for r in results if isinstance(r, DownloadShardsResult) for tier in r.tiers.values()}
+        self._restore_tier = "+".join(sorted(tiers)) or None
         return {node: result.restore_dir for node, result in zip(nodes, results)
                 if isinstance(result, DownloadShardsResult)}
 

@@ -18,6 +18,11 @@ JOBS = (Job(60, 10), Job(80, 20))
 
 async def test_runs_survive_killed_controller_agents_and_server(tmp_path: Path) -> None:
     lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)  # shown by pytest when the test fails
+
     config = SoakConfig(
         minutes=CHAOS_MINUTES,
         seed=20261129,
@@ -30,7 +35,7 @@ async def test_runs_survive_killed_controller_agents_and_server(tmp_path: Path) 
         first_kill_s=6.0,
         # A run that never finishes fails the test instead of hanging it.
         drain_timeout_s=150.0,
-        echo=lines.append,
+        echo=echo,
     )
     report = await run_soak(config)
     log = "\n".join(lines)
@@ -55,3 +60,48 @@ async def test_runs_survive_killed_controller_agents_and_server(tmp_path: Path) 
     assert not home.exists()
     assert scan_ranks(home) == []
     assert (tmp_path / "soak.json").exists()
+
+
+def test_the_sampler_sees_two_attempts_of_a_run_on_one_node(tmp_path: Path) -> None:
+    """The duplicate check is not vacuous: stand-in ranks of attempts 1 and 2 of one run on node-1 are
+    caught (and attempt 3 alone on another node is only an informational cross-node overlap)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from infra.chaos_soak import RankSampler
+
+    home = tmp_path / "home"
+
+    def fake_rank(node: str, attempt: int) -> subprocess.Popen[bytes]:
+        checkpoints = home / "nodes" / node / "runs" / "run-x" / "checkpoints"
+        env = {**os.environ, "TRAINGUARD_CHECKPOINT_DIR": str(checkpoints), "TRAINGUARD_WORKFLOW_ID": "run-x",
+               "TRAINGUARD_NODE": node, "TRAINGUARD_ATTEMPT": str(attempt), "RANK": "0"}
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                                start_new_session=True)
+
+    procs = [fake_rank("node-1", 1), fake_rank("node-1", 2), fake_rank("node-2", 3)]
+    try:
+        record = home / "nodes" / "node-1" / "runs" / "run-x" / "ranks.json"
+        record.parent.mkdir(parents=True)
+        start = Path(f"/proc/{procs[1].pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        record.write_text(json.dumps({"workflow_id": "run-x", "attempt": 2,
+                                      "ranks": [{"rank": 0, "pid": procs[1].pid, "start_time": start}]}))
+        sampler = RankSampler(home, clock=lambda: 0.0)
+        sampler.sample()
+        assert [(d.workflow_id, d.node, d.attempts) for d in sampler.duplicates] == [("run-x", "node-1", [1, 2])]
+        assert [(m["recorded_attempt"], m["stray_attempts"]) for m in sampler.record_mismatches] == [(2, [1])]
+        assert sampler.cross_node_samples == 1
+
+        procs[0].kill()
+        procs[0].wait()
+        again = RankSampler(home, clock=lambda: 0.0)
+        again.sample()
+        assert again.duplicates == [] and again.record_mismatches == []
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -265,6 +265,7 @@ async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, sour
     corrupt = [i for i in result.incidents if i.kind is IncidentKind.CHECKPOINT_CORRUPT]
     assert len(corrupt) == case.num_corrupt_incidents, result.incidents
     assert len(result.incidents) == len(corrupt), result.incidents
+    assert all(i.resumed_step == case.resumes_from for i in corrupt), result.incidents
     if case.skipped is not None:
         finds = await activity_calls(client, workflow_id, "find_checkpoint", FindCheckpointInput,
                                      FindCheckpointResult)
@@ -323,7 +324,6 @@ async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
 
     await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, second,
                                  Case(_no_damage, 30, num_corrupt_incidents=1), genuine)
-    assert second.incidents[0].resumed_step == 30
 
 
 async def test_orphaned_multipart_upload_neither_counts_nor_survives_the_janitor(
@@ -367,8 +367,8 @@ async def test_orphaned_multipart_upload_neither_counts_nor_survives_the_janitor
         assert lying_checkpoints(s3, run_prefix) == []
         assert read_manifest(s3, BUCKET, manifest_key(run_prefix, 40)) is not None
     finally:
-        for what, key in orphans.items():
-            s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_ids[what])
+        abort_orphaned_uploads(s3, BUCKET, prefix, older_than_s=0, now=time.time())
+        abort_orphaned_uploads(s3, BUCKET, f"{prefix}-other", older_than_s=0, now=time.time())
 
 
 # ------------------------------------------------------------------------- the activities, called directly

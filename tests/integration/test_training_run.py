@@ -64,6 +64,8 @@ async def test_crashed_rank_resumes_from_newest_committed_step(
     first = crashes[0]
     assert (first.node, first.rank, first.action) == ("node-1", 1, Action.RESTART)
     assert first.resumed_step is not None and first.resumed_step >= committed.step > 0
+    # The same nodes restart: each restores its own verified copy where it still has one, not S3.
+    assert first.restore_tier in ("local", "local+s3")
     assert first.detection_s is not None and first.detection_s < 5
     assert first.recovery_s is not None and first.recovery_s > 0
     assert result.attempts >= 2
@@ -155,6 +157,7 @@ async def test_unresponsive_node_is_replaced_by_a_spare(
         await restart_agent(stack, "node-1")  # back for the tests after this one
     lost = [i for i in result.incidents if i.kind is IncidentKind.NODE_UNRESPONSIVE]
     assert lost and lost[0].node == "node-1" and lost[0].action is Action.REPLACE_NODE
+    assert "s3" in (lost[0].restore_tier or "")  # the spare has no copy of its own: S3
     status = (await client.status(run_id)).status
     assert status.nodes == ["node-0", "node-2"] and status.cordoned == ["node-1"]
     assert result.final_state_digest == baseline.final_state_digest

@@ -93,7 +93,7 @@ def test_slurm_cordon_twice_tells_slurm_twice_and_succeeds(stand_in: tuple[Path,
 
 def test_slurm_uncordon_of_a_node_not_drained_is_done(stand_in: tuple[Path, Path],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    exe, calls = stand_in
+    exe, _ = stand_in
     monkeypatch.setenv("STAND_IN_FAIL", "state=resume")
     monkeypatch.setenv("STAND_IN_STDERR", "slurm_update error: Invalid node state specified")
 

@@ -1,0 +1,1 @@
+"""Kubernetes deployment: manifests, the image and the workers' liveness probe."""
