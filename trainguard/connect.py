@@ -19,5 +19,5 @@ async def connect(settings: Settings | None = None) -> Client:
             metrics=PrometheusConfig(bind_address=settings.metrics_address, durations_as_seconds=True)))
     return await Client.connect(
         settings.temporal_address, namespace=settings.namespace, data_converter=pydantic_data_converter,
-        runtime=runtime,
+        runtime=runtime, tls=settings.tls_config(), api_key=settings.api_key,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from functools import lru_cache
 from typing import Any
 
@@ -24,6 +25,16 @@ class Settings:
     """`AWS_REGION`, default `us-east-1`."""
     s3_path_style: bool
     """`TRAINGUARD_S3_PATH_STYLE`, default on (SeaweedFS, MinIO and Ceph want it)."""
+    tls_cert: str | None = None
+    """`TRAINGUARD_TLS_CERT`: client certificate (PEM file) for mTLS to a Temporal cluster or Temporal Cloud."""
+    tls_key: str | None = None
+    """`TRAINGUARD_TLS_KEY`: its private key (PEM file)."""
+    tls_ca: str | None = None
+    """`TRAINGUARD_TLS_CA`: CA bundle (PEM file) that signed the server's certificate; default the system's."""
+    tls: bool = False
+    """`TRAINGUARD_TLS=1`: TLS without a client certificate (implied by the settings above and the API key)."""
+    api_key: str | None = None
+    """`TRAINGUARD_API_KEY`: a Temporal Cloud API key (from the environment only, never a file in the repo)."""
     metrics_address: str | None = None
     """`TRAINGUARD_METRICS_ADDRESS` (e.g. `0.0.0.0:9464`): serve Prometheus metrics there; default off."""
 
@@ -37,7 +48,27 @@ class Settings:
             s3_region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
             s3_path_style=env.get("TRAINGUARD_S3_PATH_STYLE", "1").lower() not in ("0", "false", "no"),
             metrics_address=env.get("TRAINGUARD_METRICS_ADDRESS") or None,
+            tls_cert=env.get("TRAINGUARD_TLS_CERT") or None,
+            tls_key=env.get("TRAINGUARD_TLS_KEY") or None,
+            tls_ca=env.get("TRAINGUARD_TLS_CA") or None,
+            tls=env.get("TRAINGUARD_TLS", "").lower() in ("1", "true", "yes"),
+            api_key=env.get("TRAINGUARD_API_KEY") or None,
         )
+
+    def tls_config(self) -> Any:
+        """The client's TLS settings: False for plain TCP (the dev stack), else a `TLSConfig`."""
+        from temporalio.service import TLSConfig
+
+        if not (self.tls or self.tls_cert or self.tls_ca or self.api_key):
+            return False
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("set both TRAINGUARD_TLS_CERT and TRAINGUARD_TLS_KEY for mTLS, or neither")
+
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return TLSConfig(server_root_ca_cert=read(self.tls_ca), client_cert=read(self.tls_cert),
+                         client_private_key=read(self.tls_key))
 
 
 # Fail fast on a dead store (the activity's retry policy, not botocore, decides how long to keep trying)

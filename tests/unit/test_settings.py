@@ -1,0 +1,42 @@
+"""Connection settings come from the environment, with the dev stack's defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainguard.settings import Settings
+
+
+def test_defaults_reach_the_dev_stack() -> None:
+    settings = Settings.from_env({})
+    assert settings.temporal_address == "127.0.0.1:7233" and settings.namespace == "default"
+    assert settings.s3_endpoint is None and settings.s3_path_style
+    assert settings.tls_config() is False and settings.api_key is None
+
+
+def test_mtls_reads_certificate_files(tmp_path: Path) -> None:
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_bytes(f"--{name}--".encode())
+    settings = Settings.from_env({"TRAINGUARD_TEMPORAL_ADDRESS": "ns.acct.tmprl.cloud:7233",
+                                  "TRAINGUARD_TLS_CERT": str(tmp_path / "cert.pem"),
+                                  "TRAINGUARD_TLS_KEY": str(tmp_path / "key.pem"),
+                                  "TRAINGUARD_TLS_CA": str(tmp_path / "ca.pem")})
+    tls = settings.tls_config()
+    assert tls.client_cert == b"--cert.pem--" and tls.client_private_key == b"--key.pem--"
+    assert tls.server_root_ca_cert == b"--ca.pem--"
+
+
+def test_api_key_implies_tls_and_a_lone_certificate_is_refused(tmp_path: Path) -> None:
+    assert Settings.from_env({"TRAINGUARD_API_KEY": "k"}).tls_config() is not False
+    (tmp_path / "cert.pem").write_bytes(b"x")
+    with pytest.raises(ValueError, match="TRAINGUARD_TLS_KEY"):
+        Settings.from_env({"TRAINGUARD_TLS_CERT": str(tmp_path / "cert.pem")}).tls_config()
+
+
+def test_s3_endpoint_and_path_style_from_the_environment() -> None:
+    settings = Settings.from_env({"AWS_ENDPOINT_URL": "https://minio.internal:9000", "TRAINGUARD_S3_PATH_STYLE": "0",
+                                  "AWS_REGION": "eu-west-1"})
+    assert settings.s3_endpoint == "https://minio.internal:9000"
+    assert not settings.s3_path_style and settings.s3_region == "eu-west-1"
