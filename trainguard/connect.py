@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
+from trainguard.codec import data_converter_from_env
 from trainguard.settings import Settings
 
 
@@ -18,6 +18,6 @@ async def connect(settings: Settings | None = None) -> Client:
         runtime = Runtime(telemetry=TelemetryConfig(
             metrics=PrometheusConfig(bind_address=settings.metrics_address, durations_as_seconds=True)))
     return await Client.connect(
-        settings.temporal_address, namespace=settings.namespace, data_converter=pydantic_data_converter,
+        settings.temporal_address, namespace=settings.namespace, data_converter=data_converter_from_env(),
         runtime=runtime, tls=settings.tls_config(), api_key=settings.api_key,
     )

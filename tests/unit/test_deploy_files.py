@@ -307,9 +307,12 @@ args = sys.argv[1:]
 split = next(i for i, a in enumerate(args) if not a.startswith("-"))
 with open(os.environ["CALLS"], "a") as f:
     f.write(json.dumps(["srun", *args[:split]]) + "\\n")
-tasks = [subprocess.Popen(args[split:], env={{**os.environ, "SLURMD_NODENAME": host}})
-         for host in os.environ["FAKE_HOSTS"].split()]
-signal.signal(signal.SIGTERM, lambda *_: [t.terminate() for t in tasks])
+tasks, stopping = [], []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append([t.terminate() for t in tasks]))
+tasks += [subprocess.Popen(args[split:], env={{**os.environ, "SLURMD_NODENAME": host}})
+          for host in os.environ["FAKE_HOSTS"].split()]
+if stopping:
+    [t.terminate() for t in tasks]
 sys.exit(max(t.wait() for t in tasks))
 """
 
@@ -334,19 +337,23 @@ if sys.argv[1:3] == ["run", "result"]:
 
 STAND_IN_PYTHON = """\
 #!/bin/sh
-# The venv's python: a node agent records its arguments and runs until SIGTERM; `wait-agents` succeeds at
-# once (no Temporal here); everything else (the spec helper) is the real interpreter.
+# The venv's python: a node agent records its arguments and runs until SIGTERM; `wait-agents` waits for
+# every agent to have reported itself (no Temporal here); everything else (the spec helper) is real python.
 if [ "$1 $2" = "-m workers.node_agent" ]; then
     shift 2
+    trap 'echo "stopped $2" >>"$AGENTS"; exit 0' TERM  # before it reports itself: it is up from then on
     echo "agent $* allow=$TRAINGUARD_ALLOWED_ENTRYPOINTS chaos=$TRAINGUARD_CHAOS" >>"$AGENTS"
     [ -n "$FAKE_AGENT_DIES" ] && exit 3
-    trap 'echo "stopped $2" >>"$AGENTS"; exit 0' TERM
     while :; do sleep 0.05; done
 fi
 if [ "$2" = "wait-agents" ]; then
     echo "wait $*" >>"$AGENTS"
     [ -n "$FAKE_AGENT_DIES" ] && exec sleep 30
-    exit 0
+    for _ in $(seq 200); do  # until every agent reported itself (at most 10 s)
+        [ "$(grep -c '^agent ' "$AGENTS")" -eq "$(echo $FAKE_HOSTS | wc -w)" ] && exit 0
+        sleep 0.05
+    done
+    exit 1
 fi
 exec {python} "$@"
 """
