@@ -12,6 +12,7 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import StoreActivities
 from activities.nodes import NodeActivities, PoolActivities, pool_handle
+from activities.scheduler import SchedulerActivities
 from trainguard import TASK_QUEUE
 from trainguard.connect import connect
 from trainguard.search_attributes import ensure_registered
@@ -26,6 +27,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE) -> Worker:  # type: ignor
     store = StoreActivities()
     nodes = NodeActivities(client)
     pool = PoolActivities(client)
+    scheduler = SchedulerActivities()  # TRAINGUARD_SCHEDULER; an unknown value stops the controller at start
     return Worker(
         client,
         task_queue=task_queue,
@@ -38,6 +40,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE) -> Worker:  # type: ignor
             pool.acquire_nodes,
             pool.release_nodes,
             pool.cordon_node,
+            scheduler.notify_scheduler,
         ],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,

@@ -66,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import search_attributes
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.progress import find_stragglers
+    from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.policy import Decision, RecoveryBudget, classify_exit, decide, next_phase
 
 # ------------------------------------------------------------------------------ timeouts and retries
@@ -105,6 +106,18 @@ POOL_TIMEOUT = timedelta(seconds=30)
 
 POOL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 """The pool lives in the same Temporal as the run: retry until it answers (each call is idempotent)."""
+
+SCHEDULER_TIMEOUT = timedelta(seconds=60)
+"""At most two scheduler commands (cordon + taint) of at most 20 s each."""
+
+SCHEDULER_SCHEDULE_TO_CLOSE = timedelta(minutes=5)
+"""Bounds the whole hook, retries included, so a run never waits on it longer."""
+
+SCHEDULER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
+                              maximum_interval=timedelta(seconds=30), maximum_attempts=6,
+                              non_retryable_error_types=["SchedulerConfigError"])
+"""slurmctld or the API server may be restarting: about two minutes of retries. The hook is advisory (the pool's
+cordon already keeps trainguard's runs off the node), so a failure is logged, never fatal to the run."""
 
 NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
                               maximum_attempts=3)
@@ -369,7 +382,7 @@ class TrainingRun:
             try:
                 await task
             except ActivityError as error:
-                workflow.logger.warning("pruning failed: %s", _cause_text(error))
+                workflow.logger.warning("background activity failed: %s", _cause_text(error))
         self._background.clear()
 
     def _carry(self, attempt: int, started: float) -> CarriedState:
@@ -499,6 +512,18 @@ class TrainingRun:
     async def _cordon(self, node: str, reason: str) -> None:
         await self._pool("cordon_node", NodeRequest(node=node, run_id=workflow.info().workflow_id, reason=reason),
                          PoolNode, f"cordon {node}: {reason[:80]}")
+        # The cluster's scheduler hears about it too (Slurm drain, Kubernetes cordon + taint; off by default),
+        # in the background: recovery never waits on it.
+        self._background.append(workflow.start_activity(
+            "notify_scheduler",
+            NotifySchedulerInput(node=node, action=SchedulerAction.CORDON, reason=reason,
+                                 run_id=workflow.info().workflow_id),
+            start_to_close_timeout=SCHEDULER_TIMEOUT,
+            schedule_to_close_timeout=SCHEDULER_SCHEDULE_TO_CLOSE,
+            retry_policy=SCHEDULER_RETRY,
+            result_type=NotifySchedulerResult,
+            summary=f"tell the scheduler: cordon {node}",
+        ))
 
     async def _release(self, node: str | None = None) -> None:
         if self._leased:

@@ -54,6 +54,7 @@ from activities.models import (
     WatchRanksInput,
 )
 from trainguard import node_task_queue
+from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
 from trainguard.models import (
     Action,
@@ -197,8 +198,13 @@ class Cluster:
             self.calls["cordon_node"].append(request)
             return PoolNode(node=request.node or "", cordoned=request.reason)
 
+        @activity.defn(name="notify_scheduler")
+        async def notify_scheduler(request: NotifySchedulerInput) -> NotifySchedulerResult:
+            self.calls["notify_scheduler"].append(request)
+            return NotifySchedulerResult()
+
         return [find_node_agents, find_checkpoint, commit_checkpoint, prune_checkpoints,
-                acquire_nodes, release_nodes, cordon_node]
+                acquire_nodes, release_nodes, cordon_node, notify_scheduler]
 
     # ------------------------------------------------------------------------------------ node side
     def node_activities(self) -> list[Any]:
