@@ -42,3 +42,21 @@ bench-recovery: $(STAMP)
 .PHONY: soak
 soak: $(STAMP)
 	$(BIN)/python -m infra.chaos_soak $(SOAK_ARGS)
+
+# Both benchmarks, one after the other (never in parallel: they would skew each other), then their pictures
+# (.bench/recovery-timeline.png, recovery-lost.png, checkpoint.png). The plots need matplotlib: the `bench`
+# extra (pip install -e '.[bench]').
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+.PHONY: bench bench-plots
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m infra.bench.checkpoint $(CHECKPOINT_BENCH_ARGS)
+	$(BIN)/python -m infra.bench.recovery $(RECOVERY_BENCH_ARGS)
+	$(BIN)/python -m infra.bench.plots $(PLOTS_ARGS)
+
+bench-plots: $(BENCH_STAMP)
+	$(BIN)/python -m infra.bench.plots $(PLOTS_ARGS)

@@ -13,9 +13,9 @@ controller, agents `node-0`..`node-2`, under `.bench/soak-<random>` on free port
    component and brings it back with `DevStack.up` (it restarts only what is missing), waiting between
    kills long enough for the runs to recover:
    - the controller worker: SIGKILL;
-   - a node agent: SIGKILL (its ranks live on and are adopted by the new agent; the run sees the node as
-     unresponsive once the watch's heartbeat times out, and replaces it with its spare, cordoning it, or,
-     with no spare left, pauses);
+   - a node agent, mostly of a node a run trains on: SIGKILL (its ranks live on and are adopted by the
+     new agent; the run sees the node as unresponsive once the watch's heartbeat times out, and replaces
+     it with its spare, cordoning it, or, with no spare left, pauses);
    - the Temporal server: SIGTERM (it restarts on its SQLite file);
    and acts as the operator would once every agent is back: resumes a paused run, uncordons a node a run
    cordoned (its agent is back, so the node is repaired);
@@ -84,6 +84,8 @@ UP_ATTEMPTS = 3
 """`DevStack.up` after a kill waits up to a minute per try; a loaded machine may need another."""
 RESTART_DELAY_S = 1.0
 """Seconds a killed component stays down before it is brought back."""
+AGENT_ON_BUSY_NODE = 0.75
+"""Share of agent kills aimed at a node a run trains on; the rest hit any node (spares, idle ones)."""
 
 
 def pool_nodes(pools: int) -> tuple[str, ...]:
@@ -149,10 +151,12 @@ def make_spec(prefix: str, steps: int = 60, every: int = 20, nodes: tuple[str, .
     return spec
 
 
-def soak_spec(prefix: str, job: Job, nodes: tuple[str, ...], spares: tuple[str, ...], step_time: float) -> dict[str, Any]:
+def soak_spec(prefix: str, job: Job, nodes: tuple[str, ...], spares: tuple[str, ...],
+              step_time: float) -> dict[str, Any]:
     """The soak's runs: budgets wide enough that only a real bug stops a run (the soak tests survival, not
     the restart budget), and a straggler ratio no CPU-starved but healthy rank reaches."""
-    return make_spec(prefix, steps=job.steps, every=job.every, nodes=nodes, spares=spares, step_time=step_time,
+    return make_spec(prefix, steps=job.steps, every=job.every, nodes=nodes, spares=spares,
+                     step_time=step_time,
                      health={"hang_floor_s": 10.0, "straggler_ratio": 20.0},
                      restarts={"max_restarts": 50, "max_restarts_without_checkpoint": 10})
 
@@ -190,6 +194,8 @@ class RunRecord:
     started_at_s: float = 0.0
     committed_seen: set[int] = field(default_factory=set)
     phases_seen: list[str] = field(default_factory=list)
+    current_nodes: list[str] = field(default_factory=list)
+    """The nodes the run's current attempt uses (after any replacement), from its status."""
     resumes: int = 0
     outcome: str = "running"
     """running, completed, failed, unfinished."""
@@ -365,7 +371,8 @@ class RankSampler:
                 self._seen.add(key)
                 self.record_mismatches.append({
                     "workflow_id": record["workflow_id"], "node": record["node"],
-                    "recorded_attempt": record["attempt"], "stray_attempts": sorted({p.attempt for p in strays}),
+                    "recorded_attempt": record["attempt"],
+                    "stray_attempts": sorted({p.attempt for p in strays}),
                     "stray_pids": sorted(p.pid for p in strays), "at_s": round(self.clock(), 1)})
 
 
@@ -421,9 +428,13 @@ class Chaos:
             self.rng.shuffle(self._cycle)
         return self._cycle.pop()
 
-    async def strike(self, component: str) -> Kill:
+    async def strike(self, component: str, busy_nodes: list[str] | None = None) -> Kill:
+        """Kill `component`; an agent is mostly one of `busy_nodes` (a node a run trains on), sometimes any
+        (a spare or an idle node)."""
         if component == "agent":
-            target, sig = f"agent-{self.rng.choice(self.nodes)}", signal.SIGKILL
+            aim = busy_nodes if busy_nodes and self.rng.random() < AGENT_ON_BUSY_NODE else list(self.nodes)
+            node = self.rng.choice(aim)
+            target, sig = f"agent-{node}", signal.SIGKILL
         elif component == "controller":
             target, sig = "controller", signal.SIGKILL
         else:
@@ -535,7 +546,7 @@ class Soak:
         prefix = f"soak-{tag}"
         spec = soak_spec(prefix, job, nodes, spares, self.config.step_time)
         record = RunRecord(workflow_id, job.name, list(nodes), list(spares), prefix, baseline,
-                           round(self.clock(), 1))
+                           round(self.clock(), 1), current_nodes=list(nodes))
         await self._make_schedulable(members)
         while True:
             try:
@@ -571,12 +582,14 @@ class Soak:
                 continue
             if status.latest_checkpoint is not None:
                 record.committed_seen.add(status.latest_checkpoint.step)
+            if status.nodes:
+                record.current_nodes = list(status.nodes)
             if not record.phases_seen or record.phases_seen[-1] != status.phase.value:
                 record.phases_seen.append(status.phase.value)
             if status.phase is Phase.PAUSED and self._stack_whole():
                 try:
-                    await asyncio.wait_for(self.client.resume(record.workflow_id, "soak: every agent is back"),
-                                           RPC_TIMEOUT_S)
+                    resume = self.client.resume(record.workflow_id, "soak: every agent is back")
+                    await asyncio.wait_for(resume, RPC_TIMEOUT_S)
                     record.resumes += 1
                     self.say(f"resumed {record.workflow_id} (paused: {status.reason})")
                 except Exception:  # noqa: BLE001 - retried at the next poll
@@ -608,8 +621,8 @@ class Soak:
             record.committed_seen.add(result.final_checkpoint.step)
         if not record.baseline:
             kinds = Counter(i.kind.value for i in result.incidents)
-            self.say(f"completed {record.workflow_id}: {result.steps_completed} steps, {result.attempts} attempts, "
-                     f"incidents {dict(kinds) or 'none'}")
+            self.say(f"completed {record.workflow_id}: {result.steps_completed} steps, "
+                     f"{result.attempts} attempts, incidents {dict(kinds) or 'none'}")
 
     def _stack_whole(self) -> bool:
         if self.chaos is not None and self.chaos.busy:
@@ -667,7 +680,8 @@ class Soak:
             await asyncio.sleep(max(0.0, min(wait, until - self.clock())))
             if self.clock() >= until:
                 return
-            await self.chaos.strike(self.chaos.next_component())
+            busy = sorted({n for w in self.active() for n in self.runs[w].current_nodes})
+            await self.chaos.strike(self.chaos.next_component(), busy)
             wait = self.rng.uniform(*self.config.gap_s)
 
     async def sample_ranks(self, stop: asyncio.Event) -> None:
@@ -725,7 +739,8 @@ class Soak:
             if record.final_step != job.steps:
                 lost.add(job.steps)  # the final checkpoint is missing or not the last step
             record.lost_steps = sorted(lost)
-            record.digest_ok = record.final_digest is not None and record.final_digest == baseline_digest.get(record.job)
+            expected = baseline_digest.get(record.job)
+            record.digest_ok = record.final_digest is not None and record.final_digest == expected
 
     def report(self) -> SoakReport:
         assert self.chaos is not None and self.sampler is not None
@@ -768,35 +783,42 @@ class Soak:
         if not runs:
             failures.append("no run was started")
         if failed:
-            failures.append(f"{len(failed)} runs failed: " + "; ".join(f"{r.workflow_id}: {r.reason}" for r in failed))
+            failures.append(f"{len(failed)} runs failed: "
+                            + "; ".join(f"{r.workflow_id}: {r.reason}" for r in failed))
         if unfinished:
-            failures.append(f"{len(unfinished)} runs unfinished: " + ", ".join(r.workflow_id for r in unfinished))
+            failures.append(f"{len(unfinished)} runs unfinished: "
+                            + ", ".join(r.workflow_id for r in unfinished))
         if duplicates:
-            failures.append(f"{duplicates} duplicate rank sets: "
-                            f"{[asdict(d) for d in self.sampler.duplicates] + self.sampler.record_mismatches}")
+            found = [asdict(d) for d in self.sampler.duplicates] + self.sampler.record_mismatches
+            failures.append(f"{duplicates} duplicate rank sets: {found}")
         if duplicate_incidents:
             failures.append("incidents counted twice: " + "; ".join(
                 f"{r.workflow_id}: {r.duplicate_incidents}" for r in completed if r.duplicate_incidents))
         if lost:
             failures.append("checkpoints lost: " + "; ".join(
-                f"{r.workflow_id}: steps {r.lost_steps} (left: {r.manifests_left})" for r in completed if r.lost_steps))
+                f"{r.workflow_id}: steps {r.lost_steps} (left: {r.manifests_left})"
+                for r in completed if r.lost_steps))
         if mismatched:
-            failures.append("final state differs from the baseline: " + ", ".join(r.workflow_id for r in mismatched))
+            failures.append("final state differs from the baseline: "
+                            + ", ".join(r.workflow_id for r in mismatched))
         if self.leftovers:
             failures.append(f"processes left after the stack was stopped: {', '.join(self.leftovers)}")
         if kill_errors:
             failures.append("components that did not come back: " + "; ".join(
                 f"{k.target} at {k.at_s}s: {k.error}" for k in kill_errors))
         lines = [
-            f"soak: {self.config.minutes:g} min of chaos, seed {self.seed}, {self.config.pools} pool(s) of 3 nodes "
+            f"soak: {self.config.minutes:g} min of chaos, seed {self.seed}, "
+            f"{self.config.pools} pool(s) of 3 nodes "
             f"({len(self.nodes)} nodes), jobs {', '.join(j.name for j in self.config.jobs)}",
             "kills: " + " ".join(f"{c}={kills.get(c, 0)}" for c in COMPONENTS)
             + f" (total {len(self.chaos.kills)}, {len(kill_errors)} did not come back)",
             f"runs: started={len(runs)} completed={len(completed)} failed={len(failed)} "
-            f"unfinished={len(unfinished)} (operator: {resumes} resumes after a pause, {self.uncordons} uncordons)",
+            f"unfinished={len(unfinished)} "
+            f"(operator: {resumes} resumes after a pause, {self.uncordons} uncordons)",
             "incidents: " + (" ".join(f"{k}={v}" for k, v in sorted(incidents.items())) or "none")
             + f"; counted twice: {duplicate_incidents}",
-            f"duplicates found: {duplicates} (rank samples {self.sampler.samples}; live ranks of an older attempt "
+            f"duplicates found: {duplicates} (rank samples {self.sampler.samples}; "
+            f"live ranks of an older attempt "
             f"on a node the run had left: {self.sampler.cross_node_samples} samples, "
             f"longest {self.sampler.cross_node_longest_s}s)",
             f"checkpoints lost: {lost} (committed steps observed: {commits_seen}); "
@@ -834,7 +856,8 @@ class Soak:
         if self.config.snapshot:
             code_dir = snapshot_code(home / "code")
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), saved["PYTHONPATH"]) if p)
-        config = StackConfig(home=home, ports=Ports.from_base(free_port_base()), nodes=self.nodes, code_dir=code_dir)
+        config = StackConfig(home=home, ports=Ports.from_base(free_port_base()), nodes=self.nodes,
+                             code_dir=code_dir)
         self.stack = DevStack(config)
         stop_sampling = asyncio.Event()
         sampling: asyncio.Task[None] | None = None
@@ -868,7 +891,8 @@ class Soak:
                 await asyncio.to_thread(self.stack.down, _quiet)
             finally:
                 self.leftovers = [f"{name} (pid {pid})" for name, pid, start in started if _alive(pid, start)]
-                self.leftovers += [f"rank {p.rank} of {p.workflow_id} (pid {p.pid})" for p in scan_ranks(home)]
+                self.leftovers += [f"rank {p.rank} of {p.workflow_id} (pid {p.pid})"
+                                   for p in scan_ranks(home)]
                 _kill_leftover_ranks(home)
                 for key, value in saved.items():
                     if value is None:
@@ -901,7 +925,8 @@ def _started_components(stack: Any) -> list[tuple[str, int, str | None]]:
 
 def _manifest_steps(s3: Any, prefix: str, workflow_id: str) -> set[int]:
     steps = set()
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/{workflow_id}/"):
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{prefix}/{workflow_id}/")
+    for page in pages:
         for item in page.get("Contents", []):
             parts = item["Key"].rsplit("/", 2)
             if len(parts) == 3 and parts[2] == "manifest.json" and parts[1].startswith("step-"):
@@ -949,7 +974,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.chaos_soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of chaos (default 10)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the kill schedule (default: random, printed)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the kill schedule (default: random, printed)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON,
                         help=f"report file (default {DEFAULT_JSON.relative_to(REPO)})")
     parser.add_argument("--pools", type=int, default=1,
@@ -964,7 +990,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pools < 1 or args.minutes <= 0 or not 0 < args.gap[0] <= args.gap[1]:
         parser.error("--pools >= 1, --minutes > 0 and 0 < MIN_S <= MAX_S")
     config = SoakConfig(minutes=args.minutes, seed=args.seed, json_path=args.json, pools=args.pools,
-                        gap_s=(args.gap[0], args.gap[1]), step_time=args.step_time, snapshot=not args.no_snapshot)
+                        gap_s=(args.gap[0], args.gap[1]), step_time=args.step_time,
+                        snapshot=not args.no_snapshot)
     try:
         report = asyncio.run(_main(config))
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -73,6 +73,10 @@ def summary_line(result: RunResult) -> str:
 
 
 async def _run_cmd(args: argparse.Namespace) -> int:
+    if args.action == "report":
+        from trainguard.report import main_report
+
+        return await main_report(args.id, args.png)
     from trainguard.client import TrainguardClient
 
     client = await TrainguardClient.connect()
@@ -227,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--node", required=True)
     drain.add_argument("--reason")
     run_sub.add_parser("checkpoint", help="checkpoint every rank now").add_argument("id")
+    report = run_sub.add_parser("report", help="where the run's wall time went: phases, time lost per incident, "
+                                               "goodput (from its history)")
+    report.add_argument("id")
+    report.add_argument("--png", help="also draw it into this PNG file (needs matplotlib: pip install '.[bench]')")
     listing = run_sub.add_parser("list")
     listing.add_argument("--query", help="extra visibility query, e.g. \"ExecutionStatus='Running'\"")
     run.set_defaults(func=lambda a: asyncio.run(_run_cmd(a)))

@@ -100,6 +100,8 @@ class RunHistory:
     result: Any = None
     """Decoded result of a completed run (a RunResult as JSON)."""
     failure: str = ""
+    encrypted: bool = False
+    """Payloads are encrypted and were not decoded (no codec key here): summaries and results are missing."""
 
 
 @dataclass
@@ -228,6 +230,8 @@ def spans_from_events(events: Iterable[Any]) -> RunHistory:
                 decoded = _decode(event.user_metadata.summary)
                 summary = decoded if isinstance(decoded, str) else ""
             data = _first(attrs.input)
+            if any(p.metadata.get("encoding") == b"binary/encrypted" for p in attrs.input.payloads):
+                history.encrypted = True
             span = Span(name=attrs.activity_type.name, start=at, summary=summary,
                         attempt=_attempt_of(summary, data), outcome="open",
                         input=data if isinstance(data, dict) else None)
@@ -250,6 +254,7 @@ def spans_from_events(events: Iterable[Any]) -> RunHistory:
     if history is None:
         raise ValueError("empty history")
     return history
+
 
 
 def _event_type_name(value: int) -> str:
@@ -340,15 +345,20 @@ def compute_report(
             kind = _stop_kind(span.summary)
             if kind == "pause-after":
                 markers.append((span.start, order, "recovering", span.attempt))
-                markers.append((span.end if span.end is not None else span.start, order, "paused", span.attempt))
+                stopped = span.end if span.end is not None else span.start
+                markers.append((stopped, order, "paused", span.attempt))
             else:
                 markers.append((span.start, order, kind, span.attempt))
     for attempt, at in first_step.items():
         markers.append((at, 5, "running", attempt))
         points.append(StepPoint(at - start, restored_from.get(attempt, 0), attempt))
     if finished_at:
+        # Training ended at the last step: the first report of the final step (often its checkpoint), else
+        # the ranks' exit.
         last = max(finished_at)
-        markers.append((finished_at[last], 5, "finishing", last))
+        final = max((p.step for p in points if p.attempt == last), default=None)
+        reached = [start + p.at_s for p in points if p.attempt == last and p.step == final]
+        markers.append((min([finished_at[last], *reached]), 5, "finishing", last))
     for incident in incidents:
         if incident.detected_at > 0 and incident.action is not Action.REPORT and incident.attempt > 0:
             markers.append((incident.detected_at, 4, "recovering", incident.attempt))
@@ -377,7 +387,9 @@ def compute_report(
 
     points.sort(key=lambda p: (p.attempt, p.at_s, p.step))
     mean_step = result.mean_step_s if result is not None and result.mean_step_s else _mean_step(points)
-    steps = result.steps_completed if result is not None else max((p.step for p in points), default=None)
+    latest = max((p.attempt for p in points), default=0)
+    steps = result.steps_completed if result is not None else \
+        max((p.step for p in points if p.attempt == latest), default=None)
     if result is None and steps is not None:
         notes.append(f"not completed: steps counted up to the newest one seen ({steps})")
 
@@ -409,7 +421,8 @@ def _incident_loss(incident: Incident, spans: Sequence[Span], points: list[StepP
                 step = event["step"]
                 break
         if step is None:
-            earlier = [p.step for p in points if p.attempt == incident.attempt and at is not None and p.at_s <= at]
+            earlier = [p.step for p in points
+                       if p.attempt == incident.attempt and at is not None and p.at_s <= at]
             step = max(earlier) if earlier else None
     redone = redone_s = None
     if incident.action is Action.REPORT:
@@ -423,13 +436,15 @@ def _incident_loss(incident: Incident, spans: Sequence[Span], points: list[StepP
         notes.append("not resumed (yet)")
     if incident.action is not Action.REPORT and incident.detection_s is None:
         notes.append("detection time unknown")
-    if incident.action is not Action.REPORT and incident.recovery_s is None and incident.resumed_step is not None:
+    if (incident.action is not Action.REPORT and incident.recovery_s is None
+            and incident.resumed_step is not None):
         notes.append("no training step after it (yet)")
     lost = sum(x or 0.0 for x in (incident.detection_s, incident.recovery_s, redone_s)) \
         if incident.action is not Action.REPORT else 0.0
     return IncidentLoss(
         kind=incident.kind.value, node=incident.node, rank=incident.rank, attempt=incident.attempt,
-        action=incident.action.value, at_s=at, detection_s=incident.detection_s, recovery_s=incident.recovery_s,
+        action=incident.action.value, at_s=at, detection_s=incident.detection_s,
+        recovery_s=incident.recovery_s,
         step_at_detection=step, resumed_step=incident.resumed_step, redone_steps=redone, redone_s=redone_s,
         lost_s=lost, note="; ".join(notes),
     )
@@ -455,9 +470,13 @@ def report_from_histories(workflow_id: str, histories: Sequence[RunHistory], *, 
         if isinstance(started_at, (int, float)) and 0 < started_at < start:
             history_start, start = start, float(started_at)
         notes.append("earlier runs of this chain could not be read: their phases are not broken down")
+    if any(h.encrypted for h in histories):
+        notes.append("payloads are encrypted and no codec key is set here (TRAINGUARD_CODEC_KEY): attempts, "
+                     "first steps and results are unknown, so phases and losses are incomplete")
     if len(histories) > 1:
         notes.append(f"continued as new {len(histories) - 1} time(s): {len(histories)} histories read")
-    result = RunResult.model_validate(latest.result) if latest.status == "COMPLETED" and latest.result else None
+    completed = latest.status == "COMPLETED" and latest.result
+    result = RunResult.model_validate(latest.result) if completed else None
     incidents: list[Incident] | None = None
     if result is None:
         if status is not None:
@@ -478,6 +497,43 @@ def report_from_histories(workflow_id: str, histories: Sequence[RunHistory], *, 
 # ------------------------------------------------------------------------------------- fetching
 
 
+async def decode_events(events: Iterable[Any], codec: Any) -> int:
+    """Run the payloads the report reads (inputs, results, summaries) through a payload codec, in place
+    (payloads encrypted by `trainguard.codec`). Returns how many payloads stayed undecodable."""
+    failed = 0
+
+    async def payloads(container: Any) -> None:
+        nonlocal failed
+        items = list(container.payloads)
+        if not items:
+            return
+        try:
+            decoded = await codec.decode(items)
+        except Exception:  # noqa: BLE001 - another key, altered bytes: report what can be read
+            failed += len(items)
+            return
+        del container.payloads[:]
+        container.payloads.extend(decoded)
+
+    for event in events:
+        kind = _event_type_name(event.event_type)
+        if event.HasField("user_metadata") and event.user_metadata.HasField("summary"):
+            try:
+                [summary] = await codec.decode([event.user_metadata.summary])
+                event.user_metadata.summary.CopyFrom(summary)
+            except Exception:  # noqa: BLE001
+                failed += 1
+        if kind == "EVENT_TYPE_WORKFLOW_EXECUTION_STARTED":
+            await payloads(event.workflow_execution_started_event_attributes.input)
+        elif kind == "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED":
+            await payloads(event.activity_task_scheduled_event_attributes.input)
+        elif kind == "EVENT_TYPE_ACTIVITY_TASK_COMPLETED":
+            await payloads(event.activity_task_completed_event_attributes.result)
+        elif kind == "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED":
+            await payloads(event.workflow_execution_completed_event_attributes.result)
+    return failed
+
+
 async def fetch_chain(client: Any, workflow_id: str, max_runs: int = 1000) -> tuple[list[RunHistory], bool]:
     """Every run of the workflow id's continue-as-new chain, oldest first, and whether older runs exist
     that could not be read (retention)."""
@@ -486,6 +542,7 @@ async def fetch_chain(client: Any, workflow_id: str, max_runs: int = 1000) -> tu
     histories: list[RunHistory] = []
     run_id: str | None = None
     missing = False
+    codec = getattr(getattr(client, "data_converter", None), "payload_codec", None)
     while len(histories) < max_runs:
         handle = client.get_workflow_handle(workflow_id, run_id=run_id)
         try:
@@ -495,6 +552,8 @@ async def fetch_chain(client: Any, workflow_id: str, max_runs: int = 1000) -> tu
                 raise
             missing = True
             break
+        if codec is not None:
+            await decode_events(history.events, codec)
         run = spans_from_events(history.events)
         run.run_id = run_id or ""
         histories.append(run)
@@ -553,7 +612,8 @@ def render_table(report: RunReport) -> str:
                  f"{_f(report.mean_step_s, '{:.4f}')} s)")
     lines.append(f"  lost to incidents {report.lost_s:>9.2f} s")
     lines.append(f"  other overhead    {_f(report.overhead_s):>9} s  (first start, checkpoints, finishing)")
-    lines.append(f"  goodput           {_f(None if report.goodput is None else 100 * report.goodput, '{:.1f}'):>9} %")
+    percent = None if report.goodput is None else 100 * report.goodput
+    lines.append(f"  goodput           {_f(percent, '{:.1f}'):>9} %")
     if report.incidents:
         lines += ["", f"{'#':>2} {'kind':<18} {'node':<8} {'rank':>4} {'att':>3} {'action':<12} {'at_s':>7} "
                       f"{'detect_s':>8} {'recover_s':>9} {'steps':>11} {'redone_s':>8} {'lost_s':>7}  note"]
@@ -562,9 +622,11 @@ def render_table(report: RunReport) -> str:
                 f"{loss.resumed_step}..{loss.step_at_detection}" if loss.resumed_step is not None
                 else str(loss.step_at_detection))
             lines.append(
-                f"{index:>2} {loss.kind:<18} {loss.node or '-':<8} {_f(loss.rank, '{}'):>4} {loss.attempt:>3} "
+                f"{index:>2} {loss.kind:<18} {loss.node or '-':<8} {_f(loss.rank, '{}'):>4} "
+                f"{loss.attempt:>3} "
                 f"{loss.action:<12} {_f(loss.at_s, '{:.1f}'):>7} {_f(loss.detection_s):>8} "
-                f"{_f(loss.recovery_s):>9} {steps_text:>11} {_f(loss.redone_s):>8} {loss.lost_s:>7.2f}  {loss.note}")
+                f"{_f(loss.recovery_s):>9} {steps_text:>11} {_f(loss.redone_s):>8} {loss.lost_s:>7.2f}  "
+                f"{loss.note}")
     for note in report.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
@@ -589,7 +651,8 @@ def render_png(report: RunReport, path: str | Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 2]})
     for segment in report.segments:
-        top.axvspan(segment.start, segment.end, color=PHASE_COLORS.get(segment.phase, "#dddddd"), alpha=0.45, lw=0)
+        top.axvspan(segment.start, segment.end, color=PHASE_COLORS.get(segment.phase, "#dddddd"), alpha=0.45,
+                    lw=0)
     by_attempt: dict[int, list[StepPoint]] = {}
     for point in report.points:
         by_attempt.setdefault(point.attempt, []).append(point)
@@ -601,8 +664,8 @@ def render_png(report: RunReport, path: str | Path) -> None:
         if loss.at_s is None:
             continue
         top.axvline(loss.at_s, color="#a50f15", ls="--", lw=1)
-        top.annotate(f"#{index} {loss.kind}", (loss.at_s, top_step), xytext=(3, -12), textcoords="offset points",
-                     color="#a50f15", fontsize=8)
+        top.annotate(f"#{index} {loss.kind}", (loss.at_s, top_step), xytext=(3, -12),
+                     textcoords="offset points", color="#a50f15", fontsize=8)
         if loss.detection_s:
             top.axvline(loss.at_s - loss.detection_s, color="#a50f15", ls=":", lw=1)
     top.set_xlim(0, max(report.wall_s, 1e-3))
@@ -610,7 +673,8 @@ def render_png(report: RunReport, path: str | Path) -> None:
     top.set_xlabel("seconds since the run started")
     top.set_ylabel("training step")
     goodput = "-" if report.goodput is None else f"{100 * report.goodput:.1f}%"
-    top.set_title(f"{report.workflow_id}: {report.status.lower()}, wall {report.wall_s:.1f} s, goodput {goodput}")
+    top.set_title(f"{report.workflow_id}: {report.status.lower()}, wall {report.wall_s:.1f} s, "
+                  f"goodput {goodput}")
     phase_handles = [Patch(color=PHASE_COLORS[p], alpha=0.45, label=f"{p} {s:.1f}s")
                      for p, s in report.phases.items() if s > 0]
     line_handles, _ = top.get_legend_handles_labels()
@@ -619,7 +683,8 @@ def render_png(report: RunReport, path: str | Path) -> None:
     if report.incidents:
         labels = [f"#{i} {loss.kind}\n{loss.node or ''}" for i, loss in enumerate(report.incidents, 1)]
         parts = [("detection", "#fdae6b", [loss.detection_s or 0.0 for loss in report.incidents]),
-                 ("recovery (to first new step)", "#fb6a4a", [loss.recovery_s or 0.0 for loss in report.incidents]),
+                 ("recovery (to first new step)", "#fb6a4a",
+                  [loss.recovery_s or 0.0 for loss in report.incidents]),
                  ("redone steps", "#9e9ac8", [loss.redone_s or 0.0 for loss in report.incidents])]
         left = [0.0] * len(labels)
         for name, color, values in parts:
@@ -628,7 +693,8 @@ def render_png(report: RunReport, path: str | Path) -> None:
         for y, loss in enumerate(report.incidents):
             bottom.annotate(f"{loss.lost_s:.2f} s", (left[y], y), xytext=(4, 0), textcoords="offset points",
                             va="center", fontsize=8)
-        bottom.set_ylim(len(labels) - 0.4 + max(0, 2 - len(labels)) * 0.5, -0.6 - max(0, 2 - len(labels)) * 0.5)
+        pad = max(0, 2 - len(labels)) * 0.5  # a lone bar stays bar-sized
+        bottom.set_ylim(len(labels) - 0.4 + pad, -0.6 - pad)
         bottom.set_xlim(0, max(left) * 1.12 or 1.0)
         bottom.set_xlabel("seconds lost")
         bottom.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
@@ -653,8 +719,12 @@ async def main_report(workflow_id: str, png: str | None) -> int:
 
     try:
         client = await connect()
+    except RuntimeError as error:  # the SDK's "Failed client connect: ..."
+        print(f"report: {error}", file=sys.stderr)
+        return 1
+    try:
         report = await build_report(client, workflow_id)
-    except RPCError as error:
+    except RPCError as error:  # no such workflow, or no permission to read it
         print(f"report: {workflow_id}: {error.message}", file=sys.stderr)
         return 1
     print(render_table(report))

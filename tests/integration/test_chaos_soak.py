@@ -91,7 +91,8 @@ def test_the_sampler_sees_two_attempts_of_a_run_on_one_node(tmp_path: Path) -> N
                                       "ranks": [{"rank": 0, "pid": procs[1].pid, "start_time": start}]}))
         sampler = RankSampler(home, clock=lambda: 0.0)
         sampler.sample()
-        assert [(d.workflow_id, d.node, d.attempts) for d in sampler.duplicates] == [("run-x", "node-1", [1, 2])]
+        found = [(d.workflow_id, d.node, d.attempts) for d in sampler.duplicates]
+        assert found == [("run-x", "node-1", [1, 2])]
         assert [(m["recorded_attempt"], m["stray_attempts"]) for m in sampler.record_mismatches] == [(2, [1])]
         assert sampler.cross_node_samples == 1
 

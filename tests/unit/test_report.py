@@ -66,15 +66,16 @@ class FakeHistory:
         if summary:
             event.user_metadata.summary.CopyFrom(_payload(summary))
         scheduled = event.event_id
-        self._event(start, EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED).activity_task_started_event_attributes \
-            .scheduled_event_id = scheduled
+        started = self._event(start, EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED)
+        started.activity_task_started_event_attributes.scheduled_event_id = scheduled
         if end is None:
             return
         if outcome == "completed":
             done = self._event(end, EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED)
             done.activity_task_completed_event_attributes.scheduled_event_id = scheduled
             if result is not None:
-                done.activity_task_completed_event_attributes.result.CopyFrom(Payloads(payloads=[_payload(result)]))
+                done.activity_task_completed_event_attributes.result.CopyFrom(
+                    Payloads(payloads=[_payload(result)]))
         else:
             failed = self._event(end, EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED)
             failed.activity_task_failed_event_attributes.scheduled_event_id = scheduled
@@ -100,7 +101,8 @@ CRASH = Incident(kind=IncidentKind.CRASH, node="node-1", rank=1, attempt=1, dete
 
 
 def crash_run() -> FakeHistory:
-    """Two nodes, a crash of rank 1 at step 45 (detected at +12 s), resumed from step 20, 60 steps of 0.1 s."""
+    """Two nodes, a crash of rank 1 at step 45 (detected at +12 s), resumed from step 20; 60 steps of
+    0.1 s."""
     h = FakeHistory(T0, {"entrypoint": ["python", "train.py"], "nodes": ["node-0", "node-1"]})
     h.activity("find_node_agents", T0 + 0.1, T0 + 0.2, "find node agents", result={"missing": []})
     h.activity("acquire_nodes", T0 + 0.2, T0 + 0.3, "lease nodes from the pool", result={"granted": True})
@@ -179,7 +181,7 @@ def test_an_incident_costs_detection_recovery_and_redone_steps() -> None:
 def test_step_points_follow_each_attempt() -> None:
     report = report_from_histories("r", [spans_from_events(crash_run().events)])
     attempt2 = [(round(p.at_s, 3), p.step) for p in report.points if p.attempt == 2]
-    assert attempt2 == [(18.0, 20), (20.0, 40), (24.0, 60)], "first step at the resumed step, then checkpoints"
+    assert attempt2 == [(18.0, 20), (20.0, 40), (24.0, 60)], "the resumed step first, then checkpoints"
 
 
 def test_simplified_spans_are_enough() -> None:
@@ -200,12 +202,27 @@ def test_simplified_spans_are_enough() -> None:
     assert report.steps_completed == 30 and report.incidents == []
 
 
+def test_finishing_starts_at_the_last_step_not_at_the_ranks_exit() -> None:
+    spans = [
+        Span("launch_ranks", T0 + 0.5, T0 + 0.6, attempt=1, input={"restore_step": 0}),
+        Span("watch_ranks", T0 + 0.6, T0 + 7.0, attempt=1,
+             result={"kind": "checkpoint_ready", "step": 30, "first_step_at": T0 + 1.0,
+                     "detected_at": T0 + 7.0}),
+        Span("watch_ranks", T0 + 7.0, T0 + 9.0, attempt=1,
+             result={"kind": "finished", "step": 30, "first_step_at": T0 + 1.0, "detected_at": T0 + 9.0}),
+    ]
+    report = compute_report(spans, start=T0, end=T0 + 9.5, incidents=[])
+    assert report.phases["running"] == pytest.approx(6.0)
+    assert report.phases["finishing"] == pytest.approx(2.5), "the ranks' exit after the last step"
+
+
 def test_an_operator_pause_is_counted_as_paused() -> None:
     spans = [
         Span("find_checkpoint", T0 + 0.5, T0 + 0.6, attempt=1),
         Span("launch_ranks", T0 + 0.6, T0 + 0.7, attempt=1),
         Span("watch_ranks", T0 + 0.7, T0 + 10.0, attempt=1,
-             result={"kind": "checkpoint_ready", "step": 50, "first_step_at": T0 + 2.0, "detected_at": T0 + 9.0}),
+             result={"kind": "checkpoint_ready", "step": 50, "first_step_at": T0 + 2.0,
+                     "detected_at": T0 + 9.0}),
         Span("stop_ranks", T0 + 10.0, T0 + 10.5, "stop ranks on node-0: paused by an operator", attempt=1),
         Span("find_checkpoint", T0 + 40.0, T0 + 40.2, attempt=2),
         Span("launch_ranks", T0 + 40.2, T0 + 40.3, attempt=2),
@@ -274,7 +291,8 @@ def test_only_the_newest_run_readable_reports_the_rest_as_earlier_runs() -> None
                "incidents": [CRASH.model_dump(mode="json")]}
     latest = FakeHistory(T0, {"spec": {}, "carried": carried}, continued_from="gone")
     _watch(latest, "node-0", 3, T0, T0 + 5.0, kind="checkpoint_ready", step=500, detected_at=T0 + 5.0)
-    report = report_from_histories("r", [spans_from_events(latest.events)], now=T0 + 10.0, missing_earlier=True)
+    report = report_from_histories("r", [spans_from_events(latest.events)], now=T0 + 10.0,
+                                   missing_earlier=True)
     assert report.status == "RUNNING"
     assert report.wall_s == pytest.approx(110.0)
     assert report.phases["earlier runs"] == pytest.approx(100.0)
@@ -335,3 +353,91 @@ def test_an_empty_history_is_an_error() -> None:
     with pytest.raises(ValueError):
         report_from_histories("r", [])
     assert isinstance(RunHistory(start=T0).spans, list)
+
+
+# ------------------------------------------------------------- the benchmark's pictures (infra.bench.plots)
+
+BENCH = {
+    "config": {"faults": ["crash"], "steps": 400, "step_time": 0.1, "fault_step": 120,
+               "checkpoint_every": 50},
+    "results": [
+        {"fault": "crash", "system": "trainguard", "detection_s": 0.2, "restart_s": 3.0,
+         "time_to_recover_s": 3.2, "goodput": 0.8, "wall_s": 50.0, "steps_completed": 400, "fault_step": 120,
+         "resumed_step": 100, "mean_step_s": 0.1, "note": "", "events": []},
+        {"fault": "crash", "system": "torchrun", "detection_s": None, "restart_s": None,
+         "time_to_recover_s": None, "goodput": None, "wall_s": None, "steps_completed": None,
+         "fault_step": None, "resumed_step": None, "mean_step_s": None, "note": "error: boom", "events": []},
+    ],
+    "floor": {"cold_start_s": 4.0},
+}
+
+
+def test_a_timeline_is_reconstructed_from_the_figures() -> None:
+    from infra.bench.plots import lost_parts, timeline_of
+
+    line = timeline_of(BENCH["results"][0], BENCH["config"])
+    assert line is not None and not line.measured
+    # 50 s of wall: (120 + 300) steps x 0.1 s of training, 3.2 s of recovery, the rest start-up (4.8 s).
+    assert line.points[1] == pytest.approx((4.8, 0))
+    assert line.fault_s == pytest.approx(16.8) and line.detected_s == pytest.approx(17.0)
+    assert line.recovered_s == pytest.approx(20.0)
+    assert line.points[-1] == pytest.approx((50.0, 400))
+    assert (line.fault_step, line.resumed_step) == (120, 100)
+    assert lost_parts(BENCH["results"][0], BENCH["config"]) == pytest.approx(
+        {"detection": 0.2, "restart": 3.0, "redone": 2.0})
+    assert timeline_of(BENCH["results"][1], BENCH["config"]) is None, "a failed measurement draws nothing"
+
+
+def test_a_measured_timeline_wins() -> None:
+    from infra.bench.plots import timeline_of
+
+    measured = {**BENCH["results"][0], "fault_at_s": 16.0,
+                "timeline": [[5.0, 1, 0], [16.0, 120, 0], [19.2, 101, 1], [49.0, 400, 1]]}
+    line = timeline_of(measured, BENCH["config"])
+    assert line is not None and line.measured
+    assert line.points == [(5.0, 1), (16.0, 120), (19.2, 120), (19.2, 101), (49.0, 400)], \
+        "flat until the next attempt's first step, then back to its step"
+    assert line.detected_s == pytest.approx(16.2) and line.recovered_s == pytest.approx(19.2)
+
+
+def test_the_benchmark_pictures_are_drawn(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from infra.bench.plots import main
+
+    (tmp_path / "recovery.json").write_text(json.dumps(BENCH))
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"context": {"size_mib": 1}, "figures": [
+        {"name": "checkpoint stall", "unit": "s", "trainguard": 0.1, "baseline": 0.4, "floor": 0.09},
+        {"name": "upload", "unit": "MB/s", "trainguard": 80.0, "baseline": 120.0, "floor": None}]}))
+    code = main(["--recovery", str(tmp_path / "recovery.json"),
+                 "--checkpoint", str(tmp_path / "checkpoint.json"), "--out", str(tmp_path / "out")])
+    assert code == 0
+    for name in ("recovery-timeline.png", "recovery-lost.png", "checkpoint.png"):
+        assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG", name
+
+
+async def test_encrypted_payloads_are_decoded_with_the_codec() -> None:
+    from trainguard.codec import EncryptionCodec
+    from trainguard.report import decode_events
+
+    codec = EncryptionCodec(bytes(range(32)), "k1")
+    events = crash_run().events
+    for event in events:  # encrypt what a worker with the codec would have written
+        for name in ("activity_task_scheduled_event_attributes", "activity_task_completed_event_attributes",
+                     "workflow_execution_completed_event_attributes",
+                     "workflow_execution_started_event_attributes"):
+            if event.HasField(name):
+                attrs = getattr(event, name)
+                container = attrs.input if hasattr(attrs, "input") else attrs.result
+                sealed = await codec.encode(list(container.payloads))
+                del container.payloads[:]
+                container.payloads.extend(sealed)
+        if event.HasField("user_metadata"):
+            event.user_metadata.summary.CopyFrom((await codec.encode([event.user_metadata.summary]))[0])
+
+    unreadable = report_from_histories("r", [spans_from_events(events)])
+    assert unreadable.incidents == [] and any("no codec key" in n for n in unreadable.notes)
+
+    assert await decode_events(events, EncryptionCodec(bytes(32), "other")) > 0, "another key reads nothing"
+    assert await decode_events(events, codec) == 0
+    report = report_from_histories("r", [spans_from_events(events)])
+    assert report.lost_s == pytest.approx(8.6) and report.phases["running"] == pytest.approx(13.0)
