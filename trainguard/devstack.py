@@ -190,12 +190,18 @@ class DevStack:
                 cwd=cwd, start_new_session=True,
             )
         self._pidfile(name).write_text(json.dumps({"pid": proc.pid, "start_time": _start_time(proc.pid),
-                                                   "argv": argv}))
+                                                   "started_at": time.time(), "argv": argv}))
         return proc.pid
 
     def metrics_port(self, node_index: int | None = None) -> int:
         """The controller's Prometheus port, or the node agent's (by its index in the dev pool)."""
         return self.config.ports.metrics + (0 if node_index is None else 1 + node_index)
+
+    def _spawned_at(self, name: str) -> float:
+        try:
+            return float(json.loads(self._pidfile(name).read_text()).get("started_at", 0.0))
+        except (OSError, ValueError):
+            return 0.0
 
     def components(self) -> list[str]:
         return ["temporal", "s3", "controller", *(f"agent-{n}" for n in self.config.nodes)]
@@ -334,8 +340,11 @@ class DevStack:
                 if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, POLLER_IDLE_S):
                     missing.append("controller")
                 else:
-                    registered = {n.node for n in await pool_nodes(client)}
-                    missing += [f"{n} (pool registration)" for n in self.config.nodes if n not in registered]
+                    # Registered by the agent running now (a restarted agent re-registers: it may be repairing a
+                    # cordoned node), not by one before it.
+                    registered = {n.node: n.registered_at for n in await pool_nodes(client)}
+                    missing += [f"{n} (pool registration)" for n in self.config.nodes
+                                if registered.get(n, 0.0) < self._spawned_at(f"agent-{n}") - 1.0]
                 if not missing:
                     return
                 if time.monotonic() > deadline:

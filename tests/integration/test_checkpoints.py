@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -319,6 +320,10 @@ async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     manifests = [read_manifest(s3, BUCKET, manifest_key(run_prefix, step)) for step in (30, 40)]
     genuine = {s.sha256 for m in manifests if m is not None for s in m.shards}
     rewrite_shard(s3, shard_key(run_prefix, 40, 1), flip_byte)
+    # The nodes' own copies would be restored first (verified, so the rot in S3 would not matter): drop them,
+    # as if the run came back on fresh nodes, so the restore has to read, and reject, the rotted object.
+    for local in (stack.home / "nodes").glob(f"*/runs/{workflow_id}/checkpoints"):
+        shutil.rmtree(local)
 
     second = await run_to_end(client, spec_for(prefix), workflow_id)
 
@@ -461,20 +466,20 @@ def test_download_keeps_no_byte_that_fails_its_checksum(
     rewrite_shard(s3, shard.key, flip_byte)
     assert check_shard_in_store(s3, BUCKET, shard) is None
     with pytest.raises(ApplicationError) as corrupt:
-        agent._download_one(BUCKET, restore_dir, shard)
+        agent._download_one(BUCKET, restore_dir, shard, tmp_path / "no-local-copy")
     assert corrupt.value.type == "CorruptCheckpoint" and corrupt.value.non_retryable
     assert list(restore_dir.iterdir()) == []
 
     # Gone between the reader's HEAD and the download.
     s3.delete_object(Bucket=BUCKET, Key=shard.key)
     with pytest.raises(ApplicationError) as missing:
-        agent._download_one(BUCKET, restore_dir, shard)
+        agent._download_one(BUCKET, restore_dir, shard, tmp_path / "no-local-copy")
     assert missing.value.type == "CorruptCheckpoint" and missing.value.non_retryable
     assert list(restore_dir.iterdir()) == []
 
     # The genuine bytes are kept, with the checksum the rank re-verifies before loading.
     _put_shard(s3, run_prefix, 10, 0, genuine)
-    agent._download_one(BUCKET, restore_dir, shard)
+    agent._download_one(BUCKET, restore_dir, shard, tmp_path / "no-local-copy")
     assert (restore_dir / shard_name(0)).read_bytes() == genuine
 
 
