@@ -154,6 +154,9 @@ class LaunchRanksInput(BaseModel):
     workflow_id: str
     attempt: int
     """Fencing token: a launch of an older attempt than the node has seen is refused."""
+    chain_id: str = ""
+    """The run's first execution run id: stable across continue-as-new, new when a closed workflow id is run
+    again, so a rerun's attempt 1 is never mistaken for the previous run's attempt 1."""
     node: str
     node_rank: int
     """Index of this node in the attempt (GROUP_RANK)."""

@@ -106,6 +106,7 @@ class AttemptRecord:
     start_step: int
     launched_at: float
     ranks: dict[int, RankProcess] = field(default_factory=dict)
+    chain_id: str = ""
     first_step_at: float | None = None
     faults: dict[int, float] = field(default_factory=dict)
     """Chaos faults injected into this attempt: rank -> unix time."""
@@ -118,6 +119,7 @@ class AttemptRecord:
             "master_port": self.master_port,
             "start_step": self.start_step,
             "launched_at": self.launched_at,
+            "chain_id": self.chain_id,
             "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time} for p in self.ranks.values()],
         }
 
@@ -130,6 +132,7 @@ class AttemptRecord:
             master_port=data["master_port"],
             start_step=data["start_step"],
             launched_at=data["launched_at"],
+            chain_id=data.get("chain_id", ""),
         )
         for item in data["ranks"]:
             record.ranks[item["rank"]] = RankProcess(item["rank"], item["pid"], item["start_time"])
@@ -247,14 +250,16 @@ class RankActivities:
     async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
         """Start this node's ranks for one attempt, with torchrun's environment and a fresh rendezvous."""
         current = self._record(request.workflow_id)
-        if current is not None and current.attempt > request.attempt:
+        same_run = current is not None and current.chain_id == request.chain_id
+        if current is not None and same_run and current.attempt > request.attempt:
             raise ApplicationError(
                 f"node {self.node} already runs attempt {current.attempt} of {request.workflow_id}; "
                 f"refusing stale attempt {request.attempt}",
                 type="StaleAttempt",
                 non_retryable=True,
             )
-        if current is not None and current.attempt == request.attempt and current.ranks:
+        if (current is not None and same_run and current.attempt == request.attempt
+                and any(not p.poll() for p in current.ranks.values())):
             # A retried launch (worker crash, lost completion): adopt what is running, start nothing twice.
             return LaunchRanksResult(
                 node=self.node,
@@ -278,6 +283,7 @@ class RankActivities:
             master_port=master_port,
             start_step=request.restore_step,
             launched_at=time.time(),
+            chain_id=request.chain_id,
         )
         self._attempts[request.workflow_id] = record
         layout = RunLayout.of(self.workdir, request.workflow_id)

@@ -30,7 +30,8 @@ controller, agents `node-0`..`node-2`, under `.bench/soak-<random>` on free port
      reports excepted: a straggler is reported again when it comes back, by design);
    - no checkpoint lost: the final checkpoint's manifest exists in S3, and so does the manifest of every
      step the run reported committed (status queries during the soak) that retention must keep
-     (steps >= the oldest of the newest `keep_last`);
+     (steps >= the oldest of the newest `keep_last` committed ones); a step of the cadence near the end
+     that was never committed at all is reported as skipped (a warning, not an invariant);
    - every completed run ends with its job's baseline `final_state_digest` (bit-identical).
 
 The stack runs a snapshot of the working tree's code (`trainguard/`, `workflows/`, `activities/`,
@@ -126,6 +127,8 @@ class SoakConfig:
     """After the chaos: how long to wait for the runs still going to finish."""
     snapshot: bool = True
     """Run the stack on a copy of the code taken at the start (see the module docstring)."""
+    keep_logs: Path | None = None
+    """Copy the stack's logs (controller, agents, Temporal, S3) here before its directory is deleted."""
     echo: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
 
@@ -207,6 +210,8 @@ class RunRecord:
     wall_s: float = 0.0
     duplicate_incidents: list[list[Any]] = field(default_factory=list)
     lost_steps: list[int] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    """Checkpoint steps near the end never committed (a skipped checkpoint, not a lost one)."""
     manifests_left: list[int] = field(default_factory=list)
     digest_ok: bool | None = None
 
@@ -726,8 +731,11 @@ class Soak:
             job = jobs[record.job]
             listing = await asyncio.to_thread(_manifest_steps, s3, record.prefix, record.workflow_id)
             record.manifests_left = sorted(listing)
-            newest = [job.steps - k * job.every for k in range(KEEP_LAST) if job.steps - k * job.every > 0]
-            must_exist = {s for s in record.committed_seen if s >= min(newest)} | set(newest)
+            # Retention keeps the newest `keep_last` committed checkpoints: every step seen committed from
+            # the oldest of those on must still have its manifest, the final checkpoint's included.
+            committed = record.committed_seen | listing
+            oldest_kept = min(sorted(committed)[-KEEP_LAST:], default=0)
+            must_exist = {s for s in record.committed_seen if s >= oldest_kept}
             if record.final_step is not None:
                 must_exist.add(record.final_step)
             lost = set()
@@ -736,9 +744,13 @@ class Soak:
                 if step not in listing and not await asyncio.to_thread(
                         _exists, s3, manifest_key(record.prefix, record.workflow_id, step)):
                     lost.add(step)
-            if record.final_step != job.steps:
-                lost.add(job.steps)  # the final checkpoint is missing or not the last step
             record.lost_steps = sorted(lost)
+            # Not a lost commit, but worth knowing: a step of the cadence near the end that was never
+            # committed at all (the final one, or one between the survivors), so a fault there would have
+            # resumed from further back.
+            cadence = range(max(job.every, oldest_kept), job.steps + 1, job.every)
+            record.skipped_steps = sorted(s for s in cadence if s not in committed) or (
+                [job.steps] if record.final_step != job.steps else [])
             expected = baseline_digest.get(record.job)
             record.digest_ok = record.final_digest is not None and record.final_digest == expected
 
@@ -753,6 +765,7 @@ class Soak:
         incidents = Counter(i["kind"] for r in completed for i in r.incidents)
         duplicate_incidents = sum(len(r.duplicate_incidents) for r in completed)
         lost = sum(len(r.lost_steps) for r in completed)
+        skipped = sum(len(r.skipped_steps) for r in completed)
         mismatched = [r for r in completed if not r.digest_ok]
         duplicates = len(self.sampler.duplicates) + len(self.sampler.record_mismatches)
         commits_seen = sum(len(r.committed_seen) for r in completed)
@@ -777,6 +790,7 @@ class Soak:
             "cross_node_stale_longest_s": self.sampler.cross_node_longest_s,
             "commits_observed": commits_seen,
             "checkpoints_lost": lost,
+            "checkpoints_skipped": skipped,
             "digest_mismatches": len(mismatched),
         }
         failures = []
@@ -823,6 +837,9 @@ class Soak:
             f"longest {self.sampler.cross_node_longest_s}s)",
             f"checkpoints lost: {lost} (committed steps observed: {commits_seen}); "
             f"final state digest mismatches: {len(mismatched)}",
+            *([f"warning: {skipped} checkpoints never committed (skipped, not lost): " + "; ".join(
+                f"{r.workflow_id}: steps {r.skipped_steps} (manifests left: {r.manifests_left})"
+                for r in completed if r.skipped_steps)] if skipped else []),
             "result: " + ("PASS" if not failures else "FAIL"),
             *(f"  - {f}" for f in failures),
         ]
@@ -899,6 +916,8 @@ class Soak:
                         os.environ.pop(key, None)
                     else:
                         os.environ[key] = value
+                if self.config.keep_logs is not None:
+                    shutil.copytree(home / "logs", self.config.keep_logs, dirs_exist_ok=True)
                 shutil.rmtree(home, ignore_errors=True)
         report = self.report()
         for line in report.lines:
@@ -984,6 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between a component being back and the next kill (default 15 30)")
     parser.add_argument("--step-time", type=float, default=0.15,
                         help="the trainer's simulated compute per step, seconds (default 0.15)")
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                        help="copy the stack's logs (controller, agents, Temporal) to DIR at the end")
     parser.add_argument("--no-snapshot", action="store_true",
                         help="run the stack on the repository's code itself, not a copy taken at the start")
     args = parser.parse_args(argv)
@@ -991,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pools >= 1, --minutes > 0 and 0 < MIN_S <= MAX_S")
     config = SoakConfig(minutes=args.minutes, seed=args.seed, json_path=args.json, pools=args.pools,
                         gap_s=(args.gap[0], args.gap[1]), step_time=args.step_time,
-                        snapshot=not args.no_snapshot)
+                        snapshot=not args.no_snapshot, keep_logs=args.keep_logs)
     try:
         report = asyncio.run(_main(config))
     except (KeyboardInterrupt, asyncio.CancelledError):

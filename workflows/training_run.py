@@ -653,6 +653,7 @@ class TrainingRun:
             "launch_ranks",
             LaunchRanksInput(
                 workflow_id=workflow.info().workflow_id, attempt=attempt, node=node, node_rank=index,
+                chain_id=workflow.info().first_execution_run_id,
                 num_nodes=len(self._status.nodes), ranks_per_node=spec.ranks_per_node,
                 master_addr=master.master_addr if master else None,
                 master_port=master.master_port if master else None,

@@ -36,12 +36,13 @@ async def test_runs_survive_killed_controller_agents_and_server(tmp_path: Path) 
         # A run that never finishes fails the test instead of hanging it.
         drain_timeout_s=150.0,
         echo=echo,
+        keep_logs=tmp_path / "logs",  # controller, agents, Temporal: for a failure's post-mortem
     )
     report = await run_soak(config)
     log = "\n".join(lines)
     counts = report.counts
 
-    assert report.ok, f"{report.failures}\n{log}"
+    assert report.ok, f"{report.failures}\n{log}\n(stack logs: {tmp_path / 'logs'})"
     assert all(counts["kills"][kind] >= 1 for kind in COMPONENTS), log
     assert counts["kill_errors"] == 0, log
     assert counts["runs_started"] >= 2, log

@@ -1,0 +1,42 @@
+"""The S3 store goes down mid-run: training goes on, uploads retry with backoff, checkpoints commit when it
+returns (the test brings the shared store back for the tests after it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+
+from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack, _start_time
+from trainguard.models import RunResult
+
+from .conftest import RUN_TIMEOUT_S, checkpointed, make_spec, wait_until
+
+
+async def test_s3_down_mid_run_training_goes_on_and_checkpoints_commit_when_it_returns(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    spec = make_spec(prefix, every=10, step_time=0.25)  # ~15 s of training: the outage falls inside it
+    rid = await client.start_run(spec, workflow_id=f"it-s3down-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, rid, lambda v: checkpointed(v, min_step=12))
+    record = json.loads((stack.run_dir / "s3.json").read_text())
+    os.kill(record["pid"], signal.SIGTERM)
+    while _start_time(record["pid"]) == record["start_time"]:
+        await asyncio.sleep(0.1)
+    down_at_step = (await client.status(rid)).live_step
+    await asyncio.sleep(8)
+    during = await client.status(rid)
+    assert during.live_step > down_at_step  # ranks kept training with the store gone
+    assert during.status.incidents == []
+    started = time.monotonic()
+    await asyncio.to_thread(stack.up, lambda _line: None)
+    assert time.monotonic() - started < 120
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    assert result.incidents == []
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 60
+    assert result.final_state_digest == baseline.final_state_digest
