@@ -40,7 +40,7 @@ async def _record_histories(address: str) -> None:
     client = await Client.connect(address)
     HISTORIES.mkdir(exist_ok=True)
     seen: set[str] = set()
-    async for execution in client.list_workflows("ExecutionStatus != 'Running'"):
+    async for execution in client.list_workflows("WorkflowType = 'TrainingRun' AND ExecutionStatus != 'Running'"):
         kind = execution.id.rsplit("-", 1)[0] if execution.id.startswith("it-") else None
         if kind and kind not in seen:
             seen.add(kind)
