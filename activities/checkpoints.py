@@ -428,9 +428,10 @@ class NodeCheckpointActivities:
                                     manifest_key(request.run_prefix, request.step))
             activity.heartbeat({"uploaded_rank": shard.rank})
             shards.append(shard)
-        # The local tier keeps only the newest uploaded step; older ones are in S3.
+        # The local tier keeps the newest committed step (older ones are in S3). Only copies older than it go: an
+        # older, uncommitted step may still be waiting for its own upload (uploads can finish out of order).
         for old in layout.checkpoint_dir.glob("step-*"):
-            if int(old.name.removeprefix("step-")) < request.step:
+            if int(old.name.removeprefix("step-")) < request.committed_step:
                 shutil.rmtree(old, ignore_errors=True)
         return UploadShardsResult(
             shards=shards, num_bytes=sum(s.size_bytes for s in shards), seconds=time.monotonic() - started

@@ -117,6 +117,9 @@ class UploadShardsInput(BaseModel):
     bucket: str
     run_prefix: str
     step: int
+    committed_step: int = -1
+    """The run's newest committed step: local copies older than it are dropped (the local tier keeps the
+    newest committed one; newer steps may still be waiting for their own upload)."""
 
 
 class UploadShardsResult(BaseModel):

@@ -132,7 +132,7 @@ class TrainguardClient:
         )
 
     async def checkpoint_now(self, workflow_id: str, reason: str = "") -> CheckpointNowResult:
-        """Have every rank checkpoint a couple of seconds from now; returns the step it will commit."""
+        """Have every rank checkpoint about two seconds from now; returns the step it will commit."""
         return await self.handle(workflow_id).execute_update(
             "checkpoint_now", OperatorRequest(reason=reason), result_type=CheckpointNowResult
         )

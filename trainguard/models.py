@@ -189,7 +189,7 @@ class DrainRequest(BaseModel):
 
 class CheckpointNowResult(BaseModel):
     step: int
-    """The step every rank will checkpoint at (about a second ahead of the fastest rank)."""
+    """The step every rank will checkpoint at (about two seconds ahead of the fastest rank)."""
 
 
 # ------------------------------------------------------------------------------------------- node pool

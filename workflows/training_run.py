@@ -269,13 +269,13 @@ class TrainingRun:
 
     @workflow.update
     async def checkpoint_now(self, request: OperatorRequest) -> CheckpointNowResult:
-        """Have every rank checkpoint about a second from now; it commits like any other checkpoint."""
+        """Have every rank checkpoint about two seconds from now; it commits like any other checkpoint."""
         attempt, nodes = self._status.attempt, list(self._status.nodes)
         where = await asyncio.gather(*(self._request_checkpoint(attempt, n, None) for n in nodes))
         step_time = max((w.step_time_s or 0.1) for w in where)
-        # About a second of steps ahead of the fastest rank: the request reaches every rank (two activity
-        # round trips, tens of milliseconds) well before that step.
-        target = max(w.step for w in where) + max(5, math.ceil(1.0 / step_time))
+        # About two seconds of steps ahead of the fastest rank: the request reaches every rank (an activity
+        # round trip per node, tens of milliseconds, more on a loaded machine) well before that step.
+        target = max(w.step for w in where) + max(5, math.ceil(2.0 / step_time))
         await asyncio.gather(*(self._request_checkpoint(attempt, n, target) for n in nodes))
         return CheckpointNowResult(step=target)
 
@@ -689,7 +689,8 @@ class TrainingRun:
         return asyncio.ensure_future(workflow.execute_activity(
             "upload_shards",
             UploadShardsInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
-                              bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec), step=step),
+                              bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec), step=step,
+                              committed_step=self._last_committed_step),
             task_queue=node_task_queue(node),
             start_to_close_timeout=TRANSFER_TIMEOUT,
             schedule_to_close_timeout=TRANSFER_SCHEDULE_TO_CLOSE,

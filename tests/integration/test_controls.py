@@ -6,25 +6,28 @@ import asyncio
 import uuid
 
 from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack
 from trainguard.models import RunResult
 
 from .conftest import RUN_TIMEOUT_S, make_spec, wait_until
 
 
 async def test_checkpoint_now_commits_an_extra_checkpoint_at_the_step_it_names(
-    client: TrainguardClient, baseline: RunResult, prefix: str
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
-    spec = make_spec(prefix, every=1000, step_time=0.1)  # no periodic checkpoint before the final step
+    spec = make_spec(prefix, every=1000, step_time=0.2)  # no periodic checkpoint before the final step
     rid = await client.start_run(spec, workflow_id=f"it-ckpt-{uuid.uuid4().hex[:6]}")
-    await wait_until(client, rid, lambda v: v.status.phase.value == "running" and v.live_step >= 5)
+    await wait_until(client, rid, lambda v: v.status.phase.value == "running" and v.live_step >= 3)
     target = (await client.checkpoint_now(rid)).step
-    assert 5 < target < 60
-    view = await wait_until(client, rid, lambda v: v.status.latest_checkpoint is not None)
-    assert view.status.latest_checkpoint is not None and view.status.latest_checkpoint.step == target
+    assert 3 < target < 60
 
     result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
     assert result.incidents == []
     assert result.final_state_digest == baseline.final_state_digest
+    # keep_last=2 keeps both commits: the one asked for and the final one.
+    manifests = {o["Key"].split("/")[-2] for o in stack.s3().list_objects_v2(
+        Bucket="trainguard", Prefix=f"{prefix}/{rid}/")["Contents"] if o["Key"].endswith("manifest.json")}
+    assert manifests == {f"step-{target:08d}", "step-00000060"}
 
 
 async def test_drained_node_is_replaced_by_a_spare_at_the_next_checkpoint(
