@@ -201,22 +201,20 @@ def local_digests(path: Path) -> tuple[str, str]:
     re-upload where one could have been skipped; a match cannot be wrong.
     """
     sha = hashlib.sha256()
-    whole = hashlib.md5(usedforsecurity=False)
     part_md5s: list[bytes] = []
     part = hashlib.md5(usedforsecurity=False)
     in_part = size = 0
     with path.open("rb") as handle:
         while chunk := handle.read(_READ_CHUNK_BYTES):
             sha.update(chunk)
-            whole.update(chunk)
             part.update(chunk)
             in_part += len(chunk)
             size += len(chunk)
             if in_part == PART_SIZE_BYTES:
                 part_md5s.append(part.digest())
                 part, in_part = hashlib.md5(usedforsecurity=False), 0
-    if size < PART_SIZE_BYTES:  # boto3 uploads below its multipart threshold in one PUT
-        return sha.hexdigest(), whole.hexdigest()
+    if size < PART_SIZE_BYTES:  # one PUT below boto3's multipart threshold: the only part is the whole body
+        return sha.hexdigest(), part.hexdigest()
     if in_part:
         part_md5s.append(part.digest())
     of_parts = hashlib.md5(b"".join(part_md5s), usedforsecurity=False).hexdigest()

@@ -38,6 +38,8 @@ from activities.models import (
 from activities.health import NodeHealth
 from activities.paths import RunLayout
 from activities.progress import RankReport, complete_steps, find_hung_rank
+from trainguard.procs import start_time
+from trainguard.procs import state as process_state
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +57,6 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def _process_state(pid: int) -> str:
-    """The state letter of `pid` in /proc (`R`, `S`, `D`, `T`, ...), `?` when unreadable."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _process_start_time(pid: int) -> str | None:
-    """The kernel's start time of `pid`, to tell a live rank from a recycled pid."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 @dataclass
@@ -92,7 +78,7 @@ class RankProcess:
                 return False
             self.exit_code, self.exited = code, True
             return True
-        if _process_start_time(self.pid) != self.start_time:
+        if start_time(self.pid) != self.start_time:
             self.exited = True
         return self.exited
 
@@ -343,7 +329,7 @@ class RankActivities:
                 ) from None
             finally:
                 log_file.close()
-            record.ranks[rank] = RankProcess(rank, popen.pid, _process_start_time(popen.pid), popen)
+            record.ranks[rank] = RankProcess(rank, popen.pid, start_time(popen.pid), popen)
             self._save_record(record)
         log.info(
             "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d)",
@@ -542,7 +528,7 @@ class RankActivities:
                 alive_reported = len(running)
                 activity.metric_meter().create_gauge("trainguard_ranks_alive", "Rank processes alive").set(
                     alive_reported, {"node": self.node})
-            states = {r: _process_state(record.ranks[r].pid) for r in running}
+            states = {r: process_state(record.ranks[r].pid) for r in running}
             hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states)
             if hung is not None:
                 rank, silent = hung

@@ -54,7 +54,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -64,10 +63,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.procs import stat_fields
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / ".bench"
 DEFAULT_JSON = BENCH_DIR / "soak.json"
-PORT_SEARCH = range(33000, 40000, 50)
+PORT_SEARCH_START = 33000
 POOL_SIZE = 3
 COMPONENTS = ("controller", "agent", "temporal")
 CODE_DIRS = ("trainguard", "workflows", "activities", "workers", "examples")
@@ -234,12 +235,9 @@ class Duplicate:
 
 
 def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a pid, None once gone (as trainguard.devstack._start_time reads it)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], fields[19]
+    """(state, start time) of a pid, None once gone."""
+    fields = stat_fields(pid)
+    return (fields[0], fields[19]) if fields else None
 
 
 def _alive(pid: int, start_time: str | None) -> bool:
@@ -384,19 +382,6 @@ class RankSampler:
 # ------------------------------------------------------------------------------------------- the stack
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-def free_port_base() -> int:
-    from trainguard.devstack import Ports
-
-    for base in PORT_SEARCH:
-        ports = Ports.from_base(base)
-        if all(_port_free(getattr(ports, name)) for name in Ports.__dataclass_fields__):
-            return base
-    raise RuntimeError(f"no free port range from {PORT_SEARCH.start}")
 
 
 def snapshot_code(destination: Path) -> Path:
@@ -864,7 +849,7 @@ class Soak:
     # ------------------------------------------------------------------------------------------- main
     async def run(self) -> SoakReport:
         from trainguard.client import TrainguardClient
-        from trainguard.devstack import DevStack, Ports, StackConfig
+        from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
         home = BENCH_DIR / f"soak-{secrets.token_hex(4)}"
         home.mkdir(parents=True)
@@ -873,7 +858,8 @@ class Soak:
         if self.config.snapshot:
             code_dir = snapshot_code(home / "code")
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), saved["PYTHONPATH"]) if p)
-        config = StackConfig(home=home, ports=Ports.from_base(free_port_base()), nodes=self.nodes,
+        base = free_port_base(PORT_SEARCH_START, num_nodes=len(self.nodes))
+        config = StackConfig(home=home, ports=Ports.from_base(base), nodes=self.nodes,
                              code_dir=code_dir)
         self.stack = DevStack(config)
         stop_sampling = asyncio.Event()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.procs import start_time, state
+
 DEFAULT_NODES = ("node-0", "node-1", "node-2")
 DEFAULT_BUCKET = "trainguard"
 READY_TIMEOUT_S = 60.0
@@ -61,6 +63,25 @@ class Ports:
 
     def weed_grpc_ports(self) -> list[int]:
         return [self.s3_grpc, self.master_grpc, self.volume_grpc, self.filer_grpc, self.admin_grpc]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def free_port_base(start: int, num_nodes: int = len(DEFAULT_NODES), step: int = 50, stop: int = 60_000) -> int:
+    """The first base from `start` whose stack would find every port free, the node agents' metrics ports
+    included, and no SeaweedFS socket left in /tmp on its ports: a private stack (tests, benchmarks, the
+    soak) that never meets a developer's `trainguard dev up` or another private stack."""
+    for base in range(start, stop, step):
+        ports = Ports.from_base(base)
+        every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
+        every += [ports.metrics + 1 + index for index in range(num_nodes)]
+        stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
+        if not stale and all(_port_free(port) for port in every):
+            return base
+    raise RuntimeError(f"no free port range between {start} and {stop}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,21 +128,14 @@ def _bin(name: str) -> str:
 
 
 def _start_time(pid: int) -> str | None:
-    """The kernel's start time of a live `pid` (None once it has exited), to tell it from a recycled pid.
-
-    A zombie counts as exited; when it is our own child it is reaped here.
-    """
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] == "Z":
+    """The start time of a live `pid` (None once it has exited), to tell it from a recycled pid. A zombie
+    counts as exited; when it is one of ours (the stack started in-process, as in tests) it is reaped here."""
+    if state(pid) == "Z":
         try:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
-        return None
-    return fields[19]
+    return start_time(pid)
 
 
 class DevStack:

@@ -45,7 +45,7 @@ PHASE_COLORS = {
     "running": "#74c476", "recovering": "#fb6a4a", "paused": "#bcbddc", "finishing": "#969696",
 }
 
-MATPLOTLIB_HINT = "the PNG needs matplotlib: pip install matplotlib (or pip install 'trainguard[bench]')"
+MATPLOTLIB_HINT = "drawing PNGs needs matplotlib: pip install matplotlib (or pip install 'trainguard[bench]')"
 
 _ATTEMPT = re.compile(r"\(attempt (\d+)")
 _CLOSED = {
@@ -632,7 +632,8 @@ def render_table(report: RunReport) -> str:
     return "\n".join(lines)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the headless Agg backend, or an error saying how to install it."""
     try:
         import matplotlib
     except ImportError as error:
@@ -646,7 +647,7 @@ def _pyplot() -> Any:
 def render_png(report: RunReport, path: str | Path) -> None:
     """Two panels: step against wall time over the phases (incidents marked), and the time lost per
     incident split into detection, recovery and redone work. Needs matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 2]})

@@ -22,23 +22,28 @@ ALL = (PHASE, STEP, INCIDENTS)
 log = logging.getLogger(__name__)
 
 
+async def _missing(client):  # type: ignore[no-untyped-def]
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+    existing = await client.operator_service.list_search_attributes(
+        ListSearchAttributesRequest(namespace=client.namespace)
+    )
+    return [key for key in ALL if key.name not in existing.custom_attributes]
+
+
 async def ensure_registered(client) -> bool:  # type: ignore[no-untyped-def]
     """Register the attributes in the client's namespace if missing; False when not allowed (e.g. on a
     Temporal Cloud namespace without admin rights: register them there with tcld or the UI)."""
-    from temporalio.api.enums.v1 import IndexedValueType
-    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 
-    kinds = {"keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD, "int": IndexedValueType.INDEXED_VALUE_TYPE_INT}
     try:
-        existing = await client.operator_service.list_search_attributes(
-            ListSearchAttributesRequest(namespace=client.namespace)
-        )
-        missing = {key.name: kinds["keyword" if key is PHASE else "int"]
-                   for key in ALL if key.name not in existing.custom_attributes}
+        missing = await _missing(client)
         if missing:
-            await client.operator_service.add_search_attributes(
-                AddSearchAttributesRequest(namespace=client.namespace, search_attributes=missing)
-            )
+            # The SDK's indexed value types carry the server's enum numbers.
+            await client.operator_service.add_search_attributes(AddSearchAttributesRequest(
+                namespace=client.namespace,
+                search_attributes={key.name: int(key.indexed_value_type) for key in missing},
+            ))
         return True
     except Exception as error:  # noqa: BLE001 - registration is a convenience, never fatal
         log.warning("could not register search attributes %s: %s", [k.name for k in ALL], error)
@@ -47,12 +52,7 @@ async def ensure_registered(client) -> bool:  # type: ignore[no-untyped-def]
 
 async def registered(client) -> bool:  # type: ignore[no-untyped-def]
     """Whether every attribute is registered, so a workflow may upsert them without failing its tasks."""
-    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-
     try:
-        existing = await client.operator_service.list_search_attributes(
-            ListSearchAttributesRequest(namespace=client.namespace)
-        )
-    except Exception:  # noqa: BLE001
+        return not await _missing(client)
+    except Exception:  # noqa: BLE001 - an unreachable operator service means "don't upsert"
         return False
-    return all(key.name in existing.custom_attributes for key in ALL)

@@ -31,7 +31,6 @@ import platform
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
 DEFAULT_JSON = BENCH_DIR / "checkpoint.json"
 BUCKET = "trainguard"
-PORT_SEARCH = range(31000, 40000, 50)
+PORT_SEARCH_START = 31000
 STEP_MATRIX = 1024
 """Side of the square matmul that stands in for a training step (about 25 ms on one core here)."""
 IDLE_STEPS = 8
@@ -278,30 +277,12 @@ def measure_stall(state: dict[str, Any], work: Path, repeats: int) -> StallSampl
 # ------------------------------------------------------------------------------------ part 2: transfer
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-def free_port_base() -> int:
-    """The first base from 31000 (steps of 50) whose every port is free and has no stale weed socket."""
-    from trainguard.devstack import Ports
-
-    for base in PORT_SEARCH:
-        ports = Ports.from_base(base)
-        every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
-        stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
-        if not stale and all(_port_free(port) for port in every):
-            return base
-    raise RuntimeError(f"no free port range in {PORT_SEARCH}")
-
-
 @contextmanager
 def private_store() -> Iterator[DevStack]:
     """A SeaweedFS of our own under .bench/, with the bucket made; stopped and removed on the way out."""
-    from trainguard.devstack import DevStack, Ports, StackConfig, _start_time
+    from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
 
-    base = free_port_base()
+    base = free_port_base(PORT_SEARCH_START, num_nodes=0)
     home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
     dev = DevStack(StackConfig(home=home, ports=Ports.from_base(base), nodes=(), code_dir=REPO))
     log.info("starting SeaweedFS in %s on port base %d", home, base)

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.report import pyplot
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
 SYSTEM_COLORS = {"trainguard": "#1f77b4", "torchrun": "#ff7f0e"}
 PART_COLORS = {"detection": "#fdae6b", "restart": "#fb6a4a", "redone": "#9e9ac8"}
 FAULT_TITLES = {"crash": "crash (SIGKILL of a rank)", "hang": "hang (SIGSTOP of a rank)"}
-MATPLOTLIB_HINT = "the plots need matplotlib: pip install matplotlib (or pip install 'trainguard[bench]')"
 
 
 # ------------------------------------------------------------------------------------ the data
@@ -124,17 +125,6 @@ def lost_parts(m: dict[str, Any], config: dict[str, Any]) -> dict[str, float]:
 # ----------------------------------------------------------------------------------- the charts
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise RuntimeError(MATPLOTLIB_HINT) from error
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _faults(data: dict[str, Any]) -> list[str]:
     configured = data.get("config", {}).get("faults", [])
     return list(dict.fromkeys([*configured, *(m["fault"] for m in data["results"])]))
@@ -142,7 +132,7 @@ def _faults(data: dict[str, Any]) -> list[str]:
 
 def plot_timeline(data: dict[str, Any], path: Path) -> list[str]:
     """One chart per fault: step against seconds since the job started, trainguard and torchrun."""
-    plt = _pyplot()
+    plt = pyplot()
     config = data.get("config", {})
     faults = _faults(data)
     fig, axes = plt.subplots(len(faults), 1, figsize=(11, 4.2 * len(faults)), squeeze=False)
@@ -222,7 +212,7 @@ def _draw_timeline(ax: Any, line: Timeline, label: str | None) -> None:
 
 def plot_lost(data: dict[str, Any], path: Path) -> None:
     """Per fault: seconds lost by each system, split into detection, restart and redone steps."""
-    plt = _pyplot()
+    plt = pyplot()
     config = data.get("config", {})
     faults = _faults(data)
     floor = (data.get("floor") or {}).get("cold_start_s")
@@ -265,7 +255,7 @@ def plot_lost(data: dict[str, Any], path: Path) -> None:
 
 def plot_checkpoint(data: dict[str, Any], path: Path) -> None:
     """Every checkpoint figure: trainguard, its baseline and its floor, seconds and MB/s apart."""
-    plt = _pyplot()
+    plt = pyplot()
     figures = [f for f in data.get("figures", []) if _num(f.get("trainguard")) is not None]
     units = list(dict.fromkeys(f["unit"] for f in figures))
     fig, axes = plt.subplots(1, max(1, len(units)), figsize=(6.5 * max(1, len(units)), 5), squeeze=False)
@@ -333,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=BENCH_DIR, help="where the PNGs go (default .bench)")
     opts = parser.parse_args(argv)
     try:
-        _pyplot()
+        pyplot()
     except RuntimeError as error:
         print(f"plots: {error}", file=sys.stderr)
         return 1

@@ -53,10 +53,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.procs import stat_fields
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
 DEFAULT_JSON = BENCH_DIR / "recovery.json"
-PORT_SEARCH = range(32000, 40000, 50)
+PORT_SEARCH_START = 32000
 NODES = ("node-0", "node-1")
 FAULT_NODE = "node-1"
 FAULT_RANK = 1
@@ -124,14 +126,6 @@ def _proc_environ(pid: int) -> dict[bytes, bytes]:
     return dict(item.split(b"=", 1) for item in data.split(b"\0") if b"=" in item)
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields after the command name of /proc/PID/stat (state first, then ppid), None once gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def marked_pids(mark: str) -> list[int]:
     """Every live process carrying our marker variable (torchrun and its workers)."""
     found = []
@@ -139,7 +133,7 @@ def marked_pids(mark: str) -> list[int]:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         if _proc_environ(int(entry)).get(MARK_VAR.encode()) == mark.encode():
-            stat = _proc_stat(int(entry))
+            stat = stat_fields(int(entry))
             if stat is not None and stat[0] != "Z":
                 found.append(int(entry))
     return found
@@ -149,7 +143,7 @@ def find_worker(mark: str, parent: int, rank: int) -> tuple[int, int] | None:
     """(pid, restart count) of the newest live worker of `rank` that torchrun `parent` started."""
     best: tuple[int, int] | None = None
     for pid in marked_pids(mark):
-        stat = _proc_stat(pid)
+        stat = stat_fields(pid)
         env = _proc_environ(pid)
         if stat is None or int(stat[1]) != parent or env.get(b"RANK") != str(rank).encode():
             continue
@@ -163,27 +157,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-def free_port_base() -> int:
-    """The first base from 32000 (steps of 50) whose every port is free and has no stale weed socket."""
-    from trainguard.devstack import Ports
-
-    for base in PORT_SEARCH:
-        ports = Ports.from_base(base)
-        every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
-        # Node agents serve their metrics on the ports after the controller's.
-        if isinstance(getattr(ports, "metrics", None), int):
-            every += [ports.metrics + 1 + index for index in range(len(NODES))]
-        stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
-        if not stale and all(_port_free(port) for port in every):
-            return base
-    raise RuntimeError(f"no free port range in {PORT_SEARCH}")
 
 
 class Torchrun:
@@ -527,10 +500,10 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
 
 def run_trainguard(opts: argparse.Namespace, faults: list[str],
                    work: Path) -> tuple[list[Measurement], dict[str, Any]]:
-    from trainguard.devstack import DevStack, Ports, StackConfig
+    from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
     home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
-    base = free_port_base()
+    base = free_port_base(PORT_SEARCH_START, num_nodes=len(NODES))
     config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO)
     dev = DevStack(config)
     saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")

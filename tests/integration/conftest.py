@@ -12,7 +12,6 @@ import os
 import signal
 import time
 import shutil
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 
 from trainguard.client import RunView, TrainguardClient
 from trainguard.models import RunResult
-from trainguard.devstack import DevStack, Ports, StackConfig, _start_time
+from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("node-0", "node-1", "node-2")
@@ -50,23 +49,10 @@ async def _record_histories(address: str) -> None:
     (HISTORIES / "node-pool.json").write_text(pool.to_json())
 
 
-def _free_port_base() -> int:
-    for base in range(27100, 40000, 50):
-        ports = [getattr(Ports.from_base(base), f) for f in Ports.__dataclass_fields__]
-        if all(_port_free(p) for p in ports):
-            return base
-    raise RuntimeError("no free port range for the test stack")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
 @pytest.fixture(scope="session")
 def stack() -> Iterator[DevStack]:
     home = REPO / ".pytest-stack" / uuid.uuid4().hex[:8]
-    base = _free_port_base()
+    base = free_port_base(27100, num_nodes=len(NODES))
     config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO)
     dev = DevStack(config)
     saved = {k: os.environ.get(k) for k in ("TRAINGUARD_TEMPORAL_ADDRESS",)}
