@@ -733,6 +733,10 @@ class TrainingRun:
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             paused = control.done()
 
+            # Several nodes may report at once (e.g. a controller was down meanwhile): the incident is the
+            # earliest one the agents saw, not the first node's, so a peer that failed in a collective
+            # because of it is never blamed for the fault itself.
+            seen: list[Incident] = []
             for node in nodes:  # a fixed order keeps the workflow deterministic
                 task = watches.get(node)
                 if task is None or not task.done():
@@ -741,7 +745,7 @@ class TrainingRun:
                 try:
                     event = task.result()
                 except ActivityError as error:
-                    incident = incident or self._node_lost(node, attempt, error)
+                    seen.append(self._node_lost(node, attempt, error))
                     continue
                 self._note_first_step(event)
                 self._status.step = max(self._status.step, event.step)
@@ -756,12 +760,14 @@ class TrainingRun:
                 elif event.kind is WatchEventKind.FINISHED:
                     finished[node] = event
                 elif event.kind is WatchEventKind.GPU_UNHEALTHY:
-                    incident = incident or Incident(
+                    seen.append(Incident(
                         kind=IncidentKind.GPU_UNHEALTHY, node=node, attempt=attempt, detail=event.detail,
                         detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
-                        detected_at=event.detected_at)
-                elif incident is None:
-                    incident = self._rank_incident(event, attempt)
+                        detected_at=event.detected_at))
+                else:
+                    seen.append(self._rank_incident(event, attempt))
+            if incident is None and seen:
+                incident = min(seen, key=lambda found: found.detected_at)  # min keeps the first of equals
 
             for key in sorted(k for k, t in uploads.items() if t.done()):
                 step, node = key
