@@ -281,10 +281,12 @@ class StoreActivities:
             if problem:
                 skipped.append(f"step {step}: {problem}")
                 continue
-            if manifest.world_size != request.world_size:
+            largest = max(request.world_size, request.max_world_size or 0)
+            if not request.world_size <= manifest.world_size <= largest:
                 skipped.append(f"step {step}: written by {manifest.world_size} ranks, run has {request.world_size}")
                 continue
-            problems = [p for s in manifest.shards if (p := check_shard_in_store(client, request.bucket, s))]
+            needed = [s for s in manifest.shards if s.rank < request.world_size]
+            problems = [p for s in needed if (p := check_shard_in_store(client, request.bucket, s))]
             if problems:
                 skipped.append(f"step {step}: {problems[0]}")
                 continue

@@ -81,7 +81,10 @@ class FindCheckpointInput(BaseModel):
     run_prefix: str
     """`<spec.checkpoint.prefix>/<workflow-id>`."""
     world_size: int
-    """Only checkpoints written by this many ranks can be restored into this run."""
+    """Only checkpoints written by this many ranks can be restored into this run..."""
+    max_world_size: int | None = None
+    """...or, for a run that shrank, by up to this many: rank r of the smaller world restores shard r, which is
+    exact for replicated state (data parallel: every rank holds the whole model and optimizer)."""
     exclude_steps: list[int] = Field(default_factory=list)
     """Steps already found corrupt at download: passed over."""
 

@@ -371,28 +371,37 @@ class DevStack:
     # ------------------------------------------------------------------------------------- down
     def down(self, echo: Any = print) -> None:
         """Stop everything `up` started, by PID: SIGTERM, then SIGKILL to the group after a grace."""
-        order = [*(f"agent-{n}" for n in self.config.nodes), "controller", "s3", "temporal"]
         # Agents stop their ranks on SIGTERM; stop them first and together.
-        for group in (order[:-3], ["controller"], ["s3"], ["temporal"]):
-            pids = {name: pid for name in group if (pid := self._alive(name))}
-            for pid in pids.values():
-                _signal_group(pid, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            while time.monotonic() < deadline and any(_start_time(p) for p in pids.values()):
-                time.sleep(0.1)
-            for name, pid in pids.items():
-                if _start_time(pid):
-                    _signal_group(pid, signal.SIGKILL)
-                    echo(f"{name}: killed (pid {pid}) after {STOP_GRACE_S:.0f}s")
-                else:
-                    echo(f"{name}: stopped (pid {pid})")
-                self._pidfile(name).unlink(missing_ok=True)
+        for group in ([f"agent-{n}" for n in self.config.nodes], ["controller"], ["s3"], ["temporal"]):
+            self._stop(group, echo)
         killed = self._kill_orphan_ranks()
         if killed:
             echo(f"killed {killed} orphaned rank processes")
         for port in self.config.ports.weed_grpc_ports():
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 sock.unlink(missing_ok=True)
+
+    def restart(self, name: str, echo: Any = print) -> None:
+        """Stop one component (e.g. `agent-node-1`, as an operator repairing the node would) and bring the
+        stack back up: a fresh process with the same settings."""
+        self._stop([name], echo)
+        self.up(echo)
+
+    def _stop(self, names: list[str], echo: Any) -> None:
+        """SIGTERM to each one's process group, SIGKILL after `STOP_GRACE_S`."""
+        pids = {name: pid for name in names if (pid := self._alive(name))}
+        for pid in pids.values():
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(_start_time(p) for p in pids.values()):
+            time.sleep(0.1)
+        for name, pid in pids.items():
+            if _start_time(pid):
+                _signal_group(pid, signal.SIGKILL)
+                echo(f"{name}: killed (pid {pid}) after {STOP_GRACE_S:.0f}s")
+            else:
+                echo(f"{name}: stopped (pid {pid})")
+            self._pidfile(name).unlink(missing_ok=True)
 
     def _kill_orphan_ranks(self) -> int:
         """Ranks of an agent that was killed without its SIGTERM cleanup: found from the agents' records."""

@@ -77,8 +77,9 @@ def decide(
     now: float,
     persisted: bool = False,
 ) -> Decision:
-    """The remediation ladder: restart in place; replace a bad node with a spare; otherwise pause for an
-    operator. Stop when the budget is spent or the script says a restart cannot help.
+    """The remediation ladder: restart in place; replace a bad node with a spare; shrink to the spec's
+    `min_nodes` when it allows; otherwise pause for an operator. Stop when the budget is spent or the script
+    says a restart cannot help.
 
     `persisted` is for stragglers: true once one has lasted `health.straggler_windows` intervals.
     """
@@ -108,6 +109,9 @@ def decide(
         if spares:
             return Decision(Action.REPLACE_NODE, f"{kind.value} on {node}: replaced by spare {spares[0]}",
                             replacement=spares[0])
+        if spec.min_nodes is not None and len(active_nodes) - 1 >= spec.min_nodes:
+            return Decision(Action.SHRINK, f"{kind.value} on {node} and no spare node left: continue on "
+                                           f"{len(active_nodes) - 1} nodes (min_nodes={spec.min_nodes})")
         return Decision(Action.PAUSE, f"{kind.value} on {node} and no spare node left: paused for an operator "
                                       f"(fix the node and `resume`, or `abort`)")
     return Decision(Action.RESTART, f"{kind.value}: relaunch every rank from the newest committed checkpoint")

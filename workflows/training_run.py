@@ -67,7 +67,10 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.progress import find_stragglers
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
-    from workflows.policy import Decision, RecoveryBudget, classify_exit, decide, next_phase
+    from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
+
+PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
+"""Histories before this patch relaunched onto a node that had not answered the stop of its ranks."""
 
 # ------------------------------------------------------------------------------ timeouts and retries
 
@@ -197,6 +200,7 @@ class TrainingRun:
         self._straggler_streak: dict[int, int] = {}
         self._compute_by_step: dict[int, dict[int, float]] = {}
         self._publish_search_attributes = False
+        self._node_down_at: dict[str, float] = {}
         self._continued = 0
 
     # ------------------------------------------------------------------------------ queries/updates
@@ -207,7 +211,7 @@ class TrainingRun:
     @workflow.update
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
         """Chaos: have a node agent crash or hang one rank of the current attempt."""
-        return await workflow.execute_activity(
+        result: InjectFaultResult = await workflow.execute_activity(
             "inject_fault",
             InjectFaultInput(workflow_id=workflow.info().workflow_id, node=request.node, rank=request.rank,
                              fault=request.fault),
@@ -218,6 +222,9 @@ class TrainingRun:
             result_type=InjectFaultResult,
             summary=f"chaos {request.fault} on {request.node}",
         )
+        if request.fault == "node-down":
+            self._node_down_at[request.node] = result.injected_at  # the loss is timed from here when noticed
+        return result
 
     @workflow.update
     async def pause(self, request: OperatorRequest) -> OperatorResult:
@@ -399,6 +406,7 @@ class TrainingRun:
     def _adopt(self, carried: CarriedState) -> None:
         self._status.attempt = carried.attempt
         self._status.nodes = carried.nodes
+        self._status.world_size = len(carried.nodes) * (self._spec.ranks_per_node if self._spec else 1)
         self._status.cordoned = carried.cordoned
         self._status.incidents = carried.incidents
         self._status.latest_checkpoint = carried.latest_checkpoint
@@ -554,8 +562,7 @@ class TrainingRun:
         try:
             manifest, restore_dirs = await self._restore(spec, attempt)
         except _NodeFailed as failed:
-            return _Outcome(False, Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=failed.node, attempt=attempt,
-                                            detail=str(failed), detected_at=workflow.now().timestamp()))
+            return _Outcome(False, self._node_lost(failed.node, attempt, str(failed)))
         restore_step = manifest.step if manifest else 0
         self._status.resumed_step = restore_step
         self._status.step = max(self._status.step, restore_step)
@@ -583,9 +590,7 @@ class TrainingRun:
             if _error_type(outcome) in ("BadSpec", "StaleAttempt", "EntrypointNotAllowed"):
                 self._status.reason = _cause_text(outcome)
                 raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True) from None
-            return _Outcome(False, Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt,
-                                            detail=f"launch failed: {_cause_text(outcome)}",
-                                            detected_at=workflow.now().timestamp()))
+            return _Outcome(False, self._node_lost(node, attempt, f"launch failed: {_cause_text(outcome)}"))
         self._set_phase(Phase.RUNNING)
         return await self._supervise(spec, attempt)
 
@@ -596,7 +601,9 @@ class TrainingRun:
             found = await workflow.execute_activity(
                 "find_checkpoint",
                 FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
-                                    world_size=spec.world_size, exclude_steps=excluded),
+                                    world_size=self._status.world_size, exclude_steps=excluded,
+                                    max_world_size=spec.world_size if self._status.world_size < spec.world_size
+                                    else None),
                 start_to_close_timeout=STORE_TIMEOUT,
                 retry_policy=STORE_RETRY,
                 result_type=FindCheckpointResult,
@@ -706,7 +713,7 @@ class TrainingRun:
             "commit_checkpoint",
             CommitCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
                                   workflow_id=workflow.info().workflow_id, attempt=attempt, step=step,
-                                  world_size=spec.world_size, shards=shards),
+                                  world_size=self._status.world_size, shards=shards),
             start_to_close_timeout=STORE_TIMEOUT,
             retry_policy=STORE_RETRY,
             result_type=CheckpointRef,
@@ -745,7 +752,8 @@ class TrainingRun:
                 try:
                     event = task.result()
                 except ActivityError as error:
-                    seen.append(self._node_lost(node, attempt, error))
+                    how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
+                    seen.append(self._node_lost(node, attempt, f"node agent {how}: {_cause_text(error)}"))
                     continue
                 self._note_first_step(event)
                 self._status.step = max(self._status.step, event.step)
@@ -777,7 +785,7 @@ class TrainingRun:
                     workflow.logger.warning("upload of step %d from %s failed: %s", step, node, _cause_text(error))
                     continue
                 shards.setdefault(step, []).extend(result.shards)
-                if len(shards[step]) == spec.world_size:
+                if len(shards[step]) == self._status.world_size:
                     commits[step] = self._commit(spec, attempt, step, shards.pop(step))
 
             for step in sorted(s for s, t in commits.items() if t.done()):
@@ -820,7 +828,7 @@ class TrainingRun:
             except ActivityError:
                 continue
         for step in sorted(shards):
-            if len(shards[step]) == spec.world_size and step not in commits:
+            if len(shards[step]) == self._status.world_size and step not in commits:
                 commits[step] = self._commit(spec, attempt, step, shards[step])
         for step in sorted(commits):
             try:
@@ -884,10 +892,14 @@ class TrainingRun:
         return Incident(kind=kind, node=event.node, rank=event.rank, attempt=attempt, detail=event.detail,
                         detection_s=detection, detected_at=event.detected_at)
 
-    def _node_lost(self, node: str, attempt: int, error: ActivityError) -> Incident:
-        how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
-        return Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt,
-                        detail=f"node agent {how}: {_cause_text(error)}", detected_at=workflow.now().timestamp())
+    def _node_lost(self, node: str, attempt: int, detail: str) -> Incident:
+        """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
+        (`node-down`); otherwise the time of the agent's last heartbeat is not known here, and it is left out."""
+        now = workflow.now().timestamp()
+        down_at = self._node_down_at.get(node)
+        return Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt, detail=detail,
+                        detection_s=None if down_at is None else round(max(0.0, now - down_at), 3),
+                        detected_at=now)
 
     # ------------------------------------------------------------------------------------- recover
     async def _recover(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
@@ -905,7 +917,8 @@ class TrainingRun:
                              decision.reason)
         reachable = [n for n in self._status.nodes if
                      not (incident.kind is IncidentKind.NODE_UNRESPONSIVE and n == incident.node)]
-        await self._stop_everywhere(reachable, attempt, f"{incident.kind.value}: {decision.action.value}")
+        unreachable = await self._stop_everywhere(reachable, attempt,
+                                                  f"{incident.kind.value}: {decision.action.value}")
         if decision.action is Action.STOP:
             self._status.reason = decision.reason
             raise ApplicationError(decision.reason, type="RunStopped", non_retryable=True)
@@ -913,10 +926,24 @@ class TrainingRun:
             self._status.reason = decision.reason
             await self._wait_for_operator()
             return
+        if (unreachable and decision.action is Action.RESTART and incident.kind in RANK_FAULTS
+                and workflow.patched(PATCH_NODE_LOST_AT_STOP)):
+            # The rank fault was a symptom: a node stopped answering and its peers failed in the collective.
+            # Deal with the node now rather than after a relaunch that cannot reach it.
+            self._restart_times.append(now)
+            self._restarts_without_checkpoint += 1
+            await self._recover(spec, attempt, self._node_lost(
+                unreachable[0], attempt, f"node agent did not answer the stop after {incident.kind.value}"))
+            return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
             await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
             self._spares.remove(decision.replacement)
             self._replace(incident.node, decision.replacement)
+        if decision.action is Action.SHRINK and incident.node:
+            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
+            self._status.nodes = [n for n in self._status.nodes if n != incident.node]
+            self._status.cordoned = [*self._status.cordoned, incident.node]
+            self._status.world_size = len(self._status.nodes) * spec.ranks_per_node
         self._restart_times.append(now)
         self._restarts_without_checkpoint += 1
         self._set_phase(Phase.RESTORING)
@@ -931,8 +958,9 @@ class TrainingRun:
                 meter.create_histogram_float("trainguard_detection_seconds", "Fault to detection", "s").record(
                     incident.detection_s, {"kind": incident.kind.value})
 
-    async def _stop_everywhere(self, nodes: list[str], attempt: int | None, why: str) -> None:
-        async def stop(node: str) -> None:
+    async def _stop_everywhere(self, nodes: list[str], attempt: int | None, why: str) -> list[str]:
+        """Stop the ranks on these nodes; returns the nodes whose agent could not be reached."""
+        async def stop(node: str) -> str | None:
             try:
                 await workflow.execute_activity(
                     "stop_ranks",
@@ -947,8 +975,10 @@ class TrainingRun:
             except ActivityError as error:
                 # An unreachable node is fenced instead: its agent kills older attempts before any launch.
                 workflow.logger.warning("could not stop ranks on %s: %s", node, _cause_text(error))
+                return node
+            return None
 
-        await asyncio.gather(*(stop(n) for n in nodes))
+        return [n for n in await asyncio.gather(*(stop(n) for n in nodes)) if n is not None]
 
     # -------------------------------------------------------------------------------------- result
     def _result(self, spec: RunSpec, attempts: int, started: float, events: list[WatchEvent]) -> RunResult:

@@ -71,6 +71,20 @@ TORCHRUN_EVENTS = re.compile(r"Worker group (FAILED|UNHEALTHY)|Stopping worker g
                              r"Rendezvous'ing worker group|Starting worker group|ChildFailedError|"
                              r"Unable to shutdown process|timed out|Connection reset|Timed out")
 SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
+FAULTS = ("crash", "hang", "slow", "gpu", "node-down")
+INCIDENT_KINDS = {"crash": "crash", "hang": "hang", "slow": "straggler", "gpu": "gpu_unhealthy",
+                  "node-down": "node_unresponsive"}
+"""The incident each fault should produce."""
+NODE_FAULTS = frozenset({"slow", "gpu", "node-down"})
+"""Faults trainguard answers by replacing the node: its runs get a spare (`node-2`)."""
+SPARE = "node-2"
+SLOW_DUTY = 0.8
+"""`slow`: rank 1 is stopped 80% of every 0.1 s (a GPU running at a fifth of its speed)."""
+TORCHRUN_UNMEASURED = {
+    "gpu": "not measured: torchrun has no GPU health check; the job runs on until the GPU fails outright",
+    "node-down": "not measured: a node-down takes torchrun's own agent with it; in a multi-node job the "
+                 "survivors wait for the lost node at rendezvous (no spare is taken)",
+}
 
 
 def say(line: str) -> None:
@@ -276,8 +290,27 @@ def train_args(opts: argparse.Namespace, steps: int | None = None,
             "--hidden", str(opts.hidden), "--local-checkpoint-every", str(opts.every)]
 
 
+def duty_cycle(pid: int, duty: float, stop: threading.Event, period_s: float = 0.1) -> None:
+    """Stop and continue a process so it runs (1 - duty) of the time, as trainguard's `slow` chaos does."""
+    try:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(period_s * duty)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(period_s * (1 - duty))
+    except ProcessLookupError:
+        pass
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) -> Measurement:
     result = Measurement(fault=fault, system="torchrun")
+    if fault in TORCHRUN_UNMEASURED:
+        result.note = TORCHRUN_UNMEASURED[fault]
+        return result
+    slowing = threading.Event()
     job = Torchrun(work / f"torchrun-{fault}", f"torchrun-{fault}", train_args(opts), TORCHRUN_MAX_RESTARTS,
                    log)
     timeout_s = 120 + 3 * opts.steps * opts.step_time + (3 * TORCHRUN_PG_TIMEOUT_S if fault == "hang" else 0)
@@ -296,10 +329,14 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
                 pid, fault_restart = found
                 result.fault_step = rows[-1][0]
                 fault_at = time.time()
-                os.kill(pid, SIGNALS[fault])
-                say(f"  torchrun {fault}: sent {SIGNALS[fault].name} to rank {FAULT_RANK} (pid {pid}) "
-                    f"at step "
-                    f"{result.fault_step}")
+                if fault == "slow":
+                    threading.Thread(target=duty_cycle, args=(pid, SLOW_DUTY, slowing), daemon=True).start()
+                    say(f"  torchrun slow: rank {FAULT_RANK} (pid {pid}) stopped {SLOW_DUTY:.0%} of the time "
+                        f"from step {result.fault_step}")
+                else:
+                    os.kill(pid, SIGNALS[fault])
+                    say(f"  torchrun {fault}: sent {SIGNALS[fault].name} to rank {FAULT_RANK} (pid {pid}) "
+                        f"at step {result.fault_step}")
                 break
             if job.proc is not None and job.proc.poll() is not None:
                 break
@@ -324,6 +361,8 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
             result.detection_s = round(detection - fault_at, 3)
         else:
             result.note = (result.note + "; " if result.note else "") + "torchrun logged no failure"
+            if fault == "slow":
+                result.note += ": the job ran at the slow rank's pace to the end"
         if first_new is not None:
             result.time_to_recover_s = round(first_new[1] - fault_at, 3)
             result.resumed_step = first_new[0] - 1
@@ -342,6 +381,7 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
                 result.goodput = round(min(1.0, useful / result.wall_s), 4)
         return result
     finally:
+        slowing.set()
         job.kill()
 
 
@@ -379,29 +419,38 @@ def torchrun_floor(opts: argparse.Namespace, work: Path, log: Path) -> Floor:
 # ------------------------------------------------------------------------------------- trainguard
 
 
-def trainguard_spec(opts: argparse.Namespace, prefix: str) -> dict[str, Any]:
+def trainguard_spec(opts: argparse.Namespace, prefix: str, fault: str) -> dict[str, Any]:
     return {
         "entrypoint": ["python", "examples/train.py", "--steps", str(opts.steps), "--step-time",
                        f"{opts.step_time:g}", "--hidden", str(opts.hidden)],
         "nodes": list(NODES),
+        "spare_nodes": [SPARE] if fault in NODE_FAULTS else [],
         "ranks_per_node": 1,
         "checkpoint": {"prefix": prefix, "every_steps": opts.every},
     }
 
 
-async def trainguard_faults(opts: argparse.Namespace, faults: list[str], home: Path) -> list[Measurement]:
+async def trainguard_faults(opts: argparse.Namespace, faults: list[str], dev: Any) -> list[Measurement]:
     from trainguard.client import TrainguardClient
 
     client = await TrainguardClient.connect()
     results = []
     for fault in faults:
         try:
-            measured = await trainguard_fault(client, opts, fault, home)
+            measured = await trainguard_fault(client, opts, fault, dev.config.home)
         except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
             measured = Measurement(fault=fault, system="trainguard", note=f"error: {error!r}"[:300])
+        if fault in NODE_FAULTS:
+            await repair(client, dev, FAULT_NODE)
         say(f"  -> {summary(measured)}")
         results.append(measured)
     return results
+
+
+async def repair(client: Any, dev: Any, node: str) -> None:
+    """What an operator does after a node fault: a fresh agent (the injected XID is gone), then uncordon."""
+    await asyncio.to_thread(dev.restart, f"agent-{node}", lambda _line: None)
+    await client.uncordon(node)
 
 
 def rank_step(home: Path, node: str, run_id: str, attempt: int, rank: int) -> int | None:
@@ -424,7 +473,7 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
 
     result = Measurement(fault=fault, system="trainguard")
     tag = secrets.token_hex(4)
-    run_id = await client.start_run(trainguard_spec(opts, f"bench-recovery-{fault}-{tag}"),
+    run_id = await client.start_run(trainguard_spec(opts, f"bench-recovery-{fault}-{tag}", fault),
                                     workflow_id=f"bench-recovery-{fault}-{tag}")
     timeout_s = 180 + 3 * opts.steps * opts.step_time
     deadline = time.monotonic() + timeout_s
@@ -450,7 +499,7 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                     attempt = view.status.attempt
             step = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
             if step is not None and step >= opts.fault_step:
-                injected = await client.inject_fault(run_id, fault, FAULT_NODE)
+                injected = await client.inject_fault(run_id, fault, FAULT_NODE, slow_duty=SLOW_DUTY)
                 landed = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
                 result.fault_step = landed if landed is not None else step
                 say(f"  trainguard {fault}: {fault} of rank {injected.rank} (pid {injected.pid}) "
@@ -466,12 +515,15 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
         outcome = await asyncio.wait_for(client.result(run_id), max(1.0, deadline - time.monotonic()))
         finished = True
         incidents = list(outcome.incidents)
-        incident = next((i for i in incidents if i.kind.value == fault), incidents[0] if incidents else None)
+        wanted = INCIDENT_KINDS[fault]
+        # A straggler is reported first, then replaced when it persists: the figure is the replacement's.
+        incident = next((i for i in reversed(incidents) if i.kind.value == wanted),
+                        incidents[0] if incidents else None)
         others = [i.kind.value for i in incidents if i is not incident]
         if incident is None:
             result.note = "no incident recorded"
         else:
-            if incident.kind.value != fault:
+            if incident.kind.value != wanted:
                 kind = f"incident kind {incident.kind.value}"
                 result.note = f"{result.note}; {kind}" if result.note else kind
             result.detection_s = incident.detection_s
@@ -503,8 +555,9 @@ def run_trainguard(opts: argparse.Namespace, faults: list[str],
     from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
     home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
-    base = free_port_base(PORT_SEARCH_START, num_nodes=len(NODES))
-    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO)
+    base = free_port_base(PORT_SEARCH_START, num_nodes=len(NODES) + 1)
+    nodes = (*NODES, SPARE) if NODE_FAULTS & set(faults) else NODES
+    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=nodes, code_dir=REPO)
     dev = DevStack(config)
     saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
     info: dict[str, Any] = {"home": str(home), "port_base": base,
@@ -515,7 +568,7 @@ def run_trainguard(opts: argparse.Namespace, faults: list[str],
         dev.up(echo=lambda line: say(f"  stack: {line}"))
         info["stack_up_s"] = round(time.monotonic() - began, 3)
         say(f"  stack up in {info['stack_up_s']:.1f}s on port base {base}")
-        return asyncio.run(trainguard_faults(opts, faults, home)), info
+        return asyncio.run(trainguard_faults(opts, faults, dev)), info
     finally:
         began = time.monotonic()
         try:
@@ -612,7 +665,8 @@ def _tmp_entries() -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--faults", default="crash,hang", help="comma-separated: crash, hang (default both)")
+    parser.add_argument("--faults", default="crash,hang",
+                        help=f"comma-separated, of {', '.join(FAULTS)} (default crash,hang)")
     parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
     parser.add_argument("--step-time", type=float, default=0.1, help="trainer --step-time (default 0.1)")
     parser.add_argument("--hidden", type=int, default=64, help="trainer --hidden (default 64)")
@@ -627,9 +681,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep torchrun output and the stack's logs under .bench/recovery-logs")
     opts = parser.parse_args(argv)
     faults = [f.strip() for f in opts.faults.split(",") if f.strip()]
-    unknown = [f for f in faults if f not in SIGNALS]
+    unknown = [f for f in faults if f not in FAULTS]
     if unknown:
-        parser.error(f"unknown fault(s): {', '.join(unknown)} (known: {', '.join(SIGNALS)})")
+        parser.error(f"unknown fault(s): {', '.join(unknown)} (known: {', '.join(FAULTS)})")
     if not 0 < opts.fault_step < opts.steps:
         parser.error("--fault-step must be between 0 and --steps")
 

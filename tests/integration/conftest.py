@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import time
 import shutil
 import uuid
@@ -139,14 +138,7 @@ def checkpointed(view: RunView, min_step: int = 25) -> bool:
 
 async def restart_agent(stack: DevStack, node: str) -> None:
     """Stop a node's agent (if it still runs) and start a fresh one, as an operator would."""
-    pidfile = stack.run_dir / f"agent-{node}.json"
-    if pidfile.exists():
-        record = json.loads(pidfile.read_text())
-        if _start_time(record["pid"]) == record["start_time"]:
-            os.kill(record["pid"], signal.SIGTERM)
-            while _start_time(record["pid"]) == record["start_time"]:
-                await asyncio.sleep(0.1)
-    await asyncio.to_thread(stack.up, lambda _line: None)
+    await asyncio.to_thread(stack.restart, f"agent-{node}", lambda _line: None)
 
 
 @pytest.fixture(scope="session")

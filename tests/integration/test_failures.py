@@ -15,7 +15,7 @@ from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import Action, IncidentKind, Phase, RunResult
 
-from .conftest import RUN_TIMEOUT_S, checkpointed, make_spec, restart_agent, wait_until
+from .conftest import RUN_TIMEOUT_S, checkpointed, live_rank_pids, make_spec, restart_agent, wait_until
 
 
 def run_id(kind: str) -> str:
@@ -77,6 +77,30 @@ async def test_lost_node_without_spare_pauses_for_an_operator_then_resumes(
     lost = [i for i in result.incidents if i.kind is IncidentKind.NODE_UNRESPONSIVE]
     assert lost and lost[0].node == "node-1" and lost[0].action is Action.PAUSE
     assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_lost_node_without_spare_shrinks_to_min_nodes(
+    client: TrainguardClient, prefix: str, stack: DevStack
+) -> None:
+    rid = await client.start_run(make_spec(prefix, min_nodes=1), workflow_id=run_id("shrink"))
+    await wait_until(client, rid, checkpointed)
+    await client.inject_fault(rid, "node-down", "node-1")
+    try:
+        result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    finally:
+        await restart_agent(stack, "node-1")  # the repaired node comes back; the operator lets it in again
+        await client.uncordon("node-1")
+    lost = [i for i in result.incidents if i.kind is IncidentKind.NODE_UNRESPONSIVE]
+    assert [(i.node, i.action) for i in lost] == [("node-1", Action.SHRINK)], result.incidents
+    assert lost[0].detection_s is not None and lost[0].resumed_step == 20
+    status = (await client.status(rid)).status
+    assert (status.nodes, status.world_size, status.cordoned) == (["node-0"], 1, ["node-1"])
+    # One rank restored shard 0 of the two-rank checkpoint and finished the job alone; its own
+    # checkpoints are written by a world of one.
+    assert result.steps_completed == 60
+    assert result.final_checkpoint is not None
+    assert (result.final_checkpoint.step, result.final_checkpoint.world_size) == (60, 1)
+    assert live_rank_pids(stack) == []
 
 
 async def test_second_crash_while_recovering_from_the_first(

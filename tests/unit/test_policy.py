@@ -97,6 +97,33 @@ def test_persisting_straggler(node: str, spares: list[str], action: Action, repl
     assert decision.replacement == replacement
 
 
+@pytest.mark.parametrize(
+    ("kind", "nodes", "min_nodes", "spares", "action"),
+    [
+        pytest.param(IncidentKind.NODE_UNRESPONSIVE, ["node-0", "node-1", "node-2"], 2, [], Action.SHRINK,
+                     id="lost-node-shrinks-to-min"),
+        pytest.param(IncidentKind.GPU_UNHEALTHY, ["node-0", "node-1"], 1, [], Action.SHRINK,
+                     id="bad-gpu-shrinks-to-one-node"),
+        pytest.param(IncidentKind.NODE_UNRESPONSIVE, ["node-0", "node-1"], 2, [], Action.PAUSE,
+                     id="already-at-min-pauses"),
+        pytest.param(IncidentKind.NODE_UNRESPONSIVE, ["node-0", "node-1"], 1, ["spare-0"], Action.REPLACE_NODE,
+                     id="a-spare-comes-before-shrinking"),
+        pytest.param(IncidentKind.CRASH, ["node-0", "node-1"], 1, [], Action.RESTART,
+                     id="a-crash-never-shrinks"),
+    ],
+)
+def test_shrink_to_min_nodes(kind: IncidentKind, nodes: list[str], min_nodes: int, spares: list[str],
+                             action: Action) -> None:
+    spec = parse_spec({"entrypoint": ["python", "train.py"], "nodes": ["node-0", "node-1", "node-2"],
+                       "min_nodes": min_nodes})
+
+    decision = decide(kind, "node-1", spec, nodes, spares, RecoveryBudget(), NOW)
+
+    assert decision.action is action, decision.reason
+    if action is Action.SHRINK:
+        assert f"continue on {len(nodes) - 1} nodes" in decision.reason
+
+
 def test_zero_restart_budget_stops_on_the_first_crash() -> None:
     decision = decide(IncidentKind.CRASH, "node-0", _spec(max_restarts=0), NODES, [], RecoveryBudget(), NOW)
 

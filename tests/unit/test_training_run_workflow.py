@@ -138,6 +138,8 @@ class Cluster:
     """Nodes `find_node_agents` reports without an agent."""
     unhealthy: dict[str, str] = field(default_factory=dict)
     """Node -> GPU problem `check_node` reports."""
+    unreachable: set[str] = field(default_factory=set)
+    """Nodes whose agent never answers `stop_ranks` (as a dead agent never starts it)."""
     ranks_per_node: int = 1
     manifests: list[Manifest] = field(default_factory=list)
     calls: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
@@ -159,8 +161,9 @@ class Cluster:
         @activity.defn(name="find_checkpoint")
         async def find_checkpoint(request: FindCheckpointInput) -> FindCheckpointResult:
             self.calls["find_checkpoint"].append(request)
+            largest = max(request.world_size, request.max_world_size or 0)
             usable = [m for m in self.manifests
-                      if m.step not in request.exclude_steps and m.world_size == request.world_size]
+                      if m.step not in request.exclude_steps and request.world_size <= m.world_size <= largest]
             if not usable:
                 return FindCheckpointResult()
             newest = max(usable, key=lambda m: m.step)
@@ -275,6 +278,8 @@ class Cluster:
         @activity.defn(name="stop_ranks")
         async def stop_ranks(request: StopRanksInput) -> StopRanksResult:
             self.calls["stop_ranks"].append(request)
+            if request.node in self.unreachable:
+                raise ApplicationError(f"no agent on {request.node}", type="Unreachable", non_retryable=True)
             return StopRanksResult(stopped=self.ranks_per_node)
 
         return [check_node, download_shards, launch_ranks, watch_ranks, upload_shards, inject_fault,
@@ -595,6 +600,63 @@ async def test_lost_node_without_a_spare_pauses_until_an_operator_resumes(env: W
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [r.node for r in relaunches] == nodes
     assert run.status.reason is None
+
+
+async def test_lost_node_without_a_spare_shrinks_to_min_nodes(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(3)
+    cluster = Cluster(nodes=nodes)
+    committed = Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), committed, ApplicationError("agent lost its ranks", type="AgentLost")],
+        (1, nodes[2]): [_ready(10), BLOCK],
+        (2, nodes[0]): [_ready(20), _finished(20)],
+        (2, nodes[2]): [_ready(20), _finished(20)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, min_nodes=2))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    [incident] = result.incidents
+    assert (incident.kind, incident.node, incident.action) == (IncidentKind.NODE_UNRESPONSIVE, nodes[1],
+                                                              Action.SHRINK)
+    assert "continue on 2 nodes (min_nodes=2)" in incident.detail
+    assert [c.node for c in cluster.inputs("cordon_node")] == [nodes[1]]
+    # The smaller world restores the three-rank checkpoint: each node takes the shards of its new ranks.
+    find = cluster.inputs("find_checkpoint")[1]
+    assert (find.world_size, find.max_world_size) == (2, 3)
+    downloads = sorted(_by_attempt(cluster.inputs("download_shards"), 2), key=lambda d: d.node)
+    assert [(d.node, [s.rank for s in d.shards]) for d in downloads] == [(nodes[0], [0]), (nodes[2], [1])]
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [(r.node, r.node_rank, r.num_nodes, r.restore_step) for r in relaunches] == [
+        (nodes[0], 0, 2, 10), (nodes[2], 1, 2, 10)]
+    # Its own checkpoints are written by the world of two.
+    assert [c.world_size for c in cluster.inputs("commit_checkpoint")] == [3, 2]
+    assert (run.status.nodes, run.status.world_size, run.status.cordoned) == ([nodes[0], nodes[2]], 2, [nodes[1]])
+
+
+async def test_a_crash_whose_node_then_does_not_answer_replaces_that_node(env: WorkflowEnvironment) -> None:
+    """A node that died takes its ranks with it; its peers fail in the collective and are seen first. The
+    node's silence at the stop makes it the incident: no relaunch onto a node that cannot answer."""
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, unreachable={nodes[1]}, watch_script={
+        (1, nodes[0]): [_exited(1)],
+        (1, nodes[1]): [BLOCK],
+    })
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.node, i.action) for i in result.incidents] == [
+        (IncidentKind.CRASH, nodes[0], Action.RESTART),
+        (IncidentKind.NODE_UNRESPONSIVE, nodes[1], Action.REPLACE_NODE),
+    ]
+    assert "did not answer the stop after crash" in result.incidents[1].detail
+    assert result.attempts == 2
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [r.node for r in relaunches] == [nodes[0], spares[0]]
 
 
 async def test_paused_run_aborted_by_an_operator_fails_with_the_reason(env: WorkflowEnvironment) -> None:
