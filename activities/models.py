@@ -233,6 +233,9 @@ class WatchEvent(BaseModel):
     """Unix time the agent saw the event."""
     fault_at: float | None = None
     """Unix time of the fault: injected by chaos when known, else the rank's last progress."""
+    occurred_at: float | None = None
+    """Unix time the failure itself happened, when the node knows it: an injected fault, or the rank's exit.
+    Of several failures reported together, the earliest is the cause (its peers failed in a collective)."""
     checkpoint_steps: list[int] = Field(default_factory=list)
     """Complete local checkpoints (every local rank saved) not yet reported, oldest first."""
     first_step_at: float | None = None

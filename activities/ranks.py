@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,9 @@ class RankProcess:
     popen: subprocess.Popen[bytes] | None = None
     exit_code: int | None = None
     exited: bool = False
+    exited_at: float | None = None
+    """Unix time of the exit: stamped by `stamp_exit` as it happens for our own children, else when first
+    seen. Across nodes, it tells which rank failed first, the one the others failed because of."""
 
     def poll(self) -> bool:
         """True once the process has exited (its code in `exit_code` when it was our child)."""
@@ -77,10 +81,20 @@ class RankProcess:
             if code is None:
                 return False
             self.exit_code, self.exited = code, True
-            return True
-        if start_time(self.pid) != self.start_time:
+        elif start_time(self.pid) != self.start_time:
             self.exited = True
+        if self.exited and self.exited_at is None:
+            self.exited_at = time.time()
         return self.exited
+
+    def stamp_exit(self) -> None:
+        """Block (in a thread of its own) until this child exits, without reaping it, and note the time."""
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass  # already reaped by `poll`, which stamped it
+        if self.exited_at is None:
+            self.exited_at = time.time()
 
 
 @dataclass
@@ -330,6 +344,7 @@ class RankActivities:
             finally:
                 log_file.close()
             record.ranks[rank] = RankProcess(rank, popen.pid, start_time(popen.pid), popen)
+            threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
             self._save_record(record)
         log.info(
             "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d)",
@@ -515,7 +530,8 @@ class RankActivities:
                     report = reports[rank]
                     fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
                     return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=proc.exit_code,
-                                 detail=f"rank {rank} {describe_exit(proc.exit_code)}", fault_at=fault_at)
+                                 detail=f"rank {rank} {describe_exit(proc.exit_code)}", fault_at=fault_at,
+                                 occurred_at=record.faults.get(rank) or proc.exited_at)
 
             if all(record.ranks[r].poll() for r in local_ranks):
                 first = min(local_ranks)
@@ -537,6 +553,7 @@ class RankActivities:
                     states[rank], "alive")
                 fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
                 return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at,
+                             occurred_at=record.faults.get(rank),
                              detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
                                     f"{report.step if report else 'none'}; process {state})")
 

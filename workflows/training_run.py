@@ -741,9 +741,9 @@ class TrainingRun:
             paused = control.done()
 
             # Several nodes may report at once (e.g. a controller was down meanwhile): the incident is the
-            # earliest one the agents saw, not the first node's, so a peer that failed in a collective
-            # because of it is never blamed for the fault itself.
-            seen: list[Incident] = []
+            # earliest failure (by when it happened where the node knows, else when it was seen), not the
+            # first node's, so a peer that failed in a collective because of it is never blamed for it.
+            seen: list[tuple[float, Incident]] = []
             for node in nodes:  # a fixed order keeps the workflow deterministic
                 task = watches.get(node)
                 if task is None or not task.done():
@@ -753,7 +753,8 @@ class TrainingRun:
                     event = task.result()
                 except ActivityError as error:
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
-                    seen.append(self._node_lost(node, attempt, f"node agent {how}: {_cause_text(error)}"))
+                    lost = self._node_lost(node, attempt, f"node agent {how}: {_cause_text(error)}")
+                    seen.append((lost.detected_at, lost))
                     continue
                 self._note_first_step(event)
                 self._status.step = max(self._status.step, event.step)
@@ -768,14 +769,14 @@ class TrainingRun:
                 elif event.kind is WatchEventKind.FINISHED:
                     finished[node] = event
                 elif event.kind is WatchEventKind.GPU_UNHEALTHY:
-                    seen.append(Incident(
+                    seen.append((event.detected_at, Incident(
                         kind=IncidentKind.GPU_UNHEALTHY, node=node, attempt=attempt, detail=event.detail,
                         detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
-                        detected_at=event.detected_at))
+                        detected_at=event.detected_at)))
                 else:
-                    seen.append(self._rank_incident(event, attempt))
+                    seen.append((event.occurred_at or event.detected_at, self._rank_incident(event, attempt)))
             if incident is None and seen:
-                incident = min(seen, key=lambda found: found.detected_at)  # min keeps the first of equals
+                incident = min(seen, key=lambda found: found[0])[1]  # min keeps the first of equals
 
             for key in sorted(k for k, t in uploads.items() if t.done()):
                 step, node = key
