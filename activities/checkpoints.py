@@ -22,8 +22,9 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
 from temporalio import activity
@@ -249,13 +250,29 @@ def stored_intact(client: Any, bucket: str, shard: ShardInfo, etag: str) -> bool
             and str(head.get("ETag", "")).strip('"') == etag)
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+STORE_HEARTBEAT_EVERY_S = 2.0
+"""Find, commit and prune heartbeat this often while their store calls run (the workflow's timeout: 15 s)."""
+
+
+async def _heartbeating(fn: Callable[[T], R], request: T) -> R:
+    """Run blocking store work in a thread, heartbeating meanwhile: the controller dying mid-call is noticed
+    within the heartbeat timeout, and the call is retried on another controller."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, request))
+    while not work.done():
+        activity.heartbeat()
+        await asyncio.wait({work}, timeout=STORE_HEARTBEAT_EVERY_S)
+    return work.result()
+
+
 class StoreActivities:
     """Controller-side activities: find, commit and prune checkpoints in the store."""
 
     @activity.defn(name="find_checkpoint")
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
         """The newest committed checkpoint whose shards all exist with their recorded sizes and checksums."""
-        return await asyncio.to_thread(self._find, request)
+        return await _heartbeating(self._find, request)
 
     def _find(self, request: FindCheckpointInput) -> FindCheckpointResult:
         client = s3_client()
@@ -296,7 +313,7 @@ class StoreActivities:
     @activity.defn(name="commit_checkpoint")
     async def commit_checkpoint(self, request: CommitCheckpointInput) -> CheckpointRef:
         """Write the manifest, last, once every shard is verified in the store. Idempotent."""
-        return await asyncio.to_thread(self._commit, request)
+        return await _heartbeating(self._commit, request)
 
     def _commit(self, request: CommitCheckpointInput) -> CheckpointRef:
         client = s3_client()
@@ -310,6 +327,12 @@ class StoreActivities:
         for shard in request.shards:
             problem = check_shard_in_store(client, request.bucket, shard)
             if problem:
+                newer = [s for s in list_steps(client, request.bucket, request.run_prefix) if s > request.step
+                         and self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]
+                if newer:
+                    # A newer checkpoint committed meanwhile and retention let this one go: nothing to retry.
+                    raise ApplicationError(f"step {request.step}: {problem}; superseded by committed step "
+                                           f"{max(newer)}", type="CheckpointSuperseded", non_retryable=True)
                 # Retryable: a store that lists lazily may not show a just-finished upload yet.
                 raise ApplicationError(f"step {request.step}: {problem}", type="ShardNotVerified")
         manifest = Manifest(
@@ -356,7 +379,7 @@ class StoreActivities:
     @activity.defn(name="prune_checkpoints")
     async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
         """Keep the newest `keep_last` committed checkpoints; delete older ones, manifest first."""
-        return await asyncio.to_thread(self._prune, request)
+        return await _heartbeating(self._prune, request)
 
     def _prune(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
         client = s3_client()

@@ -100,6 +100,8 @@ TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
 
 STORE_TIMEOUT = timedelta(minutes=2)
 """Listing, HEADs and a small manifest PUT."""
+STORE_HEARTBEAT_TIMEOUT = timedelta(seconds=15)
+"""Find, commit and prune heartbeat every 2 s: a controller killed mid-call costs 15 s, not `STORE_TIMEOUT`."""
 
 RESERVE_POLL_INTERVAL = timedelta(seconds=2)
 """How often a run waiting for nodes leased to other runs asks the pool again."""
@@ -605,6 +607,7 @@ class TrainingRun:
                                     max_world_size=spec.world_size if self._status.world_size < spec.world_size
                                     else None),
                 start_to_close_timeout=STORE_TIMEOUT,
+                heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
                 retry_policy=STORE_RETRY,
                 result_type=FindCheckpointResult,
                 summary=f"find newest checkpoint (attempt {attempt})",
@@ -715,6 +718,7 @@ class TrainingRun:
                                   workflow_id=workflow.info().workflow_id, attempt=attempt, step=step,
                                   world_size=self._status.world_size, shards=shards),
             start_to_close_timeout=STORE_TIMEOUT,
+            heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
             retry_policy=STORE_RETRY,
             result_type=CheckpointRef,
             summary=f"commit checkpoint step {step}",
@@ -849,6 +853,7 @@ class TrainingRun:
             PruneCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
                                   keep_last=spec.checkpoint.keep_last, protect_steps=[self._last_committed_step]),
             start_to_close_timeout=STORE_TIMEOUT,
+            heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
             retry_policy=STORE_RETRY,
             result_type=PruneCheckpointsResult,
             summary=f"prune checkpoints (keep {spec.checkpoint.keep_last})",

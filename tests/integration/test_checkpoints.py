@@ -429,6 +429,54 @@ def test_two_writers_for_one_step_cannot_replace_the_committed_manifest(
     assert found.skipped and found.skipped[0].startswith("step 10: shard of rank 0"), found.skipped
 
 
+def test_a_commit_overtaken_by_a_newer_one_and_pruned_gives_up_at_once(
+    stack: DevStack, store_env: None, prefix: str
+) -> None:
+    """A commit stuck on a dead controller is retried after a newer checkpoint committed and retention
+    deleted the older step's shards: the retry says so and stops, instead of holding the run for minutes."""
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/ck-superseded"
+    store = StoreActivities()
+
+    def commit(step: int, shards: list[ShardInfo]) -> CheckpointRef:
+        return store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-s",
+                                                   attempt=1, step=step, world_size=2, shards=shards))
+
+    older = [_put_shard(s3, run_prefix, 10, rank, f"step 10 rank {rank}".encode() * 64) for rank in (0, 1)]
+    newer = [_put_shard(s3, run_prefix, 20, rank, f"step 20 rank {rank}".encode() * 64) for rank in (0, 1)]
+    s3.delete_object(Bucket=BUCKET, Key=older[1].key)  # not uploaded yet: worth retrying
+    with pytest.raises(ApplicationError) as pending:
+        commit(10, older)
+    assert pending.value.type == "ShardNotVerified" and not pending.value.non_retryable
+
+    commit(20, newer)
+    with pytest.raises(ApplicationError) as superseded:
+        commit(10, older)
+    assert superseded.value.type == "CheckpointSuperseded" and superseded.value.non_retryable
+    assert "superseded by committed step 20" in superseded.value.message
+
+
+def test_a_shrunk_run_finds_the_larger_worlds_checkpoint_only_when_allowed(
+    stack: DevStack, store_env: None, prefix: str
+) -> None:
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/ck-shrink"
+    shards = [_put_shard(s3, run_prefix, 10, rank, f"rank {rank}".encode() * 64) for rank in range(3)]
+    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-k",
+                                                    attempt=1, step=10, world_size=3, shards=shards))
+    s3.delete_object(Bucket=BUCKET, Key=shards[2].key)  # the lost node's shard: the smaller world needs none
+
+    def find(world_size: int, max_world_size: int | None) -> FindCheckpointResult:
+        return StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix,
+                                                           world_size=world_size, max_world_size=max_world_size))
+
+    assert find(2, None).manifest is None  # a run that never shrank takes only its own world's checkpoints
+    assert "written by 3 ranks, run has 2" in find(2, None).skipped[0]
+    found = find(2, 3)
+    assert found.manifest is not None and (found.manifest.step, found.manifest.world_size) == (10, 3)
+    assert find(3, None).manifest is None  # the full world needs the missing shard
+
+
 def test_upload_skips_an_intact_shard_and_repairs_a_rotted_one(
     stack: DevStack, store_env: None, prefix: str, tmp_path: Path
 ) -> None:
