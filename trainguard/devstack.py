@@ -373,7 +373,7 @@ class DevStack:
         """Stop everything `up` started, by PID: SIGTERM, then SIGKILL to the group after a grace."""
         # Agents stop their ranks on SIGTERM; stop them first and together.
         for group in ([f"agent-{n}" for n in self.config.nodes], ["controller"], ["s3"], ["temporal"]):
-            self._stop(group, echo)
+            self.stop(group, echo)
         killed = self._kill_orphan_ranks()
         if killed:
             echo(f"killed {killed} orphaned rank processes")
@@ -384,10 +384,10 @@ class DevStack:
     def restart(self, name: str, echo: Any = print) -> None:
         """Stop one component (e.g. `agent-node-1`, as an operator repairing the node would) and bring the
         stack back up: a fresh process with the same settings."""
-        self._stop([name], echo)
+        self.stop([name], echo)
         self.up(echo)
 
-    def _stop(self, names: list[str], echo: Any) -> None:
+    def stop(self, names: list[str], echo: Any = print) -> None:
         """SIGTERM to each one's process group, SIGKILL after `STOP_GRACE_S`."""
         pids = {name: pid for name in names if (pid := self._alive(name))}
         for pid in pids.values():

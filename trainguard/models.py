@@ -17,6 +17,7 @@ class IncidentKind(str, Enum):
     STRAGGLER = "straggler"
     GPU_UNHEALTHY = "gpu_unhealthy"
     CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    STORAGE_UNAVAILABLE = "storage_unavailable"
     USER_ERROR = "user_error"
 
 

@@ -51,6 +51,10 @@ class CheckpointSpec(_Strict):
     keep_last: int = Field(3, ge=1, le=1000)
     """Committed checkpoints kept; older ones are deleted, manifest first. Default 3."""
 
+    restore_timeout_s: float = Field(180.0, ge=5, le=86_400)
+    """How long finding the checkpoint to restore may retry against an unreachable store before the run
+    records a `storage_unavailable` incident and pauses for an operator. Default 180."""
+
     @field_validator("prefix")
     @classmethod
     def _no_dot_segments(cls, value: str) -> str:

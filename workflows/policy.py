@@ -85,6 +85,9 @@ def decide(
     """
     if kind is IncidentKind.USER_ERROR:
         return Decision(Action.STOP, f"a rank exited with code {EXIT_NO_RETRY} (do not retry): fix the script")
+    if kind is IncidentKind.STORAGE_UNAVAILABLE:
+        return Decision(Action.PAUSE, "checkpoint store unreachable at restore: paused for an operator "
+                                      "(`resume` once the store is back, or `abort`)")
     if kind is IncidentKind.STRAGGLER:
         if persisted and node in active_nodes and spares:
             return Decision(Action.REPLACE_NODE, f"straggler on {node} persisted: replaced by spare {spares[0]}",

@@ -156,6 +156,10 @@ class _Outcome:
     """The history is long: continue as new, the ranks keep running."""
 
 
+class _StoreUnavailable(Exception):
+    """The checkpoint store could not be read within `checkpoint.restore_timeout_s`."""
+
+
 class _NodeFailed(Exception):
     """A node could not do its part of a restore or launch: an incident, not the end of the run."""
 
@@ -565,6 +569,9 @@ class TrainingRun:
             manifest, restore_dirs = await self._restore(spec, attempt)
         except _NodeFailed as failed:
             return _Outcome(False, self._node_lost(failed.node, attempt, str(failed)))
+        except _StoreUnavailable as unavailable:
+            return _Outcome(False, Incident(kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt,
+                                            detail=str(unavailable), detected_at=workflow.now().timestamp()))
         restore_step = manifest.step if manifest else 0
         self._status.resumed_step = restore_step
         self._status.step = max(self._status.step, restore_step)
@@ -600,18 +607,15 @@ class TrainingRun:
         self._set_phase(Phase.RESTORING)
         excluded: list[int] = []
         while True:
-            found = await workflow.execute_activity(
-                "find_checkpoint",
-                FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
-                                    world_size=self._status.world_size, exclude_steps=excluded,
-                                    max_world_size=spec.world_size if self._status.world_size < spec.world_size
-                                    else None),
-                start_to_close_timeout=STORE_TIMEOUT,
-                heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
-                retry_policy=STORE_RETRY,
-                result_type=FindCheckpointResult,
-                summary=f"find newest checkpoint (attempt {attempt})",
-            )
+            try:
+                found = await self._find_checkpoint(spec, attempt, excluded)
+            except ActivityError as error:
+                if _error_type(error) == "BadSpec":  # e.g. the bucket does not exist: no wait fixes that
+                    self._status.reason = _cause_text(error)
+                    raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True) from None
+                raise _StoreUnavailable(
+                    f"no answer from the checkpoint store within checkpoint.restore_timeout_s="
+                    f"{spec.checkpoint.restore_timeout_s:.0f}: {_cause_text(error)}") from None
             if found.manifest is None:
                 return None, {}
             try:
@@ -621,6 +625,21 @@ class TrainingRun:
                 self._record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt,
                                                detail=str(corrupt), action=Action.RESTART,
                                                detected_at=workflow.now().timestamp()))
+
+    async def _find_checkpoint(self, spec: RunSpec, attempt: int, excluded: list[int]) -> FindCheckpointResult:
+        return await workflow.execute_activity(
+            "find_checkpoint",
+            FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
+                                world_size=self._status.world_size, exclude_steps=excluded,
+                                max_world_size=spec.world_size if self._status.world_size < spec.world_size
+                                else None),
+            start_to_close_timeout=STORE_TIMEOUT,
+            schedule_to_close_timeout=timedelta(seconds=spec.checkpoint.restore_timeout_s),
+            heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
+            retry_policy=STORE_RETRY,
+            result_type=FindCheckpointResult,
+            summary=f"find newest checkpoint (attempt {attempt})",
+        )
 
     async def _download(self, spec: RunSpec, attempt: int, manifest: Manifest) -> dict[str, str]:
         nodes = self._status.nodes

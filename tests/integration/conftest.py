@@ -72,6 +72,8 @@ def stack() -> Iterator[DevStack]:
         survivors = [p["argv"][0] for p in pids if _start_time(p["pid"]) == p["start_time"]]
         leftover_socks = [s.name for port in config.ports.weed_grpc_ports()
                           for s in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
+        if os.environ.get("TRAINGUARD_TEST_LOGS"):  # a folder to keep the stack's logs in, for a failed run
+            shutil.copytree(dev.log_dir, Path(os.environ["TRAINGUARD_TEST_LOGS"]) / home.name, dirs_exist_ok=True)
         shutil.rmtree(home, ignore_errors=True)
         assert not survivors, f"processes survived dev down: {survivors}"
         assert not leftover_socks, f"files left in /tmp: {leftover_socks}"

@@ -1,18 +1,16 @@
 """The S3 store goes down mid-run: training goes on, uploads retry with backoff, checkpoints commit when it
-returns (the test brings the shared store back for the tests after it)."""
+returns. Down at a restore: bounded retries, then an incident and a pause until an operator resumes. (Each
+test brings the shared store back for the tests after it.)"""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
 import time
 import uuid
 
 from trainguard.client import TrainguardClient
-from trainguard.devstack import DevStack, _start_time
-from trainguard.models import RunResult
+from trainguard.devstack import DevStack
+from trainguard.models import Action, IncidentKind, Phase, RunResult
 
 from .conftest import RUN_TIMEOUT_S, checkpointed, make_spec, wait_until
 
@@ -23,10 +21,7 @@ async def test_s3_down_mid_run_training_goes_on_and_checkpoints_commit_when_it_r
     spec = make_spec(prefix, every=10, step_time=0.25)  # ~15 s of training: the outage falls inside it
     rid = await client.start_run(spec, workflow_id=f"it-s3down-{uuid.uuid4().hex[:6]}")
     await wait_until(client, rid, lambda v: checkpointed(v, min_step=12))
-    record = json.loads((stack.run_dir / "s3.json").read_text())
-    os.kill(record["pid"], signal.SIGTERM)
-    while _start_time(record["pid"]) == record["start_time"]:
-        await asyncio.sleep(0.1)
+    await asyncio.to_thread(stack.stop, ["s3"], lambda _line: None)
     down_at_step = (await client.status(rid)).live_step
     # Ranks keep training with the store gone, past the next checkpoint step (whose upload now has to wait).
     during = await wait_until(client, rid, lambda v: v.live_step >= down_at_step + 15, timeout_s=60)
@@ -38,4 +33,27 @@ async def test_s3_down_mid_run_training_goes_on_and_checkpoints_commit_when_it_r
     result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
     assert result.incidents == []
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 60
+    assert result.final_state_digest == baseline.final_state_digest
+
+
+async def test_s3_down_at_restore_pauses_with_an_incident_and_resumes_when_it_is_back(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    spec = make_spec(prefix, checkpoint={"prefix": prefix, "every_steps": 20, "keep_last": 2,
+                                         "restore_timeout_s": 6})
+    rid = await client.start_run(spec, workflow_id=f"it-s3restore-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, rid, checkpointed)
+    await asyncio.to_thread(stack.stop, ["s3"], lambda _line: None)
+    try:
+        await client.inject_fault(rid, "crash", "node-1")
+        view = await wait_until(client, rid, lambda v: v.status.phase is Phase.PAUSED, timeout_s=90)
+    finally:
+        await asyncio.to_thread(stack.up, lambda _line: None)
+    assert "checkpoint store unreachable at restore" in (view.status.reason or "")
+    await client.resume(rid, reason="store is back")
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    assert [(i.kind, i.action) for i in result.incidents] == [
+        (IncidentKind.CRASH, Action.RESTART), (IncidentKind.STORAGE_UNAVAILABLE, Action.PAUSE)]
+    assert "restore_timeout_s=6" in result.incidents[1].detail
     assert result.final_state_digest == baseline.final_state_digest

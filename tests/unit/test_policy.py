@@ -64,6 +64,8 @@ DECIDE_CASES = [
                  "no longer in the run", None, id="unresponsive-node-already-gone"),
     pytest.param(IncidentKind.NODE_UNRESPONSIVE, "node-1", ["spare-0"], RecoveryBudget((NOW - 1,) * 3),
                  Action.STOP, "restart budget spent", None, id="budget-checked-before-replacing"),
+    pytest.param(IncidentKind.STORAGE_UNAVAILABLE, None, ["spare-0"], RecoveryBudget(), Action.PAUSE,
+                 "checkpoint store unreachable", None, id="store-down-at-restore-pauses"),
     pytest.param(IncidentKind.STRAGGLER, "node-0", [], RecoveryBudget((NOW - 1,) * 3, 5), Action.REPORT,
                  "training goes on", None, id="straggler-only-reported"),
 ]

@@ -140,6 +140,8 @@ class Cluster:
     """Node -> GPU problem `check_node` reports."""
     unreachable: set[str] = field(default_factory=set)
     """Nodes whose agent never answers `stop_ranks` (as a dead agent never starts it)."""
+    store_down: bool = False
+    """`find_checkpoint` fails as it does once its retries against an unreachable store run out."""
     ranks_per_node: int = 1
     manifests: list[Manifest] = field(default_factory=list)
     calls: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
@@ -161,6 +163,9 @@ class Cluster:
         @activity.defn(name="find_checkpoint")
         async def find_checkpoint(request: FindCheckpointInput) -> FindCheckpointResult:
             self.calls["find_checkpoint"].append(request)
+            if self.store_down:
+                raise ApplicationError("Could not connect to the endpoint URL", type="EndpointConnectionError",
+                                       non_retryable=True)
             largest = max(request.world_size, request.max_world_size or 0)
             usable = [m for m in self.manifests
                       if m.step not in request.exclude_steps and request.world_size <= m.world_size <= largest]
@@ -657,6 +662,37 @@ async def test_a_crash_whose_node_then_does_not_answer_replaces_that_node(env: W
     assert result.attempts == 2
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [r.node for r in relaunches] == [nodes[0], spares[0]]
+
+
+async def test_store_down_at_restore_pauses_with_an_incident_until_resumed(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes)
+
+    def store_goes_down() -> bool:
+        cluster.store_down = len(cluster.inputs("commit_checkpoint")) >= 1  # after the first commit
+        return cluster.store_down
+
+    cluster.watch_script = {(1, nodes[0]): [_ready(10), Until(store_goes_down), _exited(-9)],
+                            (1, nodes[1]): [_ready(10), BLOCK]}
+    paused: list[RunStatus] = []
+
+    async def store_back_then_resume(handle: WorkflowHandle[Any, Any]) -> None:
+        paused.append(await _wait_for_phase(handle, Phase.PAUSED))
+        cluster.store_down = False
+        await handle.execute_update(TrainingRun.resume, OperatorRequest(reason="store is back"))
+
+    run = await _run(env, cluster, _spec(nodes), operator=store_back_then_resume)
+
+    [status] = paused
+    assert status.reason is not None and "checkpoint store unreachable at restore" in status.reason
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [
+        (IncidentKind.CRASH, Action.RESTART), (IncidentKind.STORAGE_UNAVAILABLE, Action.PAUSE)]
+    assert "checkpoint.restore_timeout_s=180" in result.incidents[1].detail
+    assert "Could not connect" in result.incidents[1].detail
+    assert cluster.inputs("launch_ranks")[-1].restore_step == 10  # resumed from the checkpoint after all
+    assert result.attempts == 3
 
 
 async def test_paused_run_aborted_by_an_operator_fails_with_the_reason(env: WorkflowEnvironment) -> None:
