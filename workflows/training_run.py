@@ -69,6 +69,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
 
+PATCH_BOUNDED_DRAIN = "bounded-drain"
+"""Histories before this patch waited for every in-flight upload and commit, however long, before recovering."""
 PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
 """Histories before this patch relaunched onto a node that had not answered the stop of its ranks."""
 
@@ -97,6 +99,9 @@ TRANSFER_TIMEOUT = timedelta(minutes=30)
 TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
 TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
 """Upload/download retries stop after this: long enough to ride out a store outage."""
+
+DRAIN_TIMEOUT = timedelta(seconds=30)
+"""After an incident, pause or drain: how long uploads and commits already under way may take to finish."""
 
 STORE_TIMEOUT = timedelta(minutes=2)
 """Listing, HEADs and a small manifest PUT."""
@@ -846,6 +851,9 @@ class TrainingRun:
 
     async def _drain(self, spec: RunSpec, attempt: int, uploads: dict[tuple[int, str], asyncio.Task[UploadShardsResult]],
                      commits: dict[int, asyncio.Task[CheckpointRef]], shards: dict[int, list[ShardInfo]]) -> None:
+        bounded = workflow.patched(PATCH_BOUNDED_DRAIN)
+        if bounded:
+            await self._settle(uploads)
         for key in sorted(uploads):
             try:
                 shards.setdefault(key[0], []).extend((await uploads[key]).shards)
@@ -854,11 +862,25 @@ class TrainingRun:
         for step in sorted(shards):
             if len(shards[step]) == self._status.world_size and step not in commits:
                 commits[step] = self._commit(spec, attempt, step, shards[step])
+        if bounded:
+            await self._settle(commits)
         for step in sorted(commits):
             try:
                 self._committed(spec, await commits[step])
             except ActivityError:
                 continue
+
+    @staticmethod
+    async def _settle(tasks: dict[Any, asyncio.Task[Any]]) -> None:
+        """Give in-flight transfers `DRAIN_TIMEOUT` to finish; cancel and forget the rest. With the store down,
+        an upload retries for hours: recovery must not wait on a checkpoint it can do without."""
+        pending = [tasks[key] for key in sorted(tasks) if not tasks[key].done()]
+        if pending:
+            await workflow.wait(pending, timeout=DRAIN_TIMEOUT.total_seconds())
+        given_up = [tasks.pop(key) for key in sorted(tasks) if not tasks[key].done()]
+        for task in given_up:
+            task.cancel()
+        await asyncio.gather(*given_up, return_exceptions=True)  # resolves at once: cancels are not waited on
 
     def _committed(self, spec: RunSpec, ref: CheckpointRef) -> None:
         if ref.step > self._last_committed_step:
