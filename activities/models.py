@@ -255,9 +255,14 @@ class InjectFaultInput(BaseModel):
     """Global rank; None picks the node's first rank."""
     fault: str
     """`crash` (SIGKILL a rank), `hang` (SIGSTOP a rank), `slow` (stop/continue a rank with a duty cycle),
-    `gpu` (the node's GPU check reports an XID error), `node-down` (the agent kills its ranks and itself)."""
+    `gpu` (the node's GPU check reports an XID error), `node-down` (the agent kills its ranks and itself),
+    `corrupt` (a byte of the node's shard of the newest committed checkpoint flips, in S3 and on local disk)."""
     slow_duty: float = 0.5
     """For `slow`: the fraction of time the rank is stopped (0..0.95)."""
+    bucket: str | None = None
+    """For `corrupt`: the run's checkpoint bucket (filled in by the workflow)."""
+    manifest_key: str | None = None
+    """For `corrupt`: the newest committed checkpoint's manifest (filled in by the workflow)."""
 
 
 class InjectFaultResult(BaseModel):
@@ -265,6 +270,8 @@ class InjectFaultResult(BaseModel):
     rank: int
     pid: int
     injected_at: float
+    step: int | None = None
+    """For `corrupt`: the checkpoint step whose shard was damaged."""
 
 
 class RequestCheckpointInput(BaseModel):

@@ -36,6 +36,7 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
+from activities.checkpoints import corrupt_shard, step_of
 from activities.health import NodeHealth
 from activities.paths import RunLayout
 from activities.progress import RankReport, complete_steps, find_hung_rank
@@ -409,6 +410,15 @@ class RankActivities:
         if request.fault == "gpu":
             self.health.inject("XID 79: GPU has fallen off the bus (injected by trainguard chaos)", now)
             return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
+        if request.fault == "corrupt":
+            if not request.bucket or not request.manifest_key:
+                raise ApplicationError("corrupt needs the checkpoint's bucket and manifest key", type="BadFault",
+                                       non_retryable=True)
+            layout = RunLayout.of(self.workdir, request.workflow_id)
+            shard = await asyncio.to_thread(corrupt_shard, request.bucket, request.manifest_key, self.node,
+                                            request.rank, layout.local_step_dir(step_of(request.manifest_key)))
+            return InjectFaultResult(node=self.node, rank=shard.rank, pid=-1, injected_at=now,
+                                     step=step_of(shard.key))
         if request.fault == "node-down":
             # Reply first, then die with every rank: the machine is gone as far as the run can tell.
             asyncio.get_running_loop().call_later(0.3, self._die)
@@ -441,7 +451,7 @@ class RankActivities:
         signals = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP, "exit": signal.SIGTERM}
         if request.fault not in signals:
             raise ApplicationError(
-                f"unknown fault {request.fault!r}; expected one of crash, hang, slow, gpu, node-down",
+                f"unknown fault {request.fault!r}; expected one of crash, hang, slow, gpu, node-down, corrupt",
                 type="BadFault", non_retryable=True,
             )
         injected_at = record.faults.setdefault(rank, now)

@@ -116,10 +116,13 @@ async def _run_cmd(args: argparse.Namespace) -> int:
 async def _chaos_cmd(args: argparse.Namespace) -> int:
     from trainguard.client import TrainguardClient
 
-    args.fault = "gpu" if args.fault == "gpu-fault" else args.fault
+    args.fault = {"gpu-fault": "gpu", "corrupt-checkpoint": "corrupt"}.get(args.fault, args.fault)
     client = await TrainguardClient.connect()
     result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty)
-    target = f"rank {result.rank} (pid {result.pid})" if result.rank >= 0 else "the node"
+    if args.fault == "corrupt":
+        target = f"rank {result.rank}'s shard of checkpoint step {result.step}"
+    else:
+        target = f"rank {result.rank} (pid {result.pid})" if result.rank >= 0 else "the node"
     print(f"{args.fault}: {target} on {result.node}")
     return 0
 
@@ -246,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.set_defaults(func=lambda a: asyncio.run(_nodes_cmd(a)))
 
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
-    chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down"])
+    chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down", "corrupt-checkpoint"])
     chaos.add_argument("--run", required=True, help="workflow id")
     chaos.add_argument("--node", required=True)
     chaos.add_argument("--rank", type=int, help="global rank (default: the node's first)")

@@ -106,7 +106,8 @@ class TrainguardClient:
     async def inject_fault(self, workflow_id: str, fault: str, node: str, rank: int | None = None,
                            slow_duty: float = 0.5) -> InjectFaultResult:
         """Chaos through the run itself, carried out by the node's agent: `crash` or `hang` a rank, `slow` it
-        down, report a `gpu` fault, or take the whole node down (`node-down`)."""
+        down, report a `gpu` fault, take the whole node down (`node-down`), or flip a byte of the node's shard
+        of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before)."""
         return await self.handle(workflow_id).execute_update(
             "inject_fault",
             InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault, slow_duty=slow_duty),

@@ -222,10 +222,13 @@ class TrainingRun:
     @workflow.update
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
         """Chaos: have a node agent crash or hang one rank of the current attempt."""
+        newest = self._status.latest_checkpoint
         result: InjectFaultResult = await workflow.execute_activity(
             "inject_fault",
             InjectFaultInput(workflow_id=workflow.info().workflow_id, node=request.node, rank=request.rank,
-                             fault=request.fault),
+                             fault=request.fault, slow_duty=request.slow_duty,
+                             bucket=newest.bucket if newest else None,
+                             manifest_key=newest.manifest_key if newest else None),
             task_queue=node_task_queue(request.node),
             start_to_close_timeout=STOP_TIMEOUT,
             schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
@@ -320,6 +323,8 @@ class TrainingRun:
             raise ValueError(f"run is {self._status.phase.value}, not running: nothing to inject into")
         if request.node not in self._status.nodes:
             raise ValueError(f"node {request.node!r} is not in the run (nodes: {', '.join(self._status.nodes)})")
+        if request.fault == "corrupt" and self._status.latest_checkpoint is None:
+            raise ValueError("no committed checkpoint yet to corrupt: wait for the first commit")
 
     # ------------------------------------------------------------------------------------------ run
     @workflow.run

@@ -6,6 +6,7 @@ Each recovered run must end bit-identical to the same job run without a fault (t
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import uuid
@@ -101,6 +102,29 @@ async def test_lost_node_without_spare_shrinks_to_min_nodes(
     assert result.final_checkpoint is not None
     assert (result.final_checkpoint.step, result.final_checkpoint.world_size) == (60, 1)
     assert live_rank_pids(stack) == []
+
+
+async def test_chaos_corrupt_checkpoint_from_the_cli_makes_the_restore_fall_back(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    rid = await client.start_run(make_spec(prefix, every=30, step_time=0.2), workflow_id=run_id("corrupt"))
+    view = await wait_until(client, rid, checkpointed)
+    assert view.status.latest_checkpoint is not None
+    trainguard = str(Path(sys.executable).parent / "trainguard")
+    env = {**os.environ, "TRAINGUARD_TEMPORAL_ADDRESS": stack.config.temporal_address}
+    chaos = subprocess.run([trainguard, "chaos", "corrupt-checkpoint", "--run", rid, "--node", "node-1"],
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert chaos.returncode == 0, chaos.stderr
+    corrupted = int(chaos.stdout.split("checkpoint step ")[1].split()[0])  # "...rank 1's shard of checkpoint step 20"
+    assert "rank 1's shard" in chaos.stdout
+    await client.inject_fault(rid, "crash", "node-0")
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    kinds = [i.kind for i in result.incidents]
+    assert kinds[:2] == [IncidentKind.CRASH, IncidentKind.CHECKPOINT_CORRUPT], result.incidents
+    assert f"step {corrupted}" in result.incidents[1].detail and "sha256" in result.incidents[1].detail
+    assert result.incidents[0].resumed_step is not None and result.incidents[0].resumed_step < corrupted
+    assert result.final_state_digest == baseline.final_state_digest
 
 
 async def test_second_crash_while_recovering_from_the_first(

@@ -39,8 +39,8 @@ async def test_s3_down_mid_run_training_goes_on_and_checkpoints_commit_when_it_r
 async def test_s3_down_at_restore_pauses_with_an_incident_and_resumes_when_it_is_back(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
-    spec = make_spec(prefix, checkpoint={"prefix": prefix, "every_steps": 20, "keep_last": 2,
-                                         "restore_timeout_s": 6})
+    spec = make_spec(prefix, step_time=0.2, checkpoint={"prefix": prefix, "every_steps": 20, "keep_last": 2,
+                                                        "restore_timeout_s": 6})
     rid = await client.start_run(spec, workflow_id=f"it-s3restore-{uuid.uuid4().hex[:6]}")
     await wait_until(client, rid, checkpointed)
     await asyncio.to_thread(stack.stop, ["s3"], lambda _line: None)
