@@ -326,11 +326,13 @@ class StoreActivities:
             if problem:
                 skipped.append(f"step {step}: {problem}")
                 continue
+            smallest = min(request.world_size, request.min_world_size or request.world_size)
             largest = max(request.world_size, request.max_world_size or 0)
-            if not request.world_size <= manifest.world_size <= largest:
+            if not smallest <= manifest.world_size <= largest:
                 skipped.append(f"step {step}: written by {manifest.world_size} ranks, run has {request.world_size}")
                 continue
-            needed = [s for s in manifest.shards if s.rank < request.world_size]
+            sources = {rank % manifest.world_size for rank in range(request.world_size)}
+            needed = [s for s in manifest.shards if s.rank in sources]
             problems = [p for s in needed if (p := check_shard_in_store(client, request.bucket, s))]
             if problems:
                 skipped.append(f"step {step}: {problems[0]}")

@@ -83,8 +83,10 @@ class FindCheckpointInput(BaseModel):
     world_size: int
     """Only checkpoints written by this many ranks can be restored into this run..."""
     max_world_size: int | None = None
-    """...or, for a run that shrank, by up to this many: rank r of the smaller world restores shard r, which is
-    exact for replicated state (data parallel: every rank holds the whole model and optimizer)."""
+    """...or, for a run that may shrink (`min_nodes`), by any world size from `min_world_size` to this: rank r
+    restores shard r mod the checkpoint's world size, which is exact for replicated state (data parallel:
+    every rank holds the whole model and optimizer)."""
+    min_world_size: int | None = None
     exclude_steps: list[int] = Field(default_factory=list)
     """Steps already found corrupt at download: passed over."""
 

@@ -178,6 +178,8 @@ class CarriedState(BaseModel):
     publish_search_attributes: bool = False
     continued: int = 0
     """How many times the run has continued as new."""
+    lost: list[str] = Field(default_factory=list)
+    """Nodes a shrink left behind, to grow back onto when they return."""
 
 
 class DrainRequest(BaseModel):

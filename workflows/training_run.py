@@ -69,6 +69,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
 
+PATCH_GROW_BACK = "grow-back"
+"""Histories before this patch stayed on their remaining nodes after a shrink."""
 PATCH_BOUNDED_DRAIN = "bounded-drain"
 """Histories before this patch waited for every in-flight upload and commit, however long, before recovering."""
 PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
@@ -157,6 +159,8 @@ class _Outcome:
     """An operator asked for a pause."""
     drain: bool = False
     """A node being drained can leave now: a checkpoint was just committed."""
+    grow: list[str] = field(default_factory=list)
+    """Nodes a shrink left behind are back and leased again: relaunch on them at this checkpoint."""
     continue_as_new: bool = False
     """The history is long: continue as new, the ranks keep running."""
 
@@ -212,6 +216,7 @@ class TrainingRun:
         self._compute_by_step: dict[int, dict[int, float]] = {}
         self._publish_search_attributes = False
         self._node_down_at: dict[str, float] = {}
+        self._lost: list[str] = []
         self._continued = 0
 
     # ------------------------------------------------------------------------------ queries/updates
@@ -372,6 +377,9 @@ class TrainingRun:
                 if outcome.drain:
                     await self._move_off_drained(attempt)
                     continue
+                if outcome.grow:
+                    await self._grow_back(spec, attempt, outcome.grow)
+                    continue
                 assert outcome.incident is not None
                 await self._recover(spec, attempt, outcome.incident)
             await self._finish_background()
@@ -399,6 +407,25 @@ class TrainingRun:
         self._draining.clear()
         self._set_phase(Phase.RESTORING)
 
+    async def _grow_back(self, spec: RunSpec, attempt: int, returned: list[str]) -> None:
+        """At a checkpoint boundary: stop the shrunk attempt and relaunch with the returned nodes in their
+        places; the restore maps the smaller world's shards onto the larger one."""
+        self._set_phase(Phase.RECOVERING)
+        await self._stop_everywhere(self._status.nodes, attempt, f"grow back onto {', '.join(returned)}")
+        self._status.nodes = [n for n in spec.nodes if n in self._status.nodes or n in returned]
+        self._lost = [n for n in self._lost if n not in returned]
+        self._status.cordoned = [n for n in self._status.cordoned if n not in returned]
+        self._status.world_size = len(self._status.nodes) * spec.ranks_per_node
+        workflow.logger.info("grow back onto %s: %d nodes", ", ".join(returned), len(self._status.nodes))
+        self._set_phase(Phase.RESTORING)
+
+    async def _reclaim_lost(self) -> list[str]:
+        """Nodes a shrink left behind that the pool has back (uncordoned, agent healthy): leased to this run."""
+        got: AcquireNodesResult = await self._pool(
+            "acquire_nodes", AcquireNodesRequest(run_id=workflow.info().workflow_id, nodes=[], spares=self._lost),
+            AcquireNodesResult, f"reclaim {', '.join(self._lost)}")
+        return [n for n in self._lost if n in got.spares]
+
     async def _finish_background(self) -> None:
         """Let retention finish before the run reports done or continues as new."""
         for task in self._background:
@@ -416,7 +443,7 @@ class TrainingRun:
             last_committed_step=self._last_committed_step, latest_checkpoint=self._status.latest_checkpoint,
             started_at=started, resumed_step=self._status.resumed_step, step=self._status.step,
             straggler_streak=self._straggler_streak, publish_search_attributes=self._publish_search_attributes,
-            continued=self._continued + 1,
+            continued=self._continued + 1, lost=self._lost,
         )
 
     def _adopt(self, carried: CarriedState) -> None:
@@ -435,6 +462,7 @@ class TrainingRun:
         self._straggler_streak = carried.straggler_streak
         self._publish_search_attributes = carried.publish_search_attributes
         self._continued = carried.continued
+        self._lost = list(carried.lost)
         self._launched = True
         self._leased = True
         self._set_phase(Phase.RUNNING)
@@ -641,8 +669,8 @@ class TrainingRun:
             "find_checkpoint",
             FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
                                 world_size=self._status.world_size, exclude_steps=excluded,
-                                max_world_size=spec.world_size if self._status.world_size < spec.world_size
-                                else None),
+                                min_world_size=None if spec.min_nodes is None else spec.min_nodes * spec.ranks_per_node,
+                                max_world_size=None if spec.min_nodes is None else spec.world_size),
             start_to_close_timeout=STORE_TIMEOUT,
             schedule_to_close_timeout=timedelta(seconds=spec.checkpoint.restore_timeout_s),
             heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
@@ -655,8 +683,13 @@ class TrainingRun:
         nodes = self._status.nodes
         per_node = spec.ranks_per_node
 
+        by_rank = {s.rank: s for s in manifest.shards}
+
         async def one(index: int, node: str) -> DownloadShardsResult:
-            shards = [s for s in manifest.shards if index * per_node <= s.rank < (index + 1) * per_node]
+            # Rank r restores shard r of a checkpoint of the same world; after a shrink or a grow, shard
+            # r mod the checkpoint's world size (replicated state), saved under rank r's own name.
+            shards = [by_rank[r % manifest.world_size].model_copy(update={"rank": r})
+                      for r in range(index * per_node, (index + 1) * per_node)]
             return await workflow.execute_activity(
                 "download_shards",
                 DownloadShardsInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
@@ -767,7 +800,8 @@ class TrainingRun:
         control = asyncio.ensure_future(workflow.wait_condition(lambda: self._pause_requested))
 
         continue_as_new = drain = False
-        while incident is None and not paused and not continue_as_new and not drain and (
+        grow: list[str] = []
+        while incident is None and not paused and not continue_as_new and not drain and not grow and (
                 len(finished) < len(nodes) or uploads or commits):
             pending: list[asyncio.Task[Any]] = [*watches.values(), *uploads.values(), *commits.values(), control]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -831,9 +865,11 @@ class TrainingRun:
                 self._committed(spec, ref)
                 incident = incident or self._judge_stragglers(spec, attempt, step)
                 drain = drain or any(n in nodes for n in self._draining)
+                if self._lost and not grow and workflow.patched(PATCH_GROW_BACK):
+                    grow = await self._reclaim_lost()
 
             info = workflow.info()
-            continue_as_new = not drain and not finished and not uploads and not commits and (
+            continue_as_new = not drain and not grow and not finished and not uploads and not commits and (
                 info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
 
         control.cancel()
@@ -847,6 +883,9 @@ class TrainingRun:
         if drain and incident is None:
             await self._drain(spec, attempt, uploads, commits, shards)
             return _Outcome(False, drain=True)
+        if grow and incident is None:
+            await self._drain(spec, attempt, uploads, commits, shards)
+            return _Outcome(False, grow=grow)
         if incident is not None:
             # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
             await self._drain(spec, attempt, uploads, commits, shards)
@@ -993,6 +1032,7 @@ class TrainingRun:
             self._replace(incident.node, decision.replacement)
         if decision.action is Action.SHRINK and incident.node:
             await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
+            self._lost.append(incident.node)
             self._status.nodes = [n for n in self._status.nodes if n != incident.node]
             self._status.cordoned = [*self._status.cordoned, incident.node]
             self._status.world_size = len(self._status.nodes) * spec.ranks_per_node

@@ -466,15 +466,24 @@ def test_a_shrunk_run_finds_the_larger_worlds_checkpoint_only_when_allowed(
                                                     attempt=1, step=10, world_size=3, shards=shards))
     s3.delete_object(Bucket=BUCKET, Key=shards[2].key)  # the lost node's shard: the smaller world needs none
 
-    def find(world_size: int, max_world_size: int | None) -> FindCheckpointResult:
-        return StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix,
-                                                           world_size=world_size, max_world_size=max_world_size))
+    def find(world_size: int, max_world_size: int | None, min_world_size: int | None = None) -> FindCheckpointResult:
+        return StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=world_size,
+                                                           max_world_size=max_world_size,
+                                                           min_world_size=min_world_size))
 
     assert find(2, None).manifest is None  # a run that never shrank takes only its own world's checkpoints
     assert "written by 3 ranks, run has 2" in find(2, None).skipped[0]
     found = find(2, 3)
     assert found.manifest is not None and (found.manifest.step, found.manifest.world_size) == (10, 3)
     assert find(3, None).manifest is None  # the full world needs the missing shard
+
+    # The shrunk run commits as a world of two; grown back to three, rank 2 restores shard 2 mod 2 = 0.
+    smaller = [_put_shard(s3, run_prefix, 20, rank, f"world 2 rank {rank}".encode() * 64) for rank in range(2)]
+    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-k",
+                                                    attempt=2, step=20, world_size=2, shards=smaller))
+    assert find(3, 3).manifest is None  # only with min_nodes may a larger world restore a smaller one
+    grown = find(3, 3, min_world_size=2)
+    assert grown.manifest is not None and (grown.manifest.step, grown.manifest.world_size) == (20, 2)
 
 
 def test_upload_skips_an_intact_shard_and_repairs_a_rotted_one(

@@ -141,6 +141,8 @@ class Cluster:
     unreachable: set[str] = field(default_factory=set)
     """Nodes whose agent never answers `stop_ranks` (as a dead agent never starts it)."""
     store_down: bool = False
+    returned: set[str] = field(default_factory=set)
+    """Nodes the pool has back (repaired) when a shrunk run asks to reclaim them."""
     """`find_checkpoint` fails as it does once its retries against an unreachable store run out."""
     ranks_per_node: int = 1
     manifests: list[Manifest] = field(default_factory=list)
@@ -166,9 +168,10 @@ class Cluster:
             if self.store_down:
                 raise ApplicationError("Could not connect to the endpoint URL", type="EndpointConnectionError",
                                        non_retryable=True)
+            smallest = min(request.world_size, request.min_world_size or request.world_size)
             largest = max(request.world_size, request.max_world_size or 0)
             usable = [m for m in self.manifests
-                      if m.step not in request.exclude_steps and request.world_size <= m.world_size <= largest]
+                      if m.step not in request.exclude_steps and smallest <= m.world_size <= largest]
             if not usable:
                 return FindCheckpointResult()
             newest = max(usable, key=lambda m: m.step)
@@ -194,6 +197,8 @@ class Cluster:
         @activity.defn(name="acquire_nodes")
         async def acquire_nodes(request: AcquireNodesRequest) -> AcquireNodesResult:
             self.calls["acquire_nodes"].append(request)
+            if not request.nodes:  # a shrunk run reclaiming the nodes it lost
+                return AcquireNodesResult(granted=True, spares=[n for n in request.spares if n in self.returned])
             return AcquireNodesResult(granted=True, spares=request.spares)
 
         @activity.defn(name="release_nodes")
@@ -639,6 +644,42 @@ async def test_lost_node_without_a_spare_shrinks_to_min_nodes(env: WorkflowEnvir
     # Its own checkpoints are written by the world of two.
     assert [c.world_size for c in cluster.inputs("commit_checkpoint")] == [3, 2]
     assert (run.status.nodes, run.status.world_size, run.status.cordoned) == ([nodes[0], nodes[2]], 2, [nodes[1]])
+
+
+async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes)
+    committed = Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1)
+
+    def repaired() -> bool:
+        cluster.returned.add(nodes[1])  # the node's agent came back healthy: the pool has it again
+        return True
+
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), committed, ApplicationError("agent lost its ranks", type="AgentLost")],
+        (2, nodes[0]): [_ready(20), Until(repaired), _ready(30), BLOCK],
+        (3, nodes[0]): [_finished(40)],
+        (3, nodes[1]): [_finished(40)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, min_nodes=1))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.NODE_UNRESPONSIVE, Action.SHRINK)]
+    # Shrunk: one node from step 10. Its node back in the pool: at the next commit it is reclaimed, and
+    # attempt 3 runs on both nodes from the one-rank checkpoint, rank 1 restoring rank 0's shard.
+    assert [(c.step, c.world_size) for c in cluster.inputs("commit_checkpoint")][:2] == [(10, 2), (20, 1)]
+    reclaims = [a for a in cluster.inputs("acquire_nodes") if not a.nodes]
+    assert reclaims and all(a.spares == [nodes[1]] for a in reclaims)
+    downloads = sorted(_by_attempt(cluster.inputs("download_shards"), 3), key=lambda d: d.node)
+    assert [(d.node, [(s.rank, s.key.rsplit("/", 1)[1]) for s in d.shards]) for d in downloads] == [
+        (nodes[0], [(0, "rank-00000.pt")]), (nodes[1], [(1, "rank-00000.pt")])]
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 3), key=lambda r: r.node_rank)
+    assert [(r.node, r.num_nodes) for r in relaunches] == [(nodes[0], 2), (nodes[1], 2)]
+    assert (run.status.nodes, run.status.world_size, run.status.cordoned) == (nodes, 2, [])
+    assert result.attempts == 3
 
 
 async def test_a_crash_whose_node_then_does_not_answer_replaces_that_node(env: WorkflowEnvironment) -> None:
