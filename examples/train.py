@@ -30,6 +30,15 @@ def build_model(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
+def simulate_compute(seconds: float, slice_s: float = 0.005) -> None:
+    """Stand in for GPU work by sleeping, in short slices: a process that is stopped part of the time (a
+    throttled GPU, trainguard's `slow` chaos) then falls behind in proportion, as real compute would, instead
+    of finding one long sleep already over when it is continued."""
+    slices = max(1, round(seconds / slice_s))
+    for _ in range(slices if seconds > 0 else 0):
+        time.sleep(seconds / slices)
+
+
 def batch_for(step: int, rank: int, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1_000_003 * step + rank)
     inputs = torch.randn(batch_size, 32, generator=generator)
@@ -65,6 +74,8 @@ def main() -> None:
                        help="timeout of init_process_group in seconds (default: torch's)")
     plain.add_argument("--progress-file", type=Path, default=None,
                        help="rank 0 appends a 'step unix-time restart-count' line per completed step")
+    plain.add_argument("--ft-heartbeat", action="store_true",
+                       help="under NVIDIA's ft_launcher (nvidia-resiliency-ext): send its rank heartbeat every step")
     args = parser.parse_args()
     if args.steps < 1:
         print("--steps must be at least 1", flush=True)
@@ -107,6 +118,13 @@ def main() -> None:
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
                                   find_unused_parameters=True)
 
+    heartbeat = None
+    if args.ft_heartbeat and not run.managed:
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+        heartbeat = RankMonitorClient()
+        heartbeat.init_workload_monitoring()
+
     loss = torch.zeros(())
     for step in range(start_step, args.steps):
         began = time.perf_counter()
@@ -117,8 +135,7 @@ def main() -> None:
         loss.backward()  # the gradient all-reduce happens in here: every rank waits for the slowest
         optimizer.step()
         began = time.perf_counter()
-        if args.step_time > 0:
-            time.sleep(args.step_time)
+        simulate_compute(args.step_time)
         run.step_done(step + 1, compute_s=forward_s + time.perf_counter() - began)
         if run.should_save(step + 1) or step + 1 == args.steps:
             run.save(step + 1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
@@ -128,7 +145,11 @@ def main() -> None:
         if progress_file is not None:
             with progress_file.open("a") as handle:
                 handle.write(f"{step + 1} {time.time():.6f} {restart_count}\n")
+        if heartbeat is not None:
+            heartbeat.send_heartbeat()
 
+    if heartbeat is not None:
+        heartbeat.shutdown_workload_monitoring()
     digest = tg.state_digest(model)
     run.finish(digest=digest)
     if rank == 0:

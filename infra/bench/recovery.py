@@ -65,8 +65,14 @@ FAULT_RANK = 1
 TORCHRUN_MAX_RESTARTS = 3
 TORCHRUN_PG_TIMEOUT_S = 60.0
 MARK_VAR = "TG_BENCH_MARK"
-DETECTED = re.compile(r"closing signal|Worker group (FAILED|UNHEALTHY)")
-"""torchrun's agent noticed a failed worker: it signals the others to close (first), then logs the failure."""
+DETECTED = re.compile(r"closing signal|Worker group (FAILED|UNHEALTHY)|Did not get subsequent heartbeat")
+"""The launcher noticed a failed worker: torchrun's agent signals the others to close (first), then logs the
+failure; ft_launcher's rank monitor first logs the missing heartbeat of a hung rank."""
+FT_HEARTBEAT_TIMEOUT_S = 5.0
+"""ft_launcher's rank heartbeat timeout: the 5 s of the issue's comparison (NVIDIA's examples use 180-300 s)."""
+FT_INITIAL_HEARTBEAT_TIMEOUT_S = 120.0
+"""Before the first heartbeat (imports, rendezvous, restore): generous, like trainguard's start-up grace."""
+LAUNCHERS = ("torchrun", "ft_launcher")
 TORCHRUN_EVENTS = re.compile(r"Worker group (FAILED|UNHEALTHY)|Stopping worker group|closing signal|"
                              r"Rendezvous'ing worker group|Starting worker group|ChildFailedError|"
                              r"Unable to shutdown process|timed out|Connection reset|Timed out")
@@ -161,6 +167,11 @@ def find_worker(mark: str, parent: int, rank: int) -> tuple[int, int] | None:
         env = _proc_environ(pid)
         if stat is None or int(stat[1]) != parent or env.get(b"RANK") != str(rank).encode():
             continue
+        try:
+            if b"train.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue  # ft_launcher's rank monitors carry the rank too
+        except OSError:
+            continue
         restart = int(env.get(b"TORCHELASTIC_RESTART_COUNT", b"0"))
         if best is None or restart > best[1]:
             best = (pid, restart)
@@ -174,9 +185,11 @@ def free_port() -> int:
 
 
 class Torchrun:
-    """One plain torchrun job of the example trainer, its output timestamped line by line on arrival."""
+    """One job of the example trainer under plain torchrun or NVIDIA's ft_launcher (nvidia-resiliency-ext,
+    torchrun plus per-rank heartbeat monitors), its output timestamped line by line on arrival."""
 
-    def __init__(self, work: Path, name: str, train_args: list[str], max_restarts: int, log: Path) -> None:
+    def __init__(self, work: Path, name: str, train_args: list[str], max_restarts: int, log: Path,
+                 launcher: str = "torchrun") -> None:
         self.work = work
         self.mark = f"{name}-{secrets.token_hex(6)}"
         self.ckpt_dir = work / "ckpt"
@@ -185,10 +198,16 @@ class Torchrun:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.lines: list[tuple[float, str]] = []
         self.log_path = log
-        torchrun = Path(sys.executable).parent / "torchrun"
-        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        if launcher == "ft_launcher":
+            command = [str(Path(sys.executable).parent / "ft_launcher"),
+                       "--ft-initial-rank-heartbeat-timeout", f"{FT_INITIAL_HEARTBEAT_TIMEOUT_S:g}",
+                       "--ft-rank-heartbeat-timeout", f"{FT_HEARTBEAT_TIMEOUT_S:g}"]
+            train_args = [*train_args, "--ft-heartbeat"]
+        else:
+            torchrun = Path(sys.executable).parent / "torchrun"
+            command = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
         self.argv = [
-            *launcher, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+            *command, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
             "examples/train.py", *train_args,
             "--local-checkpoint-dir", str(self.ckpt_dir), "--pg-timeout-s", f"{TORCHRUN_PG_TIMEOUT_S:g}",
@@ -305,14 +324,15 @@ def duty_cycle(pid: int, duty: float, stop: threading.Event, period_s: float = 0
             os.kill(pid, signal.SIGCONT)
 
 
-def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) -> Measurement:
-    result = Measurement(fault=fault, system="torchrun")
+def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path,
+                   system: str = "torchrun") -> Measurement:
+    result = Measurement(fault=fault, system=system)
     if fault in TORCHRUN_UNMEASURED:
-        result.note = TORCHRUN_UNMEASURED[fault]
+        result.note = TORCHRUN_UNMEASURED[fault].replace("torchrun", system)
         return result
     slowing = threading.Event()
-    job = Torchrun(work / f"torchrun-{fault}", f"torchrun-{fault}", train_args(opts), TORCHRUN_MAX_RESTARTS,
-                   log)
+    job = Torchrun(work / f"{system}-{fault}", f"{system}-{fault}", train_args(opts), TORCHRUN_MAX_RESTARTS,
+                   log, launcher=system)
     timeout_s = 120 + 3 * opts.steps * opts.step_time + (3 * TORCHRUN_PG_TIMEOUT_S if fault == "hang" else 0)
     try:
         job.start()
@@ -331,11 +351,11 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path) 
                 fault_at = time.time()
                 if fault == "slow":
                     threading.Thread(target=duty_cycle, args=(pid, SLOW_DUTY, slowing), daemon=True).start()
-                    say(f"  torchrun slow: rank {FAULT_RANK} (pid {pid}) stopped {SLOW_DUTY:.0%} of the time "
+                    say(f"  {system} slow: rank {FAULT_RANK} (pid {pid}) stopped {SLOW_DUTY:.0%} of the time "
                         f"from step {result.fault_step}")
                 else:
                     os.kill(pid, SIGNALS[fault])
-                    say(f"  torchrun {fault}: sent {SIGNALS[fault].name} to rank {FAULT_RANK} (pid {pid}) "
+                    say(f"  {system} {fault}: sent {SIGNALS[fault].name} to rank {FAULT_RANK} (pid {pid}) "
                         f"at step {result.fault_step}")
                 break
             if job.proc is not None and job.proc.poll() is not None:
@@ -607,11 +627,11 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def report(results: list[Measurement], floor: Floor | None) -> tuple[list[str], dict[str, Any]]:
-    lines = [f"{'fault':<6} {'system':<11} {'detection_s':>11} {'restart_s':>9} {'time_to_recover_s':>17} "
+    lines = [f"{'fault':<9} {'system':<11} {'detection_s':>11} {'restart_s':>9} {'time_to_recover_s':>17} "
              f"{'goodput':>8} {'wall_s':>7} {'fault@':>6} {'resumed':>7} {'done':>4}  note"]
     for m in results:
         lines.append(
-            f"{m.fault:<6} {m.system:<11} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
+            f"{m.fault:<9} {m.system:<11} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
             f"{_fmt(m.time_to_recover_s):>17} "
             f"{_fmt(None if m.goodput is None else m.goodput * 100, '{:.1f}%'):>8} "
             f"{_fmt(m.wall_s, '{:.1f}'):>7} {_fmt(m.fault_step, '{}'):>6} {_fmt(m.resumed_step, '{}'):>7} "
@@ -622,32 +642,32 @@ def report(results: list[Measurement], floor: Floor | None) -> tuple[list[str], 
         lines.append(f"floor: cold start of the 2 ranks from a local checkpoint (plain torchrun, launch to "
                      f"first "
                      f"step) {_fmt(floor_s)} s{'  ' + floor.note if floor.note else ''}")
-    lines.append("ratios (torchrun / trainguard for times: >1 means trainguard is faster; "
-                 "trainguard / torchrun "
-                 "for goodput):")
+    lines.append("ratios (baseline / trainguard for times: >1 means trainguard is faster; "
+                 "trainguard / baseline for goodput):")
     for fault in dict.fromkeys(m.fault for m in results):
         tg = next((m for m in results if m.fault == fault and m.system == "trainguard"), None)
-        tr = next((m for m in results if m.fault == fault and m.system == "torchrun"), None)
         entry: dict[str, Any] = {}
-        if tg and tr:
-            entry = {
-                "detection": _ratio(tr.detection_s, tg.detection_s),
-                "time_to_recover": _ratio(tr.time_to_recover_s, tg.time_to_recover_s),
-                "restart": _ratio(tr.restart_s, tg.restart_s),
-                "wall": _ratio(tr.wall_s, tg.wall_s),
-                "goodput": _ratio(tg.goodput, tr.goodput),
+        for base in [m for m in results if m.fault == fault and m.system in LAUNCHERS]:
+            if tg is None:
+                continue
+            versus = {
+                "detection": _ratio(base.detection_s, tg.detection_s),
+                "time_to_recover": _ratio(base.time_to_recover_s, tg.time_to_recover_s),
+                "restart": _ratio(base.restart_s, tg.restart_s),
+                "wall": _ratio(base.wall_s, tg.wall_s),
+                "goodput": _ratio(tg.goodput, base.goodput),
             }
-            lines.append(f"  {fault}: detection {_fmt(entry['detection'])}x, time to recover "
-                         f"{_fmt(entry['time_to_recover'])}x, restart {_fmt(entry['restart'])}x, wall "
-                         f"{_fmt(entry['wall'])}x, goodput {_fmt(entry['goodput'])}x")
-        for m in (tg, tr):
-            if m is not None and floor_s:
+            entry[base.system] = versus
+            lines.append(f"  {fault} vs {base.system}: detection {_fmt(versus['detection'])}x, time to recover "
+                         f"{_fmt(versus['time_to_recover'])}x, restart {_fmt(versus['restart'])}x, wall "
+                         f"{_fmt(versus['wall'])}x, goodput {_fmt(versus['goodput'])}x")
+        for m in [m for m in results if m.fault == fault]:
+            if floor_s and m.time_to_recover_s is not None:
                 entry[f"{m.system}_restart_over_floor"] = _ratio(m.restart_s, floor_s)
                 entry[f"{m.system}_time_to_recover_over_floor"] = _ratio(m.time_to_recover_s, floor_s)
-                over_restart = entry[f"{m.system}_restart_over_floor"]
-                over_recover = entry[f"{m.system}_time_to_recover_over_floor"]
-                lines.append(f"  {fault}: {m.system} restart / floor {_fmt(over_restart)}x, "
-                             f"time to recover / floor {_fmt(over_recover)}x")
+                lines.append(f"  {fault}: {m.system} restart / floor "
+                             f"{_fmt(entry[f'{m.system}_restart_over_floor'])}x, time to recover / floor "
+                             f"{_fmt(entry[f'{m.system}_time_to_recover_over_floor'])}x")
         ratios[fault] = entry
     return lines, ratios
 
@@ -676,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"results file (default {DEFAULT_JSON})")
     parser.add_argument("--skip-torchrun", action="store_true",
                         help="trainguard only (still measures the floor)")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS),
+                        help="the baselines, of torchrun, ft_launcher (default both; ft_launcher needs "
+                             "nvidia-resiliency-ext, in the bench extra)")
     parser.add_argument("--skip-trainguard", action="store_true", help="torchrun and the floor only")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep torchrun output and the stack's logs under .bench/recovery-logs")
@@ -686,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown fault(s): {', '.join(unknown)} (known: {', '.join(FAULTS)})")
     if not 0 < opts.fault_step < opts.steps:
         parser.error("--fault-step must be between 0 and --steps")
+    launchers = [name.strip() for name in opts.launchers.split(",") if name.strip()]
+    if unknown_launchers := [name for name in launchers if name not in LAUNCHERS]:
+        parser.error(f"unknown launcher(s): {', '.join(unknown_launchers)} (known: {', '.join(LAUNCHERS)})")
+    if "ft_launcher" in launchers and not (Path(sys.executable).parent / "ft_launcher").exists():
+        say("ft_launcher not installed (pip install -e '.[bench]'): measuring torchrun only")
+        launchers.remove("ft_launcher")
 
     BENCH_DIR.mkdir(parents=True, exist_ok=True)
     work = BENCH_DIR / f"recovery-{secrets.token_hex(4)}"
@@ -708,13 +737,13 @@ def main(argv: list[str] | None = None) -> int:
         say("floor: cold start from a local checkpoint under plain torchrun")
         floor = torchrun_floor(opts, work, log)
         say(f"  floor {_fmt(floor.cold_start_s)} s {floor.note}")
-        if not opts.skip_torchrun:
+        for system in ([] if opts.skip_torchrun else launchers):
             for fault in faults:
-                say(f"torchrun: {fault}")
+                say(f"{system}: {fault}")
                 try:
-                    measured = torchrun_fault(opts, fault, work, log)
+                    measured = torchrun_fault(opts, fault, work, log, system)
                 except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
-                    measured = Measurement(fault=fault, system="torchrun", note=f"error: {error!r}"[:300])
+                    measured = Measurement(fault=fault, system=system, note=f"error: {error!r}"[:300])
                 say(f"  -> {summary(measured)}")
                 results.append(measured)
     finally:
@@ -731,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     order = {f: i for i, f in enumerate(faults)}
-    results.sort(key=lambda m: (order[m.fault], m.system != "trainguard"))
+    systems = ["trainguard", *LAUNCHERS]
+    results.sort(key=lambda m: (order[m.fault], systems.index(m.system)))
     lines, ratios = report(results, floor)
     new_tmp = sorted(_tmp_entries() - tmp_before)
     stack_socks = tuple(f"-{port}.sock" for port in stack_info.get("weed_grpc_ports", []))
