@@ -41,8 +41,6 @@ async def _restart_missing(stack: DevStack) -> None:
     await asyncio.to_thread(stack.up, lambda _line: None)
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on a loaded 2-core machine since the review pass: which incident "
-                   "is recorded when the controller dies right after a fault is still being investigated")
 async def test_controller_killed_while_watching_and_while_remediating(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
