@@ -39,13 +39,17 @@ bench-checkpoint: $(STAMP)
 bench-recovery: $(STAMP)
 	$(BIN)/python -m infra.bench.recovery $(BENCH_ARGS)
 
+.PHONY: bench-scale
+bench-scale: $(STAMP)
+	$(BIN)/python -m infra.bench.scale $(BENCH_ARGS)
+
 .PHONY: soak
 soak: $(STAMP)
 	$(BIN)/python -m infra.chaos_soak $(SOAK_ARGS)
 
-# Both benchmarks, one after the other (never in parallel: they would skew each other), then their pictures
-# (.bench/recovery-timeline.png, recovery-lost.png, checkpoint.png). The plots need matplotlib: the `bench`
-# extra (pip install -e '.[bench]').
+# Every benchmark, one after the other (never in parallel: they would skew each other), then the pictures
+# (.bench/recovery-timeline.png, recovery-lost.png, checkpoint.png). The plots need matplotlib and the
+# ft_launcher baseline nvidia-resiliency-ext: the `bench` extra (pip install -e '.[bench]').
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml
@@ -56,6 +60,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m infra.bench.checkpoint $(CHECKPOINT_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.recovery $(RECOVERY_BENCH_ARGS)
+	$(BIN)/python -m infra.bench.scale $(SCALE_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.plots $(PLOTS_ARGS)
 
 bench-plots: $(BENCH_STAMP)

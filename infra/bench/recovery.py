@@ -1,35 +1,44 @@
-"""Recovery benchmark: trainguard against torchrun --max-restarts, on the same job and the same faults.
+"""Recovery benchmark: trainguard against torchrun --max-restarts and NVIDIA's ft_launcher, on the same job
+and the same faults.
 
-    python -m infra.bench.recovery [--faults crash,hang] [--steps 400] [--json .bench/recovery.json]
-                                   [--skip-torchrun]
+    python -m infra.bench.recovery [--faults crash,hang,slow,gpu,node-down] [--launchers torchrun,ft_launcher]
+                                   [--steps 400] [--json .bench/recovery.json] [--skip-torchrun]
 
 Measured side by side in one run, on this machine, for a 2-rank gloo job of `examples/train.py`
-(`--steps 400 --step-time 0.1 --hidden 64`, a checkpoint every 50 steps), each fault hitting rank 1 once
-training has passed step `--fault-step` (120):
+(`--steps 400 --step-time 0.1 --hidden 64`, a checkpoint every 50 steps), each fault hitting rank 1 (node-1)
+once training has passed step `--fault-step` (120):
 
-1. trainguard: a private dev stack (Temporal dev server, SeaweedFS, controller, agents `node-0` and
-   `node-1`) under `.bench/stack-<random>` on free ports from 32000. The fault goes through
-   `TrainguardClient.inject_fault` (crash: SIGKILL, hang: SIGSTOP of rank 1's process, carried out by
-   node-1's agent). Figures come from the run's result: the incident's `detection_s` (fault to detection)
-   and `recovery_s` (detection to the first training step of the next attempt), and the run's goodput and
-   wall time. Default health settings (hang floor 2 s).
+- crash: SIGKILL of the rank; hang: SIGSTOP of the rank; slow: the rank stopped 80% of every 0.1 s (a GPU at
+  a fifth of its speed); gpu: node-1's GPU check reports an XID; node-down: node-1's agent dies with its ranks.
+
+1. trainguard: a private dev stack (Temporal dev server, SeaweedFS, controller, agents `node-0`, `node-1`,
+   and `node-2` as the spare of the node faults slow, gpu and node-down) under `.bench/stack-<random>` on
+   free ports from 32000. The fault goes through `TrainguardClient.inject_fault`, carried out by node-1's
+   agent. Figures come from the run's result: the incident's `detection_s` (fault to detection) and
+   `recovery_s` (detection to the first training step of the next attempt; for a straggler, of the
+   replacement that follows the report), and the run's goodput and wall time. Default health settings
+   (hang floor 2 s, straggler ratio 1.5 over 2 checkpoint intervals). After a node fault the benchmark
+   repairs node-1 (a fresh agent, uncordoned) before the next one.
 2. torchrun: `torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d` with
    `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the configuration that restarts reliably here, see PLATFORM.md)
    running the same script with a local checkpoint (`--local-checkpoint-dir`, same cadence) and the
    process-group timeout a user would set (`--pg-timeout-s 60`). The benchmark finds rank 1's worker in
-   /proc (by a marker variable it sets, `RANK=1` and torchrun's pid as parent) and sends it SIGKILL (crash)
-   or SIGSTOP (hang) itself. Detection is torchrun's agent's first reaction in its log (`Sending process N
-   closing signal SIGTERM` to the survivors, else `Worker group FAILED`; its output is timestamped on
-   arrival, `LOGLEVEL=INFO`); recovery is the first step of the next attempt in
-   the trainer's `--progress-file` (rank 0 appends `step unix-time restart-count` per step). Goodput is
-   computed as trainguard computes it: steps x mean step time of the final attempt / wall time.
-3. The floor: the same 2 ranks started cold by plain torchrun with a local checkpoint present, time from
+   /proc (by a marker variable it sets, `RANK=1`, the launcher's pid as parent) and sends the signals
+   itself. Detection is the launcher's first reaction in its log (`Sending process N closing signal SIGTERM`
+   to the survivors, else `Worker group FAILED`; output timestamped on arrival, `LOGLEVEL=INFO`); recovery
+   is the first step of the next attempt in the trainer's `--progress-file` (rank 0 appends `step unix-time
+   restart-count` per step). Goodput is computed as trainguard computes it: steps x mean step time of the
+   final attempt / wall time. gpu and node-down are not measured for the launchers (see TORCHRUN_UNMEASURED).
+3. ft_launcher (nvidia-resiliency-ext, the `bench` extra): the same as torchrun, plus its rank monitors with
+   a 5 s heartbeat timeout (the trainer's `--ft-heartbeat` sends one per step); a hang is detected at its
+   `Did not get subsequent heartbeat` line.
+4. The floor: the same 2 ranks started cold by plain torchrun with a local checkpoint present, time from
    launch to the first training step. No recovery can beat a cold start of the job it restarts.
 
 This is a benchmark, not a test: it prints figures and writes them to JSON; it never asserts a time.
 Every process it starts is killed (process groups, and workers found by the marker) and every file it
-writes but `.bench/recovery.json` is removed, also on errors (`--keep-logs` keeps torchrun's output and the
-stack's logs under `.bench/recovery-logs/`). torch's temporary files go to a TMPDIR under `.bench/`.
+writes but `.bench/recovery.json` is removed, also on errors (`--keep-logs` keeps the launchers' output and
+the stack's logs under `.bench/recovery-logs/`). torch's temporary files go to a TMPDIR under `.bench/`.
 """
 
 from __future__ import annotations
@@ -685,8 +694,8 @@ def _tmp_entries() -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--faults", default="crash,hang",
-                        help=f"comma-separated, of {', '.join(FAULTS)} (default crash,hang)")
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help=f"comma-separated, of {', '.join(FAULTS)} (default all)")
     parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
     parser.add_argument("--step-time", type=float, default=0.1, help="trainer --step-time (default 0.1)")
     parser.add_argument("--hidden", type=int, default=64, help="trainer --hidden (default 64)")
