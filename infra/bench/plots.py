@@ -34,7 +34,7 @@ from trainguard.report import pyplot
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
-SYSTEM_COLORS = {"trainguard": "#1f77b4", "torchrun": "#ff7f0e"}
+SYSTEM_COLORS = {"trainguard": "#1f77b4", "torchrun": "#ff7f0e", "ft_launcher": "#2ca02c"}
 PART_COLORS = {"detection": "#fdae6b", "restart": "#fb6a4a", "redone": "#9e9ac8"}
 FAULT_TITLES = {"crash": "crash (SIGKILL of a rank)", "hang": "hang (SIGSTOP of a rank)"}
 
