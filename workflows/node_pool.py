@@ -10,9 +10,13 @@ The rules are pure functions of the pool state (`grant`, `release`, ...), table-
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from trainguard.models import (
         AcquireNodesRequest,
         AcquireNodesResult,
@@ -26,6 +30,20 @@ POOL_WORKFLOW_ID = "trainguard-node-pool"
 POOL_WORKFLOW_TYPE = "NodePool"
 # Each request adds a handful of events; continue as new long before Temporal's limits.
 POOL_HISTORY_EVENTS = 5_000
+PATCH_SCHEDULER_UNCORDON = "scheduler-uncordon"
+"""Histories before this patch lifted cordons in the pool only, leaving the cluster scheduler's in place."""
+
+SCHEDULER_TIMEOUT = timedelta(seconds=60)
+"""At most two scheduler commands (cordon + taint) of at most 20 s each."""
+
+SCHEDULER_SCHEDULE_TO_CLOSE = timedelta(minutes=5)
+"""Bounds the whole hook, retries included, so a run never waits on it longer."""
+
+SCHEDULER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
+                              maximum_interval=timedelta(seconds=30), maximum_attempts=6,
+                              non_retryable_error_types=["SchedulerConfigError"])
+"""slurmctld or the API server may be restarting: about two minutes of retries. The hook is advisory (the pool's
+cordon already keeps trainguard's runs off the node), so a failure is logged, never fatal to the run."""
 
 # ---------------------------------------------------------------------------------------- pure rules
 
@@ -117,7 +135,9 @@ class NodePool:
 
     @workflow.update
     def register(self, request: RegisterNodeRequest) -> PoolNode:
+        was_cordoned = request.node in self._nodes and self._nodes[request.node].cordoned is not None
         register(self._nodes, request, self._now())
+        self._tell_scheduler_if_lifted(request.node, was_cordoned)
         return self._nodes[request.node]
 
     @workflow.update
@@ -144,8 +164,21 @@ class NodePool:
     @workflow.update
     def uncordon(self, request: NodeRequest) -> PoolNode:
         assert request.node is not None
+        was_cordoned = self._nodes[request.node].cordoned is not None
         uncordon(self._nodes, request.node)
+        self._tell_scheduler_if_lifted(request.node, was_cordoned)
         return self._nodes[request.node]
+
+    def _tell_scheduler_if_lifted(self, node: str, was_cordoned: bool) -> None:
+        """A node back in the pool goes back into the cluster's scheduler too (Slurm resume, Kubernetes
+        uncordon + untaint; off by default), in the background: the pool never waits on it."""
+        if was_cordoned and self._nodes[node].cordoned is None and workflow.patched(PATCH_SCHEDULER_UNCORDON):
+            workflow.start_activity(
+                "notify_scheduler", NotifySchedulerInput(node=node, action=SchedulerAction.UNCORDON),
+                start_to_close_timeout=SCHEDULER_TIMEOUT, schedule_to_close_timeout=SCHEDULER_SCHEDULE_TO_CLOSE,
+                retry_policy=SCHEDULER_RETRY, result_type=NotifySchedulerResult,
+                summary=f"tell the scheduler: uncordon {node}",
+            )
 
     @workflow.update
     def drain(self, request: NodeRequest) -> PoolStatus:

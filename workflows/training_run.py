@@ -67,6 +67,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.progress import find_stragglers
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+    from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
 
 PATCH_GROW_BACK = "grow-back"
@@ -119,17 +120,6 @@ POOL_TIMEOUT = timedelta(seconds=30)
 POOL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 """The pool lives in the same Temporal as the run: retry until it answers (each call is idempotent)."""
 
-SCHEDULER_TIMEOUT = timedelta(seconds=60)
-"""At most two scheduler commands (cordon + taint) of at most 20 s each."""
-
-SCHEDULER_SCHEDULE_TO_CLOSE = timedelta(minutes=5)
-"""Bounds the whole hook, retries included, so a run never waits on it longer."""
-
-SCHEDULER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
-                              maximum_interval=timedelta(seconds=30), maximum_attempts=6,
-                              non_retryable_error_types=["SchedulerConfigError"])
-"""slurmctld or the API server may be restarting: about two minutes of retries. The hook is advisory (the pool's
-cordon already keeps trainguard's runs off the node), so a failure is logged, never fatal to the run."""
 
 NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
                               maximum_attempts=3)

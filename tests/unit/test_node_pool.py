@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import uuid
 
-from trainguard.models import AcquireNodesRequest, PoolNode, RegisterNodeRequest
-from workflows.node_pool import cordon, drain, grant, register, release, uncordon
+import pytest
+from temporalio import activity
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+from trainguard.models import AcquireNodesRequest, NodeRequest, PoolNode, RegisterNodeRequest
+from workflows.node_pool import NodePool, cordon, drain, grant, register, release, uncordon
 
 
 def pool(*names: str) -> dict[str, PoolNode]:
@@ -77,3 +84,35 @@ def test_unhealthy_registration_cordons_and_unknown_nodes_are_refused() -> None:
     assert nodes["a"].cordoned
     with pytest.raises(ValueError, match="not in the pool"):
         uncordon(nodes, "zz")
+
+
+# ------------------------------------------------------------- the workflow: the scheduler hears of lifted cordons
+
+
+async def test_a_lifted_cordon_is_passed_on_to_the_cluster_scheduler(env: WorkflowEnvironment) -> None:
+    told: list[NotifySchedulerInput] = []
+
+    @activity.defn(name="notify_scheduler")
+    async def notify_scheduler(request: NotifySchedulerInput) -> NotifySchedulerResult:
+        told.append(request)
+        return NotifySchedulerResult()
+
+    queue = f"pool-{uuid.uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[NodePool], activities=[notify_scheduler]):
+        handle = await env.client.start_workflow(NodePool.run, id=queue, task_queue=queue)
+        for name in ("node-0", "node-1"):
+            await handle.execute_update(NodePool.register, RegisterNodeRequest(node=name))
+        await handle.execute_update(NodePool.cordon, NodeRequest(node="node-0", reason="XID 79"))
+        await handle.execute_update(NodePool.cordon, NodeRequest(node="node-1", reason="lost"))
+        await handle.execute_update(NodePool.uncordon, NodeRequest(node="node-0"))  # an operator
+        await handle.execute_update(NodePool.register, RegisterNodeRequest(node="node-1"))  # repaired
+        await handle.execute_update(NodePool.uncordon, NodeRequest(node="node-1"))  # nothing to lift
+        for _ in range(200):
+            if len(told) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # a third notice, were there one, would be here by now
+        await handle.terminate()
+
+    assert [(t.node, t.action) for t in told] == [("node-0", SchedulerAction.UNCORDON),
+                                                  ("node-1", SchedulerAction.UNCORDON)]

@@ -8,20 +8,16 @@ assert on what the workflow asked the nodes and the store to do.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 import pytest
-import pytest_asyncio
 from temporalio import activity
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -83,16 +79,6 @@ class Until:
 
 
 WatchScriptEntry = WatchEvent | Until | str | Exception
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def env() -> AsyncIterator[WorkflowEnvironment]:
-    environment = await WorkflowEnvironment.start_time_skipping(
-        test_server_existing_path=str(Path(sys.executable).parent / "temporal-test-server"),
-        data_converter=pydantic_data_converter,
-    )
-    yield environment
-    await environment.shutdown()
 
 
 def _node_ids(count: int) -> list[str]:
