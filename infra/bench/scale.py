@@ -1,22 +1,25 @@
-"""Controller scale and footprint: N concurrent runs on one controller, side by side with a single run.
+"""Controller scale: N concurrent runs on one controller worker and the dev server, N = 1, 10, 50, ...
 
-    python -m infra.bench.scale [--runs 1,2,4] [--steps 200] [--json .bench/scale.json]
+    python -m infra.bench.scale [--runs 1,10,50] [--steps 300] [--json .bench/scale.json]
 
-For each N, a private dev stack (Temporal dev server, SeaweedFS, one controller) with 2N node agents; N runs of
-the example trainer start together, each on its own two nodes (one gloo rank each, 0.05 s steps, a checkpoint
-every 20 steps). Measured per N, in one benchmark run:
+For each N, a private dev stack (Temporal dev server, SeaweedFS, one controller) with N node agents, and N
+runs of the lightweight stand-in rank (`examples/standin.py`: the rank helper's progress heartbeat, 0.1 s
+steps, no torch), one node and one rank each. Once every run trains, each gets a hang (its rank SIGSTOPped by
+its agent, all within a second or two): the agents detect it, the controller decides and relaunches. Measured
+per N, side by side in one benchmark run:
 
-- wall time until every run finished, against the single run's (the ranks share this machine's 2 CPUs, so
-  part of any slowdown is theirs, not the controller's);
+- hang detection latency p50/p95 (fault to detection, from the incidents) and time to the first step of the
+  relaunch p50/p95 (detection to first new step: the controller's decision, the stop and the relaunch);
+- workflow-task schedule-to-start latency p50/p95, read from every run's history: how long decisions waited
+  for a free controller;
 - the controller's CPU seconds and peak resident memory, and the node agents' median peak resident memory
   (sampled from /proc every 0.5 s);
-- history events per run and per committed checkpoint, and the events a run at this cadence writes per hour of
-  training;
-- workflow-task schedule-to-start latency, median and p95, read from every run's history: how long decisions
-  waited for a free controller.
+- history events per run (a 30 s run with one hang and its relaunch; at steady state a run adds about 25
+  events per checkpoint and 6 per node every 10 minutes, when an idle watch renews).
 
-A benchmark, not a test: it prints figures and writes them to JSON, never asserts one. Every process it starts
-is stopped and its files removed, also on errors.
+Where a level fails (runs not finishing, the stack not coming up) the table says so: that is where it stops
+scaling on this machine. A benchmark, not a test: it prints figures and writes them to JSON, never asserts one.
+Every process it starts is stopped and its files removed, also on errors.
 """
 
 from __future__ import annotations
@@ -54,17 +57,19 @@ class Level:
     """The figures of one N."""
 
     runs: int
+    stack_up_s: float | None = None
     wall_s: float | None = None
     completed: int = 0
+    detection_s_p50: float | None = None
+    detection_s_p95: float | None = None
+    recovery_s_p50: float | None = None
+    recovery_s_p95: float | None = None
+    task_wait_ms_p50: float | None = None
+    task_wait_ms_p95: float | None = None
     controller_cpu_s: float | None = None
     controller_peak_rss_mib: float | None = None
     agent_peak_rss_mib_median: float | None = None
     events_per_run: float | None = None
-    checkpoints_per_run: float | None = None
-    events_per_checkpoint: float | None = None
-    events_per_training_hour: float | None = None
-    task_latency_ms_median: float | None = None
-    task_latency_ms_p95: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -98,13 +103,12 @@ class Sampler:
                 self.cpu_end[name] = cpu
 
 
-def spec(prefix: str, nodes: list[str], steps: int) -> dict[str, Any]:
+def spec(node: str, steps: int) -> dict[str, Any]:
     return {
-        "entrypoint": ["python", "examples/train.py", "--steps", str(steps), "--step-time", "0.05",
-                       "--hidden", "32"],
-        "nodes": nodes,
-        "checkpoint": {"prefix": prefix, "every_steps": 20, "keep_last": 2},
-        "health": {"hang_floor_s": 10.0},
+        "entrypoint": ["python", "examples/standin.py", "--steps", str(steps), "--step-time", "0.1"],
+        "nodes": [node],
+        "checkpoint": {"every_steps": 10_000_000},
+        "health": {"startup_grace_s": 120.0},
     }
 
 
@@ -135,6 +139,11 @@ async def history_figures(client: Any, workflow_id: str) -> tuple[int, list[floa
     return events, waits
 
 
+def _p(values: list[float], q: float, digits: int = 3) -> float | None:
+    found = _percentile(values, q)
+    return None if found is None else round(found, digits)
+
+
 async def measure(level: Level, stack: Any, steps: int) -> None:
     from trainguard.client import TrainguardClient
 
@@ -144,16 +153,31 @@ async def measure(level: Level, stack: Any, steps: int) -> None:
         pids[f"agent-{node}"] = json.loads((stack.run_dir / f"agent-{node}.json").read_text())["pid"]
     sampler = Sampler(pids)
     tag = secrets.token_hex(3)
-    ids = []
     started = time.monotonic()
-    for index in range(level.runs):
-        nodes = [f"node-{2 * index}", f"node-{2 * index + 1}"]
-        ids.append(await client.start_run(spec(f"bench-scale-{tag}", nodes, steps),
-                                          workflow_id=f"bench-scale-{tag}-{level.runs}-{index}"))
+    ids = await asyncio.gather(*(
+        client.start_run(spec(node, steps), workflow_id=f"bench-scale-{tag}-{level.runs}-{index}")
+        for index, node in enumerate(stack.config.nodes)))
     results = [asyncio.ensure_future(client.result(i)) for i in ids]
-    deadline = time.monotonic() + 600 + 5 * steps * 0.05 * level.runs
+    deadline = time.monotonic() + 300 + level.runs * 3 + steps * 0.1 * 2
+
+    async def training(workflow_id: str) -> bool:
+        view = await client.status(workflow_id)
+        return view.status.phase.value == "running" and any(s >= 30 for s in view.rank_steps.values())
+
+    hung: set[str] = set()
     while not all(r.done() for r in results) and time.monotonic() < deadline:
         sampler.sample()
+        waiting = [i for i in ids if i not in hung]
+        if waiting:
+            ready = await asyncio.gather(*(training(i) for i in waiting), return_exceptions=True)
+            due = [i for i, ok in zip(waiting, ready) if ok is True]
+            if len(due) == len(waiting):  # every run trains: hang them all, together
+                outcome = await asyncio.gather(*(client.inject_fault(i, "hang", stack.config.nodes[ids.index(i)])
+                                                 for i in due), return_exceptions=True)
+                failed = [str(o) for o in outcome if isinstance(o, BaseException)]
+                if failed:
+                    level.notes.append(f"{len(failed)} fault injections failed: {failed[0][:120]}")
+                hung.update(due)
         await asyncio.sleep(SAMPLE_S)
     sampler.sample()
     level.wall_s = round(time.monotonic() - started, 2)
@@ -161,7 +185,6 @@ async def measure(level: Level, stack: Any, steps: int) -> None:
     for workflow_id, result in zip(ids, results):
         if not result.done():
             result.cancel()
-            level.notes.append(f"{workflow_id} did not finish in time")
             with suppress(Exception):
                 await client.cancel(workflow_id)
             continue
@@ -169,38 +192,35 @@ async def measure(level: Level, stack: Any, steps: int) -> None:
             outcomes.append(result.result())
         except Exception as error:  # noqa: BLE001 - report the failed run, keep the others' figures
             level.notes.append(f"{workflow_id} failed: {error}"[:200])
+    unfinished = len(ids) - len(outcomes)
+    if unfinished:
+        level.notes.append(f"{unfinished} runs did not finish in time")
     level.completed = sum(1 for o in outcomes if o.steps_completed == steps)
+    hangs = [i for o in outcomes for i in o.incidents if i.kind.value == "hang"]
+    detections = [i.detection_s for i in hangs if i.detection_s is not None]
+    recoveries = [i.recovery_s for i in hangs if i.recovery_s is not None]
+    level.detection_s_p50, level.detection_s_p95 = _p(detections, 0.5), _p(detections, 0.95)
+    level.recovery_s_p50, level.recovery_s_p95 = _p(recoveries, 0.5), _p(recoveries, 0.95)
     level.controller_cpu_s = round(sampler.cpu_end["controller"] - sampler.cpu_start["controller"], 2)
     level.controller_peak_rss_mib = round(sampler.peak_rss["controller"] / 2**20, 1)
     agents = [v for k, v in sampler.peak_rss.items() if k.startswith("agent-")]
     level.agent_peak_rss_mib_median = round(statistics.median(agents) / 2**20, 1) if agents else None
 
-    events, waits, checkpoints, training_s = [], [], [], []
-    for workflow_id, outcome in zip(ids, outcomes):
+    events, waits = [], []
+    for workflow_id in [o.workflow_id for o in outcomes]:
         count, task_waits = await history_figures(client.client, workflow_id)
         events.append(count)
         waits.extend(task_waits)
-        if outcome.final_checkpoint is not None:
-            checkpoints.append(outcome.final_checkpoint.step // 20)
-        if outcome.mean_step_s:
-            training_s.append(outcome.steps_completed * outcome.mean_step_s)
     if events:
         level.events_per_run = round(statistics.mean(events), 1)
-    if checkpoints and events:
-        level.checkpoints_per_run = round(statistics.mean(checkpoints), 1)
-        level.events_per_checkpoint = round(statistics.mean(events) / statistics.mean(checkpoints), 1)
-    if training_s and events:
-        level.events_per_training_hour = round(statistics.mean(events) / statistics.mean(training_s) * 3600)
-    if waits:
-        level.task_latency_ms_median = round(statistics.median(waits), 1)
-        level.task_latency_ms_p95 = round(_percentile(waits, 0.95) or 0.0, 1)
+    level.task_wait_ms_p50, level.task_wait_ms_p95 = _p(waits, 0.5, 1), _p(waits, 0.95, 1)
 
 
 def run_level(runs: int, steps: int) -> Level:
     from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
     level = Level(runs=runs)
-    nodes = tuple(f"node-{i}" for i in range(2 * runs))
+    nodes = tuple(f"node-{i}" for i in range(runs))
     home = BENCH_DIR / f"scale-{secrets.token_hex(4)}"
     config = StackConfig(home=home, ports=Ports.from_base(free_port_base(PORT_SEARCH_START, len(nodes))),
                          nodes=nodes, code_dir=REPO)
@@ -208,7 +228,9 @@ def run_level(runs: int, steps: int) -> Level:
     saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
     try:
         os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
+        began = time.monotonic()
         stack.up(echo=lambda _line: None)
+        level.stack_up_s = round(time.monotonic() - began, 1)
         asyncio.run(measure(level, stack, steps))
     finally:
         try:
@@ -223,49 +245,49 @@ def run_level(runs: int, steps: int) -> Level:
 
 
 def report(levels: list[Level]) -> list[str]:
-    def fmt(value: float | None, pattern: str = "{:.1f}") -> str:
+    def fmt(value: float | None, pattern: str = "{:.2f}") -> str:
         return "-" if value is None else pattern.format(value)
 
-    lines = [f"{'runs':>4} {'done':>4} {'wall_s':>7} {'wall/1':>6} {'ctl_cpu_s':>9} {'cpu/run':>7} "
-             f"{'ctl_rss_MiB':>11} {'agent_rss_MiB':>13} {'events/run':>10} {'events/ckpt':>11} "
-             f"{'events/h':>8} {'task_wait_ms p50/p95':>20}"]
-    single = levels[0].wall_s if levels else None
+    def pair(low: float | None, high: float | None, pattern: str = "{:.2f}") -> str:
+        return f"{fmt(low, pattern)} / {fmt(high, pattern)}"
+
+    lines = [f"{'runs':>4} {'done':>4} {'detect_s p50/p95':>16} {'recover_s p50/p95':>17} "
+             f"{'task_wait_ms p50/p95':>20} {'ctl_cpu_s':>9} {'ctl_MiB':>7} {'agent_MiB':>9} "
+             f"{'events/run':>10}"]
     for lv in levels:
-        per_run = None if lv.controller_cpu_s is None else lv.controller_cpu_s / lv.runs
-        ratio = None if not single or lv.wall_s is None else lv.wall_s / single
         lines.append(
-            f"{lv.runs:>4} {lv.completed:>4} {fmt(lv.wall_s):>7} {fmt(ratio, '{:.2f}'):>6} "
-            f"{fmt(lv.controller_cpu_s, '{:.2f}'):>9} {fmt(per_run, '{:.2f}'):>7} "
-            f"{fmt(lv.controller_peak_rss_mib):>11} {fmt(lv.agent_peak_rss_mib_median):>13} "
-            f"{fmt(lv.events_per_run):>10} {fmt(lv.events_per_checkpoint):>11} "
-            f"{fmt(lv.events_per_training_hour, '{:.0f}'):>8} "
-            f"{fmt(lv.task_latency_ms_median) + ' / ' + fmt(lv.task_latency_ms_p95):>20}"
+            f"{lv.runs:>4} {lv.completed:>4} {pair(lv.detection_s_p50, lv.detection_s_p95):>16} "
+            f"{pair(lv.recovery_s_p50, lv.recovery_s_p95):>17} "
+            f"{pair(lv.task_wait_ms_p50, lv.task_wait_ms_p95, '{:.0f}'):>20} "
+            f"{fmt(lv.controller_cpu_s, '{:.1f}'):>9} {fmt(lv.controller_peak_rss_mib, '{:.0f}'):>7} "
+            f"{fmt(lv.agent_peak_rss_mib_median, '{:.0f}'):>9} {fmt(lv.events_per_run, '{:.0f}'):>10}"
             + (f"  {'; '.join(lv.notes)}" if lv.notes else ""))
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="1,2,4", help="concurrent runs per level, comma-separated (default 1,2,4)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
+    parser.add_argument("--runs", default="1,10,50", help="concurrent runs per level, comma-separated "
+                                                          "(default 1,10,50)")
+    parser.add_argument("--steps", type=int, default=300, help="stand-in steps per run, 0.1 s each (default 300)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     opts = parser.parse_args(argv)
     try:
         counts = [int(n) for n in opts.runs.split(",") if n.strip()]
     except ValueError:
         parser.error("--runs takes comma-separated whole numbers, e.g. 1,2,4")
-    if not counts or min(counts) < 1 or max(counts) > 16:
-        parser.error("--runs: each level between 1 and 16 runs")
-    if opts.steps < 20:
-        parser.error("--steps must be at least 20 (one checkpoint)")
+    if not counts or min(counts) < 1 or max(counts) > 200:
+        parser.error("--runs: each level between 1 and 200 runs")
+    if opts.steps < 100:
+        parser.error("--steps must be at least 100 (the hang comes after step 30)")
 
     BENCH_DIR.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    say(f"scale benchmark: levels {counts} concurrent runs, {opts.steps} steps x 0.05 s, 2 ranks each; "
+    say(f"scale benchmark: levels {counts} concurrent runs, {opts.steps} stand-in steps x 0.1 s, one hang each; "
         f"{os.cpu_count()} CPUs, load {load_before[0]:.2f}")
     levels = []
     for count in counts:
-        say(f"{count} run(s): stack with {2 * count} node agents")
+        say(f"{count} run(s): stack with {count} node agents")
         try:
             level = run_level(count, opts.steps)
         except Exception as error:  # noqa: BLE001 - one failed level must not lose the others
@@ -278,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
     payload = {
         "benchmark": "scale",
-        "config": {"runs": counts, "steps": opts.steps, "step_time": 0.05, "checkpoint_every": 20},
+        "config": {"runs": counts, "steps": opts.steps, "step_time": 0.1, "rank": "examples/standin.py"},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "levels": [asdict(level) for level in levels],
