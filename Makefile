@@ -39,6 +39,10 @@ bench-checkpoint: $(STAMP)
 bench-recovery: $(STAMP)
 	$(BIN)/python -m infra.bench.recovery $(BENCH_ARGS)
 
+.PHONY: bench-goodput
+bench-goodput: $(STAMP)
+	$(BIN)/python -m infra.bench.goodput $(BENCH_ARGS)
+
 .PHONY: bench-scale
 bench-scale: $(STAMP)
 	$(BIN)/python -m infra.bench.scale $(BENCH_ARGS)
@@ -60,6 +64,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m infra.bench.checkpoint $(CHECKPOINT_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.recovery $(RECOVERY_BENCH_ARGS)
+	$(BIN)/python -m infra.bench.goodput $(GOODPUT_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.scale $(SCALE_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.plots $(PLOTS_ARGS)
 
