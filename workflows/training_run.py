@@ -205,7 +205,8 @@ class TrainingRun:
         self._straggler_streak: dict[int, int] = {}
         self._compute_by_step: dict[int, dict[int, float]] = {}
         self._publish_search_attributes = False
-        self._node_down_at: dict[str, float] = {}
+        self._injected_at: dict[tuple[str, str], float] = {}
+        """(fault, node) -> when chaos injected it: node-down and slow are timed from here when noticed."""
         self._lost: list[str] = []
         self._continued = 0
 
@@ -231,8 +232,7 @@ class TrainingRun:
             result_type=InjectFaultResult,
             summary=f"chaos {request.fault} on {request.node}",
         )
-        if request.fault == "node-down":
-            self._node_down_at[request.node] = result.injected_at  # the loss is timed from here when noticed
+        self._injected_at[(request.fault, request.node)] = result.injected_at
         return result
 
     @workflow.update
@@ -945,10 +945,13 @@ class TrainingRun:
         for rank, ratio in slow.items():
             node = self._status.nodes[rank // spec.ranks_per_node]
             streak = self._straggler_streak[rank]
+            now = workflow.now().timestamp()
+            slowed_at = self._injected_at.get(("slow", node))
             incident = Incident(kind=IncidentKind.STRAGGLER, node=node, rank=rank, attempt=attempt,
                                 detail=f"rank {rank} computes {ratio:.2f}x slower than its peers' median "
                                        f"(interval ending at step {step}, {streak} in a row)",
-                                action=Action.REPORT, detected_at=workflow.now().timestamp())
+                                detection_s=None if slowed_at is None else round(max(0.0, now - slowed_at), 3),
+                                action=Action.REPORT, detected_at=now)
             if streak == 1:
                 self._record_incident(incident)
             if streak >= spec.health.straggler_windows and self._spares:
@@ -977,7 +980,7 @@ class TrainingRun:
         """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
         (`node-down`); otherwise the time of the agent's last heartbeat is not known here, and it is left out."""
         now = workflow.now().timestamp()
-        down_at = self._node_down_at.get(node)
+        down_at = self._injected_at.get(("node-down", node))
         return Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt, detail=detail,
                         detection_s=None if down_at is None else round(max(0.0, now - down_at), 3),
                         detected_at=now)

@@ -559,6 +559,11 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
             result.restart_s = incident.recovery_s
             if incident.detection_s is not None and incident.recovery_s is not None:
                 result.time_to_recover_s = round(incident.detection_s + incident.recovery_s, 3)
+            first = next((i for i in incidents if i.kind.value == wanted), incident)
+            if first is not incident and first.detection_s is not None and result.time_to_recover_s is not None:
+                # A straggler: detected when first reported, recovered once the spare replaced it.
+                result.detection_s = first.detection_s
+                result.restart_s = round(result.time_to_recover_s - first.detection_s, 3)
             result.resumed_step = incident.resumed_step
         if others:
             extra = f"other incidents: {', '.join(others)}"
