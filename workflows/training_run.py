@@ -79,8 +79,9 @@ PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
 
 # ------------------------------------------------------------------------------ timeouts and retries
 
-NODE_SCHEDULE_TO_START = timedelta(seconds=15)
-"""Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever."""
+NODE_SCHEDULE_TO_START = timedelta(seconds=10)
+"""Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever. A live agent
+polls all the time and starts one in milliseconds; 10 s, like the watch's heartbeat timeout, means it is gone."""
 
 CHECK_NODE_TIMEOUT = timedelta(seconds=30)
 """An NVML query and a reply; anything slower is a sick node."""
