@@ -233,6 +233,42 @@ def committed_shard(client: Any, bucket: str, key: str, rank: int) -> ShardInfo 
     return next((s for s in manifest.shards if s.rank == rank), None)
 
 
+class _HashingReader:
+    """A file read once, front to back, hashed on the way: the upload and its checksum pass are one read.
+    Not seekable, so boto3's transfer manager reads it in order (and still sends the parts in parallel)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.sha256 = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._handle.read(size)
+        self.sha256.update(data)
+        return bytes(data)
+
+
+class _HashingWriter:
+    """A file written once, front to back, hashed on the way: the download and its checksum pass are one
+    write. Not seekable, so the transfer manager hands it the parts in order (fetching them in parallel)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.sha256 = hashlib.sha256()
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return int(self._handle.write(data))
+
+
 def stored_intact(client: Any, bucket: str, shard: ShardInfo, etag: str) -> bool:
     """True when the object holds exactly the local bytes: recorded size and sha256, and their ETag.
 
@@ -492,12 +528,6 @@ class NodeCheckpointActivities:
 
     def _upload_one(self, bucket: str, path: Path, shard: ShardInfo, manifest: str) -> None:
         client = s3_client()
-        sha256, etag = local_digests(path)
-        if sha256 != shard.sha256:
-            raise ApplicationError(
-                f"local shard {path} no longer matches the checksum its rank recorded", type="CorruptLocalShard",
-                non_retryable=True,
-            )
         try:
             committed = committed_shard(client, bucket, manifest, shard.rank)
             if committed is not None and committed.sha256 != shard.sha256:
@@ -510,16 +540,42 @@ class NodeCheckpointActivities:
                     type="ConflictingCommit",
                     non_retryable=True,
                 )
+            try:
+                client.head_object(Bucket=bucket, Key=shard.key)
+            except ClientError as error:
+                if not _is_missing(error):
+                    raise
+                # The usual case, nothing there yet: upload and checksum in one read of the file.
+                self._upload_verified(client, bucket, path, shard)
+                return
+            # Something is there (an earlier attempt, a rotted copy): compare before writing.
+            sha256, etag = local_digests(path)
+            if sha256 != shard.sha256:
+                raise ApplicationError(
+                    f"local shard {path} no longer matches the checksum its rank recorded",
+                    type="CorruptLocalShard", non_retryable=True,
+                )
             if stored_intact(client, bucket, shard, etag):
                 return  # already uploaded by an earlier attempt of this activity
+            # Also when a committed shard with this sha256 is there but its bytes are not: the upload repairs it.
+            self._upload_verified(client, bucket, path, shard)
         except ClientError as error:
             raise _bucket_missing(error, bucket) or error
-        # Also when a committed shard with this sha256 is there but its bytes are not: the upload repairs it.
-        client.upload_file(
-            str(path), bucket, shard.key,
-            ExtraArgs={"Metadata": {SHA256_METADATA: shard.sha256}},
-            Config=_transfer_config(),
-        )
+
+    @staticmethod
+    def _upload_verified(client: Any, bucket: str, path: Path, shard: ShardInfo) -> None:
+        """Upload the file, checking as it is read that it still has the sha256 its rank recorded. If it does
+        not (the local disk rotted it), the object just written is deleted again: no commit can vouch for it."""
+        with path.open("rb") as handle:
+            reader = _HashingReader(handle)
+            client.upload_fileobj(reader, bucket, shard.key, ExtraArgs={"Metadata": {SHA256_METADATA: shard.sha256}},
+                                  Config=_transfer_config())
+        if reader.sha256.hexdigest() != shard.sha256:
+            client.delete_object(Bucket=bucket, Key=shard.key)
+            raise ApplicationError(
+                f"local shard {path} no longer matches the checksum its rank recorded", type="CorruptLocalShard",
+                non_retryable=True,
+            )
 
     @activity.defn(name="download_shards")
     async def download_shards(self, request: DownloadShardsInput) -> DownloadShardsResult:
@@ -561,13 +617,16 @@ class NodeCheckpointActivities:
             meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
             return "local"
         try:
-            s3_client().download_file(bucket, shard.key, str(partial), Config=_transfer_config())
+            with partial.open("wb") as handle:
+                writer = _HashingWriter(handle)  # download and checksum in one pass
+                s3_client().download_fileobj(bucket, shard.key, writer, Config=_transfer_config())
         except ClientError as error:
+            partial.unlink(missing_ok=True)
             if _is_missing(error):
                 raise ApplicationError(f"shard {shard.key} is missing from the store", type="CorruptCheckpoint",
                                        non_retryable=True) from None
             raise
-        actual = sha256_file(partial)
+        actual = writer.sha256.hexdigest()
         if actual != shard.sha256:
             partial.unlink(missing_ok=True)
             raise ApplicationError(
