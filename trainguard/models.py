@@ -135,6 +135,8 @@ class RunStatus(BaseModel):
     """Nodes the current attempt runs on."""
     cordoned: list[str] = Field(default_factory=list)
     """Nodes taken out of this run."""
+    spares: list[str] = Field(default_factory=list)
+    """Spare nodes the run holds, to replace a failed one."""
     world_size: int = 0
     step: int = 0
     """Newest step known to the workflow (from checkpoints and events)."""
@@ -180,6 +182,8 @@ class CarriedState(BaseModel):
     """How many times the run has continued as new."""
     lost: list[str] = Field(default_factory=list)
     """Nodes a shrink left behind, to grow back onto when they return."""
+    replaced: list[str] = Field(default_factory=list)
+    """Nodes a spare replaced, to take back as spares when they return."""
 
 
 class DrainRequest(BaseModel):

@@ -70,6 +70,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
 
+PATCH_RECLAIM_SPARES = "reclaim-spares"
+"""Histories before this patch never took a replaced node back, even once it was repaired."""
 PATCH_GROW_BACK = "grow-back"
 """Histories before this patch stayed on their remaining nodes after a shrink."""
 PATCH_BOUNDED_DRAIN = "bounded-drain"
@@ -209,12 +211,13 @@ class TrainingRun:
         self._injected_at: dict[tuple[str, str], float] = {}
         """(fault, node) -> when chaos injected it: node-down and slow are timed from here when noticed."""
         self._lost: list[str] = []
+        self._replaced: list[str] = []
         self._continued = 0
 
     # ------------------------------------------------------------------------------ queries/updates
     @workflow.query
     def status(self) -> RunStatus:
-        return self._status
+        return self._status.model_copy(update={"spares": list(self._spares)})
 
     @workflow.update
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
@@ -410,12 +413,22 @@ class TrainingRun:
         workflow.logger.info("grow back onto %s: %d nodes", ", ".join(returned), len(self._status.nodes))
         self._set_phase(Phase.RESTORING)
 
-    async def _reclaim_lost(self) -> list[str]:
-        """Nodes a shrink left behind that the pool has back (uncordoned, agent healthy): leased to this run."""
+    async def _reclaim(self, nodes: list[str]) -> list[str]:
+        """Nodes this run lost or had replaced that the pool has back (uncordoned, agent healthy): leased to
+        this run again."""
         got: AcquireNodesResult = await self._pool(
-            "acquire_nodes", AcquireNodesRequest(run_id=workflow.info().workflow_id, nodes=[], spares=self._lost),
-            AcquireNodesResult, f"reclaim {', '.join(self._lost)}")
-        return [n for n in self._lost if n in got.spares]
+            "acquire_nodes", AcquireNodesRequest(run_id=workflow.info().workflow_id, nodes=[], spares=nodes),
+            AcquireNodesResult, f"reclaim {', '.join(nodes)}")
+        return [n for n in nodes if n in got.spares]
+
+    async def _reclaim_spares(self) -> None:
+        """A node a spare replaced is back: it becomes one of this run's spares."""
+        back = await self._reclaim(self._replaced)
+        if back:
+            self._replaced = [n for n in self._replaced if n not in back]
+            self._spares = [*self._spares, *back]
+            self._status.cordoned = [n for n in self._status.cordoned if n not in back]
+            workflow.logger.info("%s back as spare", ", ".join(back))
 
     async def _finish_background(self) -> None:
         """Let retention finish before the run reports done or continues as new."""
@@ -434,7 +447,7 @@ class TrainingRun:
             last_committed_step=self._last_committed_step, latest_checkpoint=self._status.latest_checkpoint,
             started_at=started, resumed_step=self._status.resumed_step, step=self._status.step,
             straggler_streak=self._straggler_streak, publish_search_attributes=self._publish_search_attributes,
-            continued=self._continued + 1, lost=self._lost,
+            continued=self._continued + 1, lost=self._lost, replaced=self._replaced,
         )
 
     def _adopt(self, carried: CarriedState) -> None:
@@ -454,6 +467,7 @@ class TrainingRun:
         self._publish_search_attributes = carried.publish_search_attributes
         self._continued = carried.continued
         self._lost = list(carried.lost)
+        self._replaced = list(carried.replaced)
         self._launched = True
         self._leased = True
         self._set_phase(Phase.RUNNING)
@@ -857,7 +871,9 @@ class TrainingRun:
                 incident = incident or self._judge_stragglers(spec, attempt, step)
                 drain = drain or any(n in nodes for n in self._draining)
                 if self._lost and not grow and workflow.patched(PATCH_GROW_BACK):
-                    grow = await self._reclaim_lost()
+                    grow = await self._reclaim(self._lost)
+                if self._replaced and workflow.patched(PATCH_RECLAIM_SPARES):
+                    await self._reclaim_spares()
 
             info = workflow.info()
             continue_as_new = not drain and not grow and not finished and not uploads and not commits and (
@@ -1022,6 +1038,7 @@ class TrainingRun:
             return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
             await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
+            self._replaced.append(incident.node)
             self._spares.remove(decision.replacement)
             self._replace(incident.node, decision.replacement)
         if decision.action is Action.SHRINK and incident.node:

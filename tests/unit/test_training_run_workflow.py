@@ -668,6 +668,30 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
     assert result.attempts == 3
 
 
+async def test_a_replaced_node_that_returns_becomes_a_spare(env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares)
+
+    def repaired() -> bool:
+        cluster.returned.add(nodes[1])  # its agent came back healthy: the pool has it again
+        return True
+
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79")],
+        (2, nodes[0]): [_ready(20), _finished(30)],
+        (2, spares[0]): [Until(repaired), _ready(20), _finished(30)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.GPU_UNHEALTHY, Action.REPLACE_NODE)]
+    assert result.attempts == 2  # taking a spare back costs no relaunch
+    assert (run.status.nodes, run.status.spares, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]], [])
+
+
 async def test_a_crash_whose_node_then_does_not_answer_replaces_that_node(env: WorkflowEnvironment) -> None:
     """A node that died takes its ranks with it; its peers fail in the collective and are seen first. The
     node's silence at the stop makes it the incident: no relaunch onto a node that cannot answer."""
