@@ -389,9 +389,10 @@ def torchrun_fault(opts: argparse.Namespace, fault: str, work: Path, log: Path,
         if detection is not None:
             result.detection_s = round(detection - fault_at, 3)
         else:
-            result.note = (result.note + "; " if result.note else "") + "torchrun logged no failure"
+            result.note = (result.note + "; " if result.note else "") + f"{system} logged no failure"
             if fault == "slow":
-                result.note += ": the job ran at the slow rank's pace to the end"
+                # Goodput here uses the slowed run's own mean step, so it hides the slowdown: read the wall time.
+                result.note += ": the job ran at the slow rank's pace to the end (compare wall times)"
         if first_new is not None:
             result.time_to_recover_s = round(first_new[1] - fault_at, 3)
             result.resumed_step = first_new[0] - 1
