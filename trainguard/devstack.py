@@ -345,7 +345,9 @@ class DevStack:
             from temporalio.contrib.pydantic import pydantic_data_converter
 
             client = await Client.connect(self.config.temporal_address, data_converter=pydantic_data_converter)
-            deadline = time.monotonic() + READY_TIMEOUT_S
+            # Each agent is a Python process importing the Temporal SDK: a big stack on few cores takes longer.
+            ready_s = READY_TIMEOUT_S + 2.0 * len(self.config.nodes)
+            deadline = time.monotonic() + ready_s
             while True:
                 dead = [c for c in self.components() if not self._alive(c)]
                 if dead:
@@ -362,7 +364,7 @@ class DevStack:
                 if not missing:
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"not polling after {READY_TIMEOUT_S:.0f}s: {', '.join(missing)}; "
+                    raise RuntimeError(f"not polling after {ready_s:.0f}s: {', '.join(missing)}; "
                                        f"see {self.log_dir}")
                 await asyncio.sleep(0.3)
 
