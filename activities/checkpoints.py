@@ -20,7 +20,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import queue
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -255,18 +257,32 @@ class _HashingReader:
 
 class _HashingWriter:
     """A file written once, front to back, hashed on the way: the download and its checksum pass are one
-    write. Not seekable, so the transfer manager hands it the parts in order (fetching them in parallel)."""
+    write. Not seekable, so the transfer manager hands it the parts in order (fetching them in parallel).
+    The hashing runs in a thread of its own (hashlib releases the GIL), beside the writes, not between them."""
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
-        self.sha256 = hashlib.sha256()
+        self._sha256 = hashlib.sha256()
+        self._chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._hasher = threading.Thread(target=self._hash, name="download-sha256", daemon=True)
+        self._hasher.start()
+
+    def _hash(self) -> None:
+        while (chunk := self._chunks.get()) is not None:
+            self._sha256.update(chunk)
 
     def seekable(self) -> bool:
         return False
 
     def write(self, data: bytes) -> int:
-        self.sha256.update(data)
+        self._chunks.put(bytes(data))
         return int(self._handle.write(data))
+
+    def hexdigest(self) -> str:
+        """The sha256 of everything written; call once, after the last write."""
+        self._chunks.put(None)
+        self._hasher.join()
+        return self._sha256.hexdigest()
 
 
 def stored_intact(client: Any, bucket: str, shard: ShardInfo, etag: str) -> bool:
@@ -616,17 +632,21 @@ class NodeCheckpointActivities:
             partial.replace(final)
             meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
             return "local"
-        try:
-            with partial.open("wb") as handle:
-                writer = _HashingWriter(handle)  # download and checksum in one pass
+        with partial.open("wb") as handle:
+            writer = _HashingWriter(handle)  # download and checksum in one pass
+            try:
                 s3_client().download_fileobj(bucket, shard.key, writer, Config=_transfer_config())
-        except ClientError as error:
-            partial.unlink(missing_ok=True)
-            if _is_missing(error):
-                raise ApplicationError(f"shard {shard.key} is missing from the store", type="CorruptCheckpoint",
-                                       non_retryable=True) from None
-            raise
-        actual = writer.sha256.hexdigest()
+            except ClientError as error:
+                writer.hexdigest()  # ends its hashing thread
+                partial.unlink(missing_ok=True)
+                if _is_missing(error):
+                    raise ApplicationError(f"shard {shard.key} is missing from the store",
+                                           type="CorruptCheckpoint", non_retryable=True) from None
+                raise
+            except BaseException:
+                writer.hexdigest()
+                raise
+        actual = writer.hexdigest()
         if actual != shard.sha256:
             partial.unlink(missing_ok=True)
             raise ApplicationError(
