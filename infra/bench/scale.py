@@ -1,6 +1,6 @@
 """Controller scale: N concurrent runs on one controller worker and the dev server, N = 1, 10, 50, ...
 
-    python -m infra.bench.scale [--runs 1,10,50] [--steps 300] [--json .bench/scale.json]
+    python -m infra.bench.scale [--runs 1,10,50,100] [--steps 600] [--json .bench/scale.json]
 
 For each N, a private dev stack (Temporal dev server, SeaweedFS, one controller) with N node agents, and N
 runs of the lightweight stand-in rank (`examples/standin.py`: the rank helper's progress heartbeat, 0.1 s
@@ -274,9 +274,11 @@ def report(levels: list[Level]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="1,10,50", help="concurrent runs per level, comma-separated "
-                                                          "(default 1,10,50)")
-    parser.add_argument("--steps", type=int, default=300, help="stand-in steps per run, 0.1 s each (default 300)")
+    parser.add_argument("--runs", default="1,10,50,100", help="concurrent runs per level, comma-separated "
+                                                              "(default 1,10,50,100)")
+    parser.add_argument("--steps", type=int, default=600, help="stand-in steps per run, 0.1 s each (default 600: "
+                                                               "long enough that no run ends before every run "
+                                                               "is training and can be hung)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     opts = parser.parse_args(argv)
     try:
