@@ -46,7 +46,6 @@ from infra.bench.recovery import (
     LAUNCHERS,
     NODES,
     PORT_SEARCH_START,
-    REPO,
     SLOW_DUTY,
     SPARE,
     TORCHRUN_MAX_RESTARTS,
@@ -130,26 +129,10 @@ async def trainguard_schedule(opts: argparse.Namespace, dev: Any) -> tuple[Outco
 
 
 def run_trainguard(opts: argparse.Namespace) -> tuple[Outcome, float]:
-    from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
+    from infra.bench.stack import private_stack
 
-    home = BENCH_DIR / f"goodput-stack-{secrets.token_hex(4)}"
-    config = StackConfig(home=home, ports=Ports.from_base(free_port_base(PORT_SEARCH_START, len(NODES) + 1)),
-                         nodes=(*NODES, SPARE), code_dir=REPO)
-    dev = DevStack(config)
-    saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
-    try:
-        os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
-        dev.up(echo=lambda _line: None)
+    with private_stack("goodput-stack", (*NODES, SPARE), PORT_SEARCH_START) as dev:
         return asyncio.run(trainguard_schedule(opts, dev))
-    finally:
-        try:
-            dev.down(echo=lambda _line: None)
-        finally:
-            if saved is None:
-                os.environ.pop("TRAINGUARD_TEMPORAL_ADDRESS", None)
-            else:
-                os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = saved
-            shutil.rmtree(home, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- launchers

@@ -587,38 +587,16 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
 
 def run_trainguard(opts: argparse.Namespace, faults: list[str],
                    work: Path) -> tuple[list[Measurement], dict[str, Any]]:
-    from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
+    from infra.bench.stack import private_stack
 
-    home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
-    base = free_port_base(PORT_SEARCH_START, num_nodes=len(NODES) + 1)
     nodes = (*NODES, SPARE) if NODE_FAULTS & set(faults) else NODES
-    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=nodes, code_dir=REPO)
-    dev = DevStack(config)
-    saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
-    info: dict[str, Any] = {"home": str(home), "port_base": base,
-                            "weed_grpc_ports": config.ports.weed_grpc_ports()}
-    try:
-        os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
-        began = time.monotonic()
-        dev.up(echo=lambda line: say(f"  stack: {line}"))
-        info["stack_up_s"] = round(time.monotonic() - began, 3)
-        say(f"  stack up in {info['stack_up_s']:.1f}s on port base {base}")
+    info: dict[str, Any] = {}
+    with private_stack("stack", nodes, PORT_SEARCH_START, echo=lambda line: say(f"  stack: {line}"),
+                       keep_logs=work / "stack-logs" if opts.keep_logs else None, timings=info) as dev:
+        info.update(home=str(dev.home), port_base=dev.config.ports.temporal,
+                    weed_grpc_ports=dev.config.ports.weed_grpc_ports())
+        say(f"  stack up in {info['stack_up_s']:.1f}s on port base {dev.config.ports.temporal}")
         return asyncio.run(trainguard_faults(opts, faults, dev)), info
-    finally:
-        began = time.monotonic()
-        try:
-            dev.down(echo=lambda line: say(f"  stack: {line}"))
-        finally:
-            info["stack_down_s"] = round(time.monotonic() - began, 3)
-            if saved is None:
-                os.environ.pop("TRAINGUARD_TEMPORAL_ADDRESS", None)
-            else:
-                os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = saved
-            if opts.keep_logs:
-                logs = work / "stack-logs"
-                with suppress(OSError):
-                    shutil.copytree(dev.log_dir, logs, dirs_exist_ok=True)
-            shutil.rmtree(home, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- report

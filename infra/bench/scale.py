@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import secrets
-import shutil
 import statistics
 import time
 from contextlib import suppress
@@ -224,30 +223,14 @@ async def measure(level: Level, stack: Any, steps: int) -> None:
 
 
 def run_level(runs: int, steps: int) -> Level:
-    from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
+    from infra.bench.stack import private_stack
 
     level = Level(runs=runs)
-    nodes = tuple(f"node-{i}" for i in range(runs))
-    home = BENCH_DIR / f"scale-{secrets.token_hex(4)}"
-    config = StackConfig(home=home, ports=Ports.from_base(free_port_base(PORT_SEARCH_START, len(nodes))),
-                         nodes=nodes, code_dir=REPO)
-    stack = DevStack(config)
-    saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
-    try:
-        os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
-        began = time.monotonic()
-        stack.up(echo=lambda _line: None)
-        level.stack_up_s = round(time.monotonic() - began, 1)
+    timings: dict[str, float] = {}
+    with private_stack("scale", tuple(f"node-{i}" for i in range(runs)), PORT_SEARCH_START,
+                       timings=timings) as stack:
+        level.stack_up_s = round(timings["stack_up_s"], 1)
         asyncio.run(measure(level, stack, steps))
-    finally:
-        try:
-            stack.down(echo=lambda _line: None)
-        finally:
-            if saved is None:
-                os.environ.pop("TRAINGUARD_TEMPORAL_ADDRESS", None)
-            else:
-                os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = saved
-            shutil.rmtree(home, ignore_errors=True)
     return level
 
 
