@@ -770,8 +770,10 @@ class TrainingRun:
                               committed_step=self._last_committed_step),
             task_queue=node_task_queue(node),
             start_to_close_timeout=TRANSFER_TIMEOUT,
+            # No schedule-to-start bound: a schedule-to-start timeout is never retried, so an agent busy for
+            # a moment would lose the checkpoint for good. A dead agent is the watch's to notice, and an
+            # upload left queued to it is cancelled by the bounded drain that follows.
             schedule_to_close_timeout=TRANSFER_SCHEDULE_TO_CLOSE,
-            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
             heartbeat_timeout=TRANSFER_HEARTBEAT_TIMEOUT,
             retry_policy=TRANSFER_RETRY,
             result_type=UploadShardsResult,

@@ -48,7 +48,7 @@ from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import CheckpointRef, IncidentKind, RunResult
 
-from .conftest import NODES, make_spec
+from .conftest import NODES, activity_failures, make_spec
 
 BUCKET = "trainguard"
 STEPS = 40
@@ -175,7 +175,8 @@ async def source(client: TrainguardClient, stack: DevStack) -> Source:
     s3 = stack.s3()
     run_prefix = f"{prefix}/{workflow_id}"
     manifests = {step: read_manifest(s3, BUCKET, manifest_key(run_prefix, step)) for step in (10, 20, 30, 40)}
-    assert all(manifests.values()), manifests
+    missing = [step for step, manifest in manifests.items() if manifest is None]
+    assert not missing, f"steps {missing} never committed; {await activity_failures(client, workflow_id)}"
     return Source(run_prefix, result.final_state_digest, manifests)  # type: ignore[arg-type]
 
 
