@@ -179,6 +179,44 @@ class LaunchRanksInput(BaseModel):
     restore_dir: str | None = None
     restore_step: int = 0
     checkpoint_every: int = 50
+    rejoin_timeout_s: float | None = None
+    """With in-process restarts on: how long a rank whose peers failed waits to rejoin. None: it exits."""
+
+
+class RejoinRanksInput(BaseModel):
+    """In-process restart on one node: the ranks still alive there stay, the dead ones are started again as
+    joiners, and all of them form attempt `attempt`'s new process group."""
+
+    workflow_id: str
+    chain_id: str = ""
+    attempt: int
+    """The new attempt: the fencing token from now on."""
+    from_attempt: int
+    """The attempt whose live ranks carry over; the node must still run it (else: NoSuchAttempt)."""
+    node: str
+    node_rank: int
+    num_nodes: int
+    ranks_per_node: int
+    master_addr: str | None = None
+    """None on the master node: it picks the new process group's fresh port and returns it."""
+    master_port: int | None = None
+    entrypoint: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    working_dir: str | None = None
+    checkpoint_every: int = 50
+    rejoin_timeout_s: float = 60.0
+
+
+class RejoinRanksResult(BaseModel):
+    node: str
+    master_addr: str
+    master_port: int
+    survivors: list[int] = Field(default_factory=list)
+    """Ranks that stayed alive and rejoin with the state they hold."""
+    joiners: list[int] = Field(default_factory=list)
+    """Ranks started again: they take their state from a survivor."""
+    step: int | None = None
+    """The survivors' last reported step (None without survivors)."""
 
 
 class LaunchRanksResult(BaseModel):

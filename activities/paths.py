@@ -55,6 +55,10 @@ class RunLayout:
         """An operator's `checkpoint_now`: the step every rank of the attempt saves at."""
         return self.attempt_dir(attempt) / "checkpoint-request.json"
 
+    def rejoin_file(self, rank: int) -> Path:
+        """Where the agent tells a live rank whose peers failed which process group to join next."""
+        return self.root / "rejoin" / f"rank-{rank:05d}.json"
+
     def log_file(self, attempt: int, rank: int) -> Path:
         return self.attempt_dir(attempt) / "logs" / f"rank-{rank:05d}.log"
 

@@ -28,6 +28,8 @@ from activities.models import (
     InjectFaultResult,
     LaunchRanksInput,
     LaunchRanksResult,
+    RejoinRanksInput,
+    RejoinRanksResult,
     RequestCheckpointInput,
     RequestCheckpointResult,
     StopRanksInput,
@@ -111,6 +113,8 @@ class AttemptRecord:
     first_step_at: float | None = None
     faults: dict[int, float] = field(default_factory=dict)
     """Chaos faults injected into this attempt: rank -> unix time."""
+    survivors: set[int] = field(default_factory=set)
+    """After an in-process restart: the ranks carried over alive from the attempt before."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -122,6 +126,7 @@ class AttemptRecord:
             "launched_at": self.launched_at,
             "chain_id": self.chain_id,
             "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time} for p in self.ranks.values()],
+            "survivors": sorted(self.survivors),
         }
 
     @classmethod
@@ -134,6 +139,7 @@ class AttemptRecord:
             start_step=data["start_step"],
             launched_at=data["launched_at"],
             chain_id=data.get("chain_id", ""),
+            survivors=set(data.get("survivors", [])),
         )
         for item in data["ranks"]:
             record.ranks[item["rank"]] = RankProcess(item["rank"], item["pid"], item["start_time"])
@@ -292,61 +298,14 @@ class RankActivities:
         for path in (layout.attempt_dir(request.attempt) / "progress", layout.attempt_dir(request.attempt) / "logs",
                      layout.checkpoint_dir, layout.tmp_dir):
             path.mkdir(parents=True, exist_ok=True)
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
-        base_env.setdefault("OMP_NUM_THREADS", "1")
-        cwd = Path(request.working_dir) if request.working_dir else self.code_dir
-        if not cwd.is_dir():
-            raise ApplicationError(
-                f"working_dir {str(cwd)!r} does not exist on node {self.node}", type="BadSpec", non_retryable=True
-            )
-        world_size = request.num_nodes * request.ranks_per_node
+        cwd = self._working_dir(request.working_dir)
+        extra = {"TRAINGUARD_RESTORE_STEP": str(request.restore_step)}
+        if request.restore_dir:
+            extra["TRAINGUARD_RESTORE_DIR"] = request.restore_dir
+        if request.rejoin_timeout_s is not None:
+            extra["TRAINGUARD_REJOIN_TIMEOUT_S"] = str(request.rejoin_timeout_s)
         for local_rank in range(request.ranks_per_node):
-            rank = request.node_rank * request.ranks_per_node + local_rank
-            env = {
-                **base_env,
-                **request.env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local_rank),
-                "GROUP_RANK": str(request.node_rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(request.ranks_per_node),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(master_port),
-                "TMPDIR": str(layout.tmp_dir),
-                "TRAINGUARD_WORKFLOW_ID": request.workflow_id,
-                "TRAINGUARD_NODE": self.node,
-                "TRAINGUARD_ATTEMPT": str(request.attempt),
-                "TRAINGUARD_PROGRESS_FILE": str(layout.progress_file(request.attempt, rank)),
-                "TRAINGUARD_CHECKPOINT_DIR": str(layout.checkpoint_dir),
-                "TRAINGUARD_CHECKPOINT_EVERY": str(request.checkpoint_every),
-                "TRAINGUARD_RESTORE_STEP": str(request.restore_step),
-                "TRAINGUARD_CHECKPOINT_REQUEST_FILE": str(layout.checkpoint_request_file(request.attempt)),
-            }
-            if request.restore_dir:
-                env["TRAINGUARD_RESTORE_DIR"] = request.restore_dir
-            log_file = layout.log_file(request.attempt, rank).open("ab")
-            try:
-                popen = subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
-                    request.entrypoint,
-                    cwd=cwd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            except OSError as error:
-                await self._stop_record(record, grace_s=0.5)
-                raise ApplicationError(
-                    f"cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
-                    type="BadSpec",
-                    non_retryable=True,
-                ) from None
-            finally:
-                log_file.close()
-            record.ranks[rank] = RankProcess(rank, popen.pid, start_time(popen.pid), popen)
-            threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
-            self._save_record(record)
+            await self._spawn(record, layout, request, cwd, local_rank, extra)
         log.info(
             "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d)",
             sorted(record.ranks), request.workflow_id, request.attempt, self.node, master_addr, master_port,
@@ -355,6 +314,123 @@ class RankActivities:
             node=self.node, master_addr=master_addr, master_port=master_port,
             pids=[p.pid for p in record.ranks.values()],
         )
+
+    def _working_dir(self, working_dir: str | None) -> Path:
+        cwd = Path(working_dir) if working_dir else self.code_dir
+        if not cwd.is_dir():
+            raise ApplicationError(
+                f"working_dir {str(cwd)!r} does not exist on node {self.node}", type="BadSpec", non_retryable=True
+            )
+        return cwd
+
+    async def _spawn(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
+                     cwd: Path, local_rank: int, extra: dict[str, str]) -> None:
+        """Start one rank of `record`'s attempt with torchrun's environment (plus trainguard's), in a session
+        of its own so its whole tree can be signalled, and record it before anything else can happen."""
+        rank = request.node_rank * request.ranks_per_node + local_rank
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(request.env)
+        env.update({
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "GROUP_RANK": str(request.node_rank),
+            "WORLD_SIZE": str(request.num_nodes * request.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(request.ranks_per_node),
+            "MASTER_ADDR": record.master_addr,
+            "MASTER_PORT": str(record.master_port),
+            "TMPDIR": str(layout.tmp_dir),
+            "TRAINGUARD_WORKFLOW_ID": request.workflow_id,
+            "TRAINGUARD_NODE": self.node,
+            "TRAINGUARD_ATTEMPT": str(record.attempt),
+            "TRAINGUARD_PROGRESS_FILE": str(layout.progress_file(record.attempt, rank)),
+            "TRAINGUARD_CHECKPOINT_DIR": str(layout.checkpoint_dir),
+            "TRAINGUARD_CHECKPOINT_EVERY": str(request.checkpoint_every),
+            "TRAINGUARD_CHECKPOINT_REQUEST_FILE": str(layout.checkpoint_request_file(record.attempt)),
+            "TRAINGUARD_REJOIN_FILE": str(layout.rejoin_file(rank)),
+            **extra,
+        })
+        log_file = layout.log_file(record.attempt, rank).open("ab")
+        try:
+            popen = subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
+                request.entrypoint,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as error:
+            await self._stop_record(record, grace_s=0.5)
+            raise ApplicationError(
+                f"cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
+                type="BadSpec",
+                non_retryable=True,
+            ) from None
+        finally:
+            log_file.close()
+        record.ranks[rank] = RankProcess(rank, popen.pid, start_time(popen.pid), popen)
+        threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
+        self._save_record(record)
+
+    @activity.defn(name="rejoin_ranks")
+    async def rejoin_ranks(self, request: RejoinRanksInput) -> RejoinRanksResult:
+        """In-process restart on this node: tell its live ranks which new process group to join, and start
+        its dead ranks again as joiners that take their state from a live peer. Idempotent: a retry finds the
+        node already on the new attempt and answers the same."""
+        current = self._record(request.workflow_id)
+        if current is not None and current.chain_id == request.chain_id and current.attempt == request.attempt:
+            return RejoinRanksResult(node=self.node, master_addr=current.master_addr,
+                                     master_port=current.master_port, survivors=sorted(current.survivors),
+                                     joiners=sorted(set(current.ranks) - current.survivors),
+                                     step=current.start_step if current.survivors else None)
+        if current is None or current.chain_id != request.chain_id or current.attempt != request.from_attempt:
+            raise ApplicationError(
+                f"node {self.node} does not run attempt {request.from_attempt} of {request.workflow_id} "
+                f"(it runs {current.attempt if current else 'nothing'}): nothing to keep, relaunch instead",
+                type="NoSuchAttempt", non_retryable=True)
+        self._check_allowed(request.entrypoint)
+        cwd = self._working_dir(request.working_dir)
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        alive = {r: p for r, p in current.ranks.items() if not p.poll()}
+        reports = [_read_report(layout.progress_file(current.attempt, r)) for r in alive]
+        steps = [r.step for r in reports if r is not None]
+        master_addr = request.master_addr or self.host
+        record = AttemptRecord(
+            workflow_id=request.workflow_id, attempt=request.attempt, master_addr=master_addr,
+            master_port=request.master_port or _free_port(self.host),
+            start_step=min(steps) if steps else current.start_step, launched_at=time.time(),
+            ranks=dict(alive), chain_id=request.chain_id, survivors=set(alive),
+        )
+        for path in (layout.attempt_dir(record.attempt) / "progress", layout.attempt_dir(record.attempt) / "logs",
+                     layout.rejoin_file(0).parent):
+            path.mkdir(parents=True, exist_ok=True)
+        self._attempts[request.workflow_id] = record
+        self._save_record(record)
+        world_size = request.num_nodes * request.ranks_per_node
+        for rank in sorted(alive):
+            # The live rank moves its progress to the new attempt's file, as a fresh launch would write it.
+            payload = {"attempt": record.attempt, "master_addr": record.master_addr,
+                       "master_port": record.master_port, "world_size": world_size,
+                       "progress_file": str(layout.progress_file(record.attempt, rank)),
+                       "checkpoint_request_file": str(layout.checkpoint_request_file(record.attempt))}
+            path = layout.rejoin_file(rank)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(payload))
+            os.replace(tmp, path)
+        for local_rank in range(request.ranks_per_node):
+            rank = request.node_rank * request.ranks_per_node + local_rank
+            if rank not in alive:
+                await self._spawn(record, layout, request, cwd, local_rank, {
+                    "TRAINGUARD_JOIN": "1", "TRAINGUARD_RESTORE_STEP": str(record.start_step),
+                    "TRAINGUARD_REJOIN_TIMEOUT_S": str(request.rejoin_timeout_s)})
+        log.info("in-process restart of %s attempt %d -> %d on %s: kept ranks %s, restarted %s (group %s:%d)",
+                 request.workflow_id, request.from_attempt, record.attempt, self.node, sorted(alive),
+                 sorted(set(record.ranks) - set(alive)), record.master_addr, record.master_port)
+        return RejoinRanksResult(node=self.node, master_addr=record.master_addr, master_port=record.master_port,
+                                 survivors=sorted(alive), joiners=sorted(set(record.ranks) - set(alive)),
+                                 step=min(steps) if steps else None)
 
     def _check_allowed(self, entrypoint: list[str]) -> None:
         """Run only programs this agent's own configuration allows (`--allow`): a spec is user input."""

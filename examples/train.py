@@ -65,6 +65,8 @@ def main() -> None:
                         help="simulated compute per step in seconds, on top of the real step (default 0.1)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--no-rejoin", action="store_true",
+                        help="exit when a peer dies, even with in-process restarts on (a trainer without rejoin)")
     plain = parser.add_argument_group("plain torchrun only (ignored under trainguard)")
     plain.add_argument("--local-checkpoint-dir", type=Path, default=None,
                        help="save {model, optim, step} to DIR/ckpt.pt and resume from it at start if present")
@@ -126,25 +128,37 @@ def main() -> None:
         heartbeat.init_workload_monitoring()
 
     loss = torch.zeros(())
-    for step in range(start_step, args.steps):
+    step = start_step
+    while step < args.steps:
         began = time.perf_counter()
         inputs, targets = batch_for(step, rank, args.batch_size, device)
         optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(inputs), targets)
-        forward_s = time.perf_counter() - began
-        loss.backward()  # the gradient all-reduce happens in here: every rank waits for the slowest
+        try:
+            loss = nn.functional.mse_loss(ddp(inputs), targets)
+            forward_s = time.perf_counter() - began
+            loss.backward()  # the gradient all-reduce happens in here: every rank waits for the slowest
+        except RuntimeError as error:  # a peer died mid all-reduce (gloo: "Connection reset by peer")
+            if args.no_rejoin:
+                raise
+            # In-process restart (restarts.in_process): keep this rank's state, join the new process group
+            # with the restarted peer(s), hand them the state. Re-raises (the rank exits) when it cannot.
+            step = run.rejoin(error, {"model": model.state_dict(), "optim": optimizer.state_dict()}, step)
+            ddp = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
+                                          find_unused_parameters=True)
+            continue
         optimizer.step()
         began = time.perf_counter()
         simulate_compute(args.step_time)
-        run.step_done(step + 1, compute_s=forward_s + time.perf_counter() - began)
-        if run.should_save(step + 1) or step + 1 == args.steps:
-            run.save(step + 1, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+        step += 1
+        run.step_done(step, compute_s=forward_s + time.perf_counter() - began)
+        if run.should_save(step) or step == args.steps:
+            run.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
         if local_dir is not None and local_rank == 0 and args.local_checkpoint_every > 0 \
-                and (step + 1) % args.local_checkpoint_every == 0:
-            save_local_checkpoint(local_dir, step + 1, model, optimizer)
+                and step % args.local_checkpoint_every == 0:
+            save_local_checkpoint(local_dir, step, model, optimizer)
         if progress_file is not None:
             with progress_file.open("a") as handle:
-                handle.write(f"{step + 1} {time.time():.6f} {restart_count}\n")
+                handle.write(f"{step} {time.time():.6f} {restart_count}\n")
         if heartbeat is not None:
             heartbeat.send_heartbeat()
 

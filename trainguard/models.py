@@ -72,9 +72,14 @@ class Incident(BaseModel):
     """Step the next attempt resumed from (0 when no checkpoint was committed yet)."""
     restore_tier: str | None = None
     """Where the next attempt's shards came from: `local` (each node's own verified copy), `s3`, or
-    `local+s3`; None when it started from scratch."""
+    `local+s3`; `peers` after an in-process restart (restarted ranks took a live peer's state); None when it
+    started from scratch."""
     detected_at: float = 0.0
     """Unix time of detection, on the detecting node agent's clock."""
+    recovery_path: str | None = None
+    """How training came back: `relaunch` (every rank started again from a checkpoint), `in-process`
+    (live ranks kept their state and formed a new process group with restarted ranks), or `relaunch after
+    failed in-process: <why>`. None until the next attempt starts."""
 
 
 class CheckpointRef(BaseModel):

@@ -31,6 +31,7 @@ import random
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,13 @@ class RankRun:
         self._requested_step: int | None = None
         restore = environ.get("TRAINGUARD_RESTORE_DIR")
         self._restore_dir = Path(restore) if restore else None
+        rejoin = environ.get("TRAINGUARD_REJOIN_TIMEOUT_S")
+        self.rejoin_timeout_s = float(rejoin) if rejoin and self.managed else None
+        """Set when the run has in-process restarts on (`restarts.in_process`); None: `rejoin` re-raises."""
+        self.joining = environ.get("TRAINGUARD_JOIN") == "1"
+        """This process replaces a rank that died: `restore` takes its state from a live peer."""
+        rejoin_file = environ.get("TRAINGUARD_REJOIN_FILE")
+        self._rejoin_path = Path(rejoin_file) if rejoin_file else None
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self._last_write = 0.0
@@ -135,7 +143,8 @@ class RankRun:
         self._num_timed_steps = 0
         self._sum_step_s = 0.0
         self._step = self.start_step
-        self._write_progress(force=True)
+        if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
+            self._write_progress(force=True)
 
     # -------------------------------------------------------------------------------------- progress
     def _write_progress(self, force: bool = False, **extra: Any) -> None:
@@ -252,7 +261,15 @@ class RankRun:
             raise RuntimeError(f"trainguard: writing a checkpoint shard failed: {error}") from error
 
     def restore(self) -> dict[str, Any] | None:
-        """The restored checkpoint's state for this rank (checksum verified), or None for a fresh start."""
+        """The restored checkpoint's state for this rank (checksum verified), or None for a fresh start.
+
+        A rank restarted in process (`joining`) gets the state a live peer holds instead, and `start_step`
+        becomes that peer's step. Call it after `init_process_group`, before wrapping the model in DDP: the
+        live ranks meet it there from `rejoin`."""
+        if self.joining:
+            state, self.start_step = self._agree(None, -1)
+            self._step = self.start_step
+            return state
         if self._restore_dir is None:
             return None
         import torch
@@ -266,6 +283,70 @@ class RankRun:
         if helper is not None:
             _set_rng_state(helper["rng"])
         return state
+
+    # ------------------------------------------------------------------------------ in-process restart
+    @property
+    def can_rejoin(self) -> bool:
+        return self.rejoin_timeout_s is not None and self._rejoin_path is not None
+
+    def rejoin(self, error: BaseException, state: dict[str, Any], step: int) -> int:
+        """After a collective failed (a peer died): leave the broken process group, wait for the node agent
+        to name the new one, join it with the ranks restarted in the dead ones' places, and hand them
+        `state` (this rank's model and optimizer state after `step` steps). Returns the step to go on from;
+        the caller keeps its in-memory state, and wraps the model in DDP again.
+
+        Raises `error` again when the run has no in-process restarts, when no new group is named within
+        the run's `restarts.rejoin_timeout_s`, or when the live ranks do not agree on the step (one had
+        finished a step the others had not): the rank then exits and the run relaunches from a checkpoint."""
+        import torch.distributed as dist
+
+        if not self.can_rejoin:
+            raise error
+        assert self._rejoin_path is not None and self.rejoin_timeout_s is not None
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        deadline = time.monotonic() + self.rejoin_timeout_s
+        target: dict[str, Any] | None = None
+        while target is None:
+            try:
+                found = json.loads(self._rejoin_path.read_text())
+                target = found if int(found["attempt"]) > self.attempt else None
+            except (OSError, ValueError, KeyError):
+                pass
+            if target is None:
+                if time.monotonic() > deadline:
+                    raise error
+                time.sleep(0.05)
+        self._wait_for_writer()  # a save in flight belongs to the attempt it was made in
+        self.attempt = int(target["attempt"])
+        self._progress_path = Path(target["progress_file"])
+        self._request_path = Path(target["checkpoint_request_file"])
+        self._request_mtime, self._requested_step = 0.0, None
+        os.environ.update({"MASTER_ADDR": target["master_addr"], "MASTER_PORT": str(target["master_port"]),
+                           "WORLD_SIZE": str(target["world_size"]), "TRAINGUARD_ATTEMPT": str(self.attempt)})
+        # Bounded: if the restarted peers never come, exit and let the run relaunch from a checkpoint.
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.rejoin_timeout_s))
+        _, agreed = self._agree(state, step)
+        self._step, self._last_step_at = agreed, None  # the gap was no training step
+        self._write_progress(force=True)
+        return agreed
+
+    def _agree(self, state: dict[str, Any] | None, step: int) -> tuple[dict[str, Any] | None, int]:
+        """All ranks of a new group: find the live ranks (step >= 0), check they stand at the same step, and
+        send the lowest one's state to every rank. Returns (that state, the step)."""
+        import torch.distributed as dist
+
+        steps: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(steps, step)
+        live = [rank for rank, at in enumerate(steps) if at >= 0]
+        if not live:
+            raise RuntimeError("trainguard: in-process restart found no live rank to take the state from")
+        if len({steps[rank] for rank in live}) != 1:
+            raise RuntimeError(f"trainguard: live ranks stand at different steps {steps}: cannot rejoin")
+        box = [_snapshot(state) if dist.get_rank() == live[0] else None]
+        dist.broadcast_object_list(box, src=live[0])
+        return box[0], int(steps[live[0]])
 
     # ---------------------------------------------------------------------------------------- finish
     def finish(self, digest: str | None = None) -> None:

@@ -114,6 +114,16 @@ class RestartSpec(_Strict):
     max_restarts_without_checkpoint: int = Field(3, ge=1, le=10_000)
     """Consecutive relaunches that commit no new checkpoint before the run stops. Default 3."""
 
+    in_process: bool = False
+    """After a rank crash, keep the ranks that are still alive: they leave the broken process group and
+    form a new one with a restarted rank, which takes its state from a live peer instead of every rank
+    reloading a checkpoint. The trainer must call `RankRun.rejoin` when a collective fails (see
+    examples/train.py). Anything else, or a rejoin that fails, is a full relaunch. Default off."""
+
+    rejoin_timeout_s: float = Field(60.0, ge=5, le=3600)
+    """How long live ranks wait for their new process group, and the new attempt may take to its first
+    step, before the in-process restart counts as failed and the run falls back to a full relaunch."""
+
 
 class RunSpec(_Strict):
     """A training run: what to launch, where, and how to keep it alive."""

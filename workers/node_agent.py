@@ -41,6 +41,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
         task_queue=node_task_queue(node),
         activities=[
             ranks.launch_ranks,
+            ranks.rejoin_ranks,
             ranks.watch_ranks,
             ranks.stop_ranks,
             ranks.inject_fault,

@@ -36,6 +36,8 @@ with workflow.unsafe.imports_passed_through():
         Manifest,
         PruneCheckpointsInput,
         PruneCheckpointsResult,
+        RejoinRanksInput,
+        RejoinRanksResult,
         RequestCheckpointInput,
         RequestCheckpointResult,
         ShardInfo,
@@ -78,6 +80,8 @@ PATCH_BOUNDED_DRAIN = "bounded-drain"
 """Histories before this patch waited for every in-flight upload and commit, however long, before recovering."""
 PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
 """Histories before this patch relaunched onto a node that had not answered the stop of its ranks."""
+PATCH_IN_PROCESS = "in-process-restart"
+"""Histories before this patch relaunched every rank after a crash whatever `restarts.in_process` said."""
 
 # ------------------------------------------------------------------------------ timeouts and retries
 
@@ -156,6 +160,8 @@ class _Outcome:
     """Nodes a shrink left behind are back and leased again: relaunch on them at this checkpoint."""
     continue_as_new: bool = False
     """The history is long: continue as new, the ranks keep running."""
+    fallback: bool = False
+    """An in-process restart failed: relaunch every rank from a checkpoint (no new incident)."""
 
 
 class _StoreUnavailable(Exception):
@@ -200,6 +206,8 @@ class TrainingRun:
         self._launched = False
         self._leased = False
         self._restore_tier: str | None = None
+        self._warm: Incident | None = None
+        """A crash the next attempt recovers from in process (live ranks keep their state)."""
         self._background: list[asyncio.Task[Any]] = []
         self._pause_requested = False
         self._draining: list[str] = []
@@ -373,6 +381,8 @@ class TrainingRun:
                     continue
                 if outcome.grow:
                     await self._grow_back(spec, attempt, outcome.grow)
+                    continue
+                if outcome.fallback:
                     continue
                 assert outcome.incident is not None
                 await self._recover(spec, attempt, outcome.incident)
@@ -608,6 +618,8 @@ class TrainingRun:
         return f"{spec.checkpoint.prefix}/{workflow.info().workflow_id}"
 
     async def _run_attempt(self, spec: RunSpec, attempt: int) -> _Outcome:
+        if self._warm is not None:
+            return await self._run_in_process(spec, attempt, self._warm)
         try:
             manifest, restore_dirs = await self._restore(spec, attempt)
         except _NodeFailed as failed:
@@ -622,6 +634,7 @@ class TrainingRun:
             if incident.resumed_step is None and incident.action is not Action.REPORT:
                 incident.resumed_step = restore_step
                 incident.restore_tier = self._restore_tier if manifest else None
+                incident.recovery_path = incident.recovery_path or "relaunch"
 
         self._set_phase(Phase.LAUNCHING)
         self._launched = True
@@ -645,6 +658,60 @@ class TrainingRun:
             return _Outcome(False, self._node_lost(node, attempt, f"launch failed: {_cause_text(outcome)}"))
         self._set_phase(Phase.RUNNING)
         return await self._supervise(spec, attempt)
+
+    async def _run_in_process(self, spec: RunSpec, attempt: int, incident: Incident) -> _Outcome:
+        """Recover from a crash without a relaunch: the live ranks form attempt `attempt`'s process group with
+        the crashed ranks started again, which take a live peer's state. Any failure before the attempt's
+        first step falls back to a full relaunch from the newest checkpoint, and the incident says so."""
+        self._warm = None
+        self._set_phase(Phase.LAUNCHING)
+        nodes = self._status.nodes
+        self._launched = True
+        results: list[RejoinRanksResult | BaseException] = list(await asyncio.gather(
+            self._rejoin(spec, attempt, 0, None), return_exceptions=True))
+        if isinstance(results[0], RejoinRanksResult):
+            results += await asyncio.gather(*(self._rejoin(spec, attempt, i, results[0])
+                                              for i in range(1, len(nodes))), return_exceptions=True)
+        failed = [f"{node}: {_cause_text(r)}" for node, r in zip(nodes, results) if isinstance(r, BaseException)]
+        done = [r for r in results if isinstance(r, RejoinRanksResult)]
+        steps = [r.step for r in done if r.step is not None]
+        why = "; ".join(failed) or ("" if steps else "no rank survived the crash")
+        if not why:
+            incident.resumed_step, incident.restore_tier, incident.recovery_path = min(steps), "peers", "in-process"
+            self._status.resumed_step = min(steps)
+            self._set_phase(Phase.RUNNING)
+            outcome = await self._supervise(spec, attempt)
+            if outcome.incident is None or incident.recovery_s is not None:
+                return outcome  # the in-process restart worked: what ends the attempt is news
+            why = f"{outcome.incident.kind.value} before the first step: {outcome.incident.detail}"
+        workflow.logger.warning("in-process restart of attempt %d failed, relaunching: %s", attempt, why)
+        incident.recovery_path = f"relaunch after failed in-process: {why}"
+        incident.resumed_step = incident.restore_tier = None
+        self._set_phase(Phase.RECOVERING)
+        await self._stop_everywhere(nodes, attempt, "in-process restart failed: relaunch")
+        return _Outcome(False, fallback=True)
+
+    async def _rejoin(self, spec: RunSpec, attempt: int, index: int,
+                      master: RejoinRanksResult | None) -> RejoinRanksResult:
+        node = self._status.nodes[index]
+        return await workflow.execute_activity(
+            "rejoin_ranks",
+            RejoinRanksInput(
+                workflow_id=workflow.info().workflow_id, chain_id=workflow.info().first_execution_run_id,
+                attempt=attempt, from_attempt=attempt - 1, node=node, node_rank=index,
+                num_nodes=len(self._status.nodes), ranks_per_node=spec.ranks_per_node,
+                master_addr=master.master_addr if master else None,
+                master_port=master.master_port if master else None,
+                entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
+                checkpoint_every=spec.checkpoint.every_steps, rejoin_timeout_s=spec.restarts.rejoin_timeout_s,
+            ),
+            task_queue=node_task_queue(node),
+            start_to_close_timeout=LAUNCH_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            retry_policy=NODE_CALL_RETRY,
+            result_type=RejoinRanksResult,
+            summary=f"rejoin ranks on {node} in process (attempt {attempt})",
+        )
 
     async def _restore(self, spec: RunSpec, attempt: int) -> tuple[Manifest | None, dict[str, str]]:
         self._set_phase(Phase.RESTORING)
@@ -737,6 +804,7 @@ class TrainingRun:
                 entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
                 restore_dir=restore_dirs.get(node), restore_step=restore_step,
                 checkpoint_every=spec.checkpoint.every_steps,
+                rejoin_timeout_s=spec.restarts.rejoin_timeout_s if spec.restarts.in_process else None,
             ),
             task_queue=node_task_queue(node),
             start_to_close_timeout=LAUNCH_TIMEOUT,
@@ -1018,6 +1086,14 @@ class TrainingRun:
         self._record_incident(incident)
         workflow.logger.info("incident %s on %s rank %s: %s", incident.kind.value, incident.node, incident.rank,
                              decision.reason)
+        if (decision.action is Action.RESTART and incident.kind is IncidentKind.CRASH and spec.restarts.in_process
+                and workflow.patched(PATCH_IN_PROCESS)):
+            # The live ranks stay up: the next attempt rejoins them with the crashed ones started again.
+            self._warm = incident
+            self._restart_times.append(now)
+            self._restarts_without_checkpoint += 1
+            self._set_phase(Phase.RESTORING)
+            return
         reachable = [n for n in self._status.nodes if
                      not (incident.kind is IncidentKind.NODE_UNRESPONSIVE and n == incident.node)]
         unreachable = await self._stop_everywhere(reachable, attempt,
