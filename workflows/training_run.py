@@ -677,8 +677,9 @@ class TrainingRun:
         steps = [r.step for r in done if r.step is not None]
         why = "; ".join(failed) or ("" if steps else "no rank survived the crash")
         if not why:
+            # The run's resumed_step stays: shards the live ranks saved after the newest commit are still
+            # theirs to report and commit.
             incident.resumed_step, incident.restore_tier, incident.recovery_path = min(steps), "peers", "in-process"
-            self._status.resumed_step = min(steps)
             self._set_phase(Phase.RUNNING)
             outcome = await self._supervise(spec, attempt)
             if outcome.incident is None or incident.recovery_s is not None:

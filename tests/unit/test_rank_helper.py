@@ -230,6 +230,49 @@ def test_restore_without_a_restore_dir_is_a_fresh_start(tmp_path: Path) -> None:
     assert RankRun(_environ(tmp_path)).restore() is None
 
 
+# ------------------------------------------------------------------------------ in-process restart
+
+
+class SleepingClock(FakeClock):
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+
+def test_rejoin_without_in_process_restarts_re_raises_at_once(tmp_path: Path) -> None:
+    run = RankRun(_environ(tmp_path, TRAINGUARD_REJOIN_FILE=str(tmp_path / "rejoin.json")))
+    assert not run.can_rejoin
+    error = RuntimeError("Connection reset by peer")
+    with pytest.raises(RuntimeError) as raised:
+        run.rejoin(error, {}, 7)
+    assert raised.value is error
+
+
+def test_rejoin_gives_up_when_no_newer_group_is_named_in_time(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SleepingClock()
+    monkeypatch.setattr(rank_module, "time", clock)
+    rejoin = tmp_path / "rejoin.json"
+    # A group named for this same attempt is an old instruction, not the next one.
+    rejoin.write_text(json.dumps({"attempt": 2, "master_addr": "h", "master_port": 1, "world_size": 4,
+                                  "progress_file": "p", "checkpoint_request_file": "c"}))
+    run = RankRun(_environ(tmp_path, TRAINGUARD_REJOIN_FILE=str(rejoin), TRAINGUARD_REJOIN_TIMEOUT_S="30"))
+    assert run.can_rejoin
+    started = clock.now
+    error = RuntimeError("Connection reset by peer")
+    with pytest.raises(RuntimeError) as raised:
+        run.rejoin(error, {}, 7)
+    assert raised.value is error
+    assert 30 <= clock.now - started < 31
+    assert run.attempt == 2  # nothing about the run changed
+
+
+def test_a_joining_rank_reports_no_progress_until_it_knows_its_step(tmp_path: Path) -> None:
+    env = _environ(tmp_path, TRAINGUARD_JOIN="1", TRAINGUARD_RESTORE_STEP="0")
+    run = RankRun(env)
+    assert run.joining
+    assert not Path(env["TRAINGUARD_PROGRESS_FILE"]).exists()
+
+
 # ---------------------------------------------------------------------------------- outside trainguard
 
 

@@ -40,6 +40,8 @@ from activities.models import (
     Manifest,
     PruneCheckpointsInput,
     PruneCheckpointsResult,
+    RejoinRanksInput,
+    RejoinRanksResult,
     ShardInfo,
     StopRanksInput,
     StopRanksResult,
@@ -131,6 +133,10 @@ class Cluster:
     """Nodes the pool has back (repaired) when a shrunk run asks to reclaim them."""
     """`find_checkpoint` fails as it does once its retries against an unreachable store run out."""
     ranks_per_node: int = 1
+    survivor_step: int = 17
+    """Where the live ranks stand when an in-process restart reaches them (they live on the first node)."""
+    rejoin_fails: set[str] = field(default_factory=set)
+    """Nodes whose `rejoin_ranks` fails (their agent no longer runs the attempt)."""
     manifests: list[Manifest] = field(default_factory=list)
     calls: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     while_running: Callable[[WorkflowHandle[Any, Any]], Awaitable[None]] | None = None
@@ -233,6 +239,19 @@ class Cluster:
                                      master_port=request.master_port or 29500 + request.attempt,
                                      pids=[1000 + i for i in range(request.ranks_per_node)])
 
+        @activity.defn(name="rejoin_ranks")
+        async def rejoin_ranks(request: RejoinRanksInput) -> RejoinRanksResult:
+            self.calls["rejoin_ranks"].append(request)
+            if request.node in self.rejoin_fails:
+                raise ApplicationError(f"{request.node} does not run attempt {request.from_attempt}",
+                                       type="NoSuchAttempt", non_retryable=True)
+            ranks = list(range(request.node_rank * self.ranks_per_node, (request.node_rank + 1) * self.ranks_per_node))
+            live = request.node_rank == 0
+            return RejoinRanksResult(node=request.node, master_addr=request.master_addr or f"{request.node}.cluster",
+                                     master_port=request.master_port or 29600 + request.attempt,
+                                     survivors=ranks if live else [], joiners=[] if live else ranks,
+                                     step=self.survivor_step if live else None)
+
         @activity.defn(name="watch_ranks")
         async def watch_ranks(request: WatchRanksInput) -> WatchEvent:
             self.calls["watch_ranks"].append(request)
@@ -278,7 +297,7 @@ class Cluster:
                 raise ApplicationError(f"no agent on {request.node}", type="Unreachable", non_retryable=True)
             return StopRanksResult(stopped=self.ranks_per_node)
 
-        return [check_node, download_shards, launch_ranks, watch_ranks, upload_shards, inject_fault,
+        return [check_node, download_shards, launch_ranks, rejoin_ranks, watch_ranks, upload_shards, inject_fault,
                 stop_ranks]
 
 
@@ -439,6 +458,66 @@ async def test_crash_stops_every_rank_and_relaunches_from_the_committed_checkpoi
     assert {w.reported_step for w in _by_attempt(cluster.inputs("watch_ranks"), 2)} == {10}
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 10
     assert run.status.phase is Phase.COMPLETED
+
+
+async def test_in_process_restart_keeps_live_ranks_and_rejoins_them_with_the_crashed_one(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    crash = _exited(-9, rank=1).model_copy(update={"detected_at": 1_000.0, "fault_at": 999.9})
+    cluster = Cluster(nodes=nodes)
+    uploaded = Until(lambda: len(cluster.inputs("upload_shards")) == 2)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), uploaded, crash],
+        (2, nodes[0]): [_finished(25).model_copy(update={"first_step_at": 1_001.25})],
+        (2, nodes[1]): [_finished(25)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, restarts={"in_process": True}))
+
+    result = run.outcome
+    assert isinstance(result, RunResult) and result.attempts == 2
+    [incident] = result.incidents
+    assert (incident.kind, incident.action, incident.node) == (IncidentKind.CRASH, Action.RESTART, nodes[1])
+    assert (incident.recovery_path, incident.restore_tier) == ("in-process", "peers")
+    assert incident.resumed_step == 17  # where the live ranks stood, past the committed step 10
+    assert incident.recovery_s == 1.25
+    # No rank was stopped, nothing restored or launched: the nodes were told to rejoin, the master's new
+    # group first, then the others pointed at it.
+    assert cluster.inputs("stop_ranks") == []
+    assert _by_attempt(cluster.inputs("launch_ranks"), 2) == []
+    assert cluster.inputs("download_shards") == []  # no checkpoint was read, not even the committed one
+    rejoins = cluster.inputs("rejoin_ranks")
+    assert [(r.node, r.attempt, r.from_attempt) for r in rejoins] == [(nodes[0], 2, 1), (nodes[1], 2, 1)]
+    assert (rejoins[1].master_addr, rejoins[1].master_port) == (f"{nodes[0]}.cluster", 29602)
+    # Shards saved after the newest commit are still reported: the live ranks' checkpoints are good.
+    assert {w.reported_step for w in _by_attempt(cluster.inputs("watch_ranks"), 2)} == {10}
+
+
+async def test_failed_in_process_restart_falls_back_to_a_relaunch_from_the_checkpoint(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, rejoin_fails={nodes[1]})
+    uploaded = Until(lambda: len(cluster.inputs("upload_shards")) == 2)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), uploaded, _exited(-9, rank=1)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, restarts={"in_process": True}))
+
+    result = run.outcome
+    assert isinstance(result, RunResult) and result.attempts == 3
+    [incident] = result.incidents  # the failed in-process attempt is part of the crash, not a new incident
+    assert incident.recovery_path is not None
+    assert incident.recovery_path.startswith("relaunch after failed in-process: ")
+    assert "does not run attempt 1" in incident.recovery_path
+    assert incident.resumed_step == 10 and incident.restore_tier != "peers"
+    # Attempt 2 (in process) was stopped everywhere; attempt 3 relaunched every rank from the checkpoint.
+    assert sorted((s.node, s.attempt) for s in cluster.inputs("stop_ranks")) == [(nodes[0], 2), (nodes[1], 2)]
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 3), key=lambda r: r.node_rank)
+    assert [(r.node, r.restore_step) for r in relaunches] == [(nodes[0], 10), (nodes[1], 10)]
+    assert all(r.rejoin_timeout_s == 60.0 for r in relaunches)
 
 
 async def test_exit_78_stops_the_run_without_retrying(env: WorkflowEnvironment) -> None:
