@@ -606,7 +606,8 @@ class NodeCheckpointActivities:
         tiers: dict[int, str] = {}
         for shard in request.shards:
             tiers[shard.rank] = await asyncio.to_thread(
-                self._download_one, request.bucket, restore_dir, shard, layout.local_step_dir(step))
+                self._download_one, request.bucket, restore_dir, shard,
+                layout.local_step_dir(step) if request.local_tier else None)
             activity.heartbeat({"downloaded_rank": shard.rank})
         for old in restore_dir.parent.glob("step-*"):
             if old != restore_dir:
@@ -618,16 +619,19 @@ class NodeCheckpointActivities:
             tiers=tiers,
         )
 
-    def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path) -> str:
+    def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None) -> str:
         """Put a verified copy of `shard` in `restore_dir`; returns the tier it came from: `local` (this
-        node's own copy of a shard it wrote, checked against the manifest's sha256) or `s3`."""
+        node's own copy of a shard it wrote, checked against the manifest's sha256) or `s3`. Without a
+        `local_step_dir` (the local tier is off) it always comes from the store."""
         final = restore_dir / shard_name(shard.rank)
         meta = restore_dir / shard_meta_name(shard.rank)
-        if final.exists() and meta.exists() and json.loads(meta.read_text()).get("sha256") == shard.sha256:
+        if (local_step_dir is not None and final.exists() and meta.exists()
+                and json.loads(meta.read_text()).get("sha256") == shard.sha256):
             return "local"
         partial = restore_dir / f".{shard_name(shard.rank)}.part"
-        local = local_step_dir / shard_name(shard.rank)
-        if local.exists() and local.stat().st_size == shard.size_bytes and sha256_file(local) == shard.sha256:
+        local = local_step_dir / shard_name(shard.rank) if local_step_dir is not None else None
+        if (local is not None and local.exists() and local.stat().st_size == shard.size_bytes
+                and sha256_file(local) == shard.sha256):
             shutil.copyfile(local, partial)  # a copy: the rank's next save must not write through a link
             partial.replace(final)
             meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))

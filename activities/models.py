@@ -105,6 +105,8 @@ class DownloadShardsInput(BaseModel):
     bucket: str
     shards: list[ShardInfo]
     """Shards of the ranks this node will run; each is verified against its sha256 before use."""
+    local_tier: bool = True
+    """Use the node's own verified copy when it has one; False: always the store."""
 
 
 class DownloadShardsResult(BaseModel):

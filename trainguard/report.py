@@ -8,8 +8,9 @@ Everything comes from the history (every run of the chain when the workflow cont
 run's result (or its `status` query while it still runs); nothing is measured twice:
 
 - phases, from activity timestamps: `reserving` (start to the first restore), `restoring`
-  (`find_checkpoint`, `download_shards`), `launching` (`launch_ranks` to the attempt's first training step,
-  which the watch events carry: imports, rendezvous, loading the shards), `running` (first step to an
+  (`find_checkpoint`, `download_shards`), `launching` (`launch_ranks`, or `rejoin_ranks` for an in-process
+  restart, to the attempt's first training step, which the watch events carry: imports, rendezvous, loading
+  the shards or taking a live peer's state), `running` (first step to an
   incident's detection or to the end of training), `recovering` (detection, `stop_ranks`, the policy's
   decision, up to the next restore), `paused` (waiting for an operator), `finishing` (the last step to the
   workflow's close: final commit, retention, releasing the nodes). They tile the wall time.
@@ -341,6 +342,11 @@ def compute_report(
             markers.append((span.start, order, "launching", span.attempt))
             if span.attempt is not None and span.input and isinstance(span.input.get("restore_step"), int):
                 restored_from[span.attempt] = span.input["restore_step"]
+        elif span.name == "rejoin_ranks":  # an in-process restart: no restore, the live ranks' step goes on
+            markers.append((span.start, order, "launching", span.attempt))
+            step = span.result.get("step") if isinstance(span.result, dict) else None
+            if span.attempt is not None and isinstance(step, int):
+                restored_from[span.attempt] = min(restored_from.get(span.attempt, step), step)
         elif span.name == "stop_ranks":
             kind = _stop_kind(span.summary)
             if kind == "pause-after":

@@ -55,6 +55,10 @@ class CheckpointSpec(_Strict):
     """How long finding the checkpoint to restore may retry against an unreachable store before the run
     records a `storage_unavailable` incident and pauses for an operator. Default 180."""
 
+    local_tier: bool = True
+    """Restore from a node's own copy of the shards it wrote (verified against the manifest) before the
+    store. Off: every restore reads the store (a node whose disk cannot be trusted). Default on."""
+
     @field_validator("prefix")
     @classmethod
     def _no_dot_segments(cls, value: str) -> str:

@@ -766,7 +766,8 @@ class TrainingRun:
             return await workflow.execute_activity(
                 "download_shards",
                 DownloadShardsInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
-                                    bucket=spec.checkpoint.bucket, shards=shards),
+                                    bucket=spec.checkpoint.bucket, shards=shards,
+                                    local_tier=spec.checkpoint.local_tier),
                 task_queue=node_task_queue(node),
                 start_to_close_timeout=TRANSFER_TIMEOUT,
                 schedule_to_close_timeout=TRANSFER_SCHEDULE_TO_CLOSE,

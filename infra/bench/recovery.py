@@ -134,6 +134,12 @@ class Measurement:
     note: str = ""
     events: list[dict[str, Any]] = field(default_factory=list)
     """torchrun's log lines about the failure and restart, seconds after the fault."""
+    workflow_id: str | None = None
+    """trainguard: the run, for its history (`trainguard run report`)."""
+    restore_tier: str | None = None
+    recovery_path: str | None = None
+    digest: str | None = None
+    """trainguard: the run's final_state_digest."""
 
 
 @dataclass(slots=True)
@@ -498,13 +504,19 @@ def rank_step(home: Path, node: str, run_id: str, attempt: int, rank: int) -> in
         return None
 
 
-async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, home: Path) -> Measurement:
+async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, home: Path,
+                           system: str = "trainguard", spec_changes: dict[str, Any] | None = None) -> Measurement:
+    """One run of the job with `fault` sent once it passes `opts.fault_step`. `spec_changes` are merged into
+    the spec's sections (e.g. `{"restarts": {"in_process": True}}`)."""
     from temporalio.service import RPCError
 
-    result = Measurement(fault=fault, system="trainguard")
+    result = Measurement(fault=fault, system=system)
     tag = secrets.token_hex(4)
-    run_id = await client.start_run(trainguard_spec(opts, f"bench-recovery-{fault}-{tag}", fault),
-                                    workflow_id=f"bench-recovery-{fault}-{tag}")
+    spec = trainguard_spec(opts, f"bench-recovery-{fault}-{tag}", fault)
+    for section, changes in (spec_changes or {}).items():
+        spec[section] = {**spec.get(section, {}), **changes}
+    run_id = await client.start_run(spec, workflow_id=f"bench-recovery-{fault}-{tag}")
+    result.workflow_id = run_id
     timeout_s = 180 + 3 * opts.steps * opts.step_time
     deadline = time.monotonic() + timeout_s
     finished = False
@@ -566,6 +578,7 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 result.detection_s = first.detection_s
                 result.restart_s = round(result.time_to_recover_s - first.detection_s, 3)
             result.resumed_step = incident.resumed_step
+            result.restore_tier, result.recovery_path = incident.restore_tier, incident.recovery_path
         if others:
             extra = f"other incidents: {', '.join(others)}"
             result.note = f"{result.note}; {extra}" if result.note else extra
@@ -575,6 +588,7 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
         result.completed = outcome.steps_completed == opts.steps
         result.attempts = outcome.attempts
         result.mean_step_s = outcome.mean_step_s
+        result.digest = outcome.final_state_digest
         return result
     except asyncio.TimeoutError:
         result.note = f"the run did not finish within {timeout_s:.0f}s"

@@ -202,6 +202,27 @@ def test_simplified_spans_are_enough() -> None:
     assert report.steps_completed == 30 and report.incidents == []
 
 
+def test_an_in_process_restart_is_recovery_then_launching_from_the_live_step() -> None:
+    """No restore after an in-process restart: the rejoin to the first step is launching, and the new
+    attempt's timeline goes on from the live ranks' step, not from a checkpoint."""
+    crash = Incident(kind=IncidentKind.CRASH, node="n1", rank=1, attempt=1, detection_s=0.2, recovery_s=1.5,
+                     resumed_step=27, detected_at=T0 + 5.0, recovery_path="in-process", restore_tier="peers")
+    spans = [
+        Span("find_checkpoint", T0 + 1, T0 + 1.5, attempt=1),
+        Span("launch_ranks", T0 + 1.5, T0 + 1.6, attempt=1, input={"restore_step": 0}),
+        Span("watch_ranks", T0 + 1.6, T0 + 5.0, attempt=1,
+             result={"kind": "rank_exited", "step": 27, "first_step_at": T0 + 2.0, "detected_at": T0 + 5.0}),
+        Span("rejoin_ranks", T0 + 5.1, T0 + 5.2, attempt=2, result={"step": 27, "survivors": [0]}),
+        Span("watch_ranks", T0 + 5.2, T0 + 9.0, attempt=2,
+             result={"kind": "finished", "step": 45, "first_step_at": T0 + 6.5, "detected_at": T0 + 9.0}),
+    ]
+    report = compute_report(spans, start=T0, end=T0 + 9.5, incidents=[crash])
+    assert report.phases["restoring"] == pytest.approx(0.5), "attempt 1's restore only"
+    assert report.phases["recovering"] == pytest.approx(0.1)
+    assert report.phases["launching"] == pytest.approx(0.5 + 1.4)
+    assert [(p.attempt, p.step) for p in report.points if p.at_s == pytest.approx(6.5)] == [(2, 27)]
+
+
 def test_finishing_starts_at_the_last_step_not_at_the_ranks_exit() -> None:
     spans = [
         Span("launch_ranks", T0 + 0.5, T0 + 0.6, attempt=1, input={"restore_step": 0}),
