@@ -55,6 +55,10 @@ class RunLayout:
         """An operator's `checkpoint_now`: the step every rank of the attempt saves at."""
         return self.attempt_dir(attempt) / "checkpoint-request.json"
 
+    def standby_file(self, attempt: int) -> Path:
+        """The role (a rank's environment) the agent gives the attempt's standby process when a rank dies."""
+        return self.attempt_dir(attempt) / "standby.json"
+
     def rejoin_file(self, rank: int) -> Path:
         """Where the agent tells a live rank whose peers failed which process group to join next."""
         return self.root / "rejoin" / f"rank-{rank:05d}.json"

@@ -115,6 +115,9 @@ class AttemptRecord:
     """Chaos faults injected into this attempt: rank -> unix time."""
     survivors: set[int] = field(default_factory=set)
     """After an in-process restart: the ranks carried over alive from the attempt before."""
+    standby: RankProcess | None = None
+    """With in-process restarts on: a process of the entrypoint already started (torch imported), waiting in
+    `trainguard.rank.standby()` to take the place of a rank that dies."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -127,6 +130,8 @@ class AttemptRecord:
             "chain_id": self.chain_id,
             "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time} for p in self.ranks.values()],
             "survivors": sorted(self.survivors),
+            "standby": None if self.standby is None else {"pid": self.standby.pid,
+                                                          "start_time": self.standby.start_time},
         }
 
     @classmethod
@@ -141,6 +146,8 @@ class AttemptRecord:
             chain_id=data.get("chain_id", ""),
             survivors=set(data.get("survivors", [])),
         )
+        if data.get("standby"):
+            record.standby = RankProcess(-1, data["standby"]["pid"], data["standby"]["start_time"])
         for item in data["ranks"]:
             record.ranks[item["rank"]] = RankProcess(item["rank"], item["pid"], item["start_time"])
         return record
@@ -227,6 +234,10 @@ class RankActivities:
         os.replace(tmp, layout.ranks_file)
 
     async def _stop_record(self, record: AttemptRecord, grace_s: float) -> int:
+        if record.standby is not None and not record.standby.poll():
+            _kill_group(record.standby.pid, signal.SIGKILL)  # it holds no state: no grace
+            if record.standby.popen is not None:
+                await asyncio.to_thread(record.standby.popen.wait)
         live = [p for p in record.ranks.values() if not p.poll()]
         for proc in live:
             _kill_group(proc.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
@@ -306,6 +317,8 @@ class RankActivities:
             extra["TRAINGUARD_REJOIN_TIMEOUT_S"] = str(request.rejoin_timeout_s)
         for local_rank in range(request.ranks_per_node):
             await self._spawn(record, layout, request, cwd, local_rank, extra)
+        if request.rejoin_timeout_s is not None:
+            self._start_standby(record, layout, request, cwd)
         log.info(
             "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d)",
             sorted(record.ranks), request.workflow_id, request.attempt, self.node, master_addr, master_port,
@@ -323,15 +336,11 @@ class RankActivities:
             )
         return cwd
 
-    async def _spawn(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
-                     cwd: Path, local_rank: int, extra: dict[str, str]) -> None:
-        """Start one rank of `record`'s attempt with torchrun's environment (plus trainguard's), in a session
-        of its own so its whole tree can be signalled, and record it before anything else can happen."""
+    def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
+                  local_rank: int, extra: dict[str, str]) -> dict[str, str]:
+        """torchrun's environment for one rank of `record`'s attempt, plus trainguard's."""
         rank = request.node_rank * request.ranks_per_node + local_rank
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.update(request.env)
-        env.update({
+        return {
             "RANK": str(rank),
             "LOCAL_RANK": str(local_rank),
             "GROUP_RANK": str(request.node_rank),
@@ -339,9 +348,6 @@ class RankActivities:
             "LOCAL_WORLD_SIZE": str(request.ranks_per_node),
             "MASTER_ADDR": record.master_addr,
             "MASTER_PORT": str(record.master_port),
-            "TMPDIR": str(layout.tmp_dir),
-            "TRAINGUARD_WORKFLOW_ID": request.workflow_id,
-            "TRAINGUARD_NODE": self.node,
             "TRAINGUARD_ATTEMPT": str(record.attempt),
             "TRAINGUARD_PROGRESS_FILE": str(layout.progress_file(record.attempt, rank)),
             "TRAINGUARD_CHECKPOINT_DIR": str(layout.checkpoint_dir),
@@ -349,20 +355,29 @@ class RankActivities:
             "TRAINGUARD_CHECKPOINT_REQUEST_FILE": str(layout.checkpoint_request_file(record.attempt)),
             "TRAINGUARD_REJOIN_FILE": str(layout.rejoin_file(rank)),
             **extra,
-        })
-        log_file = layout.log_file(record.attempt, rank).open("ab")
+        }
+
+    def _start(self, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput, cwd: Path, log_path: Path,
+               env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The entrypoint in a session of its own (so its whole tree can be signalled), without the agent's
+        secrets in its environment."""
+        full = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
+        full.setdefault("OMP_NUM_THREADS", "1")
+        full.update(request.env)
+        full.update({"TMPDIR": str(layout.tmp_dir), "TRAINGUARD_WORKFLOW_ID": request.workflow_id,
+                     "TRAINGUARD_NODE": self.node, **env})
+        log_file = log_path.open("ab")
         try:
-            popen = subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
+            return subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
                 request.entrypoint,
                 cwd=cwd,
-                env=env,
+                env=full,
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         except OSError as error:
-            await self._stop_record(record, grace_s=0.5)
             raise ApplicationError(
                 f"cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
                 type="BadSpec",
@@ -370,8 +385,37 @@ class RankActivities:
             ) from None
         finally:
             log_file.close()
-        record.ranks[rank] = RankProcess(rank, popen.pid, start_time(popen.pid), popen)
+
+    async def _spawn(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
+                     cwd: Path, local_rank: int, extra: dict[str, str]) -> None:
+        """Start one rank of `record`'s attempt and record it before anything else can happen."""
+        env = self._rank_env(record, layout, request, local_rank, extra)
+        rank = int(env["RANK"])
+        try:
+            popen = self._start(layout, request, cwd, layout.log_file(record.attempt, rank), env)
+        except ApplicationError:
+            await self._stop_record(record, grace_s=0.5)
+            raise
+        self._track(record, rank, popen.pid, popen)
+
+    def _track(self, record: AttemptRecord, rank: int, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
+        record.ranks[rank] = RankProcess(rank, pid, start_time(pid), popen)
         threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
+        self._save_record(record)
+
+    def _start_standby(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
+                       cwd: Path) -> None:
+        """One process of the entrypoint, started now so a rank that dies later is replaced without paying
+        for the interpreter and its imports: it waits in `trainguard.rank.standby()` for the role file."""
+        path = layout.standby_file(record.attempt)
+        path.unlink(missing_ok=True)
+        try:
+            popen = self._start(layout, request, cwd, layout.attempt_dir(record.attempt) / "logs" / "standby.log",
+                                {"TRAINGUARD_STANDBY_FILE": str(path)})
+        except ApplicationError as error:
+            log.warning("no standby process on %s: %s", self.node, error)
+            return
+        record.standby = RankProcess(-1, popen.pid, start_time(popen.pid), popen)
         self._save_record(record)
 
     @activity.defn(name="rejoin_ranks")
@@ -419,15 +463,33 @@ class RankActivities:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(payload))
             os.replace(tmp, path)
+        standby = current.standby if current.standby is not None and not current.standby.poll() else None
+        current.standby = None  # it moves to the new attempt's record: as a rank, or to be stopped with it
+        used_standby = False
         for local_rank in range(request.ranks_per_node):
             rank = request.node_rank * request.ranks_per_node + local_rank
-            if rank not in alive:
-                await self._spawn(record, layout, request, cwd, local_rank, {
-                    "TRAINGUARD_JOIN": "1", "TRAINGUARD_RESTORE_STEP": str(record.start_step),
-                    "TRAINGUARD_REJOIN_TIMEOUT_S": str(request.rejoin_timeout_s)})
-        log.info("in-process restart of %s attempt %d -> %d on %s: kept ranks %s, restarted %s (group %s:%d)",
+            if rank in alive:
+                continue
+            extra = {"TRAINGUARD_JOIN": "1", "TRAINGUARD_RESTORE_STEP": str(record.start_step),
+                     "TRAINGUARD_REJOIN_TIMEOUT_S": str(request.rejoin_timeout_s)}
+            if standby is not None:
+                # The standby has the interpreter and torch loaded: give it this rank's role.
+                env = self._rank_env(record, layout, request, local_rank, extra)
+                role = layout.standby_file(current.attempt)
+                tmp = role.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"env": env}))
+                os.replace(tmp, role)
+                self._track(record, rank, standby.pid, standby.popen)
+                standby, used_standby = None, True
+            else:
+                await self._spawn(record, layout, request, cwd, local_rank, extra)
+        record.standby = standby
+        if record.standby is None:
+            self._start_standby(record, layout, request, cwd)
+        log.info("in-process restart of %s attempt %d -> %d on %s: kept ranks %s, restarted %s%s (group %s:%d)",
                  request.workflow_id, request.from_attempt, record.attempt, self.node, sorted(alive),
-                 sorted(set(record.ranks) - set(alive)), record.master_addr, record.master_port)
+                 sorted(set(record.ranks) - set(alive)), " (one from the standby)" if used_standby else "",
+                 record.master_addr, record.master_port)
         return RejoinRanksResult(node=self.node, master_addr=record.master_addr, master_port=record.master_port,
                                  survivors=sorted(alive), joiners=sorted(set(record.ranks) - set(alive)),
                                  step=min(steps) if steps else None)
@@ -558,7 +620,7 @@ class RankActivities:
 
     def _die(self) -> None:
         for record in self._attempts.values():
-            for proc in record.ranks.values():
+            for proc in [*record.ranks.values(), *([record.standby] if record.standby else [])]:
                 if not proc.poll():
                     _kill_group(proc.pid, signal.SIGKILL)
         log.warning("chaos: node-down on %s: agent and ranks killed", self.node)

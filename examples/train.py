@@ -79,6 +79,9 @@ def main() -> None:
     plain.add_argument("--ft-heartbeat", action="store_true",
                        help="under NVIDIA's ft_launcher (nvidia-resiliency-ext): send its rank heartbeat every step")
     args = parser.parse_args()
+    # With in-process restarts on, the agent may start this process ahead of need: it waits here, torch
+    # already imported, until it is given the place of a rank that died.
+    tg.standby()
     if args.steps < 1:
         print("--steps must be at least 1", flush=True)
         raise SystemExit(tg.EXIT_NO_RETRY)

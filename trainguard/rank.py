@@ -356,6 +356,27 @@ class RankRun:
         self._write_progress(force=True, finished=True, digest=digest, mean_step_s=mean)
 
 
+def standby(poll_s: float = 0.02) -> None:
+    """Call first thing in a script, before `init_process_group`. Returns at once, unless the node agent
+    started this process as a standby (in-process restarts on): then it waits, with the interpreter and its
+    imports already loaded, until the agent gives it the role of a rank that died, and returns as that rank
+    (its environment set as for any rank). Exits if the agent that started it goes away."""
+    path = os.environ.get("TRAINGUARD_STANDBY_FILE")
+    if not path:
+        return
+    agent = os.getppid()
+    while True:
+        try:
+            role = json.loads(Path(path).read_text())
+            break
+        except (OSError, ValueError):
+            if os.getppid() != agent:
+                raise SystemExit(0) from None
+            time.sleep(poll_s)
+    os.environ.update(role["env"])
+    del os.environ["TRAINGUARD_STANDBY_FILE"]
+
+
 def init() -> RankRun:
     """This rank's handle on the run, from the environment the node agent set."""
     return RankRun()

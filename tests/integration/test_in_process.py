@@ -24,9 +24,12 @@ def in_process_spec(prefix: str, *trainer_args: str) -> dict[str, Any]:
     return spec
 
 
+def rank_record(stack: DevStack, node: str, workflow_id: str) -> dict[str, Any]:
+    return json.loads(RunLayout.of(stack.home / "nodes" / node, workflow_id).ranks_file.read_text())
+
+
 def rank_pids(stack: DevStack, node: str, workflow_id: str) -> dict[int, int]:
-    record = json.loads(RunLayout.of(stack.home / "nodes" / node, workflow_id).ranks_file.read_text())
-    return {item["rank"]: item["pid"] for item in record["ranks"]}
+    return {item["rank"]: item["pid"] for item in rank_record(stack, node, workflow_id)["ranks"]}
 
 
 async def test_crash_recovers_in_process_and_the_live_rank_keeps_running(
@@ -38,6 +41,7 @@ async def test_crash_recovers_in_process_and_the_live_rank_keeps_running(
     committed = view.status.latest_checkpoint.step  # type: ignore[union-attr]
     live_before = rank_pids(stack, "node-0", rid)
     crashed_before = rank_pids(stack, "node-1", rid)
+    standby = rank_record(stack, "node-1", rid)["standby"]["pid"]  # torch already imported, waiting
     await client.inject_fault(rid, "crash", "node-1")
 
     result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
@@ -48,9 +52,9 @@ async def test_crash_recovers_in_process_and_the_live_rank_keeps_running(
     assert crash.resumed_step is not None and crash.resumed_step >= committed, (crash, committed)
     assert crash.recovery_s is not None
     assert result.attempts == 2
-    # The live rank is the same process; the crashed one was started again.
+    # The live rank is the same process; node-1's standby process took the crashed rank's place.
     assert rank_pids(stack, "node-0", rid) == live_before
-    assert rank_pids(stack, "node-1", rid) != crashed_before
+    assert rank_pids(stack, "node-1", rid) == {1: standby} != crashed_before
     assert result.final_state_digest == baseline.final_state_digest
 
 

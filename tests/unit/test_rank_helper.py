@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -264,6 +265,31 @@ def test_rejoin_gives_up_when_no_newer_group_is_named_in_time(tmp_path: Path,
     assert raised.value is error
     assert 30 <= clock.now - started < 31
     assert run.attempt == 2  # nothing about the run changed
+
+
+def test_a_standby_waits_for_its_role_and_returns_as_that_rank(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    role = tmp_path / "standby.json"
+    monkeypatch.setenv("TRAINGUARD_STANDBY_FILE", str(role))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TRAINGUARD_JOIN", raising=False)
+    timer = threading.Timer(0.2, lambda: role.write_text(json.dumps({"env": {"RANK": "3", "TRAINGUARD_JOIN": "1"}})))
+    timer.start()
+    started = time.monotonic()
+    rank_module.standby(poll_s=0.01)
+    assert time.monotonic() - started >= 0.15  # it waited for the role
+    assert os.environ["RANK"] == "3" and os.environ["TRAINGUARD_JOIN"] == "1"
+    assert "TRAINGUARD_STANDBY_FILE" not in os.environ
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("TRAINGUARD_JOIN")
+
+
+def test_standby_is_a_no_op_for_a_rank_started_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRAINGUARD_STANDBY_FILE", raising=False)
+    rank_module.standby()  # returns at once
 
 
 def test_a_joining_rank_reports_no_progress_until_it_knows_its_step(tmp_path: Path) -> None:

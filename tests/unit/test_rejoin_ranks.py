@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.models import LaunchRanksInput, RejoinRanksInput
+from activities.models import LaunchRanksInput, RejoinRanksInput, StopRanksInput
 from activities.paths import RunLayout
 from activities.ranks import RankActivities
+from trainguard.procs import start_time
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -42,6 +43,9 @@ async def test_live_ranks_are_kept_and_the_dead_one_restarts_as_a_joiner(agent: 
         workflow_id="wf", chain_id="c1", attempt=1, node="node-a", node_rank=0, num_nodes=1, ranks_per_node=2,
         entrypoint=SLEEPER, rejoin_timeout_s=30.0))
     live_pid, dead_pid = launched.pids
+    layout = RunLayout.of(tmp_path, "wf")
+    standby_pid = json.loads(layout.ranks_file.read_text())["standby"]["pid"]
+    assert standby_pid not in launched.pids
     os.kill(dead_pid, signal.SIGKILL)
     await asyncio.sleep(0.2)
 
@@ -49,7 +53,6 @@ async def test_live_ranks_are_kept_and_the_dead_one_restarts_as_a_joiner(agent: 
 
     assert (result.survivors, result.joiners) == ([0], [1])
     assert result.master_port != launched.master_port  # a fresh group, never the broken one's port
-    layout = RunLayout.of(tmp_path, "wf")
     told = json.loads(layout.rejoin_file(0).read_text())
     assert (told["attempt"], told["master_port"], told["world_size"]) == (2, result.master_port, 2)
     assert told["progress_file"] == str(layout.progress_file(2, 0))
@@ -57,10 +60,19 @@ async def test_live_ranks_are_kept_and_the_dead_one_restarts_as_a_joiner(agent: 
     record = json.loads(layout.ranks_file.read_text())
     pids = {item["rank"]: item["pid"] for item in record["ranks"]}
     assert record["attempt"] == 2 and pids[0] == live_pid and pids[1] != dead_pid
+    # The standby took rank 1's place: told its role, not started anew; a fresh standby waits behind it.
+    assert pids[1] == standby_pid
+    role = json.loads(layout.standby_file(1).read_text())["env"]
+    assert (role["RANK"], role["TRAINGUARD_JOIN"], role["MASTER_PORT"]) == ("1", "1", str(result.master_port))
+    assert record["standby"]["pid"] not in (standby_pid, live_pid)
 
     again = await agent.rejoin_ranks(_rejoin())  # a retry after a lost completion
     assert (again.survivors, again.joiners, again.master_port) == ([0], [1], result.master_port)
     assert {item["pid"] for item in json.loads(layout.ranks_file.read_text())["ranks"]} == set(pids.values())
+
+    await agent.stop_ranks(StopRanksInput(workflow_id="wf", node="node-a", attempt=2))
+    for pid in [*pids.values(), record["standby"]["pid"]]:  # the standby goes with the ranks
+        assert start_time(pid) is None
 
 
 async def test_a_node_not_running_the_attempt_refuses_so_the_run_relaunches(agent: RankActivities) -> None:
