@@ -47,6 +47,10 @@ bench-goodput: $(STAMP)
 bench-scale: $(STAMP)
 	$(BIN)/python -m infra.bench.scale $(BENCH_ARGS)
 
+.PHONY: bench-paths
+bench-paths: $(STAMP)
+	$(BIN)/python -m infra.bench.paths $(BENCH_ARGS)
+
 .PHONY: soak
 soak: $(STAMP)
 	$(BIN)/python -m infra.chaos_soak $(SOAK_ARGS)
@@ -64,6 +68,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m infra.bench.checkpoint $(CHECKPOINT_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.recovery $(RECOVERY_BENCH_ARGS)
+	$(BIN)/python -m infra.bench.paths $(PATHS_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.goodput $(GOODPUT_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.scale $(SCALE_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.plots $(PLOTS_ARGS)

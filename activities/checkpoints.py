@@ -24,7 +24,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ from activities.models import (
     UploadShardsResult,
 )
 from activities.paths import RunLayout, shard_meta_name, shard_name, step_dir_name
+from activities.peers import fetch_from_peer
 from trainguard.models import CheckpointRef
 from trainguard.rank import sha256_file
 from trainguard.settings import s3_client
@@ -504,9 +505,21 @@ class StoreActivities:
 class NodeCheckpointActivities:
     """Node-side activities: upload this node's shards, download the shards its ranks restore from."""
 
-    def __init__(self, node: str, workdir: Path) -> None:
+    def __init__(self, node: str, workdir: Path,
+                 peer_urls: Callable[[], Awaitable[dict[str, str]]] | None = None) -> None:
         self.node = node
         self.workdir = workdir
+        self._peer_urls = peer_urls
+        """Node -> URL of its agent's shard server (the peer tier); None: no peer tier."""
+
+    async def _peers(self, request: DownloadShardsInput) -> dict[str, str]:
+        if self._peer_urls is None or not request.local_tier or all(s.node == self.node for s in request.shards):
+            return {}
+        try:
+            return {node: url for node, url in (await self._peer_urls()).items() if node != self.node and url}
+        except Exception as error:  # noqa: BLE001 - without peers the store still has every shard
+            log.warning("peer tier: cannot look up the peers' shard servers: %s", error)
+            return {}
 
     @activity.defn(name="upload_shards")
     async def upload_shards(self, request: UploadShardsInput) -> UploadShardsResult:
@@ -604,10 +617,12 @@ class NodeCheckpointActivities:
         restore_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         tiers: dict[int, str] = {}
+        peers = await self._peers(request)
         for shard in request.shards:
             tiers[shard.rank] = await asyncio.to_thread(
                 self._download_one, request.bucket, restore_dir, shard,
-                layout.local_step_dir(step) if request.local_tier else None)
+                layout.local_step_dir(step) if request.local_tier else None,
+                (peers.get(shard.node or ""), layout.root.name))
             activity.heartbeat({"downloaded_rank": shard.rank})
         for old in restore_dir.parent.glob("step-*"):
             if old != restore_dir:
@@ -619,10 +634,12 @@ class NodeCheckpointActivities:
             tiers=tiers,
         )
 
-    def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None) -> str:
+    def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None,
+                      peer: tuple[str | None, str] = (None, "")) -> str:
         """Put a verified copy of `shard` in `restore_dir`; returns the tier it came from: `local` (this
-        node's own copy of a shard it wrote, checked against the manifest's sha256) or `s3`. Without a
-        `local_step_dir` (the local tier is off) it always comes from the store."""
+        node's own copy of a shard it wrote, checked against the manifest's sha256), `peer` (the copy on the
+        node that wrote it, `peer` = (its shard server's URL, the run's folder name), checked the same way)
+        or `s3`. Without a `local_step_dir` (the local tier is off) it always comes from the store."""
         final = restore_dir / shard_name(shard.rank)
         meta = restore_dir / shard_meta_name(shard.rank)
         if (local_step_dir is not None and final.exists() and meta.exists()
@@ -636,6 +653,15 @@ class NodeCheckpointActivities:
             partial.replace(final)
             meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
             return "local"
+        peer_url, run_dir_name = peer
+        if local is not None and peer_url:
+            problem = fetch_from_peer(peer_url, run_dir_name, shard, partial)
+            if problem is None:
+                partial.replace(final)
+                meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes,
+                                            "sha256": shard.sha256}))
+                return "peer"
+            log.info("peer tier: %s; reading the store instead", problem)
         with partial.open("wb") as handle:
             writer = _HashingWriter(handle)  # download and checksum in one pass
             try:

@@ -114,7 +114,8 @@ class DownloadShardsResult(BaseModel):
     num_bytes: int = 0
     seconds: float = 0.0
     tiers: dict[int, str] = Field(default_factory=dict)
-    """Where each rank's shard came from: `local` (the node's own verified copy) or `s3`."""
+    """Where each rank's shard came from: `local` (the node's own verified copy), `peer` (the verified copy
+    on the node that wrote it) or `s3`."""
 
 
 class UploadShardsInput(BaseModel):

@@ -62,11 +62,17 @@ async def pool_handle(client: Client):  # type: ignore[no-untyped-def]
     )
 
 
-async def register_node(client: Client, node: str, host: str, healthy: bool) -> PoolNode:
+async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "") -> PoolNode:
     handle = await pool_handle(client)
     return await handle.execute_update(
-        "register", RegisterNodeRequest(node=node, host=host, healthy=healthy), result_type=PoolNode
+        "register", RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url),
+        result_type=PoolNode,
     )
+
+
+async def peer_urls(client: Client) -> dict[str, str]:
+    """Node -> its agent's shard server, as the agents registered them in the pool."""
+    return {n.node: n.peer_url for n in await pool_nodes(client) if n.peer_url}
 
 
 async def pool_nodes(client: Client) -> list[PoolNode]:

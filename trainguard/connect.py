@@ -5,6 +5,7 @@ from __future__ import annotations
 from temporalio.client import Client
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
+from trainguard import tracing
 from trainguard.codec import data_converter_from_env
 from trainguard.settings import Settings
 
@@ -20,4 +21,5 @@ async def connect(settings: Settings | None = None) -> Client:
     return await Client.connect(
         settings.temporal_address, namespace=settings.namespace, data_converter=data_converter_from_env(),
         runtime=runtime, tls=settings.tls_config(), api_key=settings.api_key,
+        interceptors=tracing.interceptors(),
     )

@@ -71,8 +71,8 @@ class Incident(BaseModel):
     resumed_step: int | None = None
     """Step the next attempt resumed from (0 when no checkpoint was committed yet)."""
     restore_tier: str | None = None
-    """Where the next attempt's shards came from: `local` (each node's own verified copy), `s3`, or
-    `local+s3`; `peers` after an in-process restart (restarted ranks took a live peer's state); None when it
+    """Where the next attempt's shards came from: `local` (each node's own verified copy), `peer` (the
+    verified copy on the node that wrote the shard), `s3`, or a mix (`local+peer`); `peers` after an in-process restart (restarted ranks took a live peer's state); None when it
     started from scratch."""
     detected_at: float = 0.0
     """Unix time of detection, on the detecting node agent's clock."""
@@ -223,6 +223,8 @@ class PoolNode(BaseModel):
     cordoned_at: float | None = None
     draining: bool = False
     """Leaves the pool once its current run releases it."""
+    peer_url: str = ""
+    """Its agent's shard server (the peer tier); empty when it serves none."""
 
 
 class PoolStatus(BaseModel):
@@ -233,6 +235,7 @@ class RegisterNodeRequest(BaseModel):
     node: str
     host: str = ""
     healthy: bool = True
+    peer_url: str = ""
 
 
 class AcquireNodesRequest(BaseModel):

@@ -20,7 +20,8 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import NodeCheckpointActivities
 from activities.health import HealthActivities, NodeHealth
-from activities.nodes import register_node
+from activities.nodes import peer_urls, register_node
+from activities.peers import ShardServer
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
@@ -31,10 +32,11 @@ log = logging.getLogger("trainguard.node_agent")
 
 
 def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
-                 allowed: tuple[str, ...] = ("*",), chaos: bool = True) -> tuple[Worker, RankActivities]:
+                 allowed: tuple[str, ...] = ("*",), chaos: bool = True,
+                 peer_tier: bool = True) -> tuple[Worker, RankActivities]:
     node_health = NodeHealth()
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos)
-    checkpoints = NodeCheckpointActivities(node, workdir)
+    checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     health = HealthActivities(node, host, node_health)
     worker = Worker(
         client,
@@ -60,12 +62,14 @@ REGISTER_RETRY_S = 2.0
 """The pool answers once a controller runs; until then keep asking (agents may start first)."""
 
 
-async def register_until_done(client, node: str, host: str) -> None:  # type: ignore[no-untyped-def]
-    """Join the node pool, reporting GPU health: a cordoned node that comes back healthy is repaired."""
+async def register_until_done(client, node: str, host: str,  # type: ignore[no-untyped-def]
+                              peer_url: str = "") -> None:
+    """Join the node pool, reporting GPU health (a cordoned node that comes back healthy is repaired) and
+    where its shard server is."""
     healthy = (await asyncio.to_thread(NodeHealth().check)).healthy
     while True:
         try:
-            state = await asyncio.wait_for(register_node(client, node, host, healthy), timeout=30)
+            state = await asyncio.wait_for(register_node(client, node, host, healthy, peer_url), timeout=30)
             log.info("registered %s in the node pool (cordoned: %s)", node, state.cordoned or "no")
             return
         except Exception as error:  # noqa: BLE001 - retried until the controller answers
@@ -84,6 +88,10 @@ async def main() -> None:
                         help="a program, or a directory of programs, ranks may be started with (repeatable; "
                              "'*' allows anything). Also TRAINGUARD_ALLOWED_ENTRYPOINTS, separated by ':'. "
                              "Nothing is allowed by default.")
+    parser.add_argument("--peer-port", type=int, default=int(os.environ.get("TRAINGUARD_PEER_PORT", "0")),
+                        help="port this agent serves its checkpoint shards to other nodes on (the peer tier; "
+                             "unauthenticated: keep it on the cluster network); 0 picks a free one, -1 serves "
+                             "none. Also TRAINGUARD_PEER_PORT")
     parser.add_argument("--no-chaos", action="store_true", default=os.environ.get("TRAINGUARD_CHAOS") == "off",
                         help="refuse fault injection (production); also TRAINGUARD_CHAOS=off")
     args = parser.parse_args()
@@ -96,17 +104,21 @@ async def main() -> None:
     setup_logging(f"node-agent[{args.node}]")
     args.workdir.mkdir(parents=True, exist_ok=True)
     client = await connect()
+    server = ShardServer(args.workdir, args.host, args.peer_port).start() if args.peer_port >= 0 else None
     worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve(),
-                                 allowed=allowed, chaos=not args.no_chaos)
+                                 allowed=allowed, chaos=not args.no_chaos, peer_tier=server is not None)
     stop = stop_event()
     log.info("node agent %s polling %s", args.node, node_task_queue(args.node))
     try:
         async with worker:
-            registration = asyncio.create_task(register_until_done(client, args.node, args.host))
+            registration = asyncio.create_task(
+                register_until_done(client, args.node, args.host, server.url if server else ""))
             await stop.wait()
             registration.cancel()
     finally:
         stopped = await ranks.stop_all(grace_s=2.0)
+        if server is not None:
+            server.stop()
         log.info("node agent %s stopped (%d ranks stopped)", args.node, stopped)
 
 

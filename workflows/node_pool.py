@@ -52,6 +52,7 @@ def register(nodes: dict[str, PoolNode], request: RegisterNodeRequest, now: floa
     """An agent (re)started. A cordoned node whose agent comes back healthy is repaired: schedulable again."""
     current = nodes.get(request.node) or PoolNode(node=request.node)
     current.host, current.registered_at, current.healthy = request.host, now, request.healthy
+    current.peer_url = request.peer_url
     if current.cordoned is not None and request.healthy and current.leased_to is None:
         current.cordoned = current.cordoned_at = None
     if not request.healthy and current.cordoned is None:

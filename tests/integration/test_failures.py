@@ -58,6 +58,9 @@ async def test_gpu_fault_cordons_the_node_and_a_spare_takes_over(
     assert "XID" in gpu[0].detail
     assert gpu[0].detection_s is not None and gpu[0].detection_s < 5
     assert (await client.status(rid)).status.cordoned == ["node-1"]
+    # The spare restored rank 1's shard from node-1 itself (its disk is fine, its GPU is not): the peer
+    # tier, verified against the manifest; node-0 read its own copy.
+    assert gpu[0].restore_tier == "local+peer", gpu[0]
     assert result.final_state_digest == baseline.final_state_digest
 
 

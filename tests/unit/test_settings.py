@@ -40,3 +40,34 @@ def test_s3_endpoint_and_path_style_from_the_environment() -> None:
                                   "AWS_REGION": "eu-west-1"})
     assert settings.s3_endpoint == "https://minio.internal:9000"
     assert not settings.s3_path_style and settings.s3_region == "eu-west-1"
+
+
+# ------------------------------------------------------------------------------------------ tracing
+
+
+def test_tracing_is_off_unless_an_otlp_endpoint_or_the_switch_is_set() -> None:
+    from trainguard import tracing
+
+    assert tracing.interceptors({}) == []
+    assert tracing.enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+    assert tracing.enabled({"TRAINGUARD_TRACING": "1"})
+    assert not tracing.enabled({"TRAINGUARD_TRACING": "0"})
+
+
+def test_tracing_keeps_a_tracer_provider_the_process_already_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from temporalio.contrib.opentelemetry import TracingInterceptor
+
+    from trainguard import tracing
+
+    own = TracerProvider()
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: own)
+
+    def refuse(_provider: object) -> None:
+        raise AssertionError("replaced the process's own tracer provider")
+
+    monkeypatch.setattr(trace, "set_tracer_provider", refuse)
+    monkeypatch.setattr(tracing, "_configured", False)
+    [interceptor] = tracing.interceptors({"TRAINGUARD_TRACING": "1"})
+    assert isinstance(interceptor, TracingInterceptor)

@@ -17,7 +17,7 @@ from uuid import uuid4
 
 import pytest
 from temporalio import activity
-from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -306,13 +306,13 @@ def _manifest_key(run_prefix: str, step: int) -> str:
 
 
 @asynccontextmanager
-async def _workers(env: WorkflowEnvironment, cluster: Cluster, task_queue: str) -> AsyncIterator[None]:
+async def _workers(client: Client, cluster: Cluster, task_queue: str) -> AsyncIterator[None]:
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(Worker(env.client, task_queue=task_queue, workflows=[TrainingRun],
+        await stack.enter_async_context(Worker(client, task_queue=task_queue, workflows=[TrainingRun],
                                                activities=cluster.controller_activities()))
         node_activities = cluster.node_activities()
         for node in [*cluster.nodes, *cluster.spares]:
-            await stack.enter_async_context(Worker(env.client, task_queue=node_task_queue(node),
+            await stack.enter_async_context(Worker(client, task_queue=node_task_queue(node),
                                                    activities=node_activities))
         yield
 
@@ -331,12 +331,14 @@ Operator = Callable[[WorkflowHandle[Any, Any]], Awaitable[None]]
 
 
 async def _run(env: WorkflowEnvironment, cluster: Cluster, spec: Any,
-               operator: Operator | None = None) -> Finished:
-    """Start a run on a fresh task queue and wait for it to end, successfully or not."""
+               operator: Operator | None = None, client: Client | None = None) -> Finished:
+    """Start a run on a fresh task queue and wait for it to end, successfully or not. `client`: another
+    client of the same server to run the workers and the run with (with interceptors, say)."""
     task_queue = f"tq-{uuid4()}"
-    cluster.client = env.client
-    async with _workers(env, cluster, task_queue):
-        handle = await env.client.start_workflow(TrainingRun.run, spec, id=f"run-{uuid4()}",
+    client = client or env.client
+    cluster.client = client
+    async with _workers(client, cluster, task_queue):
+        handle = await client.start_workflow(TrainingRun.run, spec, id=f"run-{uuid4()}",
                                                  task_queue=task_queue, result_type=RunResult)
         if operator is not None:
             await asyncio.wait_for(operator(handle), RUN_TIMEOUT_S)
@@ -956,3 +958,31 @@ async def test_a_run_that_keeps_crashing_stops_with_a_reason(env: WorkflowEnviro
     assert [r.attempt for r in cluster.inputs("launch_ranks")] == [1, 2, 3]
     assert run.status.phase is Phase.FAILED
     assert [i.action for i in run.status.incidents] == [Action.RESTART, Action.RESTART, Action.STOP]
+
+
+async def test_with_tracing_one_trace_covers_the_run_its_workflow_tasks_and_every_activity(
+        env: WorkflowEnvironment) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from temporalio.contrib.opentelemetry import TracingInterceptor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traced = Client(**{**env.client.config(), "interceptors": [TracingInterceptor(provider.get_tracer("test"))]})
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, watch_script={(1, n): [_ready(10), _finished(20)] for n in nodes})
+
+    run = await _run(env, cluster, _spec(nodes), client=traced)
+
+    assert isinstance(run.outcome, RunResult)
+    spans = exporter.get_finished_spans()
+    names = {span.name for span in spans}
+    for expected in ("StartWorkflow:TrainingRun", "RunWorkflow:TrainingRun", "StartActivity:launch_ranks",
+                     "RunActivity:launch_ranks", "RunActivity:watch_ranks", "RunActivity:upload_shards",
+                     "RunActivity:commit_checkpoint"):
+        assert expected in names, sorted(names)
+    [start] = [span for span in spans if span.name == "StartWorkflow:TrainingRun"]
+    assert {span.context.trace_id for span in spans if span.name.startswith("RunActivity:")} == \
+        {start.context.trace_id}, "every activity of the run is in the trace its start opened"

@@ -1,0 +1,107 @@
+"""The peer tier: node agents serve their own verified checkpoint shards to each other over HTTP.
+
+A rank that moves to another node (a spare replacing a node with a bad GPU or a slow one, a drained node, a
+run that shrinks or grows) restores a shard its new node never wrote. The node that wrote it usually still
+has it on disk (the local tier keeps the newest committed step), so the new node fetches it from that peer
+before it asks the store, and checks every byte against the manifest's sha256 either way.
+
+The server answers only `GET /runs/<run>/step-<8 digits>/rank-<5 digits>.pt` for a shard whose meta file
+is there (completely written), from the agent's checkpoint folders and nowhere else. It serves checkpoint
+bytes without authentication to whoever reaches its port: bind it to the cluster network (the agent's
+`--host`), or switch it off (`--peer-port -1`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from activities.models import ShardInfo
+
+log = logging.getLogger(__name__)
+
+SHARD_PATH = re.compile(r"^/runs/([A-Za-z0-9._-]{1,200})/(step-\d{8})/(rank-\d{5})\.pt$")
+FETCH_TIMEOUT_S = 5.0
+"""Connect and read timeout of one peer fetch: a peer that does not answer soon is skipped for the store."""
+CHUNK = 1 << 20
+
+
+def shard_path(run_dir_name: str, key: str) -> str:
+    """The URL path of a shard on the node that wrote it: its run folder and the key's step and file name."""
+    step, name = key.rsplit("/", 2)[-2:]
+    return f"/runs/{run_dir_name}/{step}/{name}"
+
+
+class ShardServer:
+    """Serves this node's checkpoint shards (`<workdir>/runs/<run>/checkpoints/step-*/rank-*.pt`)."""
+
+    def __init__(self, workdir: Path, host: str, port: int = 0) -> None:
+        root = workdir.resolve() / "runs"
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server API
+                match = SHARD_PATH.match(self.path)
+                if match is None or match.group(1) in (".", ".."):
+                    self.send_error(404, "not a shard path")
+                    return
+                run, step, name = match.groups()
+                shard = root / run / "checkpoints" / step / f"{name}.pt"
+                if not (shard.parent / f"{name}.json").is_file() or not shard.is_file():
+                    self.send_error(404, "no such shard here")
+                    return
+                try:
+                    handle = shard.open("rb")
+                except OSError:
+                    self.send_error(404, "no such shard here")
+                    return
+                with handle:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("Content-Length", str(shard.stat().st_size))
+                    self.end_headers()
+                    shutil.copyfileobj(handle, self.wfile, CHUNK)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the http.server API
+                log.debug("peer tier: " + format, *args)
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="shard-server", daemon=True)
+
+    def start(self) -> ShardServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def fetch_from_peer(base_url: str, run_dir_name: str, shard: ShardInfo, target: Path) -> str | None:
+    """Copy `shard` from the peer that wrote it into `target`, checking its size and sha256 on the way.
+    Returns None when `target` holds exactly the manifest's bytes, else why not (and `target` is removed)."""
+    url = base_url.rstrip("/") + shard_path(run_dir_name, shard.key)
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response, target.open("wb") as out:  # noqa: S310
+            while chunk := response.read(CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+                out.write(chunk)
+    except OSError as error:  # refused, timed out, 404 (HTTPError is an OSError)
+        target.unlink(missing_ok=True)
+        return f"{url}: {error}"
+    if size != shard.size_bytes or digest.hexdigest() != shard.sha256:
+        target.unlink(missing_ok=True)
+        return f"{url}: {size} bytes with sha256 {digest.hexdigest()[:12]}..., manifest says {shard.size_bytes} " \
+               f"bytes, {shard.sha256[:12]}..."
+    return None
