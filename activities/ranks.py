@@ -116,6 +116,8 @@ class AttemptRecord:
     survivors: set[int] = field(default_factory=set)
     """After an in-process restart: the ranks carried over alive from the attempt before."""
     standby: RankProcess | None = None
+    last_watched: float = field(default_factory=time.monotonic)
+    """When a watch of this attempt last ran here: a run that stops watching may have moved on without us."""
     """With in-process restarts on: a process of the entrypoint already started (torch imported), waiting in
     `trainguard.rank.standby()` to take the place of a rank that dies."""
 
@@ -255,6 +257,23 @@ class RankActivities:
                 while not proc.poll():
                     await asyncio.sleep(0.02)
         return len(live)
+
+    def unwatched(self, idle_s: float) -> list[AttemptRecord]:
+        """Attempts with live ranks that no watch has looked at for `idle_s`: after a partition heals (or a
+        long controller outage), ranks of an attempt the run has since replaced elsewhere."""
+        now = time.monotonic()
+        return [r for r in self._attempts.values()
+                if now - r.last_watched > idle_s and any(not p.poll() for p in r.ranks.values())]
+
+    async def fence(self, record: AttemptRecord, why: str) -> int:
+        """Stop an attempt's ranks that its run no longer counts on (unless a newer attempt took its place)."""
+        if self._attempts.get(record.workflow_id) is not record:
+            return 0
+        stopped = await self._stop_record(record, grace_s=2.0)
+        if stopped:
+            log.warning("fenced %d ranks of %s attempt %d on %s: %s", stopped, record.workflow_id,
+                        record.attempt, self.node, why)
+        return stopped
 
     async def stop_all(self, grace_s: float = 2.0) -> int:
         """Stop every rank this agent runs (on agent shutdown): ranks must never outlive their agent."""
@@ -687,6 +706,7 @@ class RankActivities:
                 return event(WatchEventKind.FINISHED, state_digest=finish.get("digest"),
                              mean_step_s=finish.get("mean_step_s"))
 
+            record.last_watched = time.monotonic()
             running = {r for r in local_ranks if not record.ranks[r].poll()}
             if len(running) != alive_reported:
                 alive_reported = len(running)

@@ -413,7 +413,7 @@ class DevStack:
                 record = json.loads(ranks_file.read_text())
             except (OSError, ValueError):
                 continue
-            for item in record.get("ranks", []):
+            for item in [*record.get("ranks", []), *([record["standby"]] if record.get("standby") else [])]:
                 if item.get("start_time") and _start_time(item["pid"]) == item["start_time"]:
                     _signal_group(item["pid"], signal.SIGKILL)
                     killed += 1

@@ -58,6 +58,50 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
     return worker, ranks
 
 
+ORPHAN_CHECK_INTERVAL_S = 5.0
+ORPHAN_IDLE_S = 30.0
+"""Ranks no watch has looked at for this long are checked against their run: longer than a controller
+restart or a continue-as-new takes to watch them again, so a healthy run is asked rarely."""
+
+
+async def fence_orphans(client, ranks: RankActivities) -> None:  # type: ignore[no-untyped-def]
+    """Every `ORPHAN_CHECK_INTERVAL_S`: `check_orphans`."""
+    while True:
+        await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
+        await check_orphans(client, ranks)
+
+
+async def check_orphans(client, ranks: RankActivities, idle_s: float = ORPHAN_IDLE_S) -> int:  # type: ignore[no-untyped-def]
+    """The run's workflow is the authority on which ranks should live. Ranks that no watch has looked at
+    for `idle_s` are checked against it: if the run has ended, moved to a newer attempt, or left this node
+    (a partition that has healed, after the run replaced the node), they are stopped, so no stale attempt
+    trains beside the new one. While Temporal cannot be reached nothing is stopped: an outage of the
+    control plane must not kill training. Returns how many ranks it stopped."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    from trainguard.models import RunStatus
+
+    stopped = 0
+    for record in ranks.unwatched(idle_s):
+        handle = client.get_workflow_handle(record.workflow_id)
+        try:
+            described = await asyncio.wait_for(handle.describe(), timeout=10)
+            if described.status is not WorkflowExecutionStatus.RUNNING:
+                stopped += await ranks.fence(record, f"the run is {described.status.name.lower()}")
+                continue
+            status = await asyncio.wait_for(handle.query("status", result_type=RunStatus), timeout=10)
+        except (RPCError, asyncio.TimeoutError) as error:
+            log.info("cannot check %s with its workflow yet (%s); keeping its ranks", record.workflow_id,
+                     getattr(error, "message", None) or type(error).__name__)
+            continue
+        if ranks.node not in status.nodes:
+            stopped += await ranks.fence(record, f"the run went on without this node (on {', '.join(status.nodes)})")
+        elif status.attempt > record.attempt:
+            stopped += await ranks.fence(record, f"the run is at attempt {status.attempt}")
+    return stopped
+
+
 REGISTER_RETRY_S = 2.0
 """The pool answers once a controller runs; until then keep asking (agents may start first)."""
 
@@ -113,8 +157,10 @@ async def main() -> None:
         async with worker:
             registration = asyncio.create_task(
                 register_until_done(client, args.node, args.host, server.url if server else ""))
+            fencing = asyncio.create_task(fence_orphans(client, ranks))
             await stop.wait()
             registration.cancel()
+            fencing.cancel()
     finally:
         stopped = await ranks.stop_all(grace_s=2.0)
         if server is not None:

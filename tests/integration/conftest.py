@@ -113,7 +113,8 @@ def live_rank_pids(stack: DevStack) -> list[int]:
     """Rank processes the node agents recorded that are still alive."""
     alive = []
     for ranks_file in (stack.home / "nodes").glob("*/runs/*/ranks.json"):
-        for item in json.loads(ranks_file.read_text())["ranks"]:
+        record = json.loads(ranks_file.read_text())
+        for item in [*record["ranks"], *([record["standby"]] if record.get("standby") else [])]:
             if item["start_time"] and _start_time(item["pid"]) == item["start_time"]:
                 alive.append(item["pid"])
     return alive
