@@ -71,6 +71,10 @@ class Outcome:
     completed: bool = False
     events: list[str] = field(default_factory=list)
     """What happened at each fault, in the system's own words."""
+    timeline: list[list[float]] = field(default_factory=list)
+    """[seconds since the job started, step] samples: the goodput timeline's line."""
+    faults: list[list[Any]] = field(default_factory=list)
+    """[seconds since the job started, fault] as each was sent."""
 
 
 def _goodput(steps: int | None, step_s: float, wall_s: float | None) -> float | None:
@@ -107,17 +111,22 @@ async def trainguard_schedule(opts: argparse.Namespace, dev: Any) -> tuple[Outco
     started = time.monotonic()
     pending = list(SCHEDULE)
     result_task = asyncio.ensure_future(client.result(run_id))
-    while pending and not result_task.done():
+    deadline = started + 900
+    while not result_task.done() and time.monotonic() < deadline:
         view = await client.status(run_id)
-        step, fault = pending[0]
-        if view.status.phase.value == "running" and view.live_step >= step:
-            node = "node-0" if fault == "node-down" else "node-1"
-            await client.inject_fault(run_id, fault, node, slow_duty=SLOW_DUTY)
-            outcome.events.append(f"{fault} at step {view.live_step}")
-            say(f"  trainguard: {fault} on {node} at step {view.live_step}")
-            pending.pop(0)
-        await asyncio.sleep(0.2)
-    result = await asyncio.wait_for(result_task, 900)
+        outcome.timeline.append([round(time.monotonic() - started, 2), view.live_step])
+        if pending:
+            step, fault = pending[0]
+            if view.status.phase.value == "running" and view.live_step >= step:
+                node = "node-0" if fault == "node-down" else "node-1"
+                await client.inject_fault(run_id, fault, node, slow_duty=SLOW_DUTY)
+                outcome.events.append(f"{fault} at step {view.live_step}")
+                outcome.faults.append([round(time.monotonic() - started, 2), fault])
+                say(f"  trainguard: {fault} on {node} at step {view.live_step}")
+                pending.pop(0)
+        await asyncio.sleep(0.2 if pending else 0.5)
+    result = await asyncio.wait_for(result_task, max(1.0, deadline - time.monotonic()))
+    outcome.timeline.append([round(time.monotonic() - started, 2), result.steps_completed])
     outcome.wall_s = round(time.monotonic() - started, 2)
     outcome.steps_completed = result.steps_completed
     outcome.completed = result.steps_completed == opts.steps
@@ -151,6 +160,7 @@ def launcher_schedule(opts: argparse.Namespace, system: str, step_s: float, work
             rows = job.steps()
             if pending and rows and rows[-1][0] >= pending[0][0]:
                 step, fault = pending[0]
+                outcome.faults.append([round(time.time() - job.started, 2), fault])
                 if fault == "node-down":
                     job.kill()  # the node goes, and the launcher on it
                     outcome.events.append(f"node-down at step {rows[-1][0]}: the job is lost with its node")
@@ -173,6 +183,7 @@ def launcher_schedule(opts: argparse.Namespace, system: str, step_s: float, work
         end = job.ended or time.time()
         outcome.wall_s = round(end - job.started, 2)
         rows = job.steps()
+        outcome.timeline = [[round(at - job.started, 2), step] for step, at, _restart in rows]
         outcome.steps_completed = rows[-1][0] if rows else 0
         outcome.completed = bool(rows) and rows[-1][0] == opts.steps
         outcome.goodput = _goodput(outcome.steps_completed, step_s, outcome.wall_s)

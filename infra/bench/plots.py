@@ -1,7 +1,7 @@
 """Pictures of the benchmarks: what `infra.bench.recovery` and `infra.bench.checkpoint` wrote, side by side.
 
     python -m infra.bench.plots [--recovery .bench/recovery.json] [--checkpoint .bench/checkpoint.json]
-                                [--out .bench]
+                                [--goodput .bench/goodput.json] [--paths .bench/paths.json] [--out .bench]
 
 Writes, for whichever JSON files exist:
 
@@ -12,6 +12,10 @@ Writes, for whichever JSON files exist:
   (detection to the first new step) and the steps redone since the checkpoint resumed from; the cold-start
   floor as a line.
 - `checkpoint.png`: every checkpoint figure, trainguard against its baseline (and floor).
+- `goodput-timeline.png` (from `infra.bench.goodput`): the fault schedule under trainguard, torchrun and
+  ft_launcher on one chart, training step against wall time, each fault marked where it was sent.
+- `recovery-paths.png` (from `infra.bench.paths`): time to recover by recovery path, split into detection,
+  teardown, restore and relaunch, against the cold-start floor.
 
 Where a measurement carries a per-step `timeline` (rows of `[seconds since the job started, step,
 attempt]`) and `fault_at_s`, the timeline chart draws it as measured. Otherwise it is reconstructed from the
@@ -292,6 +296,75 @@ def plot_checkpoint(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+FAULT_MARKS = {"crash": "x", "hang": "s", "slow": "^", "node-down": "D"}
+
+
+def plot_goodput(data: dict[str, Any], path: Path) -> None:
+    """The fault schedule: step against wall time for every system on one chart, faults marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    for outcome in data.get("outcomes", []):
+        points = outcome.get("timeline") or []
+        if not points:
+            continue
+        color = SYSTEM_COLORS.get(outcome["system"], "#555555")
+        xs, ys = zip(*points)
+        goodput = outcome.get("goodput")
+        ending = "completed" if outcome.get("completed") else f"lost at step {outcome.get('steps_completed')}"
+        label = f"{outcome['system']}: goodput {100 * goodput:.1f}%, {ending}" if goodput is not None \
+            else outcome["system"]
+        ax.plot(xs, ys, color=color, lw=2, label=label, drawstyle="steps-post")
+        for at, fault in outcome.get("faults") or []:
+            step = max((y for x, y in points if x <= at), default=0)
+            ax.plot([at], [step], FAULT_MARKS.get(fault, "o"), color="#a50f15", ms=9, mec=color, mew=1.5)
+    for fault, mark in FAULT_MARKS.items():
+        ax.plot([], [], mark, color="#a50f15", ms=8, label=f"{fault} sent")
+    config, machine = data.get("config", {}), data.get("machine", {})
+    ax.set_title(f"goodput under a fault schedule: {config.get('steps', '?')} steps, "
+                 f"{', '.join(f'{f} at {s}' for s, f in config.get('schedule', []))}; "
+                 f"{machine.get('cpus', '?')} CPUs", fontsize=10)
+    ax.set_xlabel("seconds since the job started")
+    ax.set_ylabel("training step")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_paths(data: dict[str, Any], path: Path) -> None:
+    """Time to recover per recovery path, as stacked bars of its parts, with the cold-start floor."""
+    plt = pyplot()
+    rows = [r for r in data.get("summary", []) if r.get("time_to_recover_s") is not None]
+    parts = {"detection_s": ("detection", "#fdae6b"), "teardown_s": ("teardown", "#fb6a4a"),
+             "restore_s": ("restore", "#9e9ac8"), "relaunch_s": ("relaunch / rejoin", "#6baed6")}
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = [r["path"] for r in rows]
+    lefts = [0.0] * len(rows)
+    for key, (label, color) in parts.items():
+        values = [r.get(key) or 0.0 for r in rows]
+        ax.barh(names, values, left=lefts, color=color, label=label, height=0.55)
+        lefts = [a + b for a, b in zip(lefts, values)]
+    for y, r in enumerate(rows):
+        ax.annotate(f"{r['time_to_recover_s']:.2f} s", (lefts[y], y), xytext=(4, 0), textcoords="offset points",
+                    va="center", fontsize=9)
+    floor = (data.get("floor") or {}).get("cold_start_s")
+    if floor:
+        ax.axvline(floor, color="black", ls="--", lw=1, label=f"floor: cold start from a checkpoint, {floor:.2f} s")
+    config = data.get("config", {})
+    ax.set_title(f"time to recover a crash by path (medians of {config.get('repeats', '?')} runs each; "
+                 f"hidden {config.get('hidden', '?')})", fontsize=10)
+    ax.set_xlabel("seconds from the fault to the first training step after it")
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _wrap(text: str, width: int = 16) -> str:
     words, lines, line = text.split(), [], ""
     for word in words:
@@ -320,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recovery", type=Path, default=BENCH_DIR / "recovery.json")
     parser.add_argument("--checkpoint", type=Path, default=BENCH_DIR / "checkpoint.json")
+    parser.add_argument("--goodput", type=Path, default=BENCH_DIR / "goodput.json")
+    parser.add_argument("--paths", type=Path, default=BENCH_DIR / "paths.json")
     parser.add_argument("--out", type=Path, default=BENCH_DIR, help="where the PNGs go (default .bench)")
     opts = parser.parse_args(argv)
     try:
@@ -342,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         wrote.append(opts.out / "checkpoint.png")
     else:
         print(f"plots: no {opts.checkpoint} (make bench-checkpoint writes it)")
+    for source, name, draw in ((opts.goodput, "goodput-timeline.png", plot_goodput),
+                               (opts.paths, "recovery-paths.png", plot_paths)):
+        if source.exists():
+            draw(json.loads(source.read_text()), opts.out / name)
+            wrote.append(opts.out / name)
+        else:
+            print(f"plots: no {source} (make bench writes it)")
     for path in wrote:
         print(f"wrote {path}")
     return 0 if wrote else 1

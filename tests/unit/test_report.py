@@ -429,10 +429,24 @@ def test_the_benchmark_pictures_are_drawn(tmp_path: Path) -> None:
     (tmp_path / "checkpoint.json").write_text(json.dumps({"context": {"size_mib": 1}, "figures": [
         {"name": "checkpoint stall", "unit": "s", "trainguard": 0.1, "baseline": 0.4, "floor": 0.09},
         {"name": "upload", "unit": "MB/s", "trainguard": 80.0, "baseline": 120.0, "floor": None}]}))
+    (tmp_path / "goodput.json").write_text(json.dumps({"config": {"steps": 60, "schedule": [[20, "crash"]]},
+                                                       "outcomes": [
+        {"system": "trainguard", "goodput": 0.5, "completed": True, "steps_completed": 60,
+         "timeline": [[0, 0], [5, 20], [6, 15], [12, 60]], "faults": [[5, "crash"]]},
+        {"system": "torchrun", "goodput": 0.2, "completed": False, "steps_completed": 20,
+         "timeline": [[0, 0], [9, 20]], "faults": [[9, "crash"]]}]}))
+    (tmp_path / "paths.json").write_text(json.dumps({"config": {"repeats": 1}, "floor": {"cold_start_s": 4.0},
+                                                     "summary": [
+        {"path": "s3", "detection_s": 0.1, "teardown_s": 0.1, "restore_s": 0.1, "relaunch_s": 2.3,
+         "time_to_recover_s": 2.6},
+        {"path": "in-process", "detection_s": 0.1, "teardown_s": 0.02, "restore_s": 0, "relaunch_s": 1.4,
+         "time_to_recover_s": 1.5}]}))
     code = main(["--recovery", str(tmp_path / "recovery.json"),
-                 "--checkpoint", str(tmp_path / "checkpoint.json"), "--out", str(tmp_path / "out")])
+                 "--checkpoint", str(tmp_path / "checkpoint.json"), "--goodput", str(tmp_path / "goodput.json"),
+                 "--paths", str(tmp_path / "paths.json"), "--out", str(tmp_path / "out")])
     assert code == 0
-    for name in ("recovery-timeline.png", "recovery-lost.png", "checkpoint.png"):
+    for name in ("recovery-timeline.png", "recovery-lost.png", "checkpoint.png", "goodput-timeline.png",
+                 "recovery-paths.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG", name
 
 
