@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +25,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
     from trainguard.devstack import DevStack
 
     stack = DevStack()
+    if getattr(args, "tls", False):
+        stack = DevStack(dataclasses.replace(stack.config, tls=True))
     if args.action == "up":
         stack.up()
     elif args.action == "down":
@@ -210,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = sub.add_parser("dev", help="the embedded stack: Temporal dev server, SeaweedFS, workers")
     dev.add_argument("action", choices=["up", "down", "status"])
+    dev.add_argument("--tls", action="store_true",
+                     help="reach Temporal over mutual TLS through a front with the stack's own CA "
+                          "(also TRAINGUARD_DEV_TLS=1); prints the client settings to export")
     dev.set_defaults(func=cmd_dev)
 
     spec = sub.add_parser("spec", help="the run spec: print its JSON schema or check a file")

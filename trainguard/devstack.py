@@ -40,6 +40,8 @@ class Ports:
     ui: int = 8233
     http: int = 7243
     server_metrics: int = 7244
+    temporal_tls: int = 7443
+    """The mutual-TLS front of the Temporal server, with `tls` on."""
     s3: int = 8333
     s3_grpc: int = 18333
     master: int = 9333
@@ -90,6 +92,8 @@ class StackConfig:
     ports: Ports
     nodes: tuple[str, ...] = DEFAULT_NODES
     code_dir: Path = Path.cwd()
+    tls: bool = False
+    """Workers, the CLI and the client reach Temporal over mutual TLS (`trainguard.tls`), not plain gRPC."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StackConfig:
@@ -101,11 +105,13 @@ class StackConfig:
             ports=Ports.from_base(int(base) if base else None),
             nodes=nodes,
             code_dir=Path.cwd(),
+            tls=env.get("TRAINGUARD_DEV_TLS", "").lower() in ("1", "true", "yes"),
         )
 
     @property
     def temporal_address(self) -> str:
-        return f"127.0.0.1:{self.ports.temporal}"
+        """Where clients reach Temporal: the TLS front with `tls` on, else the server itself."""
+        return f"127.0.0.1:{self.ports.temporal_tls if self.tls else self.ports.temporal}"
 
     @property
     def ui_url(self) -> str:
@@ -165,11 +171,25 @@ class DevStack:
             path.chmod(0o600)
         return json.loads(path.read_text())
 
+    @property
+    def certs(self) -> Any:
+        from trainguard.tls import DevCerts
+
+        return DevCerts(self.home / "tls")
+
+    def client_env(self) -> dict[str, str]:
+        """What a client of this stack (a worker, the CLI, a script) needs in its environment for Temporal."""
+        env = {"TRAINGUARD_TEMPORAL_ADDRESS": self.config.temporal_address}
+        if self.config.tls:
+            env.update(self.certs.client_env())
+        return env
+
     def worker_env(self) -> dict[str, str]:
         creds = self.credentials()
         venv_bin = str(Path(sys.executable).parent)
         return {
             **os.environ,
+            **self.client_env(),
             "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
             "TRAINGUARD_TEMPORAL_ADDRESS": self.config.temporal_address,
             "TRAINGUARD_S3_ENDPOINT": self.config.s3_endpoint,
@@ -218,7 +238,8 @@ class DevStack:
             return 0.0
 
     def components(self) -> list[str]:
-        return ["temporal", "s3", "controller", *(f"agent-{n}" for n in self.config.nodes)]
+        return ["temporal", *(["temporal-tls"] if self.config.tls else []), "s3", "controller",
+                *(f"agent-{n}" for n in self.config.nodes)]
 
     # --------------------------------------------------------------------------------------- up
     def up(self, echo: Any = print) -> None:
@@ -234,6 +255,15 @@ class DevStack:
         ])
         self._start_s3()
         self._wait_port(ports.temporal, "Temporal server")
+        if cfg.tls:
+            from trainguard.tls import make_dev_certs
+
+            make_dev_certs(self.certs.directory)
+            self._spawn("temporal-tls", [
+                sys.executable, "-m", "trainguard.tls", "--listen", cfg.temporal_address,
+                "--target", f"127.0.0.1:{ports.temporal}", "--dir", str(self.certs.directory),
+            ], cwd=cfg.code_dir)
+            self._wait_port(ports.temporal_tls, "Temporal TLS front")
         self._wait_http(f"{cfg.ui_url}/api/v1/namespaces", "Temporal Web UI")
         self._ensure_bucket(DEFAULT_BUCKET)
         env = self.worker_env()
@@ -250,6 +280,9 @@ class DevStack:
             ], env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{self.metrics_port(index)}"}, cwd=cfg.code_dir)
         self._wait_workers()
         echo(f"Temporal Web UI: {cfg.ui_url}   (Temporal at {cfg.temporal_address}, S3 at {cfg.s3_endpoint})")
+        if cfg.tls:
+            echo("Temporal over mutual TLS: clients need " +
+                 " ".join(f"{k}={v}" for k, v in self.client_env().items()))
 
     def _start_s3(self) -> None:
         ports = self.config.ports
@@ -336,15 +369,14 @@ class DevStack:
         import asyncio
 
         from temporalio.api.enums.v1 import TaskQueueType
-        from temporalio.client import Client
-
         from activities.nodes import has_pollers, missing_agents, pool_nodes
         from trainguard import TASK_QUEUE
 
         async def wait() -> None:
-            from temporalio.contrib.pydantic import pydantic_data_converter
+            from trainguard.connect import connect
+            from trainguard.settings import Settings
 
-            client = await Client.connect(self.config.temporal_address, data_converter=pydantic_data_converter)
+            client = await connect(Settings.from_env({**os.environ, **self.client_env()}))
             # Each agent is a Python process importing the Temporal SDK: a big stack on few cores takes longer.
             ready_s = READY_TIMEOUT_S + 2.0 * len(self.config.nodes)
             deadline = time.monotonic() + ready_s
@@ -374,7 +406,7 @@ class DevStack:
     def down(self, echo: Any = print) -> None:
         """Stop everything `up` started, by PID: SIGTERM, then SIGKILL to the group after a grace."""
         # Agents stop their ranks on SIGTERM; stop them first and together.
-        for group in ([f"agent-{n}" for n in self.config.nodes], ["controller"], ["s3"], ["temporal"]):
+        for group in ([f"agent-{n}" for n in self.config.nodes], ["controller"], ["s3"], ["temporal-tls", "temporal"]):
             self.stop(group, echo)
         killed = self._kill_orphan_ranks()
         if killed:

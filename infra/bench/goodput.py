@@ -114,17 +114,19 @@ async def trainguard_schedule(opts: argparse.Namespace, dev: Any) -> tuple[Outco
     deadline = started + 900
     while not result_task.done() and time.monotonic() < deadline:
         view = await client.status(run_id)
-        outcome.timeline.append([round(time.monotonic() - started, 2), view.live_step])
+        step_now = progress_step(dev.config.home, run_id)
+        current = view.live_step if step_now is None else step_now
+        outcome.timeline.append([round(time.monotonic() - started, 2), current])
         if pending:
             step, fault = pending[0]
-            if view.status.phase.value == "running" and view.live_step >= step:
+            if view.status.phase.value == "running" and current >= step:
                 node = "node-0" if fault == "node-down" else "node-1"
                 await client.inject_fault(run_id, fault, node, slow_duty=SLOW_DUTY)
-                outcome.events.append(f"{fault} at step {view.live_step}")
+                outcome.events.append(f"{fault} at step {current}")
                 outcome.faults.append([round(time.monotonic() - started, 2), fault])
-                say(f"  trainguard: {fault} on {node} at step {view.live_step}")
+                say(f"  trainguard: {fault} on {node} at step {current}")
                 pending.pop(0)
-        await asyncio.sleep(0.2 if pending else 0.5)
+        await asyncio.sleep(0.25)
     result = await asyncio.wait_for(result_task, max(1.0, deadline - time.monotonic()))
     outcome.timeline.append([round(time.monotonic() - started, 2), result.steps_completed])
     outcome.wall_s = round(time.monotonic() - started, 2)
@@ -135,6 +137,21 @@ async def trainguard_schedule(opts: argparse.Namespace, dev: Any) -> tuple[Outco
     for node in ("node-0", "node-1"):
         await repair(client, dev, node)
     return outcome, step_s
+
+
+def progress_step(home: Path, run_id: str) -> int | None:
+    """The run's step as its ranks last wrote it on the nodes' disks (every step, not the status query's
+    throttled heartbeats): the lowest rank's step in the newest attempt any node has."""
+    from activities.paths import safe_name
+
+    newest: dict[int, list[int]] = {}
+    for progress in home.glob(f"nodes/*/runs/{safe_name(run_id)}/attempt-*/progress/rank-*.json"):
+        attempt = int(progress.parent.parent.name.removeprefix("attempt-"))
+        try:
+            newest.setdefault(attempt, []).append(int(json.loads(progress.read_text())["step"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return min(newest[max(newest)]) if newest else None
 
 
 def run_trainguard(opts: argparse.Namespace) -> tuple[Outcome, float]:

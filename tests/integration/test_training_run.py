@@ -47,10 +47,15 @@ async def test_run_completes_and_commits_checkpoints_to_s3(baseline: RunResult, 
     assert live_rank_pids(stack) == []
 
 
+@pytest.mark.parametrize("local_tier, tiers", [(True, ("local", "local+s3")), (False, ("s3",))],
+                         ids=["from-the-local-tier", "from-s3"])
 async def test_crashed_rank_resumes_from_newest_committed_step(
-    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack, local_tier: bool,
+    tiers: tuple[str, ...]
 ) -> None:
-    run_id = await client.start_run(make_spec(prefix), workflow_id=f"it-crash-{uuid.uuid4().hex[:6]}")
+    spec = make_spec(prefix)
+    spec["checkpoint"]["local_tier"] = local_tier
+    run_id = await client.start_run(spec, workflow_id=f"it-crash-{uuid.uuid4().hex[:6]}")
     await wait_until(client, run_id, checkpointed)
     committed = (await client.status(run_id)).status.latest_checkpoint
     assert committed is not None
@@ -64,8 +69,10 @@ async def test_crashed_rank_resumes_from_newest_committed_step(
     first = crashes[0]
     assert (first.node, first.rank, first.action) == ("node-1", 1, Action.RESTART)
     assert first.resumed_step is not None and first.resumed_step >= committed.step > 0
-    # The same nodes restart: each restores its own verified copy where it still has one, not S3.
-    assert first.restore_tier in ("local", "local+s3")
+    # The same nodes restart: each restores its own verified copy where it still has one, not S3 (unless
+    # checkpoint.local_tier is off: then every byte comes from the store, verified the same way).
+    assert first.restore_tier in tiers, first
+    assert first.recovery_path == "relaunch"
     assert first.detection_s is not None and first.detection_s < 5
     assert first.recovery_s is not None and first.recovery_s > 0
     assert result.attempts >= 2
