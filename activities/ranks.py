@@ -235,11 +235,20 @@ class RankActivities:
         tmp.write_text(json.dumps(record.to_json()))
         os.replace(tmp, layout.ranks_file)
 
+    async def _stop_standby(self, record: AttemptRecord) -> None:
+        standby, record.standby = record.standby, None
+        if standby is not None and not standby.poll():
+            _kill_group(standby.pid, signal.SIGKILL)  # it holds no state: no grace
+            if standby.popen is not None:
+                await asyncio.to_thread(standby.popen.wait)
+            else:
+                while not standby.poll():
+                    await asyncio.sleep(0.02)
+        if standby is not None:
+            self._save_record(record)
+
     async def _stop_record(self, record: AttemptRecord, grace_s: float) -> int:
-        if record.standby is not None and not record.standby.poll():
-            _kill_group(record.standby.pid, signal.SIGKILL)  # it holds no state: no grace
-            if record.standby.popen is not None:
-                await asyncio.to_thread(record.standby.popen.wait)
+        await self._stop_standby(record)
         live = [p for p in record.ranks.values() if not p.poll()]
         for proc in live:
             _kill_group(proc.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
@@ -262,8 +271,8 @@ class RankActivities:
         """Attempts with live ranks that no watch has looked at for `idle_s`: after a partition heals (or a
         long controller outage), ranks of an attempt the run has since replaced elsewhere."""
         now = time.monotonic()
-        return [r for r in self._attempts.values()
-                if now - r.last_watched > idle_s and any(not p.poll() for p in r.ranks.values())]
+        return [r for r in self._attempts.values() if now - r.last_watched > idle_s and (
+            any(not p.poll() for p in r.ranks.values()) or (r.standby is not None and not r.standby.poll()))]
 
     async def fence(self, record: AttemptRecord, why: str) -> int:
         """Stop an attempt's ranks that its run no longer counts on (unless a newer attempt took its place)."""
@@ -701,6 +710,8 @@ class RankActivities:
                                  occurred_at=record.faults.get(rank) or proc.exited_at)
 
             if all(record.ranks[r].poll() for r in local_ranks):
+                # Every rank here is done: nothing is left for a standby to replace.
+                await self._stop_standby(record)
                 first = min(local_ranks)
                 finish = _read_finish(layout.progress_file(record.attempt, first))
                 return event(WatchEventKind.FINISHED, state_digest=finish.get("digest"),

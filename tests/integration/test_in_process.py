@@ -15,7 +15,7 @@ from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import IncidentKind, RunResult
 
-from .conftest import RUN_TIMEOUT_S, checkpointed, make_spec, wait_until
+from .conftest import RUN_TIMEOUT_S, checkpointed, live_rank_pids, make_spec, wait_until
 
 
 def in_process_spec(prefix: str, *trainer_args: str) -> dict[str, Any]:
@@ -56,6 +56,7 @@ async def test_crash_recovers_in_process_and_the_live_rank_keeps_running(
     assert rank_pids(stack, "node-0", rid) == live_before
     assert rank_pids(stack, "node-1", rid) == {1: standby} != crashed_before
     assert result.final_state_digest == baseline.final_state_digest
+    assert live_rank_pids(stack) == []  # the standbys went with the finished ranks
 
 
 async def test_a_trainer_that_cannot_rejoin_falls_back_to_a_full_relaunch(
@@ -75,3 +76,4 @@ async def test_a_trainer_that_cannot_rejoin_falls_back_to_a_full_relaunch(
     assert crash.resumed_step is not None and crash.resumed_step >= committed
     assert crash.restore_tier is not None and crash.restore_tier != "peers"
     assert result.final_state_digest == baseline.final_state_digest
+    assert live_rank_pids(stack) == []
