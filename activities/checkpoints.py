@@ -412,8 +412,8 @@ class StoreActivities:
             if problem:
                 newer = [s for s in list_steps(client, request.bucket, request.run_prefix) if s > request.step
                          and self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]
-                if newer:
-                    # A newer checkpoint committed meanwhile and retention let this one go: nothing to retry.
+                if newer and (request.keep_last is None or len(newer) >= request.keep_last):
+                    # Newer checkpoints committed meanwhile and retention let this one go: nothing to retry.
                     raise ApplicationError(f"step {request.step}: {problem}; superseded by committed step "
                                            f"{max(newer)}", type="CheckpointSuperseded", non_retryable=True)
                 # Retryable: a store that lists lazily may not show a just-finished upload yet.

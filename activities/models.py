@@ -144,6 +144,9 @@ class CommitCheckpointInput(BaseModel):
     step: int
     world_size: int
     shards: list[ShardInfo]
+    keep_last: int | None = None
+    """The run's retention: a shard of this step can only have been pruned once `keep_last` newer steps are
+    committed. With fewer, a missing shard is a store that has not shown it yet, and the commit retries."""
 
 
 class PruneCheckpointsInput(BaseModel):

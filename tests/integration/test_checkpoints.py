@@ -439,9 +439,10 @@ def test_a_commit_overtaken_by_a_newer_one_and_pruned_gives_up_at_once(
     run_prefix = f"{prefix}/ck-superseded"
     store = StoreActivities()
 
-    def commit(step: int, shards: list[ShardInfo]) -> CheckpointRef:
+    def commit(step: int, shards: list[ShardInfo], keep_last: int | None = 1) -> CheckpointRef:
         return store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-s",
-                                                   attempt=1, step=step, world_size=2, shards=shards))
+                                                   attempt=1, step=step, world_size=2, shards=shards,
+                                                   keep_last=keep_last))
 
     older = [_put_shard(s3, run_prefix, 10, rank, f"step 10 rank {rank}".encode() * 64) for rank in (0, 1)]
     newer = [_put_shard(s3, run_prefix, 20, rank, f"step 20 rank {rank}".encode() * 64) for rank in (0, 1)]
@@ -451,6 +452,11 @@ def test_a_commit_overtaken_by_a_newer_one_and_pruned_gives_up_at_once(
     assert pending.value.type == "ShardNotVerified" and not pending.value.non_retryable
 
     commit(20, newer)
+    # Retention keeping two would still hold step 10: its shard cannot have been pruned, the store has not
+    # shown it yet (an upload just finished, a lagging listing). Retry; never give the checkpoint up.
+    with pytest.raises(ApplicationError) as lagging:
+        commit(10, older, keep_last=2)
+    assert lagging.value.type == "ShardNotVerified" and not lagging.value.non_retryable
     with pytest.raises(ApplicationError) as superseded:
         commit(10, older)
     assert superseded.value.type == "CheckpointSuperseded" and superseded.value.non_retryable
