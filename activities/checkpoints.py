@@ -120,6 +120,17 @@ def list_steps(client: Any, bucket: str, run_prefix: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def doomed_steps(steps: list[int], committed: list[int], keep_last: int, protect: list[int]) -> list[int]:
+    """The step folders retention deletes: committed checkpoints beyond the newest `keep_last`, and folders
+    never committed that `keep_last` newer commits have made useless (a crashed attempt's leftovers). An
+    uncommitted folder with fewer newer commits may still be uploading or committing: commits can finish out
+    of order, and deleting it would lose a checkpoint retention means to keep."""
+    newest = sorted(committed, reverse=True)
+    keep = set(newest[:keep_last]) | set(protect)
+    return [s for s in steps if s not in keep
+            and (s in committed or sum(1 for c in newest if c > s) >= keep_last)]
+
+
 def read_manifest(client: Any, bucket: str, key: str) -> Manifest | None:
     try:
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -468,10 +479,7 @@ class StoreActivities:
         client = s3_client()
         steps = list_steps(client, request.bucket, request.run_prefix)
         committed = [s for s in steps if self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]
-        keep = set(committed[: request.keep_last]) | set(request.protect_steps)
-        oldest_kept = min(keep) if keep else 0
-        # Uncommitted folders newer than the oldest kept one may still be uploading: leave them.
-        doomed = [s for s in steps if s not in keep and (s in committed or s < oldest_kept)]
+        doomed = doomed_steps(steps, committed, request.keep_last, request.protect_steps)
         for step in doomed:
             # Manifest first: from that moment the checkpoint no longer exists for any reader.
             client.delete_object(Bucket=request.bucket, Key=manifest_key(request.run_prefix, step))

@@ -16,6 +16,7 @@ from activities.checkpoints import (
     StoreActivities,
     abort_orphaned_uploads,
     committed_shard,
+    doomed_steps,
     local_digests,
     manifest_problem,
     step_of,
@@ -163,6 +164,23 @@ def test_prune_runs_the_janitor_and_survives_a_store_without_it(monkeypatch: pyt
 
     monkeypatch.setattr(checkpoints, "s3_client", lambda: FakeStore([], list_error="NotImplemented"))
     assert StoreActivities()._prune(request).deleted_steps == []
+
+
+@pytest.mark.parametrize("steps, committed, keep_last, protect, doomed", [
+    # The newest keep_last committed stay; older committed ones go.
+    ([40, 30, 20, 10], [40, 30, 20, 10], 2, [], [20, 10]),
+    # Step 20 committed before step 10, whose commit is still in flight: 10 stays (keep_last 10 keeps it).
+    ([20, 10], [20], 10, [20], []),
+    # ... and with keep_last 1, one newer commit makes an uncommitted 10 useless: it goes.
+    ([20, 10], [20], 1, [20], [10]),
+    # An uncommitted folder newer than every commit may be uploading: it stays.
+    ([30, 20, 10], [20, 10], 1, [20], [10]),
+    # A protected step (being restored) stays whatever its age.
+    ([40, 30, 20, 10], [40, 30, 20, 10], 1, [10], [30, 20]),
+], ids=["retention", "out-of-order-commit-kept", "out-of-order-commit-useless", "newest-uploading", "protected"])
+def test_retention_deletes_only_what_it_means_to(steps: list[int], committed: list[int], keep_last: int,
+                                                 protect: list[int], doomed: list[int]) -> None:
+    assert doomed_steps(steps, committed, keep_last, protect) == doomed
 
 
 # ----------------------------------------------------------------------------------------------- digests
