@@ -629,8 +629,8 @@ class NodeCheckpointActivities:
         for shard in request.shards:
             tiers[shard.rank] = await asyncio.to_thread(
                 self._download_one, request.bucket, restore_dir, shard,
-                layout.local_step_dir(step) if request.local_tier else None,
-                (peers.get(shard.node or ""), layout.root.name))
+                layout.local_step_dir(step) if request.local_tier else None, peers.get(shard.node or ""),
+                layout.root.name)
             activity.heartbeat({"downloaded_rank": shard.rank})
         for old in restore_dir.parent.glob("step-*"):
             if old != restore_dir:
@@ -643,32 +643,33 @@ class NodeCheckpointActivities:
         )
 
     def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None,
-                      peer: tuple[str | None, str] = (None, "")) -> str:
+                      peer_url: str | None = None, run_dir_name: str = "") -> str:
         """Put a verified copy of `shard` in `restore_dir`; returns the tier it came from: `local` (this
         node's own copy of a shard it wrote, checked against the manifest's sha256), `peer` (the copy on the
-        node that wrote it, `peer` = (its shard server's URL, the run's folder name), checked the same way)
-        or `s3`. Without a `local_step_dir` (the local tier is off) it always comes from the store."""
+        node that wrote it, from its agent's shard server at `peer_url`, checked the same way) or `s3`.
+        Without a `local_step_dir` (the local tier is off) it always comes from the store."""
         final = restore_dir / shard_name(shard.rank)
         meta = restore_dir / shard_meta_name(shard.rank)
+        partial = restore_dir / f".{shard_name(shard.rank)}.part"
+
+        def keep(tier: str) -> str:
+            """`partial` holds exactly the manifest's bytes: make it the restored shard."""
+            partial.replace(final)
+            meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
+            return tier
+
         if (local_step_dir is not None and final.exists() and meta.exists()
                 and json.loads(meta.read_text()).get("sha256") == shard.sha256):
             return "local"
-        partial = restore_dir / f".{shard_name(shard.rank)}.part"
         local = local_step_dir / shard_name(shard.rank) if local_step_dir is not None else None
         if (local is not None and local.exists() and local.stat().st_size == shard.size_bytes
                 and sha256_file(local) == shard.sha256):
             shutil.copyfile(local, partial)  # a copy: the rank's next save must not write through a link
-            partial.replace(final)
-            meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
-            return "local"
-        peer_url, run_dir_name = peer
-        if local is not None and peer_url:
+            return keep("local")
+        if peer_url:
             problem = fetch_from_peer(peer_url, run_dir_name, shard, partial)
             if problem is None:
-                partial.replace(final)
-                meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes,
-                                            "sha256": shard.sha256}))
-                return "peer"
+                return keep("peer")
             log.info("peer tier: %s; reading the store instead", problem)
         with partial.open("wb") as handle:
             writer = _HashingWriter(handle)  # download and checksum in one pass
@@ -692,6 +693,4 @@ class NodeCheckpointActivities:
                 type="CorruptCheckpoint",
                 non_retryable=True,
             )
-        partial.replace(final)
-        meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
-        return "s3"
+        return keep("s3")

@@ -164,7 +164,10 @@ class PruneCheckpointsResult(BaseModel):
 # ----------------------------------------------------------------------------------------------- ranks
 
 
-class LaunchRanksInput(BaseModel):
+class RankGroupInput(BaseModel):
+    """One node's part of an attempt's process group: what launch and in-process rejoin both start ranks
+    with."""
+
     workflow_id: str
     attempt: int
     """Fencing token: a launch of an older attempt than the node has seen is refused."""
@@ -182,34 +185,22 @@ class LaunchRanksInput(BaseModel):
     entrypoint: list[str]
     env: dict[str, str] = Field(default_factory=dict)
     working_dir: str | None = None
+    checkpoint_every: int = 50
+
+
+class LaunchRanksInput(RankGroupInput):
     restore_dir: str | None = None
     restore_step: int = 0
-    checkpoint_every: int = 50
     rejoin_timeout_s: float | None = None
     """With in-process restarts on: how long a rank whose peers failed waits to rejoin. None: it exits."""
 
 
-class RejoinRanksInput(BaseModel):
+class RejoinRanksInput(RankGroupInput):
     """In-process restart on one node: the ranks still alive there stay, the dead ones are started again as
-    joiners, and all of them form attempt `attempt`'s new process group."""
+    joiners, and all of them form attempt `attempt`'s new process group (the fencing token from now on)."""
 
-    workflow_id: str
-    chain_id: str = ""
-    attempt: int
-    """The new attempt: the fencing token from now on."""
     from_attempt: int
     """The attempt whose live ranks carry over; the node must still run it (else: NoSuchAttempt)."""
-    node: str
-    node_rank: int
-    num_nodes: int
-    ranks_per_node: int
-    master_addr: str | None = None
-    """None on the master node: it picks the new process group's fresh port and returns it."""
-    master_port: int | None = None
-    entrypoint: list[str]
-    env: dict[str, str] = Field(default_factory=dict)
-    working_dir: str | None = None
-    checkpoint_every: int = 50
     rejoin_timeout_s: float = 60.0
 
 

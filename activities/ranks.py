@@ -28,6 +28,7 @@ from activities.models import (
     InjectFaultResult,
     LaunchRanksInput,
     LaunchRanksResult,
+    RankGroupInput,
     RejoinRanksInput,
     RejoinRanksResult,
     RequestCheckpointInput,
@@ -116,10 +117,10 @@ class AttemptRecord:
     survivors: set[int] = field(default_factory=set)
     """After an in-process restart: the ranks carried over alive from the attempt before."""
     standby: RankProcess | None = None
-    last_watched: float = field(default_factory=time.monotonic)
-    """When a watch of this attempt last ran here: a run that stops watching may have moved on without us."""
     """With in-process restarts on: a process of the entrypoint already started (torch imported), waiting in
     `trainguard.rank.standby()` to take the place of a rank that dies."""
+    last_watched: float = field(default_factory=time.monotonic)
+    """When a watch of this attempt last ran here: a run that stops watching may have moved on without us."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -187,6 +188,13 @@ def _read_finish(path: Path) -> dict:
         return {}
 
 
+def _write_json(path: Path, payload: object) -> None:
+    """Whole or not at all: written beside, then renamed over (ranks and agents read these while they change)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -231,9 +239,7 @@ class RankActivities:
     def _save_record(self, record: AttemptRecord) -> None:
         layout = RunLayout.of(self.workdir, record.workflow_id)
         layout.root.mkdir(parents=True, exist_ok=True)
-        tmp = layout.ranks_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record.to_json()))
-        os.replace(tmp, layout.ranks_file)
+        _write_json(layout.ranks_file, record.to_json())
 
     async def _stop_standby(self, record: AttemptRecord) -> None:
         standby, record.standby = record.standby, None
@@ -364,7 +370,7 @@ class RankActivities:
             )
         return cwd
 
-    def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
+    def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
                   local_rank: int, extra: dict[str, str]) -> dict[str, str]:
         """torchrun's environment for one rank of `record`'s attempt, plus trainguard's."""
         rank = request.node_rank * request.ranks_per_node + local_rank
@@ -385,7 +391,7 @@ class RankActivities:
             **extra,
         }
 
-    def _start(self, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput, cwd: Path, log_path: Path,
+    def _start(self, layout: RunLayout, request: RankGroupInput, cwd: Path, log_path: Path,
                env: dict[str, str]) -> subprocess.Popen[bytes]:
         """The entrypoint in a session of its own (so its whole tree can be signalled), without the agent's
         secrets in its environment."""
@@ -414,11 +420,11 @@ class RankActivities:
         finally:
             log_file.close()
 
-    async def _spawn(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
+    async def _spawn(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
                      cwd: Path, local_rank: int, extra: dict[str, str]) -> None:
         """Start one rank of `record`'s attempt and record it before anything else can happen."""
+        rank = request.node_rank * request.ranks_per_node + local_rank
         env = self._rank_env(record, layout, request, local_rank, extra)
-        rank = int(env["RANK"])
         try:
             popen = self._start(layout, request, cwd, layout.log_file(record.attempt, rank), env)
         except ApplicationError:
@@ -431,7 +437,7 @@ class RankActivities:
         threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
         self._save_record(record)
 
-    def _start_standby(self, record: AttemptRecord, layout: RunLayout, request: LaunchRanksInput | RejoinRanksInput,
+    def _start_standby(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
                        cwd: Path) -> None:
         """One process of the entrypoint, started now so a rank that dies later is replaced without paying
         for the interpreter and its imports: it waits in `trainguard.rank.standby()` for the role file."""
@@ -487,10 +493,7 @@ class RankActivities:
                        "master_port": record.master_port, "world_size": world_size,
                        "progress_file": str(layout.progress_file(record.attempt, rank)),
                        "checkpoint_request_file": str(layout.checkpoint_request_file(record.attempt))}
-            path = layout.rejoin_file(rank)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(payload))
-            os.replace(tmp, path)
+            _write_json(layout.rejoin_file(rank), payload)
         standby = current.standby if current.standby is not None and not current.standby.poll() else None
         current.standby = None  # it moves to the new attempt's record: as a rank, or to be stopped with it
         used_standby = False
@@ -503,10 +506,7 @@ class RankActivities:
             if standby is not None:
                 # The standby has the interpreter and torch loaded: give it this rank's role.
                 env = self._rank_env(record, layout, request, local_rank, extra)
-                role = layout.standby_file(current.attempt)
-                tmp = role.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"env": env}))
-                os.replace(tmp, role)
+                _write_json(layout.standby_file(current.attempt), {"env": env})
                 self._track(record, rank, standby.pid, standby.popen)
                 standby, used_standby = None, True
             else:
@@ -558,10 +558,7 @@ class RankActivities:
         layout = RunLayout.of(self.workdir, request.workflow_id)
         reports = [r for r in (_read_report(layout.progress_file(record.attempt, rank)) for rank in record.ranks) if r]
         if request.step is not None:
-            path = layout.checkpoint_request_file(record.attempt)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": request.step}))
-            os.replace(tmp, path)
+            _write_json(layout.checkpoint_request_file(record.attempt), {"step": request.step})
         times = [r.step_time_s for r in reports if r.step_time_s]
         return RequestCheckpointResult(node=self.node, step=max((r.step for r in reports), default=-1),
                                        step_time_s=max(times) if times else None)

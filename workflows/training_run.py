@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -162,6 +163,10 @@ class _Outcome:
     """The history is long: continue as new, the ranks keep running."""
     fallback: bool = False
     """An in-process restart failed: relaunch every rank from a checkpoint (no new incident)."""
+
+
+_Group = TypeVar("_Group", LaunchRanksResult, RejoinRanksResult)
+"""What a node answers when its part of an attempt's process group starts (`_master_first`)."""
 
 
 class _StoreUnavailable(Exception):
@@ -639,14 +644,8 @@ class TrainingRun:
         self._set_phase(Phase.LAUNCHING)
         self._launched = True
         nodes = self._status.nodes
-        # The master node first: it picks this attempt's fresh rendezvous port, the others join it.
-        outcomes: list[LaunchRanksResult | BaseException] = list(await asyncio.gather(
-            self._launch(spec, attempt, 0, None, restore_dirs, restore_step), return_exceptions=True))
-        master = outcomes[0]
-        if isinstance(master, LaunchRanksResult):
-            outcomes += await asyncio.gather(*(
-                self._launch(spec, attempt, i, master, restore_dirs, restore_step) for i in range(1, len(nodes))
-            ), return_exceptions=True)
+        outcomes = await self._master_first(
+            lambda index, master: self._launch(spec, attempt, index, master, restore_dirs, restore_step))
         for node, outcome in zip(nodes, outcomes):
             if not isinstance(outcome, BaseException):
                 continue
@@ -659,6 +658,16 @@ class TrainingRun:
         self._set_phase(Phase.RUNNING)
         return await self._supervise(spec, attempt)
 
+    async def _master_first(self, call: Callable[[int, Any], Awaitable[_Group]]) -> list[_Group | BaseException]:
+        """`call(index, master)` on every node of the attempt: the master node first (it picks the process
+        group's fresh port, `master` None), then the others together, given the master's answer. The result
+        per node, or what it raised; nothing for the others when the master failed."""
+        outcomes: list[_Group | BaseException] = list(await asyncio.gather(call(0, None), return_exceptions=True))
+        if not isinstance(outcomes[0], BaseException):
+            outcomes += await asyncio.gather(*(call(i, outcomes[0]) for i in range(1, len(self._status.nodes))),
+                                             return_exceptions=True)
+        return outcomes
+
     async def _run_in_process(self, spec: RunSpec, attempt: int, incident: Incident) -> _Outcome:
         """Recover from a crash without a relaunch: the live ranks form attempt `attempt`'s process group with
         the crashed ranks started again, which take a live peer's state. Any failure before the attempt's
@@ -667,11 +676,7 @@ class TrainingRun:
         self._set_phase(Phase.LAUNCHING)
         nodes = self._status.nodes
         self._launched = True
-        results: list[RejoinRanksResult | BaseException] = list(await asyncio.gather(
-            self._rejoin(spec, attempt, 0, None), return_exceptions=True))
-        if isinstance(results[0], RejoinRanksResult):
-            results += await asyncio.gather(*(self._rejoin(spec, attempt, i, results[0])
-                                              for i in range(1, len(nodes))), return_exceptions=True)
+        results = await self._master_first(lambda index, master: self._rejoin(spec, attempt, index, master))
         failed = [f"{node}: {_cause_text(r)}" for node, r in zip(nodes, results) if isinstance(r, BaseException)]
         done = [r for r in results if isinstance(r, RejoinRanksResult)]
         steps = [r.step for r in done if r.step is not None]

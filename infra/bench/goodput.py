@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import secrets
 import shutil
 import signal
@@ -52,9 +51,11 @@ from infra.bench.recovery import (
     Torchrun,
     duty_cycle,
     find_worker,
+    machine,
     repair,
     say,
     train_args,
+    write_results,
 )
 
 DEFAULT_JSON = BENCH_DIR / "goodput.json"
@@ -266,14 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "goodput",
         "config": {"steps": opts.steps, "step_time": 0.1, "checkpoint_every": 50, "schedule": SCHEDULE,
                    "reference_step_s": step_s, "launchers": launchers},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": machine(load_before),
         "outcomes": [asdict(o) for o in outcomes],
         "ratios": ratios,
         "table": lines,
     }
-    opts.json.write_text(json.dumps(payload, indent=2) + "\n")
-    say(f"wrote {opts.json}")
+    write_results(opts.json, payload)
     return 0
 
 

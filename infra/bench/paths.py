@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import secrets
 import shutil
 import statistics
@@ -45,10 +43,12 @@ from infra.bench.recovery import (
     Floor,
     Measurement,
     _fmt,
+    machine,
     say,
     summary,
     torchrun_floor,
     trainguard_fault,
+    write_results,
 )
 
 DEFAULT_JSON = BENCH_DIR / "paths.json"
@@ -176,17 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"steps": opts.steps, "step_time": opts.step_time, "hidden": opts.hidden,
                    "checkpoint_every": opts.every, "fault_step": opts.fault_step, "repeats": opts.repeats,
                    "paths": PATHS},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_before": load_before, "loadavg_after": load_after},
+        "machine": machine(load_before, load_after),
         "runs": [{"path": p, **asdict(m), **parts} for p, m, parts in rows],
         "summary": summary_rows,
         "floor": asdict(floor),
         "table": lines,
         "total_s": round(time.monotonic() - started, 3),
     }
-    opts.json.parent.mkdir(parents=True, exist_ok=True)
-    opts.json.write_text(json.dumps(payload, indent=2) + "\n")
-    say(f"wrote {opts.json}")
+    write_results(opts.json, payload)
     return 0
 
 

@@ -106,6 +106,19 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
+def machine(load_before: tuple[float, float, float],
+            load_after: tuple[float, float, float] | None = None) -> dict[str, Any]:
+    """What every benchmark's JSON says of the machine it ran on (the load shows what else shared it)."""
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "loadavg_before": load_before, "loadavg_after": load_after or os.getloadavg()}
+
+
+def write_results(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    say(f"wrote {path}")
+
+
 # ------------------------------------------------------------------------------------------- results
 
 
@@ -790,9 +803,7 @@ def main(argv: list[str] | None = None) -> int:
                    "fault_node": FAULT_NODE, "fault_rank": FAULT_RANK,
                    "torchrun": {"max_restarts": TORCHRUN_MAX_RESTARTS, "pg_timeout_s": TORCHRUN_PG_TIMEOUT_S,
                                 "rdzv_backend": "c10d", "share_rdzv_store": False}},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform(),
-                    "loadavg_before": load_before, "loadavg_after": load_after},
+        "machine": machine(load_before, load_after),
         "stack": stack_info,
         "results": [asdict(m) for m in results],
         "floor": asdict(floor) if floor else None,
@@ -801,9 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_tmp_entries": new_tmp,
         "total_s": round(time.monotonic() - started, 3),
     }
-    opts.json.parent.mkdir(parents=True, exist_ok=True)
-    opts.json.write_text(json.dumps(payload, indent=2) + "\n")
-    say(f"wrote {opts.json}")
+    write_results(opts.json, payload)
     return 0
 
 

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import secrets
 import statistics
 import time
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.bench.recovery import machine, say, write_results
 from trainguard.procs import stat_fields
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,10 +45,6 @@ DEFAULT_JSON = BENCH_DIR / "scale.json"
 PORT_SEARCH_START = 34000
 SAMPLE_S = 0.5
 CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
 
 
 @dataclass(slots=True)
@@ -293,13 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "scale",
         "config": {"runs": counts, "steps": opts.steps, "step_time": 0.1, "rank": "examples/standin.py"},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": machine(load_before),
         "levels": [asdict(level) for level in levels],
         "table": lines,
     }
-    opts.json.write_text(json.dumps(payload, indent=2) + "\n")
-    say(f"wrote {opts.json}")
+    write_results(opts.json, payload)
     return 0
 
 
