@@ -3,7 +3,13 @@
 Layout in the bucket (readable with any S3 client, loadable with plain `torch.load`):
 
     <prefix>/<workflow-id>/step-00000100/rank-00000.pt     one shard per rank (torch.save of a dict)
+    <prefix>/<workflow-id>/step-00000100/nodes/<node>.json a node's record: its shards are all uploaded
+    <prefix>/<workflow-id>/step-00000100/manifest-00000.json  pages of a large manifest's shard list
     <prefix>/<workflow-id>/step-00000100/manifest.json     written last: the commit
+
+Node agents upload their own shards from inside their watch and write their node record last; the
+controller's committer sees a step whose records cover every rank and writes its manifest. No shard list
+passes through a workflow's history.
 
 A checkpoint without a manifest does not exist. The manifest is written only after every shard it names is
 in the store with the size and sha256 the rank recorded, and never overwritten (conditional write). A reader
@@ -25,6 +31,7 @@ import shutil
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +41,11 @@ from temporalio.exceptions import ApplicationError
 
 from activities.models import (
     CommitCheckpointInput,
+    CommitCheckpointsInput,
+    CommitCheckpointsResult,
+    CommittedCheckpoint,
+    ManifestPage,
+    NodeCheckpointRecord,
     DownloadShardsInput,
     DownloadShardsResult,
     FindCheckpointInput,
@@ -44,9 +56,11 @@ from activities.models import (
     ShardInfo,
     UploadShardsInput,
     UploadShardsResult,
+    WatchCheckpoints,
 )
 from activities.paths import RunLayout, shard_meta_name, shard_name, step_dir_name
 from activities.peers import fetch_from_peer
+from activities.progress import find_stragglers
 from trainguard.models import CheckpointRef
 from trainguard.rank import sha256_file
 from trainguard.settings import s3_client
@@ -71,6 +85,21 @@ boto3 starts a new upload on a retry, never resumes one). Twice that leaves room
 store (which stamps `Initiated`) and the controller, so an upload still in flight is never aborted under
 its writer.
 """
+
+
+MANIFEST_PAGE_RANKS = 1024
+"""Shards listed inline in a manifest, and per page beyond that: a page is about 150 KB, one GET per node
+at a restore, and never near a payload or object-size limit."""
+
+NODE_RECORDS = "nodes"
+
+STORE_CHECK_THREADS = 16
+"""HEADs in flight when a restore checks that a checkpoint's shards are all there: 32,768 one after the
+other would take minutes."""
+
+
+def node_record_key(run_prefix: str, step: int, node: str) -> str:
+    return f"{step_prefix(run_prefix, step)}{NODE_RECORDS}/{node}.json"
 
 
 def step_prefix(run_prefix: str, step: int) -> str:
@@ -131,14 +160,54 @@ def doomed_steps(steps: list[int], committed: list[int], keep_last: int, protect
             and (s in committed or sum(1 for c in newest if c > s) >= keep_last)]
 
 
-def read_manifest(client: Any, bucket: str, key: str) -> Manifest | None:
+def read_manifest(client: Any, bucket: str, key: str, ranks: set[int] | None = None) -> Manifest | None:
+    """The manifest at `key` with its shard list filled in (all of it, or the pages holding `ranks`); None
+    when there is none. A page whose bytes do not match the manifest raises ValueError, like bad JSON."""
     try:
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError as error:
         if _is_missing(error):
             return None
         raise
-    return Manifest.model_validate_json(body)
+    manifest = Manifest.model_validate_json(body)
+    if not manifest.pages:
+        return manifest
+    shards: list[ShardInfo] = []
+    for page in manifest.pages:
+        if ranks is not None and not any(page.first_rank <= r < page.first_rank + page.num_ranks for r in ranks):
+            continue
+        try:
+            data = client.get_object(Bucket=bucket, Key=page.key)["Body"].read()
+        except ClientError as error:
+            if _is_missing(error):
+                raise ValueError(f"manifest page {page.key} is missing") from None
+            raise
+        if hashlib.sha256(data).hexdigest() != page.sha256:
+            raise ValueError(f"manifest page {page.key} does not match its sha256")
+        shards.extend(ShardInfo.model_validate(s) for s in json.loads(data))
+    return manifest.model_copy(update={"shards": shards})
+
+
+def manifest_header(manifest: Manifest) -> Manifest:
+    """The manifest without its shard list: what may pass through a workflow's history at any world size."""
+    return manifest.model_copy(update={"shards": [], "pages": []})
+
+
+def manifest_body(manifest: Manifest, run_prefix: str) -> tuple[bytes, dict[str, bytes]]:
+    """The manifest object's bytes and, for a large world, its pages' (key -> bytes), to be written first."""
+    if len(manifest.shards) <= MANIFEST_PAGE_RANKS:
+        return manifest.model_dump_json(indent=1).encode(), {}
+    pages: dict[str, bytes] = {}
+    refs: list[ManifestPage] = []
+    for first in range(0, len(manifest.shards), MANIFEST_PAGE_RANKS):
+        chunk = manifest.shards[first : first + MANIFEST_PAGE_RANKS]
+        data = json.dumps([s.model_dump(mode="json") for s in chunk]).encode()
+        key = f"{step_prefix(run_prefix, manifest.step)}manifest-{first:05d}.json"
+        pages[key] = data
+        refs.append(ManifestPage(key=key, first_rank=first, num_ranks=len(chunk),
+                                 sha256=hashlib.sha256(data).hexdigest()))
+    header = manifest.model_copy(update={"shards": [], "pages": refs})
+    return header.model_dump_json(indent=1).encode(), pages
 
 
 def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | None:
@@ -397,11 +466,13 @@ class StoreActivities:
                 continue
             sources = {rank % manifest.world_size for rank in range(request.world_size)}
             needed = [s for s in manifest.shards if s.rank in sources]
-            problems = [p for s in needed if (p := check_shard_in_store(client, request.bucket, s))]
+            with ThreadPoolExecutor(max_workers=STORE_CHECK_THREADS) as pool:
+                problems = [p for p in pool.map(lambda s: check_shard_in_store(client, request.bucket, s), needed)
+                            if p]
             if problems:
                 skipped.append(f"step {step}: {problems[0]}")
                 continue
-            return FindCheckpointResult(manifest=manifest, manifest_key=key, skipped=skipped)
+            return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, skipped=skipped)
         return FindCheckpointResult(skipped=skipped)
 
     @activity.defn(name="commit_checkpoint")
@@ -435,28 +506,36 @@ class StoreActivities:
             world_size=request.world_size,
             attempt=request.attempt,
             shards=sorted(request.shards, key=lambda s: s.rank),
+            total_bytes=sum(s.size_bytes for s in request.shards),
             created_at=time.time(),
         )
-        key = manifest_key(request.run_prefix, request.step)
-        body = manifest.model_dump_json(indent=1).encode()
+        return self._put_manifest(client, request.bucket, request.run_prefix, manifest)
+
+    @staticmethod
+    def _put_manifest(client: Any, bucket: str, run_prefix: str, manifest: Manifest) -> CheckpointRef:
+        """Write the manifest (its pages first), never over another: a retry finds its own and succeeds."""
+        key = manifest_key(run_prefix, manifest.step)
+        body, pages = manifest_body(manifest, run_prefix)
+        for page_key, data in pages.items():
+            client.put_object(Bucket=bucket, Key=page_key, Body=data, ContentType="application/json")
         try:
-            client.put_object(Bucket=request.bucket, Key=key, Body=body, ContentType="application/json",
+            client.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json",
                               IfNoneMatch="*")
         except ClientError as error:
             code = _error_code(error)
             if code == "ConditionalRequestConflict":
                 # Another conditional write of this key is in flight: retry and compare with what it wrote.
-                raise ApplicationError(f"step {request.step}: concurrent manifest write, retrying",
+                raise ApplicationError(f"step {manifest.step}: concurrent manifest write, retrying",
                                        type="ManifestWriteConflict") from None
             if code not in ("PreconditionFailed", "412"):
                 raise
             try:
-                existing = read_manifest(client, request.bucket, key)
+                existing = read_manifest(client, bucket, key)
             except ValueError:
                 existing = None  # an unreadable manifest is not ours either
             if existing is None or [s.sha256 for s in existing.shards] != [s.sha256 for s in manifest.shards]:
                 raise ApplicationError(
-                    f"step {request.step} was already committed with different shards (two writers?)",
+                    f"step {manifest.step} was already committed with different shards (two writers?)",
                     type="ConflictingCommit",
                     non_retryable=True,
                 ) from None
@@ -465,10 +544,94 @@ class StoreActivities:
         return CheckpointRef(
             step=manifest.step,
             manifest_key=key,
-            bucket=request.bucket,
+            bucket=bucket,
             world_size=manifest.world_size,
             total_bytes=sum(s.size_bytes for s in manifest.shards),
         )
+
+    @activity.defn(name="commit_checkpoints")
+    async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
+        """The committer: commit every step whose node records cover the world (manifest last), apply
+        retention, and return what it committed. Heartbeats while it waits; idempotent (a step already
+        committed is committed again as itself)."""
+        return await _heartbeating(self._commit_ready, request)
+
+    def _commit_ready(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
+        client = s3_client()
+        deadline = time.monotonic() + request.max_duration_s
+        records: dict[str, tuple[str, NodeCheckpointRecord]] = {}
+        """Record key -> (ETag, record): a record is read again only when it changed."""
+        last_change = time.monotonic()
+        while True:
+            commits: list[CommittedCheckpoint] = []
+            pending = False
+            try:
+                steps = sorted(s for s in list_steps(client, request.bucket, request.run_prefix)
+                               if s > request.after_step)
+            except ClientError as error:
+                raise _bucket_missing(error, request.bucket) or error
+            for step in steps:
+                found, changed = self._node_records(client, request, step, records)
+                if changed:
+                    last_change = time.monotonic()
+                done = self._commit_step(client, request, step, found)
+                if done is not None:
+                    commits.append(done)
+                elif found:
+                    pending = True
+            if commits:
+                self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,
+                                                  keep_last=request.keep_last,
+                                                  protect_steps=[max(c.ref.step for c in commits)]))
+                return CommitCheckpointsResult(commits=commits)
+            now = time.monotonic()
+            if now >= deadline:
+                return CommitCheckpointsResult()
+            if request.quiet_s is not None and (not pending or now - last_change >= request.quiet_s):
+                return CommitCheckpointsResult()
+            time.sleep(request.poll_interval_s)
+
+    @staticmethod
+    def _node_records(client: Any, request: CommitCheckpointsInput, step: int,
+                      cache: dict[str, tuple[str, NodeCheckpointRecord]]) -> tuple[list[NodeCheckpointRecord], bool]:
+        """The node records of `step` that count for this commit (attempts `min_attempt`..`attempt`), and
+        whether any was new or changed since the last look."""
+        prefix = f"{step_prefix(request.run_prefix, step)}{NODE_RECORDS}/"
+        changed = False
+        found: list[NodeCheckpointRecord] = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=request.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                key, etag = obj["Key"], obj["ETag"]
+                if key not in cache or cache[key][0] != etag:
+                    try:
+                        body = client.get_object(Bucket=request.bucket, Key=key)["Body"].read()
+                        cache[key] = (etag, NodeCheckpointRecord.model_validate_json(body))
+                    except (ClientError, ValueError) as error:
+                        log.warning("node record %s unreadable (%s); waiting for it to be rewritten", key, error)
+                        continue
+                    changed = True
+                record = cache[key][1]
+                if request.min_attempt <= record.attempt <= request.attempt and record.step == step:
+                    found.append(record)
+        return found, changed
+
+    def _commit_step(self, client: Any, request: CommitCheckpointsInput, step: int,
+                     records: list[NodeCheckpointRecord]) -> CommittedCheckpoint | None:
+        """Commit `step` if its records hold exactly one shard per rank of the world; else None."""
+        by_rank: dict[int, ShardInfo] = {}
+        for record in sorted(records, key=lambda r: (r.attempt, r.node)):
+            for shard in record.shards:
+                by_rank[shard.rank] = shard  # a newer attempt's upload of the same rank wins
+        if sorted(by_rank) != list(range(request.world_size)):
+            return None
+        shards = [by_rank[r] for r in range(request.world_size)]
+        manifest = Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
+                            attempt=request.attempt, shards=shards, total_bytes=sum(s.size_bytes for s in shards),
+                            created_at=time.time())
+        ref = self._put_manifest(client, request.bucket, request.run_prefix, manifest)
+        compute = {r: c for record in records for r, c in record.rank_compute_s.items()}
+        return CommittedCheckpoint(ref=ref, slow_ranks=find_stragglers(compute, request.straggler_ratio),
+                                   step=min((r.node_step for r in records), default=step))
 
     @activity.defn(name="prune_checkpoints")
     async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
@@ -617,6 +780,8 @@ class NodeCheckpointActivities:
     @activity.defn(name="download_shards")
     async def download_shards(self, request: DownloadShardsInput) -> DownloadShardsResult:
         """Download and verify the shards this node's ranks restore from. No unverified byte is kept."""
+        if not request.shards and request.manifest_key:
+            request = request.model_copy(update={"shards": await asyncio.to_thread(self._shards_of, request)})
         if not request.shards:
             raise ApplicationError("no shards to download", type="NoShards", non_retryable=True)
         layout = RunLayout.of(self.workdir, request.workflow_id)
@@ -641,6 +806,49 @@ class NodeCheckpointActivities:
             seconds=time.monotonic() - started,
             tiers=tiers,
         )
+
+    @staticmethod
+    def _shards_of(request: DownloadShardsInput) -> list[ShardInfo]:
+        """The shards `request.ranks` restore, read from the manifest (only the pages that hold them): rank
+        r restores shard r mod the checkpoint's world size, saved under rank r's own name."""
+        assert request.manifest_key is not None
+        try:
+            manifest = read_manifest(s3_client(), request.bucket, request.manifest_key)
+        except ValueError as error:
+            raise ApplicationError(f"manifest {request.manifest_key} unreadable: {error}",
+                                   type="CorruptCheckpoint", non_retryable=True) from None
+        if manifest is None:
+            raise ApplicationError(f"manifest {request.manifest_key} is gone", type="CorruptCheckpoint",
+                                   non_retryable=True)
+        by_rank = {s.rank: s for s in manifest.shards}
+        return [by_rank[r % manifest.world_size].model_copy(update={"rank": r}) for r in request.ranks]
+
+    async def upload_step(self, workflow_id: str, attempt: int, target: WatchCheckpoints, step: int,
+                          rank_compute_s: dict[int, float], node_step: int) -> NodeCheckpointRecord:
+        """From a watch: upload this node's shards of `step`, then write its node record (last), so the
+        committer can see this node's part of the step is in the store. Idempotent."""
+        result = await self.upload_shards(UploadShardsInput(
+            workflow_id=workflow_id, attempt=attempt, node=self.node, bucket=target.bucket,
+            run_prefix=target.run_prefix, step=step,
+            committed_step=await asyncio.to_thread(self._newest_committed, workflow_id, target, step)))
+        record = NodeCheckpointRecord(node=self.node, attempt=attempt, step=step, shards=result.shards,
+                                      rank_compute_s=rank_compute_s, node_step=node_step)
+        await asyncio.to_thread(
+            s3_client().put_object, Bucket=target.bucket, Key=node_record_key(target.run_prefix, step, self.node),
+            Body=record.model_dump_json().encode(), ContentType="application/json")
+        return record
+
+    def _newest_committed(self, workflow_id: str, target: WatchCheckpoints, before: int) -> int:
+        """The newest committed step of this run older than `before` that this node still keeps locally: the
+        local tier keeps it, and drops what is older."""
+        layout = RunLayout.of(self.workdir, workflow_id)
+        client = s3_client()
+        local = sorted((int(d.name.removeprefix("step-")) for d in layout.checkpoint_dir.glob("step-*")
+                        if d.name.removeprefix("step-").isdigit()), reverse=True)
+        for step in local:
+            if step < before and StoreActivities._exists(client, target.bucket, manifest_key(target.run_prefix, step)):
+                return step
+        return -1
 
     def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None,
                       peer_url: str | None = None, run_dir_name: str = "") -> str:

@@ -9,6 +9,7 @@ from enum import Enum
 
 from pydantic import BaseModel, Field
 
+from trainguard.models import CheckpointRef
 from trainguard.spec import HealthSpec
 
 # ---------------------------------------------------------------------------------------------- nodes
@@ -63,17 +64,52 @@ class ShardInfo(BaseModel):
     """Node that wrote it."""
 
 
+class ManifestPage(BaseModel):
+    """One page of a large manifest's shard list, an object of its own next to the manifest."""
+
+    key: str
+    first_rank: int
+    num_ranks: int
+    sha256: str
+    """Of the page object's bytes: a reader never trusts a page that does not match."""
+
+
 class Manifest(BaseModel):
-    """Written last; its existence is what makes a checkpoint real."""
+    """Written last; its existence is what makes a checkpoint real.
+
+    Up to `MANIFEST_PAGE_RANKS` shards are listed inline. A larger world's shards go to pages written before
+    the manifest, so a node restoring its ranks reads one page, not the shard list of every rank: a 32,768
+    rank manifest inline would be about 5 MB, read by every node at every restore."""
 
     format: str = "trainguard-checkpoint/1"
     workflow_id: str
     step: int
     world_size: int
     attempt: int
-    shards: list[ShardInfo]
+    shards: list[ShardInfo] = Field(default_factory=list)
+    pages: list[ManifestPage] = Field(default_factory=list)
+    """Where the shard list is when it is not inline (`shards` empty)."""
+    total_bytes: int = 0
+    """Sum of shard sizes, bytes."""
     created_at: float = 0.0
     """Unix time the controller wrote the manifest."""
+
+
+class NodeCheckpointRecord(BaseModel):
+    """What a node agent writes to `<run prefix>/step-N/nodes/<node>.json` once every shard its ranks saved
+    at step N is uploaded and verified: the committer's evidence that this node's part of the step is done.
+    Node and controller both import this model; neither parses it by key."""
+
+    node: str
+    attempt: int
+    """The attempt whose watch uploaded the shards: the fencing token. A step commits only from records of
+    the attempts that share the live ranks' state (`CommitCheckpointsInput.min_attempt` .. `attempt`)."""
+    step: int
+    shards: list[ShardInfo]
+    rank_compute_s: dict[int, float] = Field(default_factory=dict)
+    """Each local rank's recent compute time per step, seconds: the committer judges stragglers from these."""
+    node_step: int = -1
+    """Lowest step across this node's ranks when it wrote the record."""
 
 
 class FindCheckpointInput(BaseModel):
@@ -93,6 +129,8 @@ class FindCheckpointInput(BaseModel):
 
 class FindCheckpointResult(BaseModel):
     manifest: Manifest | None = None
+    """The manifest's header: its shard list stays in the store (`shards` and `pages` empty), so no payload
+    grows with the world size; nodes read the shards they restore themselves from `manifest_key`."""
     manifest_key: str | None = None
     skipped: list[str] = Field(default_factory=list)
     """Why newer manifests were passed over, e.g. `step 200: shard rank 1 missing`."""
@@ -103,8 +141,12 @@ class DownloadShardsInput(BaseModel):
     attempt: int
     node: str
     bucket: str
-    shards: list[ShardInfo]
-    """Shards of the ranks this node will run; each is verified against its sha256 before use."""
+    shards: list[ShardInfo] = Field(default_factory=list)
+    """Shards of the ranks this node will run; each is verified against its sha256 before use. Empty: read
+    them from `manifest_key` for `ranks`."""
+    manifest_key: str | None = None
+    ranks: list[int] = Field(default_factory=list)
+    """The global ranks this node will run: rank r restores shard r mod the checkpoint's world size."""
     local_tier: bool = True
     """Use the node's own verified copy when it has one; False: always the store."""
 
@@ -147,6 +189,43 @@ class CommitCheckpointInput(BaseModel):
     keep_last: int | None = None
     """The run's retention: a shard of this step can only have been pruned once `keep_last` newer steps are
     committed. With fewer, a missing shard is a store that has not shown it yet, and the commit retries."""
+
+
+class CommitCheckpointsInput(BaseModel):
+    """The committer: watch the store for steps whose every shard the node agents have uploaded, and commit
+    them (manifest last), then apply retention. Returns once it committed something, or after
+    `max_duration_s`."""
+
+    bucket: str
+    run_prefix: str
+    workflow_id: str
+    attempt: int
+    min_attempt: int
+    """Records of attempts `min_attempt`..`attempt` count: after an in-process restart the live ranks' state
+    (and their shards) carries over from earlier attempts; after a relaunch, only the new attempt's."""
+    world_size: int
+    num_nodes: int
+    after_step: int = -1
+    """The newest committed step: only newer steps are committed."""
+    keep_last: int = 3
+    straggler_ratio: float = 1.5
+    max_duration_s: float = 600.0
+    poll_interval_s: float = 0.5
+    quiet_s: float | None = None
+    """Drain mode: return once nothing new was uploaded for this long (and nothing is left to commit)."""
+
+
+class CommittedCheckpoint(BaseModel):
+    ref: CheckpointRef
+    slow_ranks: dict[int, float] = Field(default_factory=dict)
+    """Ranks computing `straggler_ratio` times slower than their peers' median over the interval."""
+    step: int = -1
+    """Lowest step any node had reached when it reported the checkpoint."""
+
+
+class CommitCheckpointsResult(BaseModel):
+    commits: list[CommittedCheckpoint] = Field(default_factory=list)
+    """Oldest first; empty when `max_duration_s` passed with nothing to commit."""
 
 
 class PruneCheckpointsInput(BaseModel):
@@ -246,6 +325,16 @@ class WatchEventKind(str, Enum):
     GPU_UNHEALTHY = "gpu_unhealthy"
     KEEPALIVE = "keepalive"
     """Nothing happened within the watch's lifetime; the workflow starts a new watch."""
+    STARTED = "started"
+    """The attempt's first step on this node (returned once, when the watch was asked to report it)."""
+
+
+class WatchCheckpoints(BaseModel):
+    """Where a watch uploads its node's checkpoints itself (fenced by its attempt), so no per-step, per-node
+    event passes through the workflow's history."""
+
+    bucket: str
+    run_prefix: str
 
 
 class WatchRanksInput(BaseModel):
@@ -257,6 +346,11 @@ class WatchRanksInput(BaseModel):
     """Newest checkpoint step already reported by an earlier watch; only newer ones are reported."""
     first_step_reported: bool = False
     max_duration_s: float = 600.0
+    checkpoints: WatchCheckpoints | None = None
+    """Upload complete local steps and write their `NodeCheckpointRecord` instead of returning
+    CHECKPOINT_READY."""
+    report_start: bool = False
+    """Return STARTED once the attempt's first step is seen here."""
     """Return KEEPALIVE after this long so no single activity runs forever."""
 
 

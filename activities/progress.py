@@ -6,6 +6,8 @@ rank's own progress reports, never from a collective timeout (gloo waits 30 min,
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 
 from trainguard.spec import HealthSpec
@@ -105,12 +107,24 @@ def find_stragglers(compute_s: dict[int, float], ratio: float) -> dict[int, floa
     Step wall times cannot show a straggler: in data-parallel training every rank waits for the slowest at
     each collective, so all step times are equal. The compute time outside collectives differs.
     """
+    # The median of the peers of each rank, from one sort: O(n log n), so 32,768 ranks take milliseconds.
+    ordered = sorted(compute_s.values())
+    count = len(ordered) - 1  # peers of each rank
+
+    def peers_median(own: float) -> float:
+        skip = bisect.bisect_left(ordered, own)  # an equal value at this index stands for `own`
+
+        def peer(j: int) -> float:
+            return ordered[j] if j < skip else ordered[j + 1]
+
+        middle = count // 2
+        return peer(middle) if count % 2 else (peer(middle - 1) + peer(middle)) / 2
+
     found: dict[int, float] = {}
+    if count < 1:
+        return found
     for rank, own in sorted(compute_s.items()):
-        peers = [t for r, t in compute_s.items() if r != rank]
-        if not peers:
-            continue
-        median = _median(peers)
+        median = peers_median(own)
         if median > 0 and own > ratio * median:
             found[rank] = round(own / median, 3)
     return found

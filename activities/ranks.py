@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.models import (
+    NodeCheckpointRecord,
+    WatchCheckpoints,
     InjectFaultInput,
     InjectFaultResult,
     LaunchRanksInput,
@@ -51,6 +54,13 @@ log = logging.getLogger(__name__)
 # Variables of the agent's own environment that ranks must not inherit: storage credentials belong to the
 # agent (it uploads), never to user code.
 _SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_")
+
+UPLOAD_RETRY_S = 5.0
+"""A watch's upload that failed on a store error is tried again after this long (the store may be out;
+the committer waits for the step meanwhile)."""
+
+Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int], Awaitable[NodeCheckpointRecord]]
+"""(workflow id, attempt, target, step, rank compute times, node step) -> the node record written."""
 
 
 def describe_exit(code: int | None) -> str:
@@ -205,8 +215,13 @@ class RankActivities:
     """Rank processes on one node. One instance per node agent."""
 
     def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
-                 allowed: tuple[str, ...] = ("*",), chaos: bool = True) -> None:
+                 allowed: tuple[str, ...] = ("*",), chaos: bool = True, uploader: Uploader | None = None) -> None:
         self.node = node
+        self.uploader = uploader
+        """Uploads a complete local step and writes its node record (`NodeCheckpointActivities.upload_step`)."""
+        self._uploads: dict[tuple[str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
+        """(workflow id, attempt, step) -> its upload, started by a watch and outliving it."""
+        self._upload_failed_at: dict[tuple[str, int, int], float] = {}
         self.allowed = allowed
         self.chaos = chaos
         self.workdir = workdir
@@ -685,10 +700,15 @@ class RankActivities:
                 return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,
                                   step=node_step, **fields)  # type: ignore[arg-type]
 
-            ready = complete_steps(self._saved_steps(layout), local_ranks, request.reported_step)
-            if ready:
-                compute = {r: rep.compute_s for r, rep in reports.items() if rep is not None and rep.compute_s}
+            ready = complete_steps(self._saved_steps(layout), local_ranks, max(request.reported_step,
+                                                                                 record.start_step))
+            compute = {r: rep.compute_s for r, rep in reports.items() if rep is not None and rep.compute_s}
+            if ready and request.checkpoints is None:
                 return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready, rank_compute_s=compute)
+            if ready and request.checkpoints is not None:
+                self._upload_ready(record, request.checkpoints, ready, compute, node_step)
+            if request.report_start and record.first_step_at is not None:
+                return event(WatchEventKind.STARTED)
 
             if self.health.injected is not None or time.monotonic() >= next_gpu_check:
                 next_gpu_check = time.monotonic() + health.gpu_check_interval_s
@@ -711,6 +731,7 @@ class RankActivities:
                 await self._stop_standby(record)
                 first = min(local_ranks)
                 finish = _read_finish(layout.progress_file(record.attempt, first))
+                await self._uploads_done(record)  # FINISHED means the node's last checkpoint is in the store
                 return event(WatchEventKind.FINISHED, state_digest=finish.get("digest"),
                              mean_step_s=finish.get("mean_step_s"))
 
@@ -736,6 +757,48 @@ class RankActivities:
             if time.monotonic() - started > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
             await asyncio.sleep(health.poll_interval_s)
+
+    def _upload_ready(self, record: AttemptRecord, target: WatchCheckpoints, steps: list[int],
+                      compute: dict[int, float], node_step: int) -> None:
+        """Start the upload of every complete local step not uploaded yet (or whose upload failed more than
+        `UPLOAD_RETRY_S` ago and can heal). The upload runs beside the watch, which keeps polling."""
+        if self.uploader is None:
+            return
+        for step in steps:
+            key = (record.workflow_id, record.attempt, step)
+            task = self._uploads.get(key)
+            if task is not None and not task.done():
+                continue
+            if task is not None:
+                error = task.exception()
+                if error is None:
+                    continue
+                if isinstance(error, ApplicationError) and error.non_retryable:
+                    continue  # bad bytes never heal: the step stays uncommitted, an older one restores
+                if time.monotonic() - self._upload_failed_at.get(key, 0.0) < UPLOAD_RETRY_S:
+                    continue
+            self._uploads[key] = asyncio.ensure_future(self._upload(record, target, step, compute, node_step))
+
+    async def _upload(self, record: AttemptRecord, target: WatchCheckpoints, step: int,
+                      compute: dict[int, float], node_step: int) -> NodeCheckpointRecord:
+        assert self.uploader is not None
+        key = (record.workflow_id, record.attempt, step)
+        try:
+            return await self.uploader(record.workflow_id, record.attempt, target, step, compute, node_step)
+        except BaseException as error:
+            self._upload_failed_at[key] = time.monotonic()
+            log.warning("upload of step %d of %s attempt %d failed: %s", step, record.workflow_id,
+                        record.attempt, error)
+            raise
+
+    async def _uploads_done(self, record: AttemptRecord) -> None:
+        """Wait for this attempt's uploads in flight, heartbeating meanwhile."""
+        mine = [t for (wf, attempt, _), t in self._uploads.items()
+                if wf == record.workflow_id and attempt == record.attempt and not t.done()]
+        while mine:
+            activity.heartbeat({"node": self.node, "attempt": record.attempt, "uploading": len(mine)})
+            _, still = await asyncio.wait(mine, timeout=1.0)
+            mine = list(still)
 
     @staticmethod
     def _drop_uncommitted_shards(layout: RunLayout, restore_step: int) -> None:

@@ -189,6 +189,8 @@ class CarriedState(BaseModel):
     """Nodes a shrink left behind, to grow back onto when they return."""
     replaced: list[str] = Field(default_factory=list)
     """Nodes a spare replaced, to take back as spares when they return."""
+    state_since_attempt: int = 0
+    """The attempt the live ranks' state comes from (the last relaunch); 0: the carried attempt."""
 
 
 class DrainRequest(BaseModel):

@@ -18,6 +18,7 @@ from trainguard.connect import connect
 from trainguard.search_attributes import ensure_registered
 from workers.common import GRACEFUL_SHUTDOWN, STICKY_SCHEDULE_TO_START, setup_logging, stop_event
 from workflows.node_pool import NodePool
+from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.training_run import TrainingRun
 
 log = logging.getLogger("trainguard.controller")
@@ -31,10 +32,11 @@ def build_worker(client, task_queue: str = TASK_QUEUE) -> Worker:  # type: ignor
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=[TrainingRun, NodePool],
+        workflows=[TrainingRun, NodePool, NodeCalls, NodeGroupWatch],
         activities=[
             store.find_checkpoint,
             store.commit_checkpoint,
+            store.commit_checkpoints,
             store.prune_checkpoints,
             nodes.find_node_agents,
             pool.acquire_nodes,

@@ -35,8 +35,9 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
                  peer_tier: bool = True) -> tuple[Worker, RankActivities]:
     node_health = NodeHealth()
-    ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos)
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
+    ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
+                           uploader=checkpoints.upload_step)
     health = HealthActivities(node, host, node_health)
     worker = Worker(
         client,

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
         CheckNodeInput,
         CheckNodeResult,
-        CommitCheckpointInput,
+        CommitCheckpointsInput,
+        CommitCheckpointsResult,
         DownloadShardsInput,
         DownloadShardsResult,
         FindCheckpointInput,
@@ -34,20 +35,14 @@ with workflow.unsafe.imports_passed_through():
         InjectFaultResult,
         LaunchRanksInput,
         LaunchRanksResult,
-        Manifest,
-        PruneCheckpointsInput,
-        PruneCheckpointsResult,
         RejoinRanksInput,
         RejoinRanksResult,
         RequestCheckpointInput,
         RequestCheckpointResult,
-        ShardInfo,
         StopRanksInput,
-        StopRanksResult,
-        UploadShardsInput,
-        UploadShardsResult,
         WatchEvent,
         WatchEventKind,
+        WatchCheckpoints,
         WatchRanksInput,
     )
     from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
@@ -68,10 +63,27 @@ with workflow.unsafe.imports_passed_through():
     )
     from trainguard import search_attributes
     from trainguard.spec import RunSpec, SpecError, parse_spec
-    from activities.progress import find_stragglers
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
+    from workflows.node_group import (
+        NODE_CALL_RETRY,
+        NODE_SCHEDULE_TO_START,
+        STOP_TIMEOUT,
+        TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
+        WATCH_MAX_DURATION_S,
+        GroupStarted,
+        NodeCallKind,
+        NodeCall,
+        NodeCalls,
+        NodeCallsInput,
+        NodeCallsResult,
+        NodeGroupWatch,
+        NodeGroupWatchInput,
+        NodeGroupWatchResult,
+        NodeOutcome,
+        groups_of,
+    )
 
 PATCH_RECLAIM_SPARES = "reclaim-spares"
 """Histories before this patch never took a replaced node back, even once it was repaired."""
@@ -83,36 +95,26 @@ PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
 """Histories before this patch relaunched onto a node that had not answered the stop of its ranks."""
 PATCH_IN_PROCESS = "in-process-restart"
 """Histories before this patch relaunched every rank after a crash whatever `restarts.in_process` said."""
+# Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
+# runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
+# across that change runs old runs to their end on the old build first (README: upgrading the controller).
 
 # ------------------------------------------------------------------------------ timeouts and retries
 
-NODE_SCHEDULE_TO_START = timedelta(seconds=10)
-"""Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever. A live agent
-polls all the time and starts one in milliseconds; 10 s, like the watch's heartbeat timeout, means it is gone."""
-
-CHECK_NODE_TIMEOUT = timedelta(seconds=30)
-"""An NVML query and a reply; anything slower is a sick node."""
-
-LAUNCH_TIMEOUT = timedelta(minutes=2)
-"""Spawning processes takes milliseconds; minutes means the node is in trouble."""
-
-STOP_TIMEOUT = timedelta(seconds=60)
-"""SIGTERM, a grace period, then SIGKILL of whole process groups, and reaping them."""
-
-WATCH_MAX_DURATION_S = 600.0
-"""A watch returns after this long even if nothing happened, so no activity runs unbounded."""
-
-WATCH_TIMEOUT = timedelta(seconds=WATCH_MAX_DURATION_S + 60)
-WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
-"""The agent heartbeats every poll (0.2 s by default): 10 s of silence means the node is unresponsive."""
-
-TRANSFER_TIMEOUT = timedelta(minutes=30)
-TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
-TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
-"""Upload/download retries stop after this: long enough to ride out a store outage."""
-
 DRAIN_TIMEOUT = timedelta(seconds=30)
-"""After an incident, pause or drain: how long uploads and commits already under way may take to finish."""
+"""After an incident, pause or drain: how long uploads already under way may take to finish and commit."""
+
+DRAIN_QUIET_S = 3.0
+"""...and the drain ends sooner once no node has reported a new upload for this long."""
+
+COMMITTER_MAX_DURATION_S = 600.0
+"""The committer returns after this long even if nothing was committed, so no activity runs unbounded."""
+COMMITTER_TIMEOUT = timedelta(seconds=COMMITTER_MAX_DURATION_S + 120)
+"""Its last pass may still be writing a manifest (pages first) when the duration ends."""
+
+INCIDENT_SETTLE = timedelta(seconds=1)
+"""After the first group reports an incident, how long the others may take to report theirs: a crash's
+peers fail in their collective within milliseconds, and the earliest failure of all is the cause."""
 
 STORE_TIMEOUT = timedelta(minutes=2)
 """Listing, HEADs and a small manifest PUT."""
@@ -128,18 +130,6 @@ POOL_TIMEOUT = timedelta(seconds=30)
 POOL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 """The pool lives in the same Temporal as the run: retry until it answers (each call is idempotent)."""
 
-
-NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
-                              maximum_attempts=3)
-"""A node call that fails three times is a node problem; more retries would only delay the remedy."""
-
-WATCH_RETRY = RetryPolicy(maximum_attempts=1)
-"""A failed watch is itself the signal (the agent died or froze): the workflow decides, not a retry."""
-
-TRANSFER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=30),
-                             non_retryable_error_types=["CorruptCheckpoint", "NoLocalShards", "BadSpec"])
-"""S3 outages heal: retry with backoff (bounded by TRANSFER_SCHEDULE_TO_CLOSE); bad bytes never heal."""
 
 STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
                           maximum_interval=timedelta(seconds=20), maximum_attempts=12)
@@ -219,7 +209,8 @@ class TrainingRun:
         self._resume_requested = False
         self._abort_reason: str | None = None
         self._straggler_streak: dict[int, int] = {}
-        self._compute_by_step: dict[int, dict[int, float]] = {}
+        self._state_since_attempt = 1
+        """The attempt the live ranks' state comes from: the last relaunch (in-process restarts keep it)."""
         self._publish_search_attributes = False
         self._injected_at: dict[tuple[str, str], float] = {}
         """(fault, node) -> when chaos injected it: node-down and slow are timed from here when noticed."""
@@ -304,12 +295,13 @@ class TrainingRun:
     async def checkpoint_now(self, request: OperatorRequest) -> CheckpointNowResult:
         """Have every rank checkpoint about two seconds from now; it commits like any other checkpoint."""
         attempt, nodes = self._status.attempt, list(self._status.nodes)
-        where = await asyncio.gather(*(self._request_checkpoint(attempt, n, None) for n in nodes))
-        step_time = max((w.step_time_s or 0.1) for w in where)
-        # About two seconds of steps ahead of the fastest rank: the request reaches every rank (an activity
-        # round trip per node, tens of milliseconds, more on a loaded machine) well before that step.
-        target = max(w.step for w in where) + max(5, math.ceil(2.0 / step_time))
-        await asyncio.gather(*(self._request_checkpoint(attempt, n, target) for n in nodes))
+        # The master node says where training is: every rank steps in lockstep with it (collectives).
+        [where] = await self._request_checkpoint(attempt, nodes[:1], None)
+        step_time = where.step_time_s or 0.1
+        # About two seconds of steps ahead: the request reaches every node (a child workflow and an activity
+        # round trip per group, tens of milliseconds, more on a loaded machine or a large run) well before.
+        target = where.step + max(5, math.ceil(2.0 / step_time))
+        await self._request_checkpoint(attempt, nodes, target)
         return CheckpointNowResult(step=target)
 
     @checkpoint_now.validator
@@ -317,17 +309,30 @@ class TrainingRun:
         if self._status.phase is not Phase.RUNNING:
             raise ValueError(f"run is {self._status.phase.value}, not running: no ranks to checkpoint")
 
-    async def _request_checkpoint(self, attempt: int, node: str, step: int | None) -> RequestCheckpointResult:
-        return await workflow.execute_activity(
-            "request_checkpoint",
-            RequestCheckpointInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node, step=step),
-            task_queue=node_task_queue(node),
-            start_to_close_timeout=CHECK_NODE_TIMEOUT,
-            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-            retry_policy=NODE_CALL_RETRY,
-            result_type=RequestCheckpointResult,
-            summary=f"checkpoint now on {node}" + (f" at step {step}" if step is not None else ""),
-        )
+    async def _request_checkpoint(self, attempt: int, nodes: list[str],
+                                  step: int | None) -> list[RequestCheckpointResult]:
+        wid = workflow.info().workflow_id
+        outcomes = await self._fan_out(
+            NodeCallKind.REQUEST_CHECKPOINT,
+            [(n, RequestCheckpointInput(workflow_id=wid, attempt=attempt, node=n, step=step)) for n in nodes],
+            "checkpoint now on {node}" + (f" at step {step}" if step is not None else ""))
+        failed = [f"{o.node}: {o.error}" for o in outcomes if o.result is None]
+        if failed:
+            raise ApplicationError(f"checkpoint request failed on {'; '.join(failed[:3])}", type="NodeUnavailable")
+        return [RequestCheckpointResult.model_validate(o.result) for o in outcomes]
+
+    async def _fan_out(self, kind: NodeCallKind, calls: list[tuple[str, Any]], summary: str) -> list[NodeOutcome]:
+        """One activity of `kind` per node, through a `NodeCalls` child per group of nodes, so no execution
+        holds more than a group's activities; every node's outcome, in the calls' order."""
+        wid = workflow.info().workflow_id
+        tag = str(workflow.uuid4())[:8]
+        chunks = groups_of([NodeCall(node=node, input=request.model_dump(mode="json")) for node, request in calls])
+        results: list[NodeCallsResult] = await asyncio.gather(*(workflow.execute_child_workflow(
+            NodeCalls.run, NodeCallsInput(kind=kind, calls=chunk, summary=summary),
+            id=f"{wid}/{kind.value}-{tag}-{index}", result_type=NodeCallsResult,
+            static_summary=f"{kind.value} on {chunk[0].node}..{chunk[-1].node} ({len(chunk)} nodes)",
+        ) for index, chunk in enumerate(chunks)))
+        return [outcome for result in results for outcome in result.outcomes]
 
     @inject_fault.validator
     def _validate_fault(self, request: InjectFaultInput) -> None:
@@ -463,6 +468,7 @@ class TrainingRun:
             started_at=started, resumed_step=self._status.resumed_step, step=self._status.step,
             straggler_streak=self._straggler_streak, publish_search_attributes=self._publish_search_attributes,
             continued=self._continued + 1, lost=self._lost, replaced=self._replaced,
+            state_since_attempt=self._state_since_attempt,
         )
 
     def _adopt(self, carried: CarriedState) -> None:
@@ -483,6 +489,7 @@ class TrainingRun:
         self._continued = carried.continued
         self._lost = list(carried.lost)
         self._replaced = list(carried.replaced)
+        self._state_since_attempt = carried.state_since_attempt or carried.attempt
         self._launched = True
         self._leased = True
         self._set_phase(Phase.RUNNING)
@@ -536,8 +543,7 @@ class TrainingRun:
             self._set_phase(Phase.FAILED)
             raise ApplicationError(reason, type="InvalidSpec", non_retryable=True)
         spares = await self._acquire(spec, [n for n in spec.spare_nodes if n not in found.missing])
-        checks = await asyncio.gather(*(self._check_node(n) for n in self._status.nodes))
-        for check in checks:
+        for check in await self._check_nodes(self._status.nodes):
             if check.gpu.available and not check.gpu.healthy:
                 self._record_incident(Incident(kind=IncidentKind.GPU_UNHEALTHY, node=check.node,
                                                detail=check.gpu.detail, action=Action.REPLACE_NODE))
@@ -602,17 +608,16 @@ class TrainingRun:
             await self._pool("release_nodes", NodeRequest(run_id=workflow.info().workflow_id, node=node),
                              list[str], f"release {node or 'nodes'}")
 
-    async def _check_node(self, node: str) -> CheckNodeResult:
-        return await workflow.execute_activity(
-            "check_node",
-            CheckNodeInput(workflow_id=workflow.info().workflow_id, node=node),
-            task_queue=node_task_queue(node),
-            start_to_close_timeout=CHECK_NODE_TIMEOUT,
-            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-            retry_policy=NODE_CALL_RETRY,
-            result_type=CheckNodeResult,
-            summary=f"check {node}",
-        )
+    async def _check_nodes(self, nodes: list[str]) -> list[CheckNodeResult]:
+        wid = workflow.info().workflow_id
+        outcomes = await self._fan_out(NodeCallKind.CHECK, [(n, CheckNodeInput(workflow_id=wid, node=n)) for n in nodes],
+                                       "check {node}")
+        failed = [o for o in outcomes if o.result is None]
+        if failed:
+            # As before groups: a node that cannot answer its check fails the reservation, and the run with it.
+            raise ApplicationError(f"node {failed[0].node} did not answer its check: {failed[0].error}",
+                                   type="NodeCheckFailed")
+        return [CheckNodeResult.model_validate(o.result) for o in outcomes]
 
     def _replace(self, node: str, spare: str) -> None:
         self._status.nodes = [spare if n == node else n for n in self._status.nodes]
@@ -626,47 +631,63 @@ class TrainingRun:
         if self._warm is not None:
             return await self._run_in_process(spec, attempt, self._warm)
         try:
-            manifest, restore_dirs = await self._restore(spec, attempt)
+            found, restore_dirs = await self._restore(spec, attempt)
         except _NodeFailed as failed:
             return _Outcome(False, self._node_lost(failed.node, attempt, str(failed)))
         except _StoreUnavailable as unavailable:
             return _Outcome(False, Incident(kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt,
                                             detail=str(unavailable), detected_at=workflow.now().timestamp()))
-        restore_step = manifest.step if manifest else 0
+        restore_step = found.manifest.step if found.manifest else 0
         self._status.resumed_step = restore_step
         self._status.step = max(self._status.step, restore_step)
+        self._state_since_attempt = attempt  # a relaunch: only this attempt's shards make its checkpoints
         for incident in self._status.incidents:
             if incident.resumed_step is None and incident.action is not Action.REPORT:
                 incident.resumed_step = restore_step
-                incident.restore_tier = self._restore_tier if manifest else None
+                incident.restore_tier = self._restore_tier if found.manifest else None
                 incident.recovery_path = incident.recovery_path or "relaunch"
 
         self._set_phase(Phase.LAUNCHING)
         self._launched = True
+        wid, chain = workflow.info().workflow_id, workflow.info().first_execution_run_id
         nodes = self._status.nodes
-        outcomes = await self._master_first(
-            lambda index, master: self._launch(spec, attempt, index, master, restore_dirs, restore_step))
-        for node, outcome in zip(nodes, outcomes):
-            if not isinstance(outcome, BaseException):
+
+        def launch(index: int, master: LaunchRanksResult | None) -> LaunchRanksInput:
+            return LaunchRanksInput(
+                workflow_id=wid, attempt=attempt, node=nodes[index], node_rank=index, chain_id=chain,
+                num_nodes=len(nodes), ranks_per_node=spec.ranks_per_node,
+                master_addr=master.master_addr if master else None,
+                master_port=master.master_port if master else None,
+                entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
+                restore_dir=restore_dirs.get(nodes[index]), restore_step=restore_step,
+                checkpoint_every=spec.checkpoint.every_steps,
+                rejoin_timeout_s=spec.restarts.rejoin_timeout_s if spec.restarts.in_process else None,
+            )
+
+        outcomes = await self._master_first(NodeCallKind.LAUNCH, launch, LaunchRanksResult,
+                                            f"launch ranks on {{node}} (attempt {attempt}, from step {restore_step})")
+        for outcome in outcomes:
+            if outcome.result is not None:
                 continue
-            if not isinstance(outcome, ActivityError):
-                raise outcome
-            if _error_type(outcome) in ("BadSpec", "StaleAttempt", "EntrypointNotAllowed"):
-                self._status.reason = _cause_text(outcome)
-                raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True) from None
-            return _Outcome(False, self._node_lost(node, attempt, f"launch failed: {_cause_text(outcome)}"))
+            if outcome.error_type in ("BadSpec", "StaleAttempt", "EntrypointNotAllowed"):
+                self._status.reason = outcome.error
+                raise ApplicationError(self._status.reason or "bad spec", type="InvalidSpec", non_retryable=True)
+            return _Outcome(False, self._node_lost(outcome.node, attempt, f"launch failed: {outcome.error}"))
         self._set_phase(Phase.RUNNING)
         return await self._supervise(spec, attempt)
 
-    async def _master_first(self, call: Callable[[int, Any], Awaitable[_Group]]) -> list[_Group | BaseException]:
-        """`call(index, master)` on every node of the attempt: the master node first (it picks the process
-        group's fresh port, `master` None), then the others together, given the master's answer. The result
-        per node, or what it raised; nothing for the others when the master failed."""
-        outcomes: list[_Group | BaseException] = list(await asyncio.gather(call(0, None), return_exceptions=True))
-        if not isinstance(outcomes[0], BaseException):
-            outcomes += await asyncio.gather(*(call(i, outcomes[0]) for i in range(1, len(self._status.nodes))),
-                                             return_exceptions=True)
-        return outcomes
+    async def _master_first(self, kind: NodeCallKind, make: Callable[[int, Any], Any], result_type: type[_Group],
+                            summary: str) -> list[NodeOutcome]:
+        """`kind` on every node of the attempt: the master node first (it picks the process group's fresh
+        port, `master` None), then the others together, given the master's answer. Every node's outcome;
+        only the master's when it failed."""
+        nodes = self._status.nodes
+        [first] = await self._fan_out(kind, [(nodes[0], make(0, None))], summary)
+        if first.result is None:
+            return [first]
+        master = result_type.model_validate(first.result)
+        return [first, *await self._fan_out(kind, [(nodes[i], make(i, master)) for i in range(1, len(nodes))],
+                                            summary)]
 
     async def _run_in_process(self, spec: RunSpec, attempt: int, incident: Incident) -> _Outcome:
         """Recover from a crash without a relaunch: the live ranks form attempt `attempt`'s process group with
@@ -676,9 +697,22 @@ class TrainingRun:
         self._set_phase(Phase.LAUNCHING)
         nodes = self._status.nodes
         self._launched = True
-        results = await self._master_first(lambda index, master: self._rejoin(spec, attempt, index, master))
-        failed = [f"{node}: {_cause_text(r)}" for node, r in zip(nodes, results) if isinstance(r, BaseException)]
-        done = [r for r in results if isinstance(r, RejoinRanksResult)]
+        wid, chain = workflow.info().workflow_id, workflow.info().first_execution_run_id
+
+        def rejoin(index: int, master: RejoinRanksResult | None) -> RejoinRanksInput:
+            return RejoinRanksInput(
+                workflow_id=wid, chain_id=chain, attempt=attempt, from_attempt=attempt - 1, node=nodes[index],
+                node_rank=index, num_nodes=len(nodes), ranks_per_node=spec.ranks_per_node,
+                master_addr=master.master_addr if master else None,
+                master_port=master.master_port if master else None,
+                entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
+                checkpoint_every=spec.checkpoint.every_steps, rejoin_timeout_s=spec.restarts.rejoin_timeout_s,
+            )
+
+        outcomes = await self._master_first(NodeCallKind.REJOIN, rejoin, RejoinRanksResult,
+                                            f"rejoin ranks on {{node}} in process (attempt {attempt})")
+        failed = [f"{o.node}: {o.error}" for o in outcomes if o.result is None]
+        done = [RejoinRanksResult.model_validate(o.result) for o in outcomes if o.result is not None]
         steps = [r.step for r in done if r.step is not None]
         why = "; ".join(failed) or ("" if steps else "no rank survived the crash")
         if not why:
@@ -697,29 +731,7 @@ class TrainingRun:
         await self._stop_everywhere(nodes, attempt, "in-process restart failed: relaunch")
         return _Outcome(False, fallback=True)
 
-    async def _rejoin(self, spec: RunSpec, attempt: int, index: int,
-                      master: RejoinRanksResult | None) -> RejoinRanksResult:
-        node = self._status.nodes[index]
-        return await workflow.execute_activity(
-            "rejoin_ranks",
-            RejoinRanksInput(
-                workflow_id=workflow.info().workflow_id, chain_id=workflow.info().first_execution_run_id,
-                attempt=attempt, from_attempt=attempt - 1, node=node, node_rank=index,
-                num_nodes=len(self._status.nodes), ranks_per_node=spec.ranks_per_node,
-                master_addr=master.master_addr if master else None,
-                master_port=master.master_port if master else None,
-                entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
-                checkpoint_every=spec.checkpoint.every_steps, rejoin_timeout_s=spec.restarts.rejoin_timeout_s,
-            ),
-            task_queue=node_task_queue(node),
-            start_to_close_timeout=LAUNCH_TIMEOUT,
-            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-            retry_policy=NODE_CALL_RETRY,
-            result_type=RejoinRanksResult,
-            summary=f"rejoin ranks on {node} in process (attempt {attempt})",
-        )
-
-    async def _restore(self, spec: RunSpec, attempt: int) -> tuple[Manifest | None, dict[str, str]]:
+    async def _restore(self, spec: RunSpec, attempt: int) -> tuple[FindCheckpointResult, dict[str, str]]:
         self._set_phase(Phase.RESTORING)
         excluded: list[int] = []
         while True:
@@ -732,10 +744,10 @@ class TrainingRun:
                 raise _StoreUnavailable(
                     f"no answer from the checkpoint store within checkpoint.restore_timeout_s="
                     f"{spec.checkpoint.restore_timeout_s:.0f}: {_cause_text(error)}") from None
-            if found.manifest is None:
-                return None, {}
+            if found.manifest is None or found.manifest_key is None:
+                return found, {}
             try:
-                return found.manifest, await self._download(spec, attempt, found.manifest)
+                return found, await self._download(spec, attempt, found.manifest.step, found.manifest_key)
             except _CheckpointCorrupt as corrupt:
                 excluded.append(corrupt.step)
                 self._record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt,
@@ -757,127 +769,67 @@ class TrainingRun:
             summary=f"find newest checkpoint (attempt {attempt})",
         )
 
-    async def _download(self, spec: RunSpec, attempt: int, manifest: Manifest) -> dict[str, str]:
-        nodes = self._status.nodes
-        per_node = spec.ranks_per_node
-
-        by_rank = {s.rank: s for s in manifest.shards}
-
-        async def one(index: int, node: str) -> DownloadShardsResult:
-            # Rank r restores shard r of a checkpoint of the same world; after a shrink or a grow, shard
-            # r mod the checkpoint's world size (replicated state), saved under rank r's own name.
-            shards = [by_rank[r % manifest.world_size].model_copy(update={"rank": r})
-                      for r in range(index * per_node, (index + 1) * per_node)]
-            return await workflow.execute_activity(
-                "download_shards",
-                DownloadShardsInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
-                                    bucket=spec.checkpoint.bucket, shards=shards,
-                                    local_tier=spec.checkpoint.local_tier),
-                task_queue=node_task_queue(node),
-                start_to_close_timeout=TRANSFER_TIMEOUT,
-                schedule_to_close_timeout=TRANSFER_SCHEDULE_TO_CLOSE,
-                schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-                heartbeat_timeout=TRANSFER_HEARTBEAT_TIMEOUT,
-                retry_policy=TRANSFER_RETRY,
-                result_type=DownloadShardsResult,
-                summary=f"download step {manifest.step} to {node} (attempt {attempt})",
-            )
-
-        results = await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)), return_exceptions=True)
-        for node, result in zip(nodes, results):
-            if isinstance(result, ActivityError) and _error_type(result) == "CorruptCheckpoint":
-                raise _CheckpointCorrupt(manifest.step, f"step {manifest.step}: {_cause_text(result)}")
-        for node, result in zip(nodes, results):
-            if isinstance(result, ActivityError):
-                raise _NodeFailed(node, f"download failed: {_cause_text(result)}")
-            if isinstance(result, BaseException):
-                raise result
-        tiers = {tier for r in results if isinstance(r, DownloadShardsResult) for tier in r.tiers.values()}
+    async def _download(self, spec: RunSpec, attempt: int, step: int, manifest_key: str) -> dict[str, str]:
+        """Every node reads the shards its ranks restore from the manifest itself (rank r: shard r mod the
+        checkpoint's world size): no shard list passes through history."""
+        nodes, per_node, wid = self._status.nodes, spec.ranks_per_node, workflow.info().workflow_id
+        outcomes = await self._fan_out(NodeCallKind.DOWNLOAD, [
+            (node, DownloadShardsInput(workflow_id=wid, attempt=attempt, node=node, bucket=spec.checkpoint.bucket,
+                                       manifest_key=manifest_key,
+                                       ranks=list(range(index * per_node, (index + 1) * per_node)),
+                                       local_tier=spec.checkpoint.local_tier))
+            for index, node in enumerate(nodes)], f"download step {step} to {{node}} (attempt {attempt})")
+        for outcome in outcomes:
+            if outcome.error_type == "CorruptCheckpoint":
+                raise _CheckpointCorrupt(step, f"step {step}: {outcome.error}")
+        for outcome in outcomes:
+            if outcome.result is None:
+                raise _NodeFailed(outcome.node, f"download failed: {outcome.error}")
+        results = [DownloadShardsResult.model_validate(o.result) for o in outcomes]
+        tiers = {tier for r in results for tier in r.tiers.values()}
         self._restore_tier = "+".join(sorted(tiers)) or None
-        return {node: result.restore_dir for node, result in zip(nodes, results)
-                if isinstance(result, DownloadShardsResult)}
-
-    async def _launch(self, spec: RunSpec, attempt: int, index: int, master: LaunchRanksResult | None,
-                      restore_dirs: dict[str, str], restore_step: int) -> LaunchRanksResult:
-        node = self._status.nodes[index]
-        return await workflow.execute_activity(
-            "launch_ranks",
-            LaunchRanksInput(
-                workflow_id=workflow.info().workflow_id, attempt=attempt, node=node, node_rank=index,
-                chain_id=workflow.info().first_execution_run_id,
-                num_nodes=len(self._status.nodes), ranks_per_node=spec.ranks_per_node,
-                master_addr=master.master_addr if master else None,
-                master_port=master.master_port if master else None,
-                entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
-                restore_dir=restore_dirs.get(node), restore_step=restore_step,
-                checkpoint_every=spec.checkpoint.every_steps,
-                rejoin_timeout_s=spec.restarts.rejoin_timeout_s if spec.restarts.in_process else None,
-            ),
-            task_queue=node_task_queue(node),
-            start_to_close_timeout=LAUNCH_TIMEOUT,
-            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-            retry_policy=NODE_CALL_RETRY,
-            result_type=LaunchRanksResult,
-            summary=f"launch ranks on {node} (attempt {attempt}, from step {restore_step})",
-        )
+        return {node: result.restore_dir for node, result in zip(nodes, results)}
 
     # ----------------------------------------------------------------------------------- supervise
-    def _watch(self, spec: RunSpec, attempt: int, node: str, reported_step: int) -> asyncio.Task[WatchEvent]:
-        return asyncio.ensure_future(workflow.execute_activity(
-            "watch_ranks",
-            WatchRanksInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
-                            health=spec.health, reported_step=reported_step,
-                            max_duration_s=WATCH_MAX_DURATION_S),
-            task_queue=node_task_queue(node),
-            start_to_close_timeout=WATCH_TIMEOUT,
-            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-            heartbeat_timeout=WATCH_HEARTBEAT_TIMEOUT,
-            retry_policy=WATCH_RETRY,
-            result_type=WatchEvent,
-            summary=f"watch ranks on {node} (attempt {attempt})",
-        ))
+    def _watch_groups(self, spec: RunSpec, attempt: int) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
+        wid = workflow.info().workflow_id
+        watch = WatchRanksInput(
+            workflow_id=wid, attempt=attempt, node="", health=spec.health,
+            # Steps up to the newest commit need no upload again (after continue-as-new too).
+            reported_step=max(self._status.resumed_step, self._last_committed_step),
+            max_duration_s=WATCH_MAX_DURATION_S,
+            checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
+        tag = str(workflow.uuid4())[:8]
+        return {index: asyncio.ensure_future(workflow.execute_child_workflow(
+            NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group),
+            id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
+            static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
+        )) for index, group in enumerate(groups_of(self._status.nodes))}
 
-    def _upload(self, spec: RunSpec, attempt: int, node: str, step: int) -> asyncio.Task[UploadShardsResult]:
+    def _committer(self, spec: RunSpec, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
         return asyncio.ensure_future(workflow.execute_activity(
-            "upload_shards",
-            UploadShardsInput(workflow_id=workflow.info().workflow_id, attempt=attempt, node=node,
-                              bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec), step=step,
-                              committed_step=self._last_committed_step),
-            task_queue=node_task_queue(node),
-            start_to_close_timeout=TRANSFER_TIMEOUT,
-            # No schedule-to-start bound: a schedule-to-start timeout is never retried, so an agent busy for
-            # a moment would lose the checkpoint for good. A dead agent is the watch's to notice, and an
-            # upload left queued to it is cancelled by the bounded drain that follows.
-            schedule_to_close_timeout=TRANSFER_SCHEDULE_TO_CLOSE,
-            heartbeat_timeout=TRANSFER_HEARTBEAT_TIMEOUT,
-            retry_policy=TRANSFER_RETRY,
-            result_type=UploadShardsResult,
-            summary=f"upload step {step} from {node}",
-        ))
-
-    def _commit(self, spec: RunSpec, attempt: int, step: int, shards: list[ShardInfo]) -> asyncio.Task[CheckpointRef]:
-        return asyncio.ensure_future(workflow.execute_activity(
-            "commit_checkpoint",
-            CommitCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
-                                  workflow_id=workflow.info().workflow_id, attempt=attempt, step=step,
-                                  world_size=self._status.world_size, shards=shards,
-                                  keep_last=spec.checkpoint.keep_last),
-            start_to_close_timeout=STORE_TIMEOUT,
+            "commit_checkpoints",
+            CommitCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
+                                   workflow_id=workflow.info().workflow_id, attempt=attempt,
+                                   min_attempt=min(self._state_since_attempt, attempt),
+                                   world_size=self._status.world_size, num_nodes=len(self._status.nodes),
+                                   after_step=self._last_committed_step, keep_last=spec.checkpoint.keep_last,
+                                   straggler_ratio=spec.health.straggler_ratio,
+                                   max_duration_s=DRAIN_TIMEOUT.total_seconds() if quiet_s else COMMITTER_MAX_DURATION_S,
+                                   quiet_s=quiet_s),
+            start_to_close_timeout=COMMITTER_TIMEOUT,
             heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
             retry_policy=STORE_RETRY,
-            result_type=CheckpointRef,
-            summary=f"commit checkpoint step {step}",
+            result_type=CommitCheckpointsResult,
+            summary=(f"commit the checkpoints left (attempt {attempt})" if quiet_s else
+                     f"commit checkpoints after step {self._last_committed_step} (attempt {attempt})"),
         ))
 
     async def _supervise(self, spec: RunSpec, attempt: int) -> _Outcome:
         nodes = list(self._status.nodes)
-        # Steps up to the newest commit need no second report (after continue-as-new too).
-        reported = {node: max(self._status.resumed_step, self._last_committed_step) for node in nodes}
-        watches: dict[str, asyncio.Task[WatchEvent]] = {n: self._watch(spec, attempt, n, reported[n]) for n in nodes}
-        uploads: dict[tuple[int, str], asyncio.Task[UploadShardsResult]] = {}
-        commits: dict[int, asyncio.Task[CheckpointRef]] = {}
-        shards: dict[int, list[ShardInfo]] = {}
-        finished: dict[str, WatchEvent] = {}
+        watches = self._watch_groups(spec, attempt)
+        committer = self._committer(spec, attempt)
+        finished: dict[int, NodeGroupWatchResult] = {}
         incident: Incident | None = None
         paused = False
         control = asyncio.ensure_future(workflow.wait_condition(lambda: self._pause_requested))
@@ -885,157 +837,112 @@ class TrainingRun:
         continue_as_new = drain = False
         grow: list[str] = []
         while incident is None and not paused and not continue_as_new and not drain and not grow and (
-                len(finished) < len(nodes) or uploads or commits):
-            pending: list[asyncio.Task[Any]] = [*watches.values(), *uploads.values(), *commits.values(), control]
+                len(finished) < len(watches)):
+            pending: list[asyncio.Task[Any]] = [*(t for g, t in watches.items() if g not in finished), committer,
+                                                control]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             paused = control.done()
-
+            reported = [g for g, t in watches.items() if g not in finished and t.done()]
+            if any(not watches[g].result().finished for g in reported):
+                # Give the other groups a moment to report theirs: the earliest failure of all is the cause.
+                others = [t for g, t in watches.items() if g not in finished and not t.done()]
+                if others:
+                    await workflow.wait(others, timeout=INCIDENT_SETTLE.total_seconds())
+                reported = [g for g, t in watches.items() if g not in finished and t.done()]
             # Several nodes may report at once (e.g. a controller was down meanwhile): the incident is the
             # earliest failure (by when it happened where the node knows, else when it was seen), not the
             # first node's, so a peer that failed in a collective because of it is never blamed for it.
             seen: list[tuple[float, Incident]] = []
-            for node in nodes:  # a fixed order keeps the workflow deterministic
-                task = watches.get(node)
-                if task is None or not task.done():
-                    continue
-                del watches[node]
-                try:
-                    event = task.result()
-                except ActivityError as error:
-                    how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
-                    lost = self._node_lost(node, attempt, f"node agent {how}: {_cause_text(error)}")
-                    seen.append((lost.detected_at, lost))
-                    continue
-                self._note_first_step(event)
-                self._status.step = max(self._status.step, event.step)
-                if event.kind is WatchEventKind.CHECKPOINT_READY:
-                    for step in event.checkpoint_steps:
-                        uploads[(step, node)] = self._upload(spec, attempt, node, step)
-                    self._compute_by_step.setdefault(max(event.checkpoint_steps), {}).update(event.rank_compute_s)
-                    reported[node] = max(event.checkpoint_steps)
-                    watches[node] = self._watch(spec, attempt, node, reported[node])
-                elif event.kind is WatchEventKind.KEEPALIVE:
-                    watches[node] = self._watch(spec, attempt, node, reported[node])
-                elif event.kind is WatchEventKind.FINISHED:
-                    finished[node] = event
-                elif event.kind is WatchEventKind.GPU_UNHEALTHY:
-                    seen.append((event.detected_at, Incident(
-                        kind=IncidentKind.GPU_UNHEALTHY, node=node, attempt=attempt, detail=event.detail,
-                        detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
-                        detected_at=event.detected_at)))
-                else:
-                    seen.append((event.occurred_at or event.detected_at, self._rank_incident(event, attempt)))
-            if incident is None and seen:
+            for group in sorted(reported):  # a fixed order keeps the workflow deterministic
+                result = watches[group].result()
+                for lost in result.lost:
+                    found = self._node_lost(lost.node, attempt, lost.detail)
+                    seen.append((found.detected_at, found))
+                for event in result.incidents:
+                    self._status.step = max(self._status.step, event.step)
+                    if event.kind is WatchEventKind.GPU_UNHEALTHY:
+                        seen.append((event.detected_at, Incident(
+                            kind=IncidentKind.GPU_UNHEALTHY, node=event.node, attempt=attempt, detail=event.detail,
+                            detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
+                            detected_at=event.detected_at)))
+                    else:
+                        seen.append((event.occurred_at or event.detected_at, self._rank_incident(event, attempt)))
+                if result.finished:
+                    finished[group] = result
+            if seen:
                 incident = min(seen, key=lambda found: found[0])[1]  # min keeps the first of equals
 
-            for key in sorted(k for k, t in uploads.items() if t.done()):
-                step, node = key
+            if committer.done():
                 try:
-                    result = uploads.pop(key).result()
+                    commits = committer.result().commits
                 except ActivityError as error:
-                    workflow.logger.warning("upload of step %d from %s failed: %s", step, node, _cause_text(error))
-                    continue
-                shards.setdefault(step, []).extend(result.shards)
-                if len(shards[step]) == self._status.world_size:
-                    commits[step] = self._commit(spec, attempt, step, shards.pop(step))
-
-            for step in sorted(s for s, t in commits.items() if t.done()):
-                try:
-                    ref = commits.pop(step).result()
-                except ActivityError as error:
-                    workflow.logger.warning("commit of step %d failed: %s", step, _cause_text(error))
-                    continue
-                self._committed(spec, ref)
-                incident = incident or self._judge_stragglers(spec, attempt, step)
-                drain = drain or any(n in nodes for n in self._draining)
-                if self._lost and not grow and workflow.patched(PATCH_GROW_BACK):
-                    grow = await self._reclaim(self._lost)
-                if self._replaced and workflow.patched(PATCH_RECLAIM_SPARES):
-                    await self._reclaim_spares()
-
-            info = workflow.info()
-            continue_as_new = not drain and not grow and not finished and not uploads and not commits and (
-                info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
+                    workflow.logger.warning("committer failed: %s", _cause_text(error))
+                    commits = []
+                for commit in commits:
+                    self._committed(commit.ref)
+                    self._status.step = max(self._status.step, commit.step)
+                    incident = incident or self._judge_stragglers(spec, attempt, commit.ref.step, commit.slow_ranks)
+                if commits:
+                    drain = drain or any(n in nodes for n in self._draining)
+                    if self._lost and not grow and workflow.patched(PATCH_GROW_BACK):
+                        grow = await self._reclaim(self._lost)
+                    if self._replaced and workflow.patched(PATCH_RECLAIM_SPARES):
+                        await self._reclaim_spares()
+                info = workflow.info()
+                continue_as_new = not drain and not grow and incident is None and len(finished) < len(watches) and (
+                    info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
+                committer = self._committer(spec, attempt)
 
         control.cancel()
-        for task in watches.values():
-            task.cancel()
-        if paused and incident is None:
-            await self._drain(spec, attempt, uploads, commits, shards)
-            return _Outcome(False, paused=True)
-        if continue_as_new and incident is None:
+        committer.cancel()
+        await asyncio.gather(committer, control, return_exceptions=True)  # a cancel is not waited on
+        await self._stop_watching(watches)
+        if continue_as_new and incident is None and not paused:
             return _Outcome(False, continue_as_new=True)
+        # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
+        await self._commit_the_rest(spec, attempt)
+        if paused and incident is None:
+            return _Outcome(False, paused=True)
         if drain and incident is None:
-            await self._drain(spec, attempt, uploads, commits, shards)
             return _Outcome(False, drain=True)
         if grow and incident is None:
-            await self._drain(spec, attempt, uploads, commits, shards)
             return _Outcome(False, grow=grow)
         if incident is not None:
-            # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
-            await self._drain(spec, attempt, uploads, commits, shards)
             return _Outcome(False, incident)
         self._set_phase(Phase.FINISHING)
-        return _Outcome(True, final_events=[finished[n] for n in nodes])
-
-    async def _drain(self, spec: RunSpec, attempt: int, uploads: dict[tuple[int, str], asyncio.Task[UploadShardsResult]],
-                     commits: dict[int, asyncio.Task[CheckpointRef]], shards: dict[int, list[ShardInfo]]) -> None:
-        bounded = workflow.patched(PATCH_BOUNDED_DRAIN)
-        if bounded:
-            await self._settle(uploads)
-        for key in sorted(uploads):
-            try:
-                shards.setdefault(key[0], []).extend((await uploads[key]).shards)
-            except ActivityError:
-                continue
-        for step in sorted(shards):
-            if len(shards[step]) == self._status.world_size and step not in commits:
-                commits[step] = self._commit(spec, attempt, step, shards[step])
-        if bounded:
-            await self._settle(commits)
-        for step in sorted(commits):
-            try:
-                self._committed(spec, await commits[step])
-            except ActivityError:
-                continue
+        return _Outcome(True, final_events=[e for g in sorted(finished) for e in finished[g].finished])
 
     @staticmethod
-    async def _settle(tasks: dict[Any, asyncio.Task[Any]]) -> None:
-        """Give in-flight transfers `DRAIN_TIMEOUT` to finish; cancel and forget the rest. With the store down,
-        an upload retries for hours: recovery must not wait on a checkpoint it can do without."""
-        pending = [tasks[key] for key in sorted(tasks) if not tasks[key].done()]
-        if pending:
-            await workflow.wait(pending, timeout=DRAIN_TIMEOUT.total_seconds())
-        given_up = [tasks.pop(key) for key in sorted(tasks) if not tasks[key].done()]
-        for task in given_up:
+    async def _stop_watching(watches: dict[int, asyncio.Task[NodeGroupWatchResult]]) -> None:
+        """Cancel the groups still watching (their ranks keep running) and wait until they have ended."""
+        running = [t for t in watches.values() if not t.done()]
+        for task in running:
             task.cancel()
-        await asyncio.gather(*given_up, return_exceptions=True)  # resolves at once: cancels are not waited on
+        await asyncio.gather(*running, return_exceptions=True)
 
-    def _committed(self, spec: RunSpec, ref: CheckpointRef) -> None:
+    async def _commit_the_rest(self, spec: RunSpec, attempt: int) -> None:
+        """One last committer pass, bounded by `DRAIN_TIMEOUT` and ending once uploads go quiet: with the
+        store down, an upload retries for hours, and recovery must not wait on a checkpoint it can do without."""
+        try:
+            result = await self._committer(spec, attempt, quiet_s=DRAIN_QUIET_S)
+        except ActivityError as error:
+            workflow.logger.warning("last commit pass failed: %s", _cause_text(error))
+            return
+        for commit in result.commits:
+            self._committed(commit.ref)
+
+    def _committed(self, ref: CheckpointRef) -> None:
+        """The committer already applied retention; the history records the commit."""
         if ref.step > self._last_committed_step:
             self._last_committed_step = ref.step
             self._restarts_without_checkpoint = 0
             self._status.latest_checkpoint = ref
             self._status.step = max(self._status.step, ref.step)
             self._publish()
-        self._background.append(workflow.start_activity(
-            "prune_checkpoints",
-            PruneCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
-                                  keep_last=spec.checkpoint.keep_last, protect_steps=[self._last_committed_step]),
-            start_to_close_timeout=STORE_TIMEOUT,
-            heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
-            retry_policy=STORE_RETRY,
-            result_type=PruneCheckpointsResult,
-            summary=f"prune checkpoints (keep {spec.checkpoint.keep_last})",
-        ))
 
-    def _judge_stragglers(self, spec: RunSpec, attempt: int, step: int) -> Incident | None:
-        """At each committed checkpoint: compare the ranks' compute times over the interval. A straggler is
-        reported when first seen; one that persists comes back as an incident for the policy to act on."""
-        compute = self._compute_by_step.pop(step, {})
-        for old in [s for s in self._compute_by_step if s < step]:
-            del self._compute_by_step[old]
-        slow = find_stragglers(compute, spec.health.straggler_ratio)
+    def _judge_stragglers(self, spec: RunSpec, attempt: int, step: int, slow: dict[int, float]) -> Incident | None:
+        """At each committed checkpoint: the committer compared the ranks' compute times over the interval. A
+        straggler is reported when first seen; one that persists comes back as an incident for the policy."""
         self._straggler_streak = {r: self._straggler_streak.get(r, 0) + 1 for r in slow}
         for rank, ratio in slow.items():
             node = self._status.nodes[rank // spec.ranks_per_node]
@@ -1054,13 +961,16 @@ class TrainingRun:
                 return incident
         return None
 
-    def _note_first_step(self, event: WatchEvent) -> None:
-        """The first step after a relaunch closes the previous incident's time to recover."""
-        if event.first_step_at is None:
-            return
+    @workflow.signal
+    def group_started(self, started: GroupStarted) -> None:
+        """A node group has run the attempt's first step on every node. The first group of the attempt
+        closes the previous incident's time to recover (every rank steps together, so the first step of one
+        group is the first step of all)."""
+        if started.attempt != self._status.attempt:
+            return  # a late signal of an attempt already over
         for incident in self._status.incidents:
-            if incident.recovery_s is None and incident.action is not Action.REPORT and incident.attempt < self._status.attempt:
-                incident.recovery_s = round(max(0.0, event.first_step_at - incident.detected_at), 3)
+            if incident.recovery_s is None and incident.action is not Action.REPORT and incident.attempt < started.attempt:
+                incident.recovery_s = round(max(0.0, started.first_step_at - incident.detected_at), 3)
                 workflow.metric_meter().create_histogram_float(
                     "trainguard_recovery_seconds", "Detection to the first step of the next attempt", "s"
                 ).record(incident.recovery_s, {"kind": incident.kind.value})
@@ -1149,25 +1059,15 @@ class TrainingRun:
 
     async def _stop_everywhere(self, nodes: list[str], attempt: int | None, why: str) -> list[str]:
         """Stop the ranks on these nodes; returns the nodes whose agent could not be reached."""
-        async def stop(node: str) -> str | None:
-            try:
-                await workflow.execute_activity(
-                    "stop_ranks",
-                    StopRanksInput(workflow_id=workflow.info().workflow_id, node=node, attempt=attempt),
-                    task_queue=node_task_queue(node),
-                    start_to_close_timeout=STOP_TIMEOUT,
-                    schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-                    retry_policy=NODE_CALL_RETRY,
-                    result_type=StopRanksResult,
-                    summary=f"stop ranks on {node}: {why}",
-                )
-            except ActivityError as error:
+        wid = workflow.info().workflow_id
+        outcomes = await self._fan_out(
+            NodeCallKind.STOP, [(n, StopRanksInput(workflow_id=wid, node=n, attempt=attempt)) for n in nodes],
+            f"stop ranks on {{node}}: {why}")
+        for outcome in outcomes:
+            if outcome.result is None:
                 # An unreachable node is fenced instead: its agent kills older attempts before any launch.
-                workflow.logger.warning("could not stop ranks on %s: %s", node, _cause_text(error))
-                return node
-            return None
-
-        return [n for n in await asyncio.gather(*(stop(n) for n in nodes)) if n is not None]
+                workflow.logger.warning("could not stop ranks on %s: %s", outcome.node, outcome.error)
+        return [o.node for o in outcomes if o.result is None]
 
     # -------------------------------------------------------------------------------------- result
     def _result(self, spec: RunSpec, attempts: int, started: float, events: list[WatchEvent]) -> RunResult:

@@ -8,6 +8,7 @@ assert on what the workflow asked the nodes and the store to do.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -26,6 +27,9 @@ from activities.models import (
     CheckNodeInput,
     CheckNodeResult,
     CommitCheckpointInput,
+    CommitCheckpointsInput,
+    CommitCheckpointsResult,
+    CommittedCheckpoint,
     DownloadShardsInput,
     DownloadShardsResult,
     FindCheckpointInput,
@@ -38,6 +42,7 @@ from activities.models import (
     LaunchRanksInput,
     LaunchRanksResult,
     Manifest,
+    NodeCheckpointRecord,
     PruneCheckpointsInput,
     PruneCheckpointsResult,
     RejoinRanksInput,
@@ -52,6 +57,7 @@ from activities.models import (
     WatchRanksInput,
 )
 from trainguard import node_task_queue
+from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
 from trainguard.models import (
@@ -64,6 +70,7 @@ from trainguard.models import (
     RunResult,
     RunStatus,
 )
+from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.training_run import TrainingRun
 
 RUN_TIMEOUT_S = 20.0
@@ -138,6 +145,9 @@ class Cluster:
     rejoin_fails: set[str] = field(default_factory=set)
     """Nodes whose `rejoin_ranks` fails (their agent no longer runs the attempt)."""
     manifests: list[Manifest] = field(default_factory=list)
+    records: dict[int, dict[str, NodeCheckpointRecord]] = field(default_factory=dict)
+    """The store's node records: step -> node -> what its watch uploaded."""
+    committed: set[int] = field(default_factory=set)
     calls: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     while_running: Callable[[WorkflowHandle[Any, Any]], Awaitable[None]] | None = None
     """Called once, from the first watch, while the ranks train: to query or update the run."""
@@ -181,6 +191,24 @@ class Cluster:
                                  bucket=request.bucket, world_size=request.world_size,
                                  total_bytes=sum(s.size_bytes for s in request.shards))
 
+        @activity.defn(name="commit_checkpoints")
+        async def commit_checkpoints(request: CommitCheckpointsInput) -> CommitCheckpointsResult:
+            """As the real committer: commit each step whose node records cover the world, prune, return."""
+            self.calls["commit_checkpoints"].append(request)
+            deadline = time.monotonic() + (0.05 if request.quiet_s is not None else request.max_duration_s)
+            while True:
+                commits = [c for step in sorted(self.records) if step > request.after_step
+                           and step not in self.committed and (c := self._commit(request, step)) is not None]
+                if commits:
+                    self.calls["prune_checkpoints"].append(PruneCheckpointsInput(
+                        bucket=request.bucket, run_prefix=request.run_prefix, keep_last=request.keep_last,
+                        protect_steps=[max(c.ref.step for c in commits)]))
+                    return CommitCheckpointsResult(commits=commits)
+                if time.monotonic() >= deadline:
+                    return CommitCheckpointsResult()
+                activity.heartbeat()
+                await asyncio.sleep(0.01)
+
         @activity.defn(name="prune_checkpoints")
         async def prune_checkpoints(request: PruneCheckpointsInput) -> PruneCheckpointsResult:
             self.calls["prune_checkpoints"].append(request)
@@ -208,8 +236,42 @@ class Cluster:
             self.calls["notify_scheduler"].append(request)
             return NotifySchedulerResult()
 
-        return [find_node_agents, find_checkpoint, commit_checkpoint, prune_checkpoints,
+        return [find_node_agents, find_checkpoint, commit_checkpoint, commit_checkpoints, prune_checkpoints,
                 acquire_nodes, release_nodes, cordon_node, notify_scheduler]
+
+    def _commit(self, request: CommitCheckpointsInput, step: int) -> CommittedCheckpoint | None:
+        records = [r for r in self.records[step].values() if request.min_attempt <= r.attempt <= request.attempt]
+        shards = sorted((s for r in records for s in r.shards), key=lambda s: s.rank)
+        if [s.rank for s in shards] != list(range(request.world_size)):
+            return None
+        self.committed.add(step)
+        self.calls["commit_checkpoint"].append(CommitCheckpointInput(
+            bucket=request.bucket, run_prefix=request.run_prefix, workflow_id=request.workflow_id,
+            attempt=request.attempt, step=step, world_size=request.world_size, shards=shards))
+        self.manifests.append(Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
+                                       attempt=request.attempt, shards=shards))
+        compute = {rank: c for r in records for rank, c in r.rank_compute_s.items()}
+        return CommittedCheckpoint(
+            ref=CheckpointRef(step=step, manifest_key=_manifest_key(request.run_prefix, step), bucket=request.bucket,
+                              world_size=request.world_size, total_bytes=sum(s.size_bytes for s in shards)),
+            slow_ranks=find_stragglers(compute, request.straggler_ratio), step=step)
+
+    def _upload_in_watch(self, request: WatchRanksInput, ready: WatchEvent) -> None:
+        """What an agent's watch does with a complete local step: upload its shards, write its node record."""
+        assert request.checkpoints is not None
+        [group] = [r for r in [*self.calls["launch_ranks"], *self.calls["rejoin_ranks"]]
+                   if (r.node, r.attempt) == (request.node, request.attempt)]
+        first = group.node_rank * self.ranks_per_node
+        for step in ready.checkpoint_steps:
+            self.calls["upload_shards"].append(UploadShardsInput(
+                workflow_id=request.workflow_id, attempt=request.attempt, node=request.node,
+                bucket=request.checkpoints.bucket, run_prefix=request.checkpoints.run_prefix, step=step))
+            shards = [ShardInfo(rank=r, key=f"{request.checkpoints.run_prefix}/step-{step:08d}/rank-{r:05d}.pt",
+                                size_bytes=100, sha256=f"{r:064x}", node=request.node)
+                      for r in range(first, first + self.ranks_per_node)]
+            self.records.setdefault(step, {})[request.node] = NodeCheckpointRecord(
+                node=request.node, attempt=request.attempt, step=step, shards=shards,
+                rank_compute_s=ready.rank_compute_s)
 
     # ------------------------------------------------------------------------------------ node side
     def node_activities(self) -> list[Any]:
@@ -224,8 +286,7 @@ class Cluster:
         @activity.defn(name="download_shards")
         async def download_shards(request: DownloadShardsInput) -> DownloadShardsResult:
             self.calls["download_shards"].append(request)
-            if any(f"/step-{step:08d}/" in shard.key
-                   for step in self.corrupt_steps for shard in request.shards):
+            if any(f"/step-{step:08d}/" in (request.manifest_key or "") for step in self.corrupt_steps):
                 raise ApplicationError("shard rank 0: sha256 mismatch", type="CorruptCheckpoint",
                                        non_retryable=True)
             return DownloadShardsResult(restore_dir=f"/restore/{request.node}/attempt-{request.attempt}",
@@ -257,22 +318,30 @@ class Cluster:
             self.calls["watch_ranks"].append(request)
             if self.while_running is not None:
                 while_running, self.while_running = self.while_running, None
-                await while_running(self.client.get_workflow_handle(activity.info().workflow_id))
-            script = self.watch_script.get((request.attempt, request.node), [])
-            step = script.pop(0) if script else _finished(20)
-            if isinstance(step, Until):
-                while not step.condition():
-                    activity.heartbeat()
-                    await asyncio.sleep(0.01)
-                step = script.pop(0)
-            if isinstance(step, Exception):
-                raise step
-            if step == BLOCK:
-                while True:  # heartbeats keep it alive; the workflow's cancel (or worker shutdown) ends it
-                    activity.heartbeat()
-                    await asyncio.sleep(0.05)
-            assert isinstance(step, WatchEvent)
-            return step.model_copy(update={"node": request.node})
+                await while_running(self.client.get_workflow_handle(request.workflow_id))
+            script = self.watch_script.setdefault((request.attempt, request.node), [])
+            while True:
+                step = script.pop(0) if script else _finished(20)
+                if isinstance(step, Until):
+                    while not step.condition():
+                        activity.heartbeat()
+                        await asyncio.sleep(0.01)
+                    step = script.pop(0)
+                if isinstance(step, Exception):
+                    raise step
+                if step == BLOCK:
+                    while True:  # heartbeats keep it alive; the workflow's cancel (or worker shutdown) ends it
+                        activity.heartbeat()
+                        await asyncio.sleep(0.05)
+                assert isinstance(step, WatchEvent)
+                trained = step.kind in (WatchEventKind.CHECKPOINT_READY, WatchEventKind.KEEPALIVE)
+                if trained and request.report_start:
+                    script.insert(0, step)  # the node trained: its first step comes first
+                    return _event(WatchEventKind.STARTED, first_step_at=time.time()).model_copy(update={"node": request.node})
+                if step.kind is WatchEventKind.CHECKPOINT_READY and request.checkpoints is not None:
+                    self._upload_in_watch(request, step)
+                    continue
+                return step.model_copy(update={"node": request.node})
 
         @activity.defn(name="upload_shards")
         async def upload_shards(request: UploadShardsInput) -> UploadShardsResult:
@@ -308,7 +377,8 @@ def _manifest_key(run_prefix: str, step: int) -> str:
 @asynccontextmanager
 async def _workers(client: Client, cluster: Cluster, task_queue: str) -> AsyncIterator[None]:
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(Worker(client, task_queue=task_queue, workflows=[TrainingRun],
+        await stack.enter_async_context(Worker(client, task_queue=task_queue,
+                                               workflows=[TrainingRun, NodeCalls, NodeGroupWatch],
                                                activities=cluster.controller_activities()))
         node_activities = cluster.node_activities()
         for node in [*cluster.nodes, *cluster.spares]:
@@ -413,9 +483,12 @@ async def test_happy_path_commits_a_checkpoint_and_completes(env: WorkflowEnviro
     [commit] = cluster.inputs("commit_checkpoint")
     assert (commit.step, commit.world_size, sorted(s.rank for s in commit.shards)) == (10, 2, [0, 1])
     assert [p.protect_steps for p in cluster.inputs("prune_checkpoints")] == [[10]]
-    # A watch after a checkpoint reports only newer ones; a keepalive starts another watch; nothing stopped.
-    assert sorted((w.node, w.reported_step) for w in cluster.inputs("watch_ranks")) == [
-        (nodes[0], 0), (nodes[0], 10), (nodes[1], 0), (nodes[1], 10), (nodes[1], 10)]
+    # A watch uploads its node's checkpoints itself: only the first step, a keepalive and the end return it,
+    # and only a start is reported once per node; nothing stopped.
+    assert sorted((w.node, w.report_start) for w in cluster.inputs("watch_ranks")) == [
+        (nodes[0], False), (nodes[0], True), (nodes[1], False), (nodes[1], False), (nodes[1], True)]
+    assert all(w.checkpoints is not None and w.checkpoints.run_prefix == f"runs/{run.handle.id}"
+               for w in cluster.inputs("watch_ranks"))
     assert cluster.inputs("stop_ranks") == []
     # Queried while the ranks ran, and once done.
     [status] = seen
@@ -453,7 +526,9 @@ async def test_crash_stops_every_rank_and_relaunches_from_the_committed_checkpoi
     # Attempt 2 found the committed step 10, downloaded each node's shard and launched from it.
     assert len(cluster.inputs("find_checkpoint")) == 2
     downloads = sorted(_by_attempt(cluster.inputs("download_shards"), 2), key=lambda d: d.node)
-    assert [(d.node, [s.rank for s in d.shards]) for d in downloads] == [(nodes[0], [0]), (nodes[1], [1])]
+    assert [(d.node, d.ranks) for d in downloads] == [(nodes[0], [0]), (nodes[1], [1])]
+    assert all(d.manifest_key == f"runs/{run.handle.id}/step-00000010/manifest.json" and not d.shards
+               for d in downloads), "each node reads its shards from the manifest: none pass through history"
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [(r.node, r.attempt, r.restore_step) for r in relaunches] == [(nodes[0], 2, 10), (nodes[1], 2, 10)]
     assert [r.restore_dir for r in relaunches] == [f"/restore/{n}/attempt-2" for n in nodes]
@@ -704,7 +779,7 @@ async def test_lost_node_without_a_spare_shrinks_to_min_nodes(env: WorkflowEnvir
     find = cluster.inputs("find_checkpoint")[1]
     assert (find.world_size, find.max_world_size) == (2, 3)
     downloads = sorted(_by_attempt(cluster.inputs("download_shards"), 2), key=lambda d: d.node)
-    assert [(d.node, [s.rank for s in d.shards]) for d in downloads] == [(nodes[0], [0]), (nodes[2], [1])]
+    assert [(d.node, d.ranks) for d in downloads] == [(nodes[0], [0]), (nodes[2], [1])]
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [(r.node, r.node_rank, r.num_nodes, r.restore_step) for r in relaunches] == [
         (nodes[0], 0, 2, 10), (nodes[2], 1, 2, 10)]
@@ -725,7 +800,7 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
     cluster.watch_script = {
         (1, nodes[0]): [_ready(10), BLOCK],
         (1, nodes[1]): [_ready(10), committed, ApplicationError("agent lost its ranks", type="AgentLost")],
-        (2, nodes[0]): [_ready(20), Until(repaired), _ready(30), BLOCK],
+        (2, nodes[0]): [Until(repaired), _ready(20), BLOCK],
         (3, nodes[0]): [_finished(40)],
         (3, nodes[1]): [_finished(40)],
     }
@@ -741,8 +816,9 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
     reclaims = [a for a in cluster.inputs("acquire_nodes") if not a.nodes]
     assert reclaims and all(a.spares == [nodes[1]] for a in reclaims)
     downloads = sorted(_by_attempt(cluster.inputs("download_shards"), 3), key=lambda d: d.node)
-    assert [(d.node, [(s.rank, s.key.rsplit("/", 1)[1]) for s in d.shards]) for d in downloads] == [
-        (nodes[0], [(0, "rank-00000.pt")]), (nodes[1], [(1, "rank-00000.pt")])]
+    # (The agent maps rank 1 onto the one-rank checkpoint's shard 0: tests/unit/test_checkpoint_store.py.)
+    assert [(d.node, d.ranks, d.manifest_key.rsplit("/", 2)[1]) for d in downloads] == [
+        (nodes[0], [0], "step-00000020"), (nodes[1], [1], "step-00000020")]
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 3), key=lambda r: r.node_rank)
     assert [(r.node, r.num_nodes) for r in relaunches] == [(nodes[0], 2), (nodes[1], 2)]
     assert (run.status.nodes, run.status.world_size, run.status.cordoned) == (nodes, 2, [])
@@ -980,8 +1056,8 @@ async def test_with_tracing_one_trace_covers_the_run_its_workflow_tasks_and_ever
     spans = exporter.get_finished_spans()
     names = {span.name for span in spans}
     for expected in ("StartWorkflow:TrainingRun", "RunWorkflow:TrainingRun", "StartActivity:launch_ranks",
-                     "RunActivity:launch_ranks", "RunActivity:watch_ranks", "RunActivity:upload_shards",
-                     "RunActivity:commit_checkpoint"):
+                     "RunActivity:launch_ranks", "RunActivity:watch_ranks", "RunActivity:commit_checkpoints",
+                     "RunWorkflow:NodeCalls", "RunWorkflow:NodeGroupWatch"):
         assert expected in names, sorted(names)
     [start] = [span for span in spans if span.name == "StartWorkflow:TrainingRun"]
     assert {span.context.trace_id for span in spans if span.name.startswith("RunActivity:")} == \

@@ -1,0 +1,304 @@
+"""Fan-out to thousands of nodes through child workflows, one per group of `NODES_PER_GROUP` nodes.
+
+Temporal allows 2,000 pending activities per execution and refuses a whole workflow task that would pass
+it: a `TrainingRun` of 1,024 nodes that watched, uploaded and stopped every node itself hung at its first
+crash. So a run never calls a node itself. Each per-node operation (check, download, launch, rejoin, stop,
+checkpoint request) runs as a `NodeCalls` child per group, and each attempt's watching as a `NodeGroupWatch`
+child per group, which keeps its watches alive and returns only what the run must decide on: an incident,
+a lost node, or every node finished. The run's own history grows with groups and incidents, and each
+group's history with its nodes and attempts, never with nodes x checkpoints (checkpoints do not pass
+through either: agents upload their own shards, and the committer sees them in the store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, Field
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import WatchEvent, WatchEventKind, WatchRanksInput
+    from trainguard import node_task_queue
+
+NODE_CALLS_WORKFLOW = "NodeCalls"
+NODE_GROUP_WATCH_WORKFLOW = "NodeGroupWatch"
+
+NODES_PER_GROUP = 64
+"""Nodes per child workflow. A group keeps at most one activity per node pending (128 in the overlap of a
+watch and a stop), and a 4,096-node run 64 children: both far inside the 2,000 limit, with room for growth.
+Fewer, larger groups would put more events in one history; more, smaller ones more children in the run's."""
+
+GROUP_HISTORY_EVENTS = 10_000
+"""A group watching for days continues as new past this (keepalives add 6 events per node per
+`WATCH_MAX_DURATION_S`), at a keepalive: its ranks keep running and its watches start again."""
+
+# ------------------------------------------------------------------------------ timeouts and retries
+
+NODE_SCHEDULE_TO_START = timedelta(seconds=10)
+"""Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever. A live agent
+polls all the time and starts one in milliseconds; 10 s, like the watch's heartbeat timeout, means it is gone."""
+
+CHECK_NODE_TIMEOUT = timedelta(seconds=30)
+"""An NVML query and a reply; anything slower is a sick node."""
+
+LAUNCH_TIMEOUT = timedelta(minutes=2)
+"""Spawning processes takes milliseconds; minutes means the node is in trouble."""
+
+STOP_TIMEOUT = timedelta(seconds=60)
+"""SIGTERM, a grace period, then SIGKILL of whole process groups, and reaping them."""
+
+WATCH_MAX_DURATION_S = 600.0
+"""A watch returns after this long even if nothing happened, so no activity runs unbounded."""
+
+WATCH_TIMEOUT = timedelta(seconds=WATCH_MAX_DURATION_S + 60)
+WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
+"""The agent heartbeats every poll (0.2 s by default): 10 s of silence means the node is unresponsive."""
+
+TRANSFER_TIMEOUT = timedelta(minutes=30)
+TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
+TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
+"""Download retries stop after this: long enough to ride out a store outage."""
+
+NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
+                              maximum_attempts=3)
+"""A node call that fails three times is a node problem; more retries would only delay the remedy."""
+
+WATCH_RETRY = RetryPolicy(maximum_attempts=1)
+"""A failed watch is itself the signal (the agent died or froze): the workflow decides, not a retry."""
+
+TRANSFER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
+                             maximum_interval=timedelta(seconds=30),
+                             non_retryable_error_types=["CorruptCheckpoint", "NoLocalShards", "BadSpec"])
+"""S3 outages heal: retry with backoff (bounded by TRANSFER_SCHEDULE_TO_CLOSE); bad bytes never heal."""
+
+
+class NodeCallKind(str, Enum):
+    """A per-node operation a run fans out: each is one activity on each node's agent."""
+
+    CHECK = "check_node"
+    DOWNLOAD = "download_shards"
+    LAUNCH = "launch_ranks"
+    REJOIN = "rejoin_ranks"
+    STOP = "stop_ranks"
+    REQUEST_CHECKPOINT = "request_checkpoint"
+
+
+@dataclass(frozen=True)
+class _CallOptions:
+    start_to_close: timedelta
+    retry: RetryPolicy
+    heartbeat: timedelta | None = None
+    schedule_to_close: timedelta | None = None
+
+
+_CALL_OPTIONS: dict[NodeCallKind, _CallOptions] = {
+    NodeCallKind.CHECK: _CallOptions(CHECK_NODE_TIMEOUT, NODE_CALL_RETRY),
+    NodeCallKind.DOWNLOAD: _CallOptions(TRANSFER_TIMEOUT, TRANSFER_RETRY, TRANSFER_HEARTBEAT_TIMEOUT,
+                                        TRANSFER_SCHEDULE_TO_CLOSE),
+    NodeCallKind.LAUNCH: _CallOptions(LAUNCH_TIMEOUT, NODE_CALL_RETRY),
+    NodeCallKind.REJOIN: _CallOptions(LAUNCH_TIMEOUT, NODE_CALL_RETRY),
+    NodeCallKind.STOP: _CallOptions(STOP_TIMEOUT, NODE_CALL_RETRY),
+    NodeCallKind.REQUEST_CHECKPOINT: _CallOptions(CHECK_NODE_TIMEOUT, NODE_CALL_RETRY),
+}
+
+
+# ----------------------------------------------------------------------------------------- models
+
+
+class NodeCall(BaseModel):
+    node: str
+    input: dict[str, Any]
+    """The activity's input model, as JSON."""
+
+
+class NodeCallsInput(BaseModel):
+    kind: NodeCallKind
+    calls: list[NodeCall]
+    summary: str
+    """What the calls do, for the UI; `{node}` is replaced by each call's node."""
+
+
+class NodeOutcome(BaseModel):
+    node: str
+    result: dict[str, Any] | None = None
+    """The activity's result model, as JSON; None when it failed."""
+    error: str | None = None
+    """Why it failed, from the innermost cause."""
+    error_type: str | None = None
+    """The failure's application error type (e.g. `BadSpec`), when it had one."""
+    timed_out: bool = False
+
+
+class NodeCallsResult(BaseModel):
+    outcomes: list[NodeOutcome]
+    """One per call, in the calls' order."""
+
+
+class GroupStarted(BaseModel):
+    """Signal from a group to its run: every node of the group has run the attempt's first step."""
+
+    attempt: int
+    group: int
+    first_step_at: float
+    """Unix time of the group's first step of the attempt."""
+    all_started_at: float
+    """Unix time by which every node of the group had run a step of the attempt."""
+
+
+class NodeGroupWatchInput(BaseModel):
+    run_workflow_id: str
+    """The run to signal `group_started` to (by workflow id: it survives the run's continue-as-new)."""
+    group: int
+    watch: WatchRanksInput
+    """The watch of every node of the group (its `node` is replaced by each node's)."""
+    nodes: list[str]
+    started: dict[str, float] = Field(default_factory=dict)
+    """Carried across continue-as-new: node -> when its first step of the attempt was seen."""
+    finished: list[WatchEvent] = Field(default_factory=list)
+    """Carried across continue-as-new: nodes whose ranks have all finished."""
+    signalled: bool = False
+
+
+class LostNode(BaseModel):
+    node: str
+    detail: str
+
+
+class NodeGroupWatchResult(BaseModel):
+    incidents: list[WatchEvent] = Field(default_factory=list)
+    """Events the run must decide on (a rank exited or hung, a GPU fault), reported together."""
+    lost: list[LostNode] = Field(default_factory=list)
+    """Nodes whose agent stopped heartbeating or failed its watch."""
+    finished: list[WatchEvent] = Field(default_factory=list)
+    """Every node's FINISHED event when all of the group's ranks are done (else empty)."""
+
+
+def groups_of(nodes: list[str], size: int = NODES_PER_GROUP) -> list[list[str]]:
+    """Consecutive groups of at most `size` nodes, in order."""
+    return [nodes[start : start + size] for start in range(0, len(nodes), size)]
+
+
+def _failure(node: str, error: ActivityError) -> NodeOutcome:
+    cause: BaseException | None = error.cause
+    while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
+        cause = cause.__cause__
+    return NodeOutcome(node=node, error=str(cause or error),
+                       error_type=cause.type if isinstance(cause, ApplicationError) else None,
+                       timed_out=isinstance(error.cause, TimeoutError))
+
+
+# --------------------------------------------------------------------------------------- workflows
+
+
+@workflow.defn(name=NODE_CALLS_WORKFLOW)
+class NodeCalls:
+    """One per-node activity on each node of a group, in parallel; every node's result or failure."""
+
+    @workflow.run
+    async def run(self, request: NodeCallsInput) -> NodeCallsResult:
+        options = _CALL_OPTIONS[request.kind]
+
+        async def call(one: NodeCall) -> NodeOutcome:
+            try:
+                result = await workflow.execute_activity(
+                    request.kind.value, one.input,
+                    task_queue=node_task_queue(one.node),
+                    start_to_close_timeout=options.start_to_close,
+                    schedule_to_close_timeout=options.schedule_to_close,
+                    schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+                    heartbeat_timeout=options.heartbeat,
+                    retry_policy=options.retry,
+                    result_type=dict,
+                    summary=request.summary.replace("{node}", one.node),
+                )
+            except ActivityError as error:
+                return _failure(one.node, error)
+            return NodeOutcome(node=one.node, result=result)
+
+        return NodeCallsResult(outcomes=list(await asyncio.gather(*(call(c) for c in request.calls))))
+
+
+@workflow.defn(name=NODE_GROUP_WATCH_WORKFLOW)
+class NodeGroupWatch:
+    """Watch a group's nodes for one attempt; return on the first incident or lost node, or once every node
+    has finished. Keepalives restart a watch here, and the group tells its run once when all its nodes have
+    run the attempt's first step."""
+
+    @workflow.run
+    async def run(self, request: NodeGroupWatchInput) -> NodeGroupWatchResult:
+        started = dict(request.started)
+        finished = {e.node: e for e in request.finished}
+        signalled = request.signalled
+        watches = {n: self._watch(request, n, report_start=n not in started)
+                   for n in request.nodes if n not in finished}
+        try:
+            while True:
+                if watches:
+                    await workflow.wait(list(watches.values()), return_when=asyncio.FIRST_COMPLETED)
+                result = NodeGroupWatchResult()
+                keepalive = False
+                for node in request.nodes:  # a fixed order keeps the workflow deterministic
+                    task = watches.get(node)
+                    if task is None or not task.done():
+                        continue
+                    del watches[node]
+                    try:
+                        event = task.result()
+                    except ActivityError as error:
+                        how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
+                        result.lost.append(LostNode(node=node, detail=f"node agent {how}: {_failure(node, error).error}"))
+                        continue
+                    if event.kind is WatchEventKind.STARTED:
+                        started[node] = event.first_step_at or event.detected_at
+                        watches[node] = self._watch(request, node, report_start=False)
+                    elif event.kind is WatchEventKind.KEEPALIVE:
+                        keepalive = True
+                        watches[node] = self._watch(request, node, report_start=node not in started)
+                    elif event.kind is WatchEventKind.FINISHED:
+                        finished[node] = event
+                        if event.first_step_at is not None:
+                            started.setdefault(node, event.first_step_at)
+                    else:
+                        result.incidents.append(event)
+                finished_unstarted = [n for n in finished if n not in started]
+                if not signalled and started and len(started) + len(finished_unstarted) == len(request.nodes):
+                    signalled = True
+                    await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
+                        "group_started", GroupStarted(attempt=request.watch.attempt, group=request.group,
+                                                      first_step_at=min(started.values()),
+                                                      all_started_at=max(started.values())))
+                if result.incidents or result.lost:
+                    return result
+                if len(finished) == len(request.nodes):
+                    return NodeGroupWatchResult(finished=[finished[n] for n in request.nodes])
+                info = workflow.info()
+                if keepalive and (info.is_continue_as_new_suggested()
+                                  or info.get_current_history_length() > GROUP_HISTORY_EVENTS):
+                    for task in watches.values():
+                        task.cancel()
+                    workflow.continue_as_new(request.model_copy(update={
+                        "started": started, "finished": list(finished.values()), "signalled": signalled}))
+        finally:
+            for task in watches.values():
+                task.cancel()
+
+    @staticmethod
+    def _watch(request: NodeGroupWatchInput, node: str, report_start: bool) -> asyncio.Task[WatchEvent]:
+        watch = request.watch.model_copy(update={"node": node, "report_start": report_start})
+        return asyncio.ensure_future(workflow.execute_activity(
+            "watch_ranks", watch,
+            task_queue=node_task_queue(node),
+            start_to_close_timeout=WATCH_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            heartbeat_timeout=WATCH_HEARTBEAT_TIMEOUT,
+            retry_policy=WATCH_RETRY,
+            result_type=WatchEvent,
+            summary=f"watch ranks on {node} (attempt {watch.attempt})",
+        ))
