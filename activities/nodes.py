@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
+from typing import Any, TypeVar
 
 from temporalio import activity
 from temporalio.api.enums.v1 import TaskQueueType
@@ -14,6 +17,8 @@ from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
 from trainguard import node_task_queue
 from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode, RegisterNodeRequest
 from trainguard.search_attributes import registered
+
+T = TypeVar("T")
 
 
 async def has_pollers(client: Client, task_queue: str, kind: TaskQueueType.ValueType, max_idle_s: float) -> bool:
@@ -62,12 +67,33 @@ async def pool_handle(client: Client):  # type: ignore[no-untyped-def]
     )
 
 
-async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "") -> PoolNode:
+POOL_BUSY_FIRST_RETRY_S = 0.05
+POOL_BUSY_MAX_RETRY_S = 1.0
+"""Temporal admits 10 updates in flight per execution and refuses the rest with RESOURCE_EXHAUSTED: 100 runs
+starting at once, or thousands of agents registering, are refused most of the time. Each update takes
+milliseconds, so ask again soon (jittered, so the refused do not come back together); the activity's own
+retry policy (seconds of backoff) would serialize the start of many runs."""
+
+
+async def pool_update(client: Client, name: str, request: Any, result_type: type[T]) -> T:
+    """An update on the node pool, asked again while the pool has too many updates in flight."""
+    from temporalio.service import RPCError, RPCStatusCode
+
     handle = await pool_handle(client)
-    return await handle.execute_update(
-        "register", RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url),
-        result_type=PoolNode,
-    )
+    delay = POOL_BUSY_FIRST_RETRY_S
+    while True:
+        try:
+            return await handle.execute_update(name, request, result_type=result_type)
+        except RPCError as error:
+            if error.status is not RPCStatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(POOL_BUSY_MAX_RETRY_S, delay * 2)
+
+
+async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "") -> PoolNode:
+    return await pool_update(client, "register",
+                             RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url), PoolNode)
 
 
 async def peer_urls(client: Client) -> dict[str, str]:
@@ -98,17 +124,14 @@ class PoolActivities:
     @activity.defn(name="acquire_nodes")
     async def acquire_nodes(self, request: AcquireNodesRequest) -> AcquireNodesResult:
         """Lease the run's nodes (all or none) and whichever of its spares are free. Idempotent per run."""
-        handle = await pool_handle(self.client)
-        return await handle.execute_update("acquire", request, result_type=AcquireNodesResult)
+        return await pool_update(self.client, "acquire", request, AcquireNodesResult)
 
     @activity.defn(name="release_nodes")
     async def release_nodes(self, request: NodeRequest) -> list[str]:
         """Give the run's nodes (or one of them) back to the pool. Idempotent."""
-        handle = await pool_handle(self.client)
-        return await handle.execute_update("release", request, result_type=list[str])
+        return await pool_update(self.client, "release", request, list[str])
 
     @activity.defn(name="cordon_node")
     async def cordon_node(self, request: NodeRequest) -> PoolNode:
         """Take a failed node out of the pool (and out of the run's lease) until it is repaired."""
-        handle = await pool_handle(self.client)
-        return await handle.execute_update("cordon", request, result_type=PoolNode)
+        return await pool_update(self.client, "cordon", request, PoolNode)

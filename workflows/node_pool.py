@@ -30,6 +30,10 @@ POOL_WORKFLOW_ID = "trainguard-node-pool"
 POOL_WORKFLOW_TYPE = "NodePool"
 # Each request adds a handful of events; continue as new long before Temporal's limits.
 POOL_HISTORY_EVENTS = 5_000
+POOL_UPDATES_PER_HISTORY = 1_500
+"""Temporal refuses more than 2,000 updates in one history: 4,096 agents registering at a cluster's boot
+would reach that before `POOL_HISTORY_EVENTS` when the server batches updates into few workflow tasks, and a
+pool that refuses updates adds no events, so it would never continue as new."""
 PATCH_SCHEDULER_UNCORDON = "scheduler-uncordon"
 """Histories before this patch lifted cordons in the pool only, leaving the cluster scheduler's in place."""
 
@@ -115,17 +119,22 @@ def drain(nodes: dict[str, PoolNode], node: str) -> None:
 class NodePool:
     def __init__(self) -> None:
         self._nodes: dict[str, PoolNode] = {}
+        self._updates = 0
 
     @workflow.run
     async def run(self, carried: PoolStatus | None = None) -> None:
-        for node in (carried.nodes if carried else []):
+        for node in (carried.all_nodes() if carried else []):
             self._nodes[node.node] = node
         await workflow.wait_condition(
             lambda: workflow.info().get_current_history_length() > POOL_HISTORY_EVENTS
+            or self._updates >= POOL_UPDATES_PER_HISTORY
             or workflow.info().is_continue_as_new_suggested()
         )
         await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(PoolStatus(nodes=list(self._nodes.values())))
+        workflow.continue_as_new(PoolStatus.pack(list(self._nodes.values())))
+
+    def _counted(self) -> None:
+        self._updates += 1
 
     def _now(self) -> float:
         return workflow.now().timestamp()
@@ -136,6 +145,7 @@ class NodePool:
 
     @workflow.update
     def register(self, request: RegisterNodeRequest) -> PoolNode:
+        self._counted()
         was_cordoned = request.node in self._nodes and self._nodes[request.node].cordoned is not None
         register(self._nodes, request, self._now())
         self._tell_scheduler_if_lifted(request.node, was_cordoned)
@@ -143,10 +153,12 @@ class NodePool:
 
     @workflow.update
     def acquire(self, request: AcquireNodesRequest) -> AcquireNodesResult:
+        self._counted()
         return grant(self._nodes, request)
 
     @workflow.update
     def release(self, request: NodeRequest) -> list[str]:
+        self._counted()
         return release(self._nodes, request.run_id or "", request.node)
 
     @release.validator
@@ -156,6 +168,7 @@ class NodePool:
 
     @workflow.update
     def cordon(self, request: NodeRequest) -> PoolNode:
+        self._counted()
         assert request.node is not None
         cordon(self._nodes, request.node, request.reason, self._now())
         if request.run_id is not None:
@@ -164,6 +177,7 @@ class NodePool:
 
     @workflow.update
     def uncordon(self, request: NodeRequest) -> PoolNode:
+        self._counted()
         assert request.node is not None
         was_cordoned = self._nodes[request.node].cordoned is not None
         uncordon(self._nodes, request.node)
@@ -183,6 +197,7 @@ class NodePool:
 
     @workflow.update
     def drain(self, request: NodeRequest) -> PoolStatus:
+        self._counted()
         assert request.node is not None
         drain(self._nodes, request.node)
         return self.nodes()

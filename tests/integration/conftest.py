@@ -28,6 +28,8 @@ RUN_TIMEOUT_S = 240
 
 
 HISTORIES = REPO / "tests" / "histories"
+CHILD_HISTORY_KINDS = ("it-base", "it-crash", "it-nodedown", "it-hang", "it-can")
+"""Runs whose node-group watches are recorded too: a finish, a crash, a lost node, a hang, a continue-as-new."""
 
 
 async def _record_histories(address: str) -> None:
@@ -44,6 +46,17 @@ async def _record_histories(address: str) -> None:
             seen.add(kind)
             history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
             (HISTORIES / f"{kind}.json").write_text(history.to_json())
+    # The node groups' child workflows: one of each call kind, and the watches of a few kinds of run.
+    async for execution in client.list_workflows(
+            "WorkflowType IN ('NodeCalls', 'NodeGroupWatch') AND ExecutionStatus != 'Running'"):
+        run_id, _, child = execution.id.partition("/")
+        kind = run_id.rsplit("-", 1)[0] if run_id.startswith("it-") else None
+        name = (f"calls-{child.split('-', 1)[0]}" if execution.workflow_type == "NodeCalls"
+                else f"watch-{kind}" if kind in CHILD_HISTORY_KINDS else None)
+        if kind and name and name not in seen:
+            seen.add(name)
+            history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+            (HISTORIES / f"{name}.json").write_text(history.to_json())
     pool = await client.get_workflow_handle("trainguard-node-pool").fetch_history()
     (HISTORIES / "node-pool.json").write_text(pool.to_json())
 

@@ -14,6 +14,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.node_pool import NodePool
 from workflows.training_run import TrainingRun
 
@@ -27,6 +28,7 @@ def test_histories_are_committed() -> None:
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 async def test_history_replays_without_nondeterminism(path: Path) -> None:
     history = WorkflowHistory.from_json(path.stem, path.read_text())
-    replayer = Replayer(workflows=[TrainingRun, NodePool], data_converter=pydantic_data_converter)
+    replayer = Replayer(workflows=[TrainingRun, NodePool, NodeCalls, NodeGroupWatch],
+                        data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"
