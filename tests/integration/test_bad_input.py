@@ -247,8 +247,11 @@ async def _pool_state(client: TrainguardClient) -> dict[str, tuple[str | None, s
 
 async def test_specs_only_the_agent_can_refuse_fail_their_run_and_leave_the_pool_clean(
         client: TrainguardClient, stack: DevStack) -> None:
+    deadline = time.monotonic() + 60  # a test before may have just repaired a node: wait for the pool to have it
+    while any((await _pool_state(client))[n] != (None, None) for n in ("node-0", "node-1")):
+        assert time.monotonic() < deadline, await _pool_state(client)
+        await asyncio.sleep(0.5)
     before = await _pool_state(client)
-    assert all(cordoned is None for cordoned, _ in before.values()), before
     started = time.monotonic()
     run_ids = []
     for spec, fragment in agent_specs(NUM_AT_THE_AGENT):
@@ -266,7 +269,8 @@ async def test_specs_only_the_agent_can_refuse_fail_their_run_and_leave_the_pool
     elapsed = time.monotonic() - started
 
     after = await _pool_state(client)
-    assert after == {node: (None, None) for node in NODES}, after  # nothing cordoned, nothing still leased
+    assert {n: cordoned for n, (cordoned, _) in after.items()} == {n: c for n, (c, _) in before.items()}, after
+    assert not [n for n, (_, leased_to) in after.items() if leased_to in run_ids], after  # every lease returned
     for run_id in run_ids:
         for node in NODES:
             ranks_file = RunLayout.of(stack.home / "nodes" / node, run_id).ranks_file
