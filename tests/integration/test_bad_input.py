@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,10 +249,11 @@ async def _pool_state(client: TrainguardClient) -> dict[str, tuple[str | None, s
 async def test_specs_only_the_agent_can_refuse_fail_their_run_and_leave_the_pool_clean(
         client: TrainguardClient, stack: DevStack) -> None:
     deadline = time.monotonic() + 60  # a test before may have just repaired a node: wait for the pool to have it
-    while any((await _pool_state(client))[n] != (None, None) for n in ("node-0", "node-1")):
-        assert time.monotonic() < deadline, await _pool_state(client)
-        await asyncio.sleep(0.5)
     before = await _pool_state(client)
+    while before["node-0"] != (None, None) or before["node-1"] != (None, None):
+        assert time.monotonic() < deadline, before
+        await asyncio.sleep(0.5)
+        before = await _pool_state(client)
     started = time.monotonic()
     run_ids = []
     for spec, fragment in agent_specs(NUM_AT_THE_AGENT):
@@ -282,6 +284,7 @@ async def test_specs_only_the_agent_can_refuse_fail_their_run_and_leave_the_pool
         history = (await client.handle(run_id).fetch_history()).to_json()
         assert "launch_ranks" in history  # each got as far as the node: the scan covers the agent's answer
         assert not [s for s in [*secrets, MARKER] if s in history], run_id
+    assert not Path("/tmp/tg-fuzz-pwned").exists()  # what the refused programs would have done
     print(f"{len(run_ids)} runs refused by the agent in {elapsed:.1f}s ({elapsed / len(run_ids):.2f}s each)")
 
 

@@ -345,7 +345,8 @@ STAND_IN_PYTHON = """\
 if [ "$1 $2" = "-m workers.node_agent" ]; then
     shift 2
     trap 'echo "stopped $2" >>"$AGENTS"; exit 0' TERM  # before it reports itself: it is up from then on
-    echo "agent $* allow=$TRAINGUARD_ALLOWED_ENTRYPOINTS chaos=$TRAINGUARD_CHAOS peer=$TRAINGUARD_PEER_TOKEN" >>"$AGENTS"
+    echo "agent $* allow=$TRAINGUARD_ALLOWED_ENTRYPOINTS chaos=$TRAINGUARD_CHAOS" \\
+        "peer=$TRAINGUARD_PEER_TOKEN" >>"$AGENTS"
     [ -n "$FAKE_AGENT_DIES" ] && exit 3
     while :; do sleep 0.05; done
 fi
