@@ -6,15 +6,20 @@ has it on disk (the local tier keeps the newest committed step), so the new node
 before it asks the store, and checks every byte against the manifest's sha256 either way.
 
 The server answers only `GET /runs/<run>/step-<8 digits>/rank-<5 digits>.pt` for a shard whose meta file
-is there (completely written), from the agent's checkpoint folders and nowhere else. It serves checkpoint
-bytes without authentication to whoever reaches its port: bind it to the cluster network (the agent's
-`--host`), or switch it off (`--peer-port -1`).
+is there (completely written), from the agent's checkpoint folders and nowhere else, and only to a request
+that carries the pool's peer token (`Authorization: Bearer <token>`): every agent of a pool has the same
+`TRAINGUARD_PEER_TOKEN` in its environment (never in a spec; ranks do not inherit it). A request without it,
+or with another, gets 401 and no byte of a shard. An agent without a token serves nothing and fetches
+nothing: its restores read the store. The token authenticates; it does not encrypt (plain HTTP): keep the
+port on the cluster network (the agent's `--host`), or switch the tier off (`--peer-port -1`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
+import os
 import re
 import shutil
 import threading
@@ -32,6 +37,20 @@ FETCH_TIMEOUT_S = 5.0
 """Connect and read timeout of one peer fetch: a peer that does not answer soon is skipped for the store."""
 CHUNK = 1 << 20
 
+PEER_TOKEN_ENV = "TRAINGUARD_PEER_TOKEN"
+"""The pool's shared peer secret, in every agent's environment."""
+MIN_PEER_TOKEN_CHARS = 16
+"""Shorter tokens are refused at start: a guessable secret is no authentication."""
+
+
+def peer_token(environ: dict[str, str] | None = None) -> str | None:
+    """This agent's peer token (`TRAINGUARD_PEER_TOKEN`), or None when the pool has none configured."""
+    token = (os.environ if environ is None else environ).get(PEER_TOKEN_ENV, "").strip()
+    if token and len(token) < MIN_PEER_TOKEN_CHARS:
+        raise ValueError(f"{PEER_TOKEN_ENV} has {len(token)} characters, fewer than {MIN_PEER_TOKEN_CHARS}: "
+                         f"use a long random one (python -c 'import secrets; print(secrets.token_hex(32))')")
+    return token or None
+
 
 def shard_path(run_dir_name: str, key: str) -> str:
     """The URL path of a shard on the node that wrote it: its run folder and the key's step and file name."""
@@ -42,11 +61,18 @@ def shard_path(run_dir_name: str, key: str) -> str:
 class ShardServer:
     """Serves this node's checkpoint shards (`<workdir>/runs/<run>/checkpoints/step-*/rank-*.pt`)."""
 
-    def __init__(self, workdir: Path, host: str, port: int = 0) -> None:
+    def __init__(self, workdir: Path, host: str, token: str, port: int = 0) -> None:
+        if not token:
+            raise ValueError("the peer tier needs the pool's token: serving shards without one serves anyone")
         root = workdir.resolve() / "runs"
+        expected = f"Bearer {token}".encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - the http.server API
+                offered = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
+                if not hmac.compare_digest(offered, expected):  # the same time whatever part of it is wrong
+                    self.send_error(401, "the pool's peer token is required")
+                    return
                 match = SHARD_PATH.match(self.path)
                 if match is None or match.group(1) in (".", ".."):
                     self.send_error(404, "not a shard path")
@@ -85,14 +111,21 @@ class ShardServer:
         self._server.server_close()
 
 
-def fetch_from_peer(base_url: str, run_dir_name: str, shard: ShardInfo, target: Path) -> str | None:
-    """Copy `shard` from the peer that wrote it into `target`, checking its size and sha256 on the way.
-    Returns None when `target` holds exactly the manifest's bytes, else why not (and `target` is removed)."""
+def fetch_from_peer(base_url: str, run_dir_name: str, shard: ShardInfo, target: Path,
+                    token: str | None = None) -> str | None:
+    """Copy `shard` from the peer that wrote it into `target`, checking its size and sha256 on the way, with
+    the pool's peer token (`token`, default this agent's `TRAINGUARD_PEER_TOKEN`). Returns None when `target`
+    holds exactly the manifest's bytes, else why not (and `target` is removed)."""
     url = base_url.rstrip("/") + shard_path(run_dir_name, shard.key)
+    token = token or peer_token()
+    if token is None:
+        return f"{url}: no {PEER_TOKEN_ENV} on this agent to ask a peer with"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     digest = hashlib.sha256()
     size = 0
     try:
-        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response, target.open("wb") as out:  # noqa: S310
+        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_S) as response, \
+                target.open("wb") as out:  # noqa: S310
             while chunk := response.read(CHUNK):
                 digest.update(chunk)
                 size += len(chunk)

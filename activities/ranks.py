@@ -8,6 +8,7 @@ older attempt, so ranks of attempt k never run beside attempt k+1.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -48,12 +49,19 @@ from activities.paths import RunLayout
 from activities.progress import RankReport, complete_steps, find_hung_rank
 from trainguard.procs import start_time
 from trainguard.procs import state as process_state
+from trainguard.spec import exec_env_refused, exec_problems
 
 log = logging.getLogger(__name__)
 
 # Variables of the agent's own environment that ranks must not inherit: storage credentials belong to the
-# agent (it uploads), never to user code.
-_SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_")
+# agent (it uploads), never to user code; so do the pool's peer token and Temporal's keys.
+_SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_", "TRAINGUARD_PEER_TOKEN", "TRAINGUARD_CODEC_KEY",
+                        "TRAINGUARD_API_KEY", "TRAINGUARD_TLS_KEY")
+
+SPEC_ERRNOS = frozenset({errno.E2BIG, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
+                         errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
+"""Exec failures the spec caused (too big, no such program, not executable, not a program): the run's fault,
+a non-retryable `BadSpec`. Any other (EMFILE, ENOMEM, EAGAIN) is the node's, and is retried."""
 
 UPLOAD_RETRY_S = 5.0
 """A watch's upload that failed on a store error is tried again after this long (the store may be out;
@@ -205,6 +213,14 @@ def _write_json(path: Path, payload: object) -> None:
     os.replace(tmp, path)
 
 
+def _program_path(path: str) -> Path:
+    """`path` made absolute with its directories resolved as the kernel resolves them (so `..` and symlinked
+    folders cannot lead a check astray), its last part kept: a venv's `python` is a symlink to be run as such."""
+    absolute = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)  # no lexical `..` folding
+    head, tail = os.path.split(absolute)
+    return Path(os.path.realpath(head)) / tail
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -215,7 +231,8 @@ class RankActivities:
     """Rank processes on one node. One instance per node agent."""
 
     def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
-                 allowed: tuple[str, ...] = ("*",), chaos: bool = True, uploader: Uploader | None = None) -> None:
+                 allowed: tuple[str, ...] = ("*",), chaos: bool = True,
+                 allowed_env: frozenset[str] = frozenset(), uploader: Uploader | None = None) -> None:
         self.node = node
         self.uploader = uploader
         """Uploads a complete local step and writes its node record (`NodeCheckpointActivities.upload_step`)."""
@@ -223,6 +240,8 @@ class RankActivities:
         """(workflow id, attempt, step) -> its upload, started by a watch and outliving it."""
         self._upload_failed_at: dict[tuple[str, int, int], float] = {}
         self.allowed = allowed
+        self.allowed_env = allowed_env
+        """Env names of `EXEC_ENV_PATTERNS` this node's operator lets a spec set (`--allow-env`)."""
         self.chaos = chaos
         self.workdir = workdir
         self.host = host
@@ -340,7 +359,8 @@ class RankActivities:
             if stopped:
                 log.info("fenced %d ranks of %s attempt %d", stopped, request.workflow_id, current.attempt)
 
-        self._check_allowed(request.entrypoint)
+        cwd = self._working_dir(request.working_dir)
+        request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
         master_addr = request.master_addr or self.host
         master_port = request.master_port or _free_port(self.host)
         record = AttemptRecord(
@@ -358,7 +378,6 @@ class RankActivities:
         for path in (layout.attempt_dir(request.attempt) / "progress", layout.attempt_dir(request.attempt) / "logs",
                      layout.checkpoint_dir, layout.tmp_dir):
             path.mkdir(parents=True, exist_ok=True)
-        cwd = self._working_dir(request.working_dir)
         extra = {"TRAINGUARD_RESTORE_STEP": str(request.restore_step)}
         if request.restore_dir:
             extra["TRAINGUARD_RESTORE_DIR"] = request.restore_dir
@@ -378,11 +397,15 @@ class RankActivities:
         )
 
     def _working_dir(self, working_dir: str | None) -> Path:
-        cwd = Path(working_dir) if working_dir else self.code_dir
-        if not cwd.is_dir():
+        try:
+            cwd = Path(working_dir) if working_dir else self.code_dir
+            exists = cwd.is_dir()
+        except ValueError:  # a NUL byte: a spec this agent's own check below names
+            exists = False
+        if not exists:
             raise ApplicationError(
-                f"working_dir {str(cwd)!r} does not exist on node {self.node}", type="BadSpec", non_retryable=True
-            )
+                f"working_dir {working_dir!r} does not exist on node {self.node}: name a directory every node "
+                f"of the run has", type="BadSpec", non_retryable=True)
         return cwd
 
     def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
@@ -426,9 +449,16 @@ class RankActivities:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        except OSError as error:
+        except (ValueError, TypeError, OSError) as error:
+            # ValueError: a NUL byte, a lone surrogate; OSError: what exec refused. A spec's fault is the
+            # run's, never the node's: only an exec failure the node caused is left to retry.
+            if isinstance(error, OSError) and error.errno not in SPEC_ERRNOS:
+                raise
+            field = {errno.E2BIG: "entrypoint and env"}.get(getattr(error, "errno", None) or 0, "entrypoint.0")
+            if not isinstance(error, OSError):
+                field = "entrypoint, env or working_dir"
             raise ApplicationError(
-                f"cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
+                f"{field}: cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
                 type="BadSpec",
                 non_retryable=True,
             ) from None
@@ -442,7 +472,8 @@ class RankActivities:
         env = self._rank_env(record, layout, request, local_rank, extra)
         try:
             popen = self._start(layout, request, cwd, layout.log_file(record.attempt, rank), env)
-        except ApplicationError:
+        except Exception:
+            # No half-started attempt: a retried launch would adopt the ranks that did start as the whole.
             await self._stop_record(record, grace_s=0.5)
             raise
         self._track(record, rank, popen.pid, popen)
@@ -483,8 +514,8 @@ class RankActivities:
                 f"node {self.node} does not run attempt {request.from_attempt} of {request.workflow_id} "
                 f"(it runs {current.attempt if current else 'nothing'}): nothing to keep, relaunch instead",
                 type="NoSuchAttempt", non_retryable=True)
-        self._check_allowed(request.entrypoint)
         cwd = self._working_dir(request.working_dir)
+        request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
         layout = RunLayout.of(self.workdir, request.workflow_id)
         alive = {r: p for r, p in current.ranks.items() if not p.poll()}
         reports = [_read_report(layout.progress_file(current.attempt, r)) for r in alive]
@@ -537,23 +568,44 @@ class RankActivities:
                                  survivors=sorted(alive), joiners=sorted(set(record.ranks) - set(alive)),
                                  step=min(steps) if steps else None)
 
-    def _check_allowed(self, entrypoint: list[str]) -> None:
-        """Run only programs this agent's own configuration allows (`--allow`): a spec is user input."""
-        if "*" in self.allowed:
-            return
-        program = shutil.which(entrypoint[0]) if os.sep not in entrypoint[0] else entrypoint[0]
-        # Both the path as named (a venv's python is a symlink) and its target may match.
-        candidates = {Path(program).absolute(), Path(program).resolve()} if program else set()
-        for allowed in self.allowed:
-            root = Path(allowed).absolute()
-            if any(path == root or root in path.parents for path in candidates):
-                return
-        raise ApplicationError(
-            f"entrypoint {entrypoint[0]!r} is not allowed on node {self.node} (allowed: {', '.join(self.allowed)}); "
-            f"ask the node's operator to add it with --allow",
-            type="EntrypointNotAllowed",
-            non_retryable=True,
-        )
+    def _check_allowed(self, request: RankGroupInput, cwd: Path) -> list[str]:
+        """Run only programs this agent's own configuration allows (`--allow`): a spec is user input. The
+        program is found with this agent's own PATH (a bare name) or in the ranks' working directory (a relative
+        path), never with the spec's `env.PATH`, and the argv returned names it by that absolute path: the
+        program checked is the program executed. Env names that would change what runs or what it loads
+        (`EXEC_ENV_PATTERNS`) need this node's operator's `--allow-env`."""
+        def bad_spec(message: str) -> ApplicationError:
+            return ApplicationError(f"{message} (node {self.node})", type="BadSpec", non_retryable=True)
+
+        problems = exec_problems(request.entrypoint, request.env, request.working_dir)
+        if problems:
+            raise bad_spec("; ".join(problems))
+        refused = [name for name in request.env if exec_env_refused(name, self.allowed_env)]
+        if refused:
+            raise bad_spec("; ".join(
+                f"env.{name}: changes what the ranks run or load, which this node's --allow list decides; "
+                f"leave it out, or ask the node's operator to allow it with --allow-env {name}" for name in refused))
+        name = request.entrypoint[0]
+        if os.sep in name:
+            found: str | None = str(cwd / name)  # as exec would see it: relative to the ranks' directory
+        else:
+            found = shutil.which(name, path=os.environ.get("PATH", os.defpath))  # the agent's PATH
+        if found is None or not os.path.isfile(found) or not os.access(found, os.X_OK):
+            raise bad_spec(f"entrypoint.0: {name!r} is no executable program here (a bare name is looked up with "
+                           f"the agent's own PATH, never the spec's env.PATH)")
+        program = _program_path(found)
+        if "*" not in self.allowed:
+            # Both the path as named (a venv's python is a symlink) and its target may match.
+            candidates = {program, Path(os.path.realpath(found))}
+            roots = {p for allowed in self.allowed for p in (_program_path(allowed), Path(os.path.realpath(allowed)))}
+            if not any(path == root or root in path.parents for path in candidates for root in roots):
+                raise ApplicationError(
+                    f"entrypoint {name!r} is not allowed on node {self.node} (allowed: {', '.join(self.allowed)}); "
+                    f"ask the node's operator to add it with --allow",
+                    type="EntrypointNotAllowed",
+                    non_retryable=True,
+                )
+        return [str(program), *request.entrypoint[1:]]
 
     @activity.defn(name="stop_ranks")
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:

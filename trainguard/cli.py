@@ -50,8 +50,16 @@ def cmd_spec(args: argparse.Namespace) -> int:
     except SpecError as error:
         print(error, file=sys.stderr)
         return 2
+    _warn_exec_env(args.file, spec)
     print(f"{args.file}: valid ({len(spec.nodes)} nodes x {spec.ranks_per_node} ranks, world size {spec.world_size})")
     return 0
+
+
+def _warn_exec_env(source: str, spec: RunSpec) -> None:
+    """Names node agents refuse unless their operator allows them: the spec is valid, but say so before it runs."""
+    for name in spec.exec_env():
+        print(f"{source}: warning: env.{name} changes what the ranks run or load; node agents refuse it unless "
+              f"their operator allows it (--allow-env {name})", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -80,15 +88,18 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         from trainguard.report import main_report
 
         return await main_report(args.id, args.png)
-    from trainguard.client import TrainguardClient
+    from trainguard.client import TrainguardClient, load_spec
 
-    client = await TrainguardClient.connect()
     if args.action == "start":
-        try:
-            run_id = await client.start_run(Path(args.spec), workflow_id=args.id)
+        try:  # before connecting: a bad file is the user's to fix, whether or not Temporal answers
+            spec = load_spec(Path(args.spec))
         except SpecError as error:
             print(error, file=sys.stderr)
             return 2
+        _warn_exec_env(args.spec, spec)
+    client = await TrainguardClient.connect()
+    if args.action == "start":
+        run_id = await client.start_run(spec, workflow_id=args.id)
         print(run_id)
         if args.wait:
             result = await client.result(run_id)

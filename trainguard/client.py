@@ -36,7 +36,7 @@ from trainguard.models import (
     RunStatus,
 )
 from trainguard.settings import Settings
-from trainguard.spec import RunSpec, parse_spec
+from trainguard.spec import RunSpec, SpecError, parse_spec
 
 
 @dataclass
@@ -55,9 +55,28 @@ class RunView:
 
 
 def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
-    if isinstance(source, (str, Path)):
-        return parse_spec(json.loads(Path(source).read_text()))
-    return parse_spec(source)
+    """Validate a spec, or a spec file (UTF-8 JSON, a byte-order mark allowed). Raises `SpecError`; for a file,
+    its message starts with the file's name, whether the file cannot be read, is not JSON, or is a bad spec."""
+    if not isinstance(source, (str, Path)):
+        return parse_spec(source)
+    try:
+        # utf-8-sig: editors on Windows save JSON with a byte-order mark, which plain utf-8 refuses.
+        text = Path(source).read_text(encoding="utf-8-sig")
+    except OSError as error:
+        raise SpecError(f"{source}: cannot read the spec file: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise SpecError(f"{source}: not UTF-8 text (byte {error.start}): save the spec as UTF-8 JSON") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SpecError(f"{source}: not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") \
+            from None
+    except RecursionError:
+        raise SpecError(f"{source}: not valid JSON: nested too deeply") from None
+    try:
+        return parse_spec(raw)
+    except SpecError as error:
+        raise SpecError(f"{source}: {error}") from None
 
 
 class TrainguardClient:

@@ -171,6 +171,16 @@ class DevStack:
             path.chmod(0o600)
         return json.loads(path.read_text())
 
+    def peer_token(self) -> str:
+        """The pool's peer-tier token (`TRAINGUARD_PEER_TOKEN`), generated once per stack under the data dir,
+        so an agent restarted later still shares it with the others; given to workers by environment."""
+        path = self.home / "peer-token"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            path.write_text(secrets.token_hex(32))
+            path.chmod(0o600)
+        return path.read_text().strip()
+
     @property
     def certs(self) -> Any:
         from trainguard.tls import DevCerts
@@ -196,6 +206,7 @@ class DevStack:
             "AWS_ACCESS_KEY_ID": creds["access_key"],
             "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
             "AWS_REGION": "us-east-1",
+            "TRAINGUARD_PEER_TOKEN": self.peer_token(),
             "PYTHONUNBUFFERED": "1",
         }
 

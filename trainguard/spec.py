@@ -6,10 +6,12 @@ by the workers from their own environment.
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
@@ -31,9 +33,143 @@ RESERVED_ENV = frozenset(
 )
 RESERVED_ENV_PREFIX = "TRAINGUARD_"
 
+EXEC_ENV_PATTERNS: tuple[str, ...] = (
+    "PATH",
+    "LD_*", "DYLD_*",
+    "PYTHON*",
+    "HOME",
+    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS",
+    "GCONV_PATH",
+    "OPENSSL_CONF", "OPENSSL_ENGINES", "OPENSSL_MODULES",
+    "CUDA_INJECTION64_PATH", "NCCL_*_PLUGIN",
+    "PERL5LIB", "PERLLIB", "PERL5OPT", "PERL5DB",
+    "RUBYLIB", "RUBYOPT",
+    "NODE_OPTIONS", "NODE_PATH",
+    "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH",
+)
+"""Environment names (shell-style patterns, case as the loader reads them) that change which program runs or
+what code it loads, so a spec setting them could run what the node's `--allow` list forbids: `PATH` (which
+program a bare name is), the dynamic loader's `LD_*` (`LD_PRELOAD`, `LD_LIBRARY_PATH`, `LD_AUDIT`) and macOS's
+`DYLD_*`, Python's `PYTHON*` (`PYTHONPATH`, `PYTHONHOME`, `PYTHONSTARTUP`, `PYTHONINSPECT`, `PYTHONUSERBASE`,
+`PYTHONWARNINGS` imports the categories it names, `PYTHONBREAKPOINT` a callable), `HOME` (Python's user
+site-packages run their `.pth` files at start-up), what shells run before a script (`BASH_ENV`, `ENV`,
+`SHELLOPTS` / `BASHOPTS` with `PS4`, `IFS`), libraries that load a shared object a variable names (glibc's
+iconv `GCONV_PATH`, OpenSSL's config, engines and providers, CUDA's injection hook, NCCL's net, tuner,
+profiler and env plugins), and the start-up hooks of the other runtimes helper scripts use (Perl, Ruby,
+Node, Java). Tuning knobs that change how, not what, stay allowed (`OMP_NUM_THREADS`, `MALLOC_ARENA_MAX`,
+`GLIBC_TUNABLES`, `NCCL_DEBUG`, `CUDA_VISIBLE_DEVICES`). Spec validation cannot know what a node's operator
+allows, so the node agent enforces this list: it refuses such a name unless its operator allowed it by name
+(`--allow-env NAME`), and the run fails as a user error naming `env.NAME`."""
+
+PYTHON_KNOBS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE",
+                          "PYTHONUTF8"})
+"""`PYTHON*` names exempt from `EXEC_ENV_PATTERNS`: they change buffering, hashing, crash dumps, bytecode files
+and the text encoding, never what is imported, and training scripts set them for logs and reproducibility."""
+
+SECRET_ENV_WORDS: tuple[str, ...] = (
+    "SECRET", "SECRETS", "TOKEN", "PASSWORD", "PASSWORDS", "PASSWD", "PASS", "PASSPHRASE", "CREDENTIAL",
+    "CREDENTIALS", "API_KEY", "APIKEY", "PRIVATE_KEY", "ACCESS_KEY", "PGPASSWORD", "MYSQL_PWD",
+)
+"""Words (between `_`, any case) that make an env name look like a secret's, e.g. `HF_TOKEN`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `WANDB_API_KEY`, `DB_PASSWORD`. Whole words only, so
+`TOKENIZERS_PARALLELISM` and `MAX_TOKENS` stay allowed. The spec is stored in the workflow history in the
+clear (and in every launch's input): secrets belong in the workers' environment (README: Security model)."""
+
+MAX_ENV_VALUE_BYTES = 32 * 1024
+"""Largest env value (UTF-8): a setting, not a file. Well under Linux's 128 KiB limit on one exec string
+(MAX_ARG_STRLEN), past which exec fails with E2BIG."""
+
+MAX_EXEC_BYTES = 128 * 1024
+"""Largest entrypoint plus env, as exec counts them (each argument and `NAME=value` in UTF-8 plus its NUL).
+Linux refuses an exec whose argv and environment pass a quarter of the stack limit (2 MiB with the usual
+8 MiB stack, as little as 128 KiB with a small one) with E2BIG; this leaves that room to the agent's own
+environment and torchrun's variables, on any node."""
+
+MAX_SPEC_BYTES = 256 * 1024
+"""Largest spec, as the JSON that travels: it is the workflow's input, part of every continue-as-new input
+and (entrypoint and env) of every launch. Temporal warns at 256 KB a payload and refuses 2 MB; a spec that
+fits here leaves the rest of a payload to what travels with it."""
+
+
+def exec_env_refused(name: str, allowed: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Whether a rank's env may not set `name` (`EXEC_ENV_PATTERNS`) on a node whose operator allowed `allowed`."""
+    if name in allowed or name in PYTHON_KNOBS:
+        return False
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in EXEC_ENV_PATTERNS)
+
+
+def looks_secret(name: str) -> bool:
+    """Whether an env name reads like a secret's (`SECRET_ENV_WORDS`)."""
+    padded = f"_{name.upper()}_"
+    return any(f"_{word}_" in padded for word in SECRET_ENV_WORDS)
+
+
+def exec_string_problem(value: str) -> str | None:
+    """Why exec cannot pass `value` as an argument, an env value or a path (None when it can)."""
+    if "\x00" in value:
+        return "contains a NUL byte, which exec cannot pass"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 text (a lone surrogate)"
+    return None
+
+
+def exec_bytes(entrypoint: list[str], env: dict[str, str]) -> int:
+    """What exec counts for these: each argument and each `NAME=value`, in UTF-8, plus its NUL."""
+    strings = [*entrypoint, *(f"{k}={v}" for k, v in env.items())]
+    return sum(len(s.encode("utf-8", "surrogatepass")) + 1 for s in strings)
+
+
+def exec_problems(entrypoint: list[str], env: dict[str, str], working_dir: str | None) -> list[str]:
+    """What exec would refuse in a launch, each naming its spec field. The node agent checks this again:
+    a launch input may not come from a spec this module validated (another client, an older controller)."""
+    problems = [f"entrypoint.{i}: {p}" for i, a in enumerate(entrypoint) if (p := exec_string_problem(a))]
+    problems += [f"env.{k}: the name {p}" for k in env if (p := exec_string_problem(k))]
+    problems += [f"env.{k}: the value {p}" for k, v in env.items() if (p := exec_string_problem(v))]
+    problems += [f"env.{k}: the name is not NAME-like" for k in env if not ENV_NAME_PATTERN.match(k)]
+    if working_dir is not None and (problem := exec_string_problem(working_dir)):
+        problems.append(f"working_dir: {problem}")
+    if not problems and (size := exec_bytes(entrypoint, env)) > MAX_EXEC_BYTES:
+        problems.append(f"entrypoint and env: {size} bytes at exec, more than {MAX_EXEC_BYTES} (MAX_EXEC_BYTES)")
+    return problems
+
+
+def _exec_string(value: str) -> str:
+    if (problem := exec_string_problem(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
+def _env_value(value: str) -> str:
+    _exec_string(value)
+    if len(value.encode("utf-8")) > MAX_ENV_VALUE_BYTES:
+        raise ValueError(f"{len(value.encode('utf-8'))} bytes, more than {MAX_ENV_VALUE_BYTES} "
+                         f"(MAX_ENV_VALUE_BYTES): pass data in a file, not the environment")
+    return value
+
+
+def _env_name(name: str) -> str:
+    if not ENV_NAME_PATTERN.match(name):
+        raise ValueError(f"{name!r} is not a valid environment variable name")
+    if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
+        raise ValueError(f"{name!r} is set by the node agent and cannot be overridden")
+    if looks_secret(name):
+        raise ValueError(
+            f"{name!r} looks like a secret, and the spec is stored in the workflow history in the clear: "
+            f"give it to the workers in their own environment instead (README: Security model, where secrets "
+            f"live), or rename the variable if it holds no secret")
+    return name
+
+
+ExecString = Annotated[str, AfterValidator(_exec_string)]
+EnvName = Annotated[str, AfterValidator(_env_name)]
+EnvValue = Annotated[str, AfterValidator(_env_value)]
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `true` or "2" is not an int, "yes" is not a bool; no infinities or NaN anywhere.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class CheckpointSpec(_Strict):
@@ -112,8 +248,8 @@ class RestartSpec(_Strict):
     max_restarts: int = Field(10, ge=0, le=10_000)
     """Relaunches allowed within `window_s`. Default 10."""
 
-    window_s: float = Field(3600.0, gt=0)
-    """The window `max_restarts` counts over. Default 3600 s."""
+    window_s: float = Field(3600.0, gt=0, le=30 * 86_400)
+    """The window `max_restarts` counts over, at most 30 days. Default 3600 s."""
 
     max_restarts_without_checkpoint: int = Field(3, ge=1, le=10_000)
     """Consecutive relaunches that commit no new checkpoint before the run stops. Default 3."""
@@ -132,9 +268,10 @@ class RestartSpec(_Strict):
 class RunSpec(_Strict):
     """A training run: what to launch, where, and how to keep it alive."""
 
-    entrypoint: list[str] = Field(min_length=1, max_length=256)
+    entrypoint: list[ExecString] = Field(min_length=1, max_length=256)
     """The rank command as an argv list (never a shell string), e.g. `["python", "examples/train.py"]`.
-    Run once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    Run once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). The program is looked
+    up with the node agent's own PATH (never `env.PATH`) and must be one its `--allow` list names."""
 
     nodes: list[str] = Field(min_length=1, max_length=4096)
     """Node ids to train on; each must have a node agent polling `trainguard-node-<id>`."""
@@ -142,17 +279,19 @@ class RunSpec(_Strict):
     spare_nodes: list[str] = Field(default_factory=list, max_length=4096)
     """Nodes held back to replace a failed one. Default none."""
 
-    min_nodes: int | None = Field(None, ge=1)
+    min_nodes: int | None = Field(None, ge=1, le=4096)
     """Fewest nodes the run may shrink to when no spare is left. Default: never shrink."""
 
     ranks_per_node: int = Field(1, ge=1, le=256)
     """Rank processes per node (GPUs per node on real hardware). Default 1."""
 
-    working_dir: str | None = Field(None, max_length=4096)
+    working_dir: ExecString | None = Field(None, min_length=1, max_length=4096)
     """Directory the ranks run in on each node. Default: the node agent's code directory."""
 
-    env: dict[str, str] = Field(default_factory=dict, max_length=256)
-    """Extra environment for every rank. Not for secrets: the spec is stored in workflow history."""
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+    """Extra environment for every rank. Not for secrets (the spec is stored in workflow history): names that
+    look like a secret's are refused (`SECRET_ENV_WORDS`), so are the agent's own (`RESERVED_ENV`,
+    `TRAINGUARD_*`); node agents refuse names that change what runs (`EXEC_ENV_PATTERNS`) unless allowed."""
 
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpoint settings."""
@@ -175,8 +314,8 @@ class RunSpec(_Strict):
     def _entrypoint_args(cls, value: list[str]) -> list[str]:
         if not value[0].strip():
             raise ValueError("entrypoint[0] must name a program")
-        if any("\x00" in arg or len(arg) > 4096 for arg in value):
-            raise ValueError("entrypoint arguments must be under 4096 characters with no NUL bytes")
+        if any(len(arg) > 4096 for arg in value):
+            raise ValueError("entrypoint arguments must be under 4096 characters")
         return value
 
     @field_validator("nodes", "spare_nodes")
@@ -192,16 +331,6 @@ class RunSpec(_Strict):
             raise ValueError("node ids must be unique")
         return value
 
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if not ENV_NAME_PATTERN.match(name):
-                raise ValueError(f"{name!r} is not a valid environment variable name")
-            if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
-                raise ValueError(f"{name!r} is set by the node agent and cannot be overridden")
-        return value
-
     @model_validator(mode="after")
     def _pools_disjoint(self) -> RunSpec:
         overlap = sorted(set(self.nodes) & set(self.spare_nodes))
@@ -209,7 +338,16 @@ class RunSpec(_Strict):
             raise ValueError(f"spare_nodes repeats nodes already in nodes: {', '.join(overlap)}")
         if self.min_nodes is not None and self.min_nodes > len(self.nodes):
             raise ValueError(f"min_nodes ({self.min_nodes}) exceeds the number of nodes ({len(self.nodes)})")
+        if (size := exec_bytes(self.entrypoint, self.env)) > MAX_EXEC_BYTES:
+            raise ValueError(f"entrypoint and env come to {size} bytes at exec, more than {MAX_EXEC_BYTES} "
+                             f"(MAX_EXEC_BYTES): pass data in a file, not the command line or environment")
+        if (size := len(self.model_dump_json().encode("utf-8"))) > MAX_SPEC_BYTES:
+            raise ValueError(f"the spec is {size} bytes as JSON, more than {MAX_SPEC_BYTES} (MAX_SPEC_BYTES)")
         return self
+
+    def exec_env(self) -> list[str]:
+        """The env names node agents refuse unless their operator allows them (`EXEC_ENV_PATTERNS`)."""
+        return [name for name in self.env if exec_env_refused(name)]
 
     @property
     def world_size(self) -> int:
@@ -224,7 +362,8 @@ def describe_validation_error(error: ValidationError) -> str:
     """One line per problem, each starting with the field's dotted path, e.g. `nodes.1: ...`."""
     lines = []
     for problem in error.errors():
-        path = ".".join(str(part) for part in problem["loc"]) or "(spec)"
+        # A dict key's own problem comes with a trailing "[key]": the key is the field (`env.HF_TOKEN`).
+        path = ".".join(str(part) for part in problem["loc"] if part != "[key]") or "(spec)"
         lines.append(f"{path}: {problem['msg']}")
     return "; ".join(lines)
 

@@ -21,11 +21,11 @@ from temporalio.worker import Worker
 from activities.checkpoints import NodeCheckpointActivities
 from activities.health import HealthActivities, NodeHealth
 from activities.nodes import peer_urls, register_node
-from activities.peers import ShardServer
+from activities.peers import PEER_TOKEN_ENV, ShardServer, peer_token
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
-from trainguard.spec import NODE_ID_PATTERN
+from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_ID_PATTERN
 from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
 
 log = logging.getLogger("trainguard.node_agent")
@@ -33,11 +33,11 @@ log = logging.getLogger("trainguard.node_agent")
 
 def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
-                 peer_tier: bool = True) -> tuple[Worker, RankActivities]:
+                 peer_tier: bool = True, allowed_env: frozenset[str] = frozenset()) -> tuple[Worker, RankActivities]:
     node_health = NodeHealth()
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
-                           uploader=checkpoints.upload_step)
+                           allowed_env=allowed_env, uploader=checkpoints.upload_step)
     health = HealthActivities(node, host, node_health)
     worker = Worker(
         client,
@@ -133,10 +133,14 @@ async def main() -> None:
                         help="a program, or a directory of programs, ranks may be started with (repeatable; "
                              "'*' allows anything). Also TRAINGUARD_ALLOWED_ENTRYPOINTS, separated by ':'. "
                              "Nothing is allowed by default.")
+    parser.add_argument("--allow-env", action="append", default=[], metavar="NAME",
+                        help="an env name a run spec may set although it changes what ranks run or load "
+                             f"({', '.join(EXEC_ENV_PATTERNS[:4])}, ...: see trainguard.spec.EXEC_ENV_PATTERNS) "
+                             "(repeatable). Also TRAINGUARD_ALLOWED_ENV, separated by ','. None by default.")
     parser.add_argument("--peer-port", type=int, default=int(os.environ.get("TRAINGUARD_PEER_PORT", "0")),
                         help="port this agent serves its checkpoint shards to other nodes on (the peer tier; "
-                             "unauthenticated: keep it on the cluster network); 0 picks a free one, -1 serves "
-                             "none. Also TRAINGUARD_PEER_PORT")
+                             f"only to requests with the pool's {PEER_TOKEN_ENV}, and only when this agent has "
+                             "it); 0 picks a free one, -1 serves none. Also TRAINGUARD_PEER_PORT")
     parser.add_argument("--no-chaos", action="store_true", default=os.environ.get("TRAINGUARD_CHAOS") == "off",
                         help="refuse fault injection (production); also TRAINGUARD_CHAOS=off")
     args = parser.parse_args()
@@ -146,12 +150,26 @@ async def main() -> None:
         parser.error("no entrypoint is allowed: pass --allow PROGRAM_OR_DIR (or --allow '*')")
     if not re.match(NODE_ID_PATTERN, args.node):
         parser.error(f"--node {args.node!r}: lowercase letters, digits and '-', at most 63 characters")
+    allowed_env = frozenset(args.allow_env) | frozenset(
+        n.strip() for n in os.environ.get("TRAINGUARD_ALLOWED_ENV", "").split(",") if n.strip())
+    if bad := sorted(n for n in allowed_env if not ENV_NAME_PATTERN.match(n)):
+        parser.error(f"--allow-env {bad[0]!r}: not an environment variable name")
+    try:
+        token = peer_token()
+    except ValueError as error:
+        parser.error(str(error))
     setup_logging(f"node-agent[{args.node}]")
     args.workdir.mkdir(parents=True, exist_ok=True)
     client = await connect()
-    server = ShardServer(args.workdir, args.host, args.peer_port).start() if args.peer_port >= 0 else None
+    server = None
+    if args.peer_port >= 0 and token is None:
+        log.warning("peer tier off on %s: no %s in the environment (give every agent of the pool the same one)",
+                    args.node, PEER_TOKEN_ENV)
+    elif args.peer_port >= 0 and token is not None:
+        server = ShardServer(args.workdir, args.host, token, args.peer_port).start()
     worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve(),
-                                 allowed=allowed, chaos=not args.no_chaos, peer_tier=server is not None)
+                                 allowed=allowed, chaos=not args.no_chaos, peer_tier=server is not None,
+                                 allowed_env=allowed_env)
     stop = stop_event()
     log.info("node agent %s polling %s", args.node, node_task_queue(args.node))
     try:

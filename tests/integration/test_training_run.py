@@ -174,7 +174,7 @@ async def test_unresponsive_node_is_replaced_by_a_spare(
 
 async def test_no_secret_reaches_the_history(client: TrainguardClient, baseline: RunResult, stack: DevStack) -> None:
     history = (await client.handle(baseline.workflow_id).fetch_history()).to_json()
-    secrets = [stack.credentials()["secret_key"], stack.credentials()["access_key"]]
+    secrets = [stack.credentials()["secret_key"], stack.credentials()["access_key"], stack.peer_token()]
     secrets += [v for k, v in os.environ.items() if any(w in k for w in ("SECRET", "TOKEN", "PASSWORD")) and len(v) > 8]
     assert "upload_shards" in history  # the scan covers a whole run: launches, uploads, commits
     assert not [s for s in secrets if s in history]

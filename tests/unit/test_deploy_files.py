@@ -171,6 +171,9 @@ def test_node_agent_daemonset(objects: list[dict[str, Any]]) -> None:
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["automountServiceAccountToken"] is False
     assert env["TRAINGUARD_ALLOWED_ENTRYPOINTS"] and env["TRAINGUARD_CHAOS"] == "off"
+    # The peer tier's secret comes from a Secret, never a value in the manifest (optional: no peer tier).
+    assert env["TRAINGUARD_PEER_TOKEN"] == {"secretKeyRef": {"name": "trainguard-peer",
+                                                             "key": "TRAINGUARD_PEER_TOKEN", "optional": True}}
     # The workdir is a host directory, mounted where --workdir points.
     workdir = args[args.index("--workdir") + 1]
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == workdir]
@@ -342,7 +345,8 @@ STAND_IN_PYTHON = """\
 if [ "$1 $2" = "-m workers.node_agent" ]; then
     shift 2
     trap 'echo "stopped $2" >>"$AGENTS"; exit 0' TERM  # before it reports itself: it is up from then on
-    echo "agent $* allow=$TRAINGUARD_ALLOWED_ENTRYPOINTS chaos=$TRAINGUARD_CHAOS" >>"$AGENTS"
+    echo "agent $* allow=$TRAINGUARD_ALLOWED_ENTRYPOINTS chaos=$TRAINGUARD_CHAOS" \\
+        "peer=$TRAINGUARD_PEER_TOKEN" >>"$AGENTS"
     [ -n "$FAKE_AGENT_DIES" ] && exit 3
     while :; do sleep 0.05; done
 fi
@@ -434,6 +438,10 @@ def test_sbatch_runs_a_job_end_to_end(slurm_job: dict[str, Any]) -> None:
         assert f"allow={slurm_job['venv_bin']} chaos=off" in line
     (wait,) = [a for a in agents if a.startswith("wait ")]
     assert wait.endswith(" gpu-01 gpu-02")
+    # The agents of the job share one random peer token, and it goes nowhere near the spec.
+    tokens = {a.rsplit("peer=", 1)[1] for a in agents if a.startswith("agent ")}
+    assert len(tokens) == 1 and re.fullmatch(r"[0-9a-f]{64}", token := tokens.pop())
+    assert token not in (Path(slurm_job["env"]["TRAINGUARD_JOB_DIR"]) / "spec.json").read_text()
     # The spec names the same nodes and the command line's entrypoint.
     spec = json.loads((job_dir / "spec.json").read_text())
     assert spec["nodes"] == ["gpu-01", "gpu-02"]

@@ -1,5 +1,5 @@
-"""The peer tier: an agent serves its own finished shards, nothing else, and a fetch keeps only the exact
-bytes the manifest names."""
+"""The peer tier: an agent serves its own finished shards, nothing else, only to a request with the pool's
+token, and a fetch keeps only the exact bytes the manifest names."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from activities.models import ShardInfo
-from activities.peers import ShardServer, fetch_from_peer
+from activities.peers import PEER_TOKEN_ENV, ShardServer, fetch_from_peer, peer_token
 
 RUN = "wf-1"
 KEY = "runs/wf-1/step-00000050/rank-00001.pt"
+TOKEN = "pool-token-0123456789abcdef"
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def peer(tmp_path: Path) -> Iterator[tuple[ShardServer, bytes]]:
     (step / "rank-00001.json").write_text(json.dumps({"rank": 1}))
     (step / "rank-00002.pt").write_bytes(b"half-written: no meta file yet")
     (tmp_path / "agent" / "secret.txt").write_text("not a shard")
-    server = ShardServer(tmp_path / "agent", "127.0.0.1").start()
+    server = ShardServer(tmp_path / "agent", "127.0.0.1", TOKEN).start()
     yield server, body
     server.stop()
 
@@ -40,15 +41,71 @@ def _shard(body: bytes, key: str = KEY) -> ShardInfo:
 def test_a_finished_shard_is_fetched_and_verified(peer: tuple[ShardServer, bytes], tmp_path: Path) -> None:
     server, body = peer
     target = tmp_path / "restored.pt"
-    assert fetch_from_peer(server.url, RUN, _shard(body), target) is None
+    assert fetch_from_peer(server.url, RUN, _shard(body), target, token=TOKEN) is None
     assert target.read_bytes() == body
+
+
+def test_the_agents_own_token_is_what_a_fetch_sends(peer: tuple[ShardServer, bytes], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    server, body = peer
+    monkeypatch.setenv(PEER_TOKEN_ENV, TOKEN)
+
+    assert fetch_from_peer(server.url, RUN, _shard(body), tmp_path / "restored.pt") is None
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong-token-0123456789", f"Bearer {TOKEN}x",
+                                           f"Basic {TOKEN}", TOKEN, f"bearer {TOKEN[:-1]}"])
+def test_a_request_without_the_pools_token_gets_nothing(peer: tuple[ShardServer, bytes],
+                                                         authorization: str | None) -> None:
+    server, body = peer
+    headers = {"Authorization": authorization} if authorization else {}
+    request = urllib.request.Request(server.url + "/runs/wf-1/step-00000050/rank-00001.pt", headers=headers)
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)  # noqa: S310
+
+    assert refused.value.code == 401
+    assert body[:64] not in refused.value.read()
+
+
+def test_a_fetch_with_another_pools_token_is_refused_and_keeps_nothing(peer: tuple[ShardServer, bytes],
+                                                                       tmp_path: Path) -> None:
+    server, body = peer
+    target = tmp_path / "restored.pt"
+
+    problem = fetch_from_peer(server.url, RUN, _shard(body), target, token="another-pool-token-0123")
+
+    assert problem is not None and "401" in problem
+    assert not target.exists()
+
+
+def test_an_agent_without_a_token_asks_no_peer(peer: tuple[ShardServer, bytes], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    server, body = peer
+    monkeypatch.delenv(PEER_TOKEN_ENV, raising=False)
+
+    problem = fetch_from_peer(server.url, RUN, _shard(body), tmp_path / "restored.pt")
+
+    assert problem is not None and PEER_TOKEN_ENV in problem
+
+
+def test_a_server_without_a_token_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="token"):
+        ShardServer(tmp_path, "127.0.0.1", "")
+
+
+def test_a_short_token_is_refused() -> None:
+    assert peer_token({}) is None
+    assert peer_token({PEER_TOKEN_ENV: TOKEN}) == TOKEN
+    with pytest.raises(ValueError, match="fewer than 16"):
+        peer_token({PEER_TOKEN_ENV: "short"})
 
 
 def test_bytes_that_differ_from_the_manifest_are_not_kept(peer: tuple[ShardServer, bytes], tmp_path: Path) -> None:
     server, body = peer
     target = tmp_path / "restored.pt"
     wrong = _shard(body).model_copy(update={"sha256": "0" * 64})
-    problem = fetch_from_peer(server.url, RUN, wrong, target)
+    problem = fetch_from_peer(server.url, RUN, wrong, target, token=TOKEN)
     assert problem is not None and "manifest says" in problem
     assert not target.exists()
 
@@ -64,11 +121,12 @@ def test_bytes_that_differ_from_the_manifest_are_not_kept(peer: tuple[ShardServe
 def test_nothing_but_finished_shards_is_served(peer: tuple[ShardServer, bytes], path: str) -> None:
     server, _ = peer
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(server.url + path, timeout=5)  # noqa: S310
+        request = urllib.request.Request(server.url + path, headers={"Authorization": f"Bearer {TOKEN}"})
+        urllib.request.urlopen(request, timeout=5)  # noqa: S310
     assert refused.value.code == 404
 
 
 def test_an_unreachable_peer_is_a_reason_not_an_error(tmp_path: Path) -> None:
     body = b"x" * 10
-    problem = fetch_from_peer("http://127.0.0.1:9", RUN, _shard(body), tmp_path / "restored.pt")
+    problem = fetch_from_peer("http://127.0.0.1:9", RUN, _shard(body), tmp_path / "restored.pt", token=TOKEN)
     assert problem is not None and not (tmp_path / "restored.pt").exists()

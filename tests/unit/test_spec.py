@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from trainguard.spec import SpecError, parse_spec
+from trainguard.spec import (MAX_ENV_VALUE_BYTES, MAX_EXEC_BYTES, MAX_SPEC_BYTES, SpecError, exec_env_refused,
+                             exec_problems, looks_secret, parse_spec)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -82,6 +83,38 @@ BAD_SPECS = [
     pytest.param(_with(restarts={"max_restarts": -1}), ["restarts.max_restarts"], id="negative-restarts"),
     pytest.param(_with(ranks_per_node=0), ["ranks_per_node"], id="zero-ranks-per-node"),
     pytest.param(_with(bogus=1), ["bogus", "Extra inputs are not permitted"], id="unknown-field"),
+    # Secrets never enter the spec: it is stored in the history in the clear.
+    pytest.param(_with(env={"HF_TOKEN": "hf_x"}), ["env.HF_TOKEN", "looks like a secret", "Security model"],
+                 id="env-HF_TOKEN"),
+    pytest.param(_with(env={"AWS_SECRET_ACCESS_KEY": "x"}), ["env.AWS_SECRET_ACCESS_KEY", "worker"],
+                 id="env-aws-secret"),
+    pytest.param(_with(env={"AWS_SESSION_TOKEN": "x"}), ["env.AWS_SESSION_TOKEN"], id="env-aws-session-token"),
+    pytest.param(_with(env={"wandb_api_key": "x"}), ["env.wandb_api_key", "secret"], id="env-api-key-lowercase"),
+    pytest.param(_with(env={"DB_PASSWORD": "x"}), ["env.DB_PASSWORD"], id="env-password"),
+    # What exec cannot pass is refused here, not at the node.
+    pytest.param(_with(env={"SEED": "1\x002"}), ["env.SEED", "NUL byte"], id="env-value-nul"),
+    pytest.param(_with(entrypoint=["python", "a\x00b"]), ["entrypoint.1", "NUL byte"], id="entrypoint-nul"),
+    pytest.param(_with(working_dir="/tmp/\x00"), ["working_dir", "NUL byte"], id="working-dir-nul"),
+    pytest.param(_with(working_dir=""), ["working_dir"], id="working-dir-empty"),
+    pytest.param(_with(env={"SEED": "\ud800"}), ["env.SEED", "UTF-8"], id="env-value-lone-surrogate"),
+    pytest.param(_with(env={"BLOB": "x" * (MAX_ENV_VALUE_BYTES + 1)}), ["env.BLOB", "MAX_ENV_VALUE_BYTES"],
+                 id="env-value-too-large"),
+    pytest.param(_with(env={f"V{i}": "x" * 30_000 for i in range(5)}), ["entrypoint and env", "MAX_EXEC_BYTES"],
+                 id="exec-too-large"),
+    pytest.param(_with(nodes=[f"n{i:04d}-" + "x" * 57 for i in range(4096)]), ["MAX_SPEC_BYTES"],
+                 id="spec-too-large"),
+    # Strict types: `true` is not 1 rank, "2" is not 2, "yes" is not true.
+    pytest.param(_with(ranks_per_node=True), ["ranks_per_node", "valid integer"], id="bool-as-int"),
+    pytest.param(_with(ranks_per_node="2"), ["ranks_per_node", "valid integer"], id="numeric-string-as-int"),
+    pytest.param(_with(checkpoint={"every_steps": 10.0}), ["checkpoint.every_steps"], id="float-as-int"),
+    pytest.param(_with(min_nodes=False), ["min_nodes"], id="bool-as-min-nodes"),
+    pytest.param(_with(checkpoint={"local_tier": "yes"}), ["checkpoint.local_tier", "boolean"], id="string-as-bool"),
+    pytest.param(_with(health={"hang_max_s": "300"}), ["health.hang_max_s"], id="numeric-string-as-float"),
+    # Finite, bounded floats.
+    pytest.param(_with(restarts={"window_s": float("inf")}), ["restarts.window_s", "finite"], id="window-infinite"),
+    pytest.param(_with(restarts={"window_s": 1e12}), ["restarts.window_s"], id="window-unbounded"),
+    pytest.param(_with(health={"hang_max_s": float("nan")}), ["health.hang_max_s", "finite"], id="nan"),
+    pytest.param(_with(reserve_timeout_s=float("-inf")), ["reserve_timeout_s"], id="negative-infinity"),
     pytest.param(_with(checkpoint={"bogus": 1}), ["checkpoint.bogus"], id="unknown-nested-field"),
 ]
 
@@ -113,3 +146,55 @@ def test_non_object_spec_is_rejected(raw: Any, type_name: str) -> None:
     with pytest.raises(SpecError, match=f"spec must be a JSON object, got {type_name}"):
         parse_spec(raw)
 
+
+
+def test_integers_as_json_numbers_still_load_into_float_fields() -> None:
+    spec = parse_spec(json.loads('{"entrypoint": ["python"], "nodes": ["node-0"], "health": {"hang_floor_s": 5}}'))
+
+    assert spec.health.hang_floor_s == 5.0
+
+
+def test_infinity_written_in_json_is_refused() -> None:
+    raw = json.loads('{"entrypoint": ["python"], "nodes": ["node-0"], "restarts": {"window_s": Infinity}}')
+
+    with pytest.raises(SpecError, match="restarts.window_s"):
+        parse_spec(raw)
+
+
+@pytest.mark.parametrize("name", ["TOKENIZERS_PARALLELISM", "MAX_TOKENS", "PASSES", "PWD", "KEY_FRAMES",
+                                  "OMP_NUM_THREADS", "SEED"])
+def test_names_that_only_resemble_secrets_are_allowed(name: str) -> None:
+    assert not looks_secret(name)
+    assert parse_spec(_with(env={name: "1"})).env == {name: "1"}
+
+
+@pytest.mark.parametrize("name", ["PATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONPATH", "PYTHONHOME",
+                                  "PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONWARNINGS", "HOME", "BASH_ENV", "ENV",
+                                  "GCONV_PATH", "NODE_OPTIONS", "PERL5OPT", "CUDA_INJECTION64_PATH",
+                                  "NCCL_NET_PLUGIN", "OPENSSL_CONF", "DYLD_INSERT_LIBRARIES"])
+def test_names_that_change_what_runs_are_left_to_the_node_agent(name: str) -> None:
+    spec = parse_spec(_with(env={name: "/somewhere"}))  # the spec cannot know what the node's operator allows
+
+    assert spec.exec_env() == [name]
+    assert exec_env_refused(name)
+    assert not exec_env_refused(name, allowed={name})
+
+
+@pytest.mark.parametrize("name", ["PYTHONUNBUFFERED", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MALLOC_ARENA_MAX",
+                                  "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES", "path", "XLD_PRELOAD"])
+def test_tuning_knobs_are_not_exec_env(name: str) -> None:
+    assert not exec_env_refused(name)
+
+
+def test_exec_problems_name_each_field() -> None:
+    problems = exec_problems(["python", "a\x00"], {"SEED": "1\x00", "BAD=NAME": "1"}, "/tmp/\x00")
+
+    assert [p.split(":")[0] for p in problems] == ["entrypoint.1", "env.SEED", "env.BAD=NAME", "working_dir"]
+    assert exec_problems(["python"], {"BLOB": "x" * MAX_EXEC_BYTES}, None)[0].startswith("entrypoint and env:")
+    assert exec_problems(["python", "train.py"], {"SEED": "1"}, "/tmp") == []
+
+
+def test_a_large_but_bounded_spec_loads() -> None:
+    spec = parse_spec(_with(nodes=[f"node-{i}" for i in range(4096)], env={"A": "x" * MAX_ENV_VALUE_BYTES}))
+
+    assert len(spec.model_dump_json()) < MAX_SPEC_BYTES

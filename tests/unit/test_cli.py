@@ -1,0 +1,85 @@
+"""`trainguard spec check` and `run start` on spec files: every file problem names the file and exits 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainguard import cli
+
+GOOD = {"entrypoint": ["python", "train.py"], "nodes": ["node-0"]}
+
+
+def _check(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["spec", "check", str(path)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_good_file_is_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(GOOD))
+
+    code, out, err = _check(path, capsys)
+
+    assert (code, err) == (0, "")
+    assert f"{path}: valid (1 nodes x 1 ranks, world size 1)" in out
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "spec.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode())
+
+    code, out, _ = _check(path, capsys)
+
+    assert code == 0 and "valid" in out
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (None, "cannot read the spec file"),
+    (b'{"entrypoint": ["python"], "nodes": ', "not valid JSON: Expecting value at line 1"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
+    (b"[" * 100_000, "not valid JSON"),
+    (json.dumps({**GOOD, "ranks_per_node": True}).encode(), "ranks_per_node"),
+    (json.dumps({**GOOD, "env": {"HF_TOKEN": "hf_abc"}}).encode(), "env.HF_TOKEN"),
+    (json.dumps(["node-0"]).encode(), "spec must be a JSON object"),
+])
+def test_a_bad_file_names_itself_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             content: bytes | None, fragment: str) -> None:
+    path = tmp_path / "spec.json"
+    if content is not None:
+        path.write_bytes(content)
+
+    code, out, err = _check(path, capsys)
+
+    assert code == 2 and out == ""
+    assert err.startswith(f"{path}: ") and fragment in err
+
+
+def test_env_a_node_agent_refuses_is_valid_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({**GOOD, "env": {"LD_PRELOAD": "/x.so", "SEED": "1"}}))
+
+    code, out, err = _check(path, capsys)
+
+    assert code == 0 and "valid" in out
+    assert "warning: env.LD_PRELOAD" in err and "--allow-env LD_PRELOAD" in err and "SEED" not in err
+
+
+def test_run_start_refuses_a_bad_file_before_connecting(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainguard.client import TrainguardClient
+
+    async def no_server(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("connected to Temporal for a spec that cannot run")
+
+    monkeypatch.setattr(TrainguardClient, "connect", no_server)
+    path = tmp_path / "spec.json"
+    path.write_text("{")
+
+    code = cli.main(["run", "start", str(path)])
+
+    assert code == 2
+    assert capsys.readouterr().err.startswith(f"{path}: not valid JSON")
