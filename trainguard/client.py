@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 
 from activities.models import InjectFaultInput, InjectFaultResult
 from trainguard import TASK_QUEUE, WORKFLOW_TYPE
@@ -101,6 +101,18 @@ class TrainguardClient:
 
     def handle(self, workflow_id: str) -> WorkflowHandle[Any, Any]:
         return self.client.get_workflow_handle(workflow_id)
+
+    async def histories(self, workflow_id: str) -> list[WorkflowHistory]:
+        """The run's history (of its current execution) and the history of every node-group child workflow
+        it started: the calls to its nodes and their watches live there."""
+        root = await self.handle(workflow_id).fetch_history()
+        found = [root]
+        for event in root.events:
+            if event.HasField("child_workflow_execution_started_event_attributes"):
+                child = event.child_workflow_execution_started_event_attributes.workflow_execution
+                found.append(await self.client.get_workflow_handle(child.workflow_id, run_id=child.run_id)
+                             .fetch_history())
+        return found
 
     async def status(self, workflow_id: str) -> RunView:
         handle = self.handle(workflow_id)
