@@ -160,9 +160,10 @@ def doomed_steps(steps: list[int], committed: list[int], keep_last: int, protect
             and (s in committed or sum(1 for c in newest if c > s) >= keep_last)]
 
 
-def read_manifest(client: Any, bucket: str, key: str, ranks: set[int] | None = None) -> Manifest | None:
-    """The manifest at `key` with its shard list filled in (all of it, or the pages holding `ranks`); None
-    when there is none. A page whose bytes do not match the manifest raises ValueError, like bad JSON."""
+def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = None) -> Manifest | None:
+    """The manifest at `key` with its shard list filled in: all of it, or the pages holding the shards
+    `ranks` restore (rank r: shard r mod the checkpoint's world size). None when there is none. A page whose
+    bytes do not match the manifest raises ValueError, like bad JSON."""
     try:
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError as error:
@@ -173,8 +174,9 @@ def read_manifest(client: Any, bucket: str, key: str, ranks: set[int] | None = N
     if not manifest.pages:
         return manifest
     shards: list[ShardInfo] = []
+    needed = None if ranks is None else {r % manifest.world_size for r in ranks}
     for page in manifest.pages:
-        if ranks is not None and not any(page.first_rank <= r < page.first_rank + page.num_ranks for r in ranks):
+        if needed is not None and not any(page.first_rank <= r < page.first_rank + page.num_ranks for r in needed):
             continue
         try:
             data = client.get_object(Bucket=bucket, Key=page.key)["Body"].read()
@@ -813,7 +815,7 @@ class NodeCheckpointActivities:
         r restores shard r mod the checkpoint's world size, saved under rank r's own name."""
         assert request.manifest_key is not None
         try:
-            manifest = read_manifest(s3_client(), request.bucket, request.manifest_key)
+            manifest = read_manifest(s3_client(), request.bucket, request.manifest_key, request.ranks)
         except ValueError as error:
             raise ApplicationError(f"manifest {request.manifest_key} unreadable: {error}",
                                    type="CorruptCheckpoint", non_retryable=True) from None

@@ -5,6 +5,12 @@ TASK_QUEUE = "trainguard"
 
 WORKFLOW_TYPE = "TrainingRun"
 
+NODE_CALLS_WORKFLOW = "NodeCalls"
+"""Child workflow of a run: one per-node activity on each node of a group (workflows/node_group.py)."""
+
+NODE_GROUP_WATCH_WORKFLOW = "NodeGroupWatch"
+"""Child workflow of a run: the watches of one group of nodes for one attempt (workflows/node_group.py)."""
+
 
 def node_task_queue(node: str) -> str:
     """Task queue a node's agent polls; activities that touch the node are pinned to it."""

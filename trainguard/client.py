@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
+from temporalio.service import RPCError
 
 from activities.models import InjectFaultInput, InjectFaultResult
-from trainguard import TASK_QUEUE, WORKFLOW_TYPE
+from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
 from trainguard.models import (
     CheckpointNowResult,
@@ -120,14 +121,22 @@ class TrainguardClient:
         status = await handle.query("status", result_type=RunStatus)
         steps: dict[int, int | None] = {}
         live = status.phase in (Phase.RUNNING, Phase.FINISHING)
-        for pending in description.raw_description.pending_activities if live else []:
-            if pending.activity_type.name != "watch_ranks" or not pending.heartbeat_details.payloads:
-                continue
-            details = (await self.client.data_converter.decode(pending.heartbeat_details.payloads))[0]
-            if details.get("attempt") != status.attempt:
-                continue  # a cancelled watch of an earlier attempt, not yet acknowledged
-            for rank, step in (details.get("steps") or {}).items():
-                steps[int(rank)] = step
+        # The watches run in the run's node-group children: their latest heartbeats hold each rank's step.
+        groups = [c for c in description.raw_description.pending_children
+                  if c.workflow_type_name == NODE_GROUP_WATCH_WORKFLOW] if live else []
+        for group in groups:
+            try:
+                child = await self.client.get_workflow_handle(group.workflow_id).describe()
+            except RPCError:
+                continue  # it ended meanwhile
+            for pending in child.raw_description.pending_activities:
+                if pending.activity_type.name != "watch_ranks" or not pending.heartbeat_details.payloads:
+                    continue
+                details = (await self.client.data_converter.decode(pending.heartbeat_details.payloads))[0]
+                if not isinstance(details, dict) or details.get("attempt") != status.attempt:
+                    continue  # a cancelled watch of an earlier attempt, not yet acknowledged
+                for rank, step in (details.get("steps") or {}).items():
+                    steps[int(rank)] = step
         execution = description.status.name if description.status else "UNKNOWN"
         return RunView(workflow_id, execution, status, dict(sorted(steps.items())))
 

@@ -103,6 +103,8 @@ class RunHistory:
     failure: str = ""
     encrypted: bool = False
     """Payloads are encrypted and were not decoded (no codec key here): summaries and results are missing."""
+    children: list[str] = field(default_factory=list)
+    """Workflow ids of the child workflows it started (node groups): their activities are the run's too."""
 
 
 @dataclass
@@ -246,6 +248,8 @@ def spans_from_events(events: Iterable[Any]) -> RunHistory:
                 span.end, span.outcome = at, outcome
                 if outcome == "completed":
                     span.result = _first(attrs.result)
+        elif kind == "EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED":
+            history.children.append(event.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id)
         elif kind in _RUN_CLOSED:
             history.end, history.status = at, _RUN_CLOSED[kind]
             if kind == "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED":
@@ -333,6 +337,12 @@ def compute_report(
                 finished_at[attempt] = min(finished_at.get(attempt, math.inf), float(detected))
             if isinstance(event.get("step"), int) and event["step"] >= 0:
                 points.append(StepPoint(detected - start, event["step"], attempt))
+    for span in spans:
+        # Each commit says how far the slowest node had got when it reported the checkpoint.
+        if span.name == "commit_checkpoints" and isinstance(span.result, dict) and span.end is not None:
+            for commit in span.result.get("commits") or []:
+                if isinstance(commit, dict) and isinstance(commit.get("step"), int) and commit["step"] >= 0:
+                    points.append(StepPoint(span.end - start, commit["step"], span.attempt or 0))
     restored_from: dict[int, int] = {}
     for span in spans:
         order += 1
@@ -562,6 +572,10 @@ async def fetch_chain(client: Any, workflow_id: str, max_runs: int = 1000) -> tu
             await decode_events(history.events, codec)
         run = spans_from_events(history.events)
         run.run_id = run_id or ""
+        for child in run.children:
+            # A node group's calls and watches, across its own continue-as-new chain.
+            for child_run in (await fetch_chain(client, child, max_runs))[0]:
+                run.spans.extend(child_run.spans)
         histories.append(run)
         if not run.continued_from:
             break

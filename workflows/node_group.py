@@ -25,10 +25,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import WatchEvent, WatchEventKind, WatchRanksInput
-    from trainguard import node_task_queue
-
-NODE_CALLS_WORKFLOW = "NodeCalls"
-NODE_GROUP_WATCH_WORKFLOW = "NodeGroupWatch"
+    from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
 
 NODES_PER_GROUP = 64
 """Nodes per child workflow. A group keeps at most one activity per node pending (128 in the overlap of a

@@ -149,15 +149,16 @@ async def wait_until(client: TrainguardClient, run_id: str, predicate: Callable[
 async def activity_failures(client: TrainguardClient, workflow_id: str) -> list[str]:
     """Every activity attempt of the run that failed or timed out, as `name: message`: what a failed
     assertion about the run's outcome prints, so a CI failure says why without the stack's logs."""
-    names: dict[int, str] = {}
     found: list[str] = []
-    async for event in client.handle(workflow_id).fetch_history_events():
-        if event.HasField("activity_task_scheduled_event_attributes"):
-            names[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
-        for field in ("activity_task_failed_event_attributes", "activity_task_timed_out_event_attributes"):
-            if event.HasField(field):
-                attributes = getattr(event, field)
-                found.append(f"{names.get(attributes.scheduled_event_id, '?')}: {attributes.failure.message}")
+    for history in await client.histories(workflow_id):  # the run's and its node groups'
+        names: dict[int, str] = {}
+        for event in history.events:
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                names[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
+            for field in ("activity_task_failed_event_attributes", "activity_task_timed_out_event_attributes"):
+                if event.HasField(field):
+                    attributes = getattr(event, field)
+                    found.append(f"{names.get(attributes.scheduled_event_id, '?')}: {attributes.failure.message}")
     return found
 
 

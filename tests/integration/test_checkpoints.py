@@ -36,6 +36,8 @@ from activities.checkpoints import (
 )
 from activities.models import (
     CommitCheckpointInput,
+    CommitCheckpointsInput,
+    CommitCheckpointsResult,
     FindCheckpointInput,
     FindCheckpointResult,
     LaunchRanksInput,
@@ -86,22 +88,24 @@ async def run_to_end(client: TrainguardClient, spec: dict[str, Any], workflow_id
 
 async def activity_calls(client: TrainguardClient, workflow_id: str, name: str, input_type: type,
                          result_type: type | None = None) -> list[tuple[Any, Any]]:
-    """(input, result or None) of every `name` activity the run's latest execution scheduled, in order."""
+    """(input, result or None) of every `name` activity the run's latest execution or its node groups
+    scheduled, in order within each history."""
     converter = client.client.data_converter
     calls: list[list[Any]] = []
-    index: dict[int, int] = {}
-    async for event in client.handle(workflow_id).fetch_history_events():
-        if event.HasField("activity_task_scheduled_event_attributes"):
-            scheduled = event.activity_task_scheduled_event_attributes
-            if scheduled.activity_type.name == name:
-                [request] = await converter.decode(scheduled.input.payloads, [input_type])
-                index[event.event_id] = len(calls)
-                calls.append([request, None])
-        elif event.HasField("activity_task_completed_event_attributes") and result_type is not None:
-            completed = event.activity_task_completed_event_attributes
-            if completed.scheduled_event_id in index:
-                [result] = await converter.decode(completed.result.payloads, [result_type])
-                calls[index[completed.scheduled_event_id]][1] = result
+    for history in await client.histories(workflow_id):
+        index: dict[int, int] = {}
+        for event in history.events:
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                scheduled = event.activity_task_scheduled_event_attributes
+                if scheduled.activity_type.name == name:
+                    [request] = await converter.decode(scheduled.input.payloads, [input_type])
+                    index[event.event_id] = len(calls)
+                    calls.append([request, None])
+            elif event.HasField("activity_task_completed_event_attributes") and result_type is not None:
+                completed = event.activity_task_completed_event_attributes
+                if completed.scheduled_event_id in index:
+                    [result] = await converter.decode(completed.result.payloads, [result_type])
+                    calls[index[completed.scheduled_event_id]][1] = result
     return [(request, result) for request, result in calls]
 
 
@@ -279,9 +283,9 @@ async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, sour
             assert hashlib.sha256(path.read_bytes()).hexdigest() in genuine, path
     # Every commit the run made vouches for bytes that are really there: a re-saved step whose old shard
     # rotted in place is repaired by the upload, not waved through because its size and metadata still match.
-    commits = await activity_calls(client, workflow_id, "commit_checkpoint", CommitCheckpointInput,
-                                   CheckpointRef)
-    committed = sorted({ref.step for _, ref in commits if ref is not None})
+    commits = await activity_calls(client, workflow_id, "commit_checkpoints", CommitCheckpointsInput,
+                                   CommitCheckpointsResult)
+    committed = sorted({c.ref.step for _, result in commits if result is not None for c in result.commits})
     assert committed and committed[-1] == STEPS, commits
     assert lying_checkpoints(stack.s3(), run_prefix, committed) == []
 

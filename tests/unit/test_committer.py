@@ -1,0 +1,194 @@
+"""The committer and the manifests it writes, against an in-memory S3: what commits, what waits, what pages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+
+from activities import checkpoints
+from activities.checkpoints import (
+    MANIFEST_PAGE_RANKS,
+    NodeCheckpointActivities,
+    StoreActivities,
+    manifest_key,
+    node_record_key,
+    read_manifest,
+)
+from activities.models import (
+    CommitCheckpointsInput,
+    DownloadShardsInput,
+    FindCheckpointInput,
+    NodeCheckpointRecord,
+    ShardInfo,
+)
+
+RUN = "runs/wf-1"
+BUCKET = "b"
+
+
+class MemoryStore:
+    """The S3 calls the store activities make, over a dict; counts GETs by key prefix."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.gets: list[str] = []
+
+    def put_object(self, Bucket: str, Key: str, Body: bytes, IfNoneMatch: str | None = None,
+                   **_: Any) -> dict[str, Any]:
+        if IfNoneMatch == "*" and Key in self.objects:
+            raise ClientError({"Error": {"Code": "PreconditionFailed"}}, "PutObject")
+        self.objects[Key] = bytes(Body)
+        return {}
+
+    def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        if Key not in self.objects:
+            raise ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
+        self.gets.append(Key)
+        body = self.objects[Key]
+
+        class Body:
+            @staticmethod
+            def read() -> bytes:
+                return body
+
+        return {"Body": Body()}
+
+    def head_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        if Key not in self.objects:
+            raise ClientError({"Error": {"Code": "404"}}, "HeadObject")
+        return {"ContentLength": len(self.objects[Key]), "Metadata": {}}
+
+    def delete_object(self, Bucket: str, Key: str) -> None:
+        self.objects.pop(Key, None)
+
+    def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> None:
+        for obj in Delete["Objects"]:
+            self.objects.pop(obj["Key"], None)
+
+    def get_paginator(self, name: str) -> Any:
+        store = self
+
+        class Paginator:
+            @staticmethod
+            def paginate(Bucket: str, Prefix: str, Delimiter: str | None = None) -> list[dict[str, Any]]:
+                if name == "list_multipart_uploads":
+                    return [{"Uploads": []}]
+                keys = sorted(k for k in store.objects if k.startswith(Prefix))
+                if Delimiter:
+                    folders = sorted({Prefix + k[len(Prefix):].split(Delimiter, 1)[0] + Delimiter
+                                      for k in keys if Delimiter in k[len(Prefix):]})
+                    return [{"CommonPrefixes": [{"Prefix": f} for f in folders]}]
+                return [{"Contents": [{"Key": k, "ETag": hashlib.md5(store.objects[k]).hexdigest()}
+                                      for k in keys]}]
+
+        return Paginator()
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
+    memory = MemoryStore()
+    monkeypatch.setattr(checkpoints, "s3_client", lambda: memory)
+    return memory
+
+
+def _upload(store: MemoryStore, step: int, node_index: int, ranks_per_node: int, attempt: int = 1,
+            compute_s: float = 0.1) -> None:
+    """What a node's watch leaves in the store once its shards of `step` are uploaded."""
+    ranks = range(node_index * ranks_per_node, (node_index + 1) * ranks_per_node)
+    shards = [ShardInfo(rank=r, key=f"{RUN}/step-{step:08d}/rank-{r:05d}.pt", size_bytes=10,
+                        sha256=f"{r:064x}", node=f"node-{node_index}") for r in ranks]
+    for shard in shards:
+        store.objects[shard.key] = b"x" * 10
+    record = NodeCheckpointRecord(node=f"node-{node_index}", attempt=attempt, step=step, shards=shards,
+                                  rank_compute_s={r: compute_s for r in ranks}, node_step=step + 2)
+    store.objects[node_record_key(RUN, step, f"node-{node_index}")] = record.model_dump_json().encode()
+
+
+def _request(world_size: int, num_nodes: int, **changes: Any) -> CommitCheckpointsInput:
+    return CommitCheckpointsInput(bucket=BUCKET, run_prefix=RUN, workflow_id="wf-1", attempt=2, min_attempt=2,
+                                  world_size=world_size, num_nodes=num_nodes, keep_last=2,
+                                  max_duration_s=0.0, poll_interval_s=0.0).model_copy(update=changes)
+
+
+def test_a_step_commits_once_every_node_has_written_its_record(store: MemoryStore) -> None:
+    _upload(store, 10, 0, 2, attempt=2)
+    assert StoreActivities()._commit_ready(_request(4, 2)).commits == []  # node-1 has not uploaded yet
+    assert manifest_key(RUN, 10) not in store.objects
+
+    _upload(store, 10, 1, 2, attempt=2)
+    [commit] = StoreActivities()._commit_ready(_request(4, 2)).commits
+    assert (commit.ref.step, commit.ref.world_size, commit.step) == (10, 4, 12)
+    manifest = read_manifest(store, BUCKET, manifest_key(RUN, 10))
+    assert manifest is not None and [s.rank for s in manifest.shards] == [0, 1, 2, 3]
+
+
+def test_records_of_a_dead_attempt_never_make_a_checkpoint(store: MemoryStore) -> None:
+    # Attempt 1 uploaded step 10 on both nodes and crashed; attempt 2 (a relaunch) has only rewritten node-0's.
+    _upload(store, 10, 0, 1, attempt=1)
+    _upload(store, 10, 1, 1, attempt=1)
+    _upload(store, 10, 0, 1, attempt=2)
+    assert StoreActivities()._commit_ready(_request(2, 2)).commits == []
+    # An in-process restart carries the live ranks' state over: attempt 1's records count with attempt 2's.
+    [commit] = StoreActivities()._commit_ready(_request(2, 2, min_attempt=1)).commits
+    assert commit.ref.step == 10
+
+
+def test_the_committer_judges_stragglers_and_applies_retention(store: MemoryStore) -> None:
+    for step in (10, 20, 30):
+        _upload(store, step, 0, 2, attempt=2)
+        _upload(store, step, 1, 2, attempt=2, compute_s=0.1 if step < 30 else 0.5)
+    result = StoreActivities()._commit_ready(_request(4, 2))
+    assert [c.ref.step for c in result.commits] == [10, 20, 30]
+    assert [c.slow_ranks for c in result.commits] == [{}, {}, {2: 5.0, 3: 5.0}]
+    # keep_last=2: step 10 is gone, manifest first, shards and records with it.
+    assert not [k for k in store.objects if "/step-00000010/" in k]
+    assert manifest_key(RUN, 20) in store.objects and manifest_key(RUN, 30) in store.objects
+
+
+def test_drain_mode_returns_once_nothing_is_left_to_commit(store: MemoryStore) -> None:
+    assert StoreActivities()._commit_ready(_request(2, 2, max_duration_s=60.0, quiet_s=0.0)).commits == []
+
+
+def test_a_large_world_is_paged_and_a_node_reads_only_its_page(store: MemoryStore) -> None:
+    world, per_node = 4 * MANIFEST_PAGE_RANKS, 8
+    for node in range(world // per_node):
+        _upload(store, 10, node, per_node, attempt=2)
+    [commit] = StoreActivities()._commit_ready(_request(world, world // per_node)).commits
+    header = json.loads(store.objects[manifest_key(RUN, 10)])
+    assert header["shards"] == [] and len(header["pages"]) == 4
+    assert len(store.objects[manifest_key(RUN, 10)]) < 4096, "the manifest object itself stays small"
+    assert commit.ref.total_bytes == 10 * world
+
+    # The restore: the controller's find returns the header only; a node reads the one page holding its ranks.
+    found = StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=RUN, world_size=world))
+    assert found.manifest is not None and found.manifest.shards == [] and found.manifest.pages == []
+    assert len(found.model_dump_json()) < 2048
+    store.gets.clear()
+    ranks = list(range(world - per_node, world))
+    shards = NodeCheckpointActivities._shards_of(DownloadShardsInput(
+        workflow_id="wf-1", attempt=3, node="node-x", bucket=BUCKET, manifest_key=found.manifest_key, ranks=ranks))
+    assert [s.rank for s in shards] == ranks
+    assert [k.rsplit("/", 1)[1] for k in store.gets] == ["manifest.json", f"manifest-{3 * MANIFEST_PAGE_RANKS:05d}.json"]
+
+
+def test_a_page_that_does_not_match_its_checksum_is_refused(store: MemoryStore) -> None:
+    world = 2 * MANIFEST_PAGE_RANKS
+    for node in range(world // 8):
+        _upload(store, 10, node, 8, attempt=2)
+    StoreActivities()._commit_ready(_request(world, world // 8))
+    page = next(k for k in store.objects if "/manifest-01024.json" in k)
+    store.objects[page] = store.objects[page].replace(b'"size_bytes": 10', b'"size_bytes": 11', 1)
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        read_manifest(store, BUCKET, manifest_key(RUN, 10))
+
+
+def test_a_grown_world_restores_shard_r_mod_the_checkpoints_world(store: MemoryStore) -> None:
+    _upload(store, 20, 0, 1, attempt=2)  # written by a world of one (a shrunk run)
+    StoreActivities()._commit_ready(_request(1, 1))
+    shards = NodeCheckpointActivities._shards_of(DownloadShardsInput(
+        workflow_id="wf-1", attempt=3, node="node-1", bucket=BUCKET, manifest_key=manifest_key(RUN, 20), ranks=[1]))
+    assert [(s.rank, s.key.rsplit("/", 1)[1]) for s in shards] == [(1, "rank-00000.pt")]
