@@ -67,6 +67,10 @@ UPLOAD_RETRY_S = 5.0
 """A watch's upload that failed on a store error is tried again after this long (the store may be out;
 the committer waits for the step meanwhile)."""
 
+FINAL_UPLOAD_MARGIN_S = 30.0
+"""A finished node retries its last uploads against a store that is out until this long past the watch's
+`max_duration_s` (its start-to-close timeout leaves 60 s): the last checkpoint is the one a rerun resumes from."""
+
 Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int], Awaitable[NodeCheckpointRecord]]
 """(workflow id, attempt, target, step, rank compute times, node step) -> the node record written."""
 
@@ -783,7 +787,9 @@ class RankActivities:
                 await self._stop_standby(record)
                 first = min(local_ranks)
                 finish = _read_finish(layout.progress_file(record.attempt, first))
-                await self._uploads_done(record)  # FINISHED means the node's last checkpoint is in the store
+                if request.checkpoints is not None:  # FINISHED: the node's checkpoints are in the store
+                    await self._upload_all(record, request.checkpoints, ready, compute, node_step,
+                                           until=started + request.max_duration_s + FINAL_UPLOAD_MARGIN_S)
                 return event(WatchEventKind.FINISHED, state_digest=finish.get("digest"),
                              mean_step_s=finish.get("mean_step_s"))
 
@@ -843,14 +849,27 @@ class RankActivities:
                         record.attempt, error)
             raise
 
-    async def _uploads_done(self, record: AttemptRecord) -> None:
-        """Wait for this attempt's uploads in flight, heartbeating meanwhile."""
-        mine = [t for (wf, attempt, _), t in self._uploads.items()
-                if wf == record.workflow_id and attempt == record.attempt and not t.done()]
-        while mine:
-            activity.heartbeat({"node": self.node, "attempt": record.attempt, "uploading": len(mine)})
-            _, still = await asyncio.wait(mine, timeout=1.0)
-            mine = list(still)
+    async def _upload_all(self, record: AttemptRecord, target: WatchCheckpoints, steps: list[int],
+                          compute: dict[int, float], node_step: int, until: float) -> None:
+        """The ranks are done: upload every complete step not uploaded yet, retrying a store that is out
+        until `until` (monotonic), heartbeating meanwhile, so the run's last checkpoint is not lost to an
+        outage that ends after its last step."""
+        while time.monotonic() < until:
+            self._upload_ready(record, target, steps, compute, node_step)
+            tasks = [self._uploads[key] for key in ((record.workflow_id, record.attempt, s) for s in steps)
+                     if key in self._uploads]
+            pending = [t for t in tasks if not t.done()]
+            retryable = [t for t in tasks if t.done() and (error := t.exception()) is not None
+                         and not (isinstance(error, ApplicationError) and error.non_retryable)]
+            if not pending and not retryable:
+                return
+            activity.heartbeat({"node": self.node, "attempt": record.attempt, "uploading": len(pending)})
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+            else:
+                await asyncio.sleep(1.0)
+        log.warning("%s attempt %d: the store is still out; finishing without the last uploads",
+                    record.workflow_id, record.attempt)
 
     @staticmethod
     def _drop_uncommitted_shards(layout: RunLayout, restore_step: int) -> None:

@@ -37,6 +37,12 @@ class Settings:
     """`TRAINGUARD_API_KEY`: a Temporal Cloud API key (from the environment only, never a file in the repo)."""
     metrics_address: str | None = None
     """`TRAINGUARD_METRICS_ADDRESS` (e.g. `0.0.0.0:9464`): serve Prometheus metrics there; default off."""
+    build_id: str | None = None
+    """`TRAINGUARD_BUILD_ID`: the controller's build, for worker versioning. Set, a run stays on the build that
+    started it (pinned) and a new build takes only new runs: a controller upgrade never replays a run's
+    history on code that cannot replay it. Default unset: one unversioned controller."""
+    deployment: str = "trainguard-controller"
+    """`TRAINGUARD_DEPLOYMENT`: the worker deployment the controller's builds belong to."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -53,6 +59,8 @@ class Settings:
             tls_ca=env.get("TRAINGUARD_TLS_CA") or None,
             tls=env.get("TRAINGUARD_TLS", "").lower() in ("1", "true", "yes"),
             api_key=env.get("TRAINGUARD_API_KEY") or None,
+            build_id=env.get("TRAINGUARD_BUILD_ID") or None,
+            deployment=env.get("TRAINGUARD_DEPLOYMENT") or "trainguard-controller",
         )
 
     def tls_config(self) -> Any:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from temporalio.worker import Worker
+from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
+from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities.checkpoints import StoreActivities
 from activities.nodes import NodeActivities, PoolActivities, pool_handle
@@ -16,6 +17,7 @@ from activities.scheduler import SchedulerActivities
 from trainguard import TASK_QUEUE
 from trainguard.connect import connect
 from trainguard.search_attributes import ensure_registered
+from trainguard.settings import Settings
 from workers.common import GRACEFUL_SHUTDOWN, STICKY_SCHEDULE_TO_START, setup_logging, stop_event
 from workflows.node_pool import NodePool
 from workflows.node_group import NodeCalls, NodeGroupWatch
@@ -24,7 +26,19 @@ from workflows.training_run import TrainingRun
 log = logging.getLogger("trainguard.controller")
 
 
-def build_worker(client, task_queue: str = TASK_QUEUE) -> Worker:  # type: ignore[no-untyped-def]
+def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
+    """Worker versioning when the controller has a build id: runs are pinned to the build that started them
+    (their node groups with them), so a new build takes only new runs and every history replays on the code
+    that wrote it. The node pool, which lives forever, moves to each new build (its changes are patched)."""
+    if settings.build_id is None:
+        return None
+    return WorkerDeploymentConfig(
+        version=WorkerDeploymentVersion(deployment_name=settings.deployment, build_id=settings.build_id),
+        use_worker_versioning=True, default_versioning_behavior=VersioningBehavior.PINNED)
+
+
+def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untyped-def]
+                 settings: Settings | None = None) -> Worker:
     store = StoreActivities()
     nodes = NodeActivities(client)
     pool = PoolActivities(client)
@@ -46,6 +60,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE) -> Worker:  # type: ignor
         ],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        deployment_config=deployment_config(settings or Settings.from_env()),
     )
 
 
