@@ -555,43 +555,53 @@ class StoreActivities:
     async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
         """The committer: commit every step whose node records cover the world (manifest last), apply
         retention, and return what it committed. Heartbeats while it waits; idempotent (a step already
-        committed is committed again as itself)."""
-        return await _heartbeating(self._commit_ready, request)
-
-    def _commit_ready(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
-        client = s3_client()
+        committed is committed again as itself). Each pass over the store runs in a thread; the waits between
+        passes do not, so a cancelled committer stops at once instead of holding a thread for minutes."""
         deadline = time.monotonic() + request.max_duration_s
         records: dict[str, tuple[str, NodeCheckpointRecord]] = {}
         """Record key -> (ETag, record): a record is read again only when it changed."""
         last_change = time.monotonic()
         while True:
-            commits: list[CommittedCheckpoint] = []
-            pending = False
-            try:
-                steps = sorted(s for s in list_steps(client, request.bucket, request.run_prefix)
-                               if s > request.after_step)
-            except ClientError as error:
-                raise _bucket_missing(error, request.bucket) or error
-            for step in steps:
-                found, changed = self._node_records(client, request, step, records)
-                if changed:
-                    last_change = time.monotonic()
-                done = self._commit_step(client, request, step, found)
-                if done is not None:
-                    commits.append(done)
-                elif found:
-                    pending = True
+            activity.heartbeat()
+            commits, pending, changed = await asyncio.to_thread(self._commit_pass, request, records)
             if commits:
-                self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,
-                                                  keep_last=request.keep_last,
-                                                  protect_steps=[max(c.ref.step for c in commits)]))
                 return CommitCheckpointsResult(commits=commits)
             now = time.monotonic()
+            last_change = now if changed else last_change
             if now >= deadline:
                 return CommitCheckpointsResult()
             if request.quiet_s is not None and (not pending or now - last_change >= request.quiet_s):
                 return CommitCheckpointsResult()
-            time.sleep(request.poll_interval_s)
+            await asyncio.sleep(request.poll_interval_s)
+
+    def _commit_ready(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
+        """One pass of the committer, blocking (for tests and tools)."""
+        return CommitCheckpointsResult(commits=self._commit_pass(request, {})[0])
+
+    def _commit_pass(self, request: CommitCheckpointsInput, records: dict[str, tuple[str, NodeCheckpointRecord]]
+                     ) -> tuple[list[CommittedCheckpoint], bool, bool]:
+        """Commit what is complete, then apply retention. Returns (commits, whether a step is partly
+        uploaded, whether any node record is new since the last pass)."""
+        client = s3_client()
+        commits: list[CommittedCheckpoint] = []
+        pending = changed = False
+        try:
+            steps = sorted(s for s in list_steps(client, request.bucket, request.run_prefix) if s > request.after_step)
+        except ClientError as error:
+            raise _bucket_missing(error, request.bucket) or error
+        for step in steps:
+            found, new = self._node_records(client, request, step, records)
+            changed = changed or new
+            done = self._commit_step(client, request, step, found)
+            if done is not None:
+                commits.append(done)
+            elif found:
+                pending = True
+        if commits:
+            self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,
+                                              keep_last=request.keep_last,
+                                              protect_steps=[max(c.ref.step for c in commits)]))
+        return commits, pending, changed
 
     @staticmethod
     def _node_records(client: Any, request: CommitCheckpointsInput, step: int,

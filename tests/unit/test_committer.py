@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from typing import Any
@@ -149,8 +150,29 @@ def test_the_committer_judges_stragglers_and_applies_retention(store: MemoryStor
     assert manifest_key(RUN, 20) in store.objects and manifest_key(RUN, 30) in store.objects
 
 
-def test_drain_mode_returns_once_nothing_is_left_to_commit(store: MemoryStore) -> None:
-    assert StoreActivities()._commit_ready(_request(2, 2, max_duration_s=60.0, quiet_s=0.0)).commits == []
+async def test_drain_mode_returns_once_uploads_go_quiet_and_commits_what_arrives_meanwhile(
+        store: MemoryStore) -> None:
+    from temporalio.testing import ActivityEnvironment
+
+    committer = StoreActivities().commit_checkpoints
+    # Nothing uploaded at all: the drain ends at once, long before its bound.
+    request = _request(2, 2, max_duration_s=60.0, quiet_s=30.0, poll_interval_s=0.01)
+    assert (await ActivityEnvironment().run(committer, request)).commits == []
+    # Half a step uploaded: the drain waits for the rest, which arrives, and commits it.
+    _upload(store, 10, 0, 1, attempt=2)
+
+    async def the_rest_arrives() -> None:
+        await asyncio.sleep(0.1)
+        _upload(store, 10, 1, 1, attempt=2)
+
+    arriving = asyncio.ensure_future(the_rest_arrives())
+    [commit] = (await ActivityEnvironment().run(committer, request)).commits
+    await arriving
+    assert commit.ref.step == 10
+    # Half a step that never completes (its node died): the drain gives up once nothing new came for quiet_s.
+    _upload(store, 20, 0, 1, attempt=2)
+    quiet = request.model_copy(update={"after_step": 10, "quiet_s": 0.2})
+    assert (await ActivityEnvironment().run(committer, quiet)).commits == []
 
 
 def test_a_large_world_is_paged_and_a_node_reads_only_its_page(store: MemoryStore) -> None:
