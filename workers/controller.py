@@ -29,7 +29,8 @@ log = logging.getLogger("trainguard.controller")
 def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
     """Worker versioning when the controller has a build id: runs are pinned to the build that started them
     (their node groups with them), so a new build takes only new runs and every history replays on the code
-    that wrote it. The node pool, which lives forever, moves to each new build (its changes are patched)."""
+    that wrote it. The node pool, which lives forever, is moved to a new build by the operator
+    (`temporal workflow update-options --versioning-override-behavior auto_upgrade`: README, upgrading)."""
     if settings.build_id is None:
         return None
     return WorkerDeploymentConfig(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, VersioningBehavior
+from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
@@ -115,7 +115,7 @@ def drain(nodes: dict[str, PoolNode], node: str) -> None:
 # ------------------------------------------------------------------------------------------- workflow
 
 
-@workflow.defn(name=POOL_WORKFLOW_TYPE, versioning_behavior=VersioningBehavior.AUTO_UPGRADE)
+@workflow.defn(name=POOL_WORKFLOW_TYPE)
 class NodePool:
     def __init__(self) -> None:
         self._nodes: dict[str, PoolNode] = {}

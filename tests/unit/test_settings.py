@@ -77,12 +77,9 @@ def test_a_build_id_pins_runs_to_the_controller_build_that_started_them() -> Non
     from temporalio.common import VersioningBehavior
 
     from workers.controller import deployment_config
-    from workflows.node_pool import NodePool
 
     assert deployment_config(Settings.from_env({})) is None  # one unversioned controller by default
     config = deployment_config(Settings.from_env({"TRAINGUARD_BUILD_ID": "2026.12.1"}))
     assert config is not None and config.use_worker_versioning
     assert (config.version.deployment_name, config.version.build_id) == ("trainguard-controller", "2026.12.1")
     assert config.default_versioning_behavior is VersioningBehavior.PINNED
-    # The pool never ends, so it must follow each new build rather than stay pinned to the first.
-    assert NodePool.__temporal_workflow_definition.versioning_behavior is VersioningBehavior.AUTO_UPGRADE  # type: ignore[attr-defined]
