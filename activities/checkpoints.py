@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -429,6 +430,16 @@ def corrupt_shard(bucket: str, manifest_key: str, node: str, rank: int | None, l
     return shard
 
 
+@dataclass
+class _CommitterState:
+    """What one committer activity remembers between its passes over the store."""
+
+    records: dict[str, tuple[str, NodeCheckpointRecord]] = field(default_factory=dict)
+    """Record key -> (ETag, record): a record is read again only when it changed."""
+    refused: set[int] = field(default_factory=set)
+    """Steps another writer's manifest holds: never committed by this one."""
+
+
 class StoreActivities:
     """Controller-side activities: find, commit and prune checkpoints in the store."""
 
@@ -558,12 +569,11 @@ class StoreActivities:
         committed is committed again as itself). Each pass over the store runs in a thread; the waits between
         passes do not, so a cancelled committer stops at once instead of holding a thread for minutes."""
         deadline = time.monotonic() + request.max_duration_s
-        records: dict[str, tuple[str, NodeCheckpointRecord]] = {}
-        """Record key -> (ETag, record): a record is read again only when it changed."""
+        state = _CommitterState()
         last_change = time.monotonic()
         while True:
             activity.heartbeat()
-            commits, pending, changed = await asyncio.to_thread(self._commit_pass, request, records)
+            commits, pending, changed = await asyncio.to_thread(self._commit_pass, request, state)
             if commits:
                 return CommitCheckpointsResult(commits=commits)
             now = time.monotonic()
@@ -576,9 +586,9 @@ class StoreActivities:
 
     def _commit_ready(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
         """One pass of the committer, blocking (for tests and tools)."""
-        return CommitCheckpointsResult(commits=self._commit_pass(request, {})[0])
+        return CommitCheckpointsResult(commits=self._commit_pass(request, _CommitterState())[0])
 
-    def _commit_pass(self, request: CommitCheckpointsInput, records: dict[str, tuple[str, NodeCheckpointRecord]]
+    def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:
         """Commit what is complete, then apply retention. Returns (commits, whether a step is partly
         uploaded, whether any node record is new since the last pass)."""
@@ -590,9 +600,20 @@ class StoreActivities:
         except ClientError as error:
             raise _bucket_missing(error, request.bucket) or error
         for step in steps:
-            found, new = self._node_records(client, request, step, records)
+            found, new = self._node_records(client, request, step, state.records)
             changed = changed or new
-            done = self._commit_step(client, request, step, found)
+            if step in state.refused:
+                continue  # committed already by another writer, with other shards: never ours to commit
+            try:
+                done = self._commit_step(client, request, step, found)
+            except ApplicationError as error:
+                if error.type != "ConflictingCommit":
+                    raise
+                # A manifest of another writer (or an unreadable one) holds the step: leave it, go on with
+                # the steps after it. Restores pass over it if it is not whole.
+                log.warning("%s; not committing step %d", error.message, step)
+                state.refused.add(step)
+                continue
             if done is not None:
                 commits.append(done)
             elif found:

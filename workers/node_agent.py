@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 
 from temporalio.worker import Worker
@@ -30,10 +31,17 @@ from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
 
 log = logging.getLogger("trainguard.node_agent")
 
+HEARTBEAT_INTERVAL_S = float(os.environ.get("TRAINGUARD_HEARTBEAT_INTERVAL_S", "1.0"))
+"""How often a watch's progress (each rank's step) reaches Temporal, for `trainguard run status` and the
+client's live steps. A watch now lasts minutes, so without this the SDK would send it only every 8 s (0.8 x the
+heartbeat timeout). Each send is an RPC, never a history event: 1 s costs a 4,096-node run about 4,000
+heartbeats a second on the Temporal cluster; raise it there (TRAINGUARD_HEARTBEAT_INTERVAL_S=5)."""
+
 
 def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
-                 peer_tier: bool = True, allowed_env: frozenset[str] = frozenset()) -> tuple[Worker, RankActivities]:
+                 peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> tuple[Worker, RankActivities]:
     node_health = NodeHealth()
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
@@ -55,6 +63,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
         ],
         max_concurrent_activities=64,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        max_heartbeat_throttle_interval=timedelta(seconds=heartbeat_interval_s),
     )
     return worker, ranks
 

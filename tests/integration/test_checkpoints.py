@@ -42,7 +42,6 @@ from activities.models import (
     FindCheckpointResult,
     LaunchRanksInput,
     Manifest,
-    PruneCheckpointsInput,
     ShardInfo,
 )
 from activities.paths import RunLayout, shard_name
@@ -319,7 +318,7 @@ async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     assert first.steps_completed == STEPS and first.final_state_digest == source.digest
     s3 = stack.s3()
     listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_prefix}/")["Contents"]
-    kept = {o["Key"].split("/")[-2] for o in listed}
+    kept = {o["Key"].removeprefix(f"{run_prefix}/").split("/")[0] for o in listed}
     assert kept == {"step-00000030", "step-00000040"}  # keep_last=2
     # A fresh start seeds Python's RNG from the OS, so this run's shards are its own, not the source's.
     manifests = [read_manifest(s3, BUCKET, manifest_key(run_prefix, step)) for step in (30, 40)]
@@ -363,8 +362,9 @@ async def test_orphaned_multipart_upload_neither_counts_nor_survives_the_janitor
         result = await run_to_end(client, spec_for(prefix), workflow_id)
         await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, result,
                                      Case(_no_damage, 30, skipped="step 40: no manifest"), source.genuine)
-        # Retention ran its janitor, which leaves an upload younger than its bound alone: it may be in flight.
-        assert await activity_calls(client, workflow_id, "prune_checkpoints", PruneCheckpointsInput)
+        # Retention (the committer's, after each commit) ran its janitor, which leaves an upload younger than
+        # its bound alone: it may be in flight.
+        assert await activity_calls(client, workflow_id, "commit_checkpoints", CommitCheckpointsInput)
         assert pending(f"{run_prefix}/") == [orphans["ours"]]
 
         assert abort_orphaned_uploads(s3, BUCKET, run_prefix, older_than_s=3600, now=time.time()) == []
