@@ -5,6 +5,7 @@ Every field has a default so histories written by older versions still decode.
 
 from __future__ import annotations
 
+import base64
 import json
 import zlib
 
@@ -234,18 +235,19 @@ class PoolNode(BaseModel):
 
 class PoolStatus(BaseModel):
     nodes: list[PoolNode] = Field(default_factory=list)
-    packed: bytes = b""
-    """The same nodes as zlib-compressed JSON, which the pool carries across continue-as-new instead:
+    packed: str = ""
+    """The same nodes as zlib-compressed JSON in base64, which the pool carries across continue-as-new instead:
     4,096 nodes are about 800 KB of plain JSON, far over Temporal's 256 KB payload warning, and ~60 KB packed."""
 
     @classmethod
     def pack(cls, nodes: list[PoolNode]) -> PoolStatus:
         body = json.dumps([n.model_dump(mode="json", exclude_defaults=True) for n in nodes], separators=(",", ":"))
-        return cls(packed=zlib.compress(body.encode(), 9))
+        return cls(packed=base64.b64encode(zlib.compress(body.encode(), 9)).decode())
 
     def all_nodes(self) -> list[PoolNode]:
         """`nodes`, and those packed."""
-        packed = [PoolNode.model_validate(n) for n in json.loads(zlib.decompress(self.packed))] if self.packed else []
+        packed = ([PoolNode.model_validate(n) for n in json.loads(zlib.decompress(base64.b64decode(self.packed)))]
+                  if self.packed else [])
         return [*self.nodes, *packed]
 
 

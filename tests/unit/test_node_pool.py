@@ -116,3 +116,18 @@ async def test_a_lifted_cordon_is_passed_on_to_the_cluster_scheduler(env: Workfl
 
     assert [(t.node, t.action) for t in told] == [("node-0", SchedulerAction.UNCORDON),
                                                   ("node-1", SchedulerAction.UNCORDON)]
+
+
+def test_the_pool_carries_thousands_of_nodes_across_continue_as_new_in_one_small_payload() -> None:
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from trainguard.models import PoolNode, PoolStatus
+
+    nodes = [PoolNode(node=f"node-{i:04d}", host=f"10.0.{i // 256}.{i % 256}", registered_at=1_795_000_000.5 + i,
+                      leased_to=f"run-{i // 512}", peer_url=f"http://10.0.{i // 256}.{i % 256}:7300",
+                      cordoned="XID 79" if i % 97 == 0 else None) for i in range(4096)]
+    [payload] = pydantic_data_converter.payload_converter.to_payloads([PoolStatus.pack(nodes)])
+    plain = len(PoolStatus(nodes=nodes).model_dump_json())
+    assert len(payload.data) < 256 * 1024 < plain, (len(payload.data), plain)
+    [carried] = pydantic_data_converter.payload_converter.from_payloads([payload], [PoolStatus])
+    assert carried.all_nodes() == nodes
