@@ -178,6 +178,12 @@ class AttemptRecord:
         return record
 
 
+def _upload_key(record: AttemptRecord, step: int) -> tuple[str, str, int, int]:
+    """An upload is one step of one attempt of one run: a rerun of a closed workflow id starts again at attempt
+    1, and its chain id tells its uploads from the earlier run's."""
+    return record.workflow_id, record.chain_id, record.attempt, step
+
+
 def _kill_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)  # ranks lead their own process group (start_new_session)
@@ -240,9 +246,9 @@ class RankActivities:
         self.node = node
         self.uploader = uploader
         """Uploads a complete local step and writes its node record (`NodeCheckpointActivities.upload_step`)."""
-        self._uploads: dict[tuple[str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
-        """(workflow id, attempt, step) -> its upload, started by a watch and outliving it."""
-        self._upload_failed_at: dict[tuple[str, int, int], float] = {}
+        self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
+        """`_upload_key` -> its upload, started by a watch and outliving it."""
+        self._upload_failed_at: dict[tuple[str, str, int, int], float] = {}
         self.allowed = allowed
         self.allowed_env = allowed_env
         """Env names of `EXEC_ENV_PATTERNS` this node's operator lets a spec set (`--allow-env`)."""
@@ -822,8 +828,12 @@ class RankActivities:
         `UPLOAD_RETRY_S` ago and can heal). The upload runs beside the watch, which keeps polling."""
         if self.uploader is None:
             return
+        for old in [k for k, t in self._uploads.items() if k[0] == record.workflow_id and t.done()
+                    and k[1:3] != (record.chain_id, record.attempt)]:
+            del self._uploads[old]  # an earlier attempt's: nothing asks about it again
+            self._upload_failed_at.pop(old, None)
         for step in steps:
-            key = (record.workflow_id, record.attempt, step)
+            key = _upload_key(record, step)
             task = self._uploads.get(key)
             if task is not None and not task.done():
                 continue
@@ -840,7 +850,7 @@ class RankActivities:
     async def _upload(self, record: AttemptRecord, target: WatchCheckpoints, step: int,
                       compute: dict[int, float], node_step: int) -> NodeCheckpointRecord:
         assert self.uploader is not None
-        key = (record.workflow_id, record.attempt, step)
+        key = _upload_key(record, step)
         try:
             return await self.uploader(record.workflow_id, record.attempt, target, step, compute, node_step)
         except BaseException as error:
@@ -856,8 +866,7 @@ class RankActivities:
         outage that ends after its last step."""
         while time.monotonic() < until:
             self._upload_ready(record, target, steps, compute, node_step)
-            tasks = [self._uploads[key] for key in ((record.workflow_id, record.attempt, s) for s in steps)
-                     if key in self._uploads]
+            tasks = [self._uploads[key] for key in (_upload_key(record, s) for s in steps) if key in self._uploads]
             pending = [t for t in tasks if not t.done()]
             retryable = [t for t in tasks if t.done() and (error := t.exception()) is not None
                          and not (isinstance(error, ApplicationError) and error.non_retryable)]
