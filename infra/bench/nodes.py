@@ -363,7 +363,7 @@ async def executions(client: Any, workflow_id: str) -> list[tuple[str, str]]:
     return found
 
 
-async def read_histories(client: Any, workflow_id: str) -> list[HistoryFigures]:
+async def read_histories(client: Any, workflow_id: str, save: Path | None = None) -> list[HistoryFigures]:
     """Every history of the run, each walked once as its pages arrive; children and continued runs found from the
     histories themselves too (visibility may lag)."""
     queue = await executions(client, workflow_id)
@@ -378,6 +378,10 @@ async def read_histories(client: Any, workflow_id: str) -> list[HistoryFigures]:
         async for event in client.get_workflow_handle(key[0], run_id=key[1]).fetch_history_events():
             walked.add(event)
         figures.append(walked)
+        if save is not None:
+            save.mkdir(parents=True, exist_ok=True)
+            history = await client.get_workflow_handle(key[0], run_id=key[1]).fetch_history()
+            (save / f"{key[0]}-{key[1]}.json").write_text(history.to_json())
         queue.extend(walked.children)
         if walked.next_run_id:
             queue.append((key[0], walked.next_run_id))
@@ -439,7 +443,8 @@ def summarize(size: Size, histories: list[HistoryFigures], workflow_id: str, com
             size.activity_troubles[trouble] = size.activity_troubles.get(trouble, 0) + count
 
 
-async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s: float, server_pid: int) -> None:
+async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s: float, server_pid: int,
+                  save_histories: Path | None = None) -> None:
     from temporalio.worker import Worker
 
     from infra.bench.standins import StandinNodes, install_routing, shared_queues
@@ -482,7 +487,7 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
         size.relaunch_p95_s = None if p95 is None else round(p95, 3)
         size.relaunch_max_s = round(max(every), 3) if every else None
         commits = [c for c in controller.commits() if c.get("workflow_id") == workflow_id]
-        summarize(size, await read_histories(client, workflow_id), workflow_id, commits)
+        summarize(size, await read_histories(client, workflow_id, save_histories), workflow_id, commits)
     finally:
         controller.stop()
 
@@ -499,7 +504,7 @@ def run_size(num_nodes: int, opts: argparse.Namespace) -> Size:
     with private_stack("nodes", (), PORT_SEARCH_START, timings=timings, temporal_only=True, keep_logs=logs) as stack:
         size.stack_up_s = timings.get("stack_up_s")
         server_pid = json.loads((stack.run_dir / "temporal.json").read_text())["pid"]
-        asyncio.run(measure(size, plan, stack.home, opts.queues, timeout_s, server_pid))
+        asyncio.run(measure(size, plan, stack.home, opts.queues, timeout_s, server_pid, opts.save_histories))
     return size
 
 
@@ -572,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="give up on a size after this long (default 120 + 0.15 s per node)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
+    parser.add_argument("--save-histories", type=Path, default=None,
+                        help="write every history of each run here as JSON (to replay or profile it)")
     parser.add_argument("--serve-controller", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--commits-file", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)

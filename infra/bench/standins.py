@@ -19,10 +19,11 @@ process alike, before any worker starts. The Temporal cost of an activity (its e
 payloads) does not depend on which queue it is on.
 
 Faults, as the real agent carries them out (`activities/ranks.py`):
-- `crash`: one rank of the node exits (-9); the node's watch reports RANK_EXITED. Ranks on other nodes keep
-  stepping until the run stops them (a real collective would fail them too).
+- `crash`: one rank of the node exits (-9); the node's watch reports RANK_EXITED. Ranks on other nodes stop
+  stepping (they block in the next collective) but do not exit, until the run stops them.
 - `node-down`: the node's watch stops heartbeating and never returns, so Temporal times it out (the watch's
-  heartbeat timeout); every later call to the node never completes (a real dead agent would never start it).
+  heartbeat timeout); every later call to the node never completes (a real dead agent would never start it,
+  and its schedule-to-start timeout would fire instead); the other nodes' ranks stop stepping, as for a crash.
 """
 
 from __future__ import annotations
@@ -125,11 +126,15 @@ class Attempt:
     """Node -> Unix time its launch returned."""
     started_at: float | None = None
     """When the last node launched (the rendezvous completes): the first step is one step time later."""
+    halted_at: float | None = None
+    """When a rank of the attempt crashed or its node went down: its peers block in the next collective, so no
+    rank of the attempt steps past it (and none can finish before the run notices)."""
 
     def step(self, now: float) -> int:
         if self.started_at is None:
             return self.start_step
-        return min(self.final_step, self.start_step + math.floor((now - self.started_at) / self.step_s))
+        until = now if self.halted_at is None else min(now, self.halted_at)
+        return min(self.final_step, self.start_step + math.floor((until - self.started_at) / self.step_s))
 
     def saved(self, now: float, after: int) -> list[int]:
         """Checkpoint steps every rank has saved by `now`, newer than `after`."""
@@ -289,7 +294,7 @@ class StandinNodes:
             if time.monotonic() - began > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
             wait = HEARTBEAT_EVERY_S
-            if attempt.started_at is not None:
+            if attempt.started_at is not None and attempt.halted_at is None:
                 upcoming = min((step // attempt.every + 1) * attempt.every, attempt.final_step)
                 wait = min(wait, max(0.0, attempt.time_of(upcoming) - now) + 0.001)
             state.changed.clear()
@@ -336,6 +341,9 @@ class StandinNodes:
         if state is None or state.stopped:
             raise ApplicationError(f"no live rank of {request.workflow_id} on {request.node}", type="NoSuchRank",
                                    non_retryable=True)
+        attempt = self.attempts.get((request.workflow_id, state.attempt))
+        if attempt is not None and request.fault in ("node-down", "crash"):
+            attempt.halted_at = attempt.halted_at or now
         if request.fault == "node-down":
             self.down[request.node] = now
             state.poke()

@@ -153,6 +153,8 @@ def test_simulated_attempt_steps_after_the_rendezvous_and_saves_every_k_steps() 
     assert attempt.saved(130.0, after=-1) == [120, 180]  # never the final step, never the restored one
     assert attempt.step(130.0) == 210
     assert attempt.time_of(120) == pytest.approx(106.0)
+    attempt.halted_at = 107.0  # a peer crashed: nobody steps past the next collective
+    assert attempt.step(130.0) == 130
 
 
 def test_routing_spreads_nodes_over_the_shared_queues_deterministically() -> None:
