@@ -68,6 +68,10 @@ class HistoryFigures:
     open_children: int = 0
     names: dict[int, str] = field(default_factory=dict)
     """Scheduled event id -> activity type, for naming the ones that time out or fail."""
+    scheduled: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """Scheduled event id -> (task queue, Unix time), for the wait until a worker started it."""
+    start_waits: dict[str, list[float]] = field(default_factory=dict)
+    """Task queue -> seconds each activity waited between scheduled and started."""
 
     def add(self, event: HistoryEvent) -> None:
         """Take in the next event of the history."""
@@ -79,6 +83,12 @@ class HistoryFigures:
             name = event.activity_task_scheduled_event_attributes.activity_type.name
             self.activity_counts[name] = self.activity_counts.get(name, 0) + 1
             self.names[event.event_id] = name
+            queue = event.activity_task_scheduled_event_attributes.task_queue.name
+            self.scheduled[event.event_id] = (queue, self.times[-1])
+        elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+            queue, at = self.scheduled.get(event.activity_task_started_event_attributes.scheduled_event_id,
+                                           ("?", self.times[-1]))
+            self.start_waits.setdefault(queue, []).append(self.times[-1] - at)
         elif kind in ACTIVITY_CLOSED:
             self.open_activities -= 1
             self._note_trouble(event)

@@ -73,6 +73,10 @@ STUCK_ATTEMPTS = 5
 """A workflow task that fails this many times in a row is refused every time (e.g. over the pending-activities
 limit): the run is stuck and the benchmark stops waiting for it."""
 CONTROLLER_READY_S = 60.0
+MAX_POLLS_PER_QUEUE = 50
+"""Activity polls a shared queue's worker keeps open: as many as its nodes' agents would (5 each, the SDK's
+default), up to this. A burst of one activity per node (a watch each after a checkpoint) must start well within
+the node-pinned schedule-to-start timeout (10 s); `start_wait_s` shows whether it did."""
 FAULT_UPDATE_TIMEOUT_S = 60.0
 CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -123,6 +127,9 @@ class Size:
     workflow_task_failures: dict[str, int] = field(default_factory=dict)
     activity_troubles: dict[str, int] = field(default_factory=dict)
     """Activities that timed out or failed, by type and how."""
+    start_wait_s: dict[str, float | None] = field(default_factory=dict)
+    """p95 and max seconds from scheduled to started, node-pinned activities (`node_p95`, `node_max`: the
+    stand-ins keeping up, or not) and the controller's (`controller_p95`, `controller_max`)."""
     stack_up_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -434,6 +441,16 @@ def summarize(size: Size, histories: list[HistoryFigures], workflow_id: str, com
         size.largest_payload_bytes = biggest.largest_payload_bytes
         size.largest_payload_event = f"{biggest.workflow_id}: event {biggest.largest_payload_event}"
     size.continue_as_new = sum(h.continued_as_new for h in histories)
+    from trainguard import TASK_QUEUE
+
+    waits: dict[str, list[float]] = {"node": [], "controller": []}
+    for h in histories:
+        for queue, found in h.start_waits.items():
+            waits["controller" if queue == TASK_QUEUE else "node"].extend(found)
+    for side, found in waits.items():
+        p95 = percentile(found, 0.95)
+        size.start_wait_s[f"{side}_p95"] = None if p95 is None else round(p95, 3)
+        size.start_wait_s[f"{side}_max"] = round(max(found), 3) if found else None
     for h in histories:
         for name, count in h.activity_counts.items():
             size.activities[name] = size.activities.get(name, 0) + count
@@ -454,8 +471,8 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
     client = await connect()
     await seed_pool(client, plan)
     controller = Controller(home, num_queues)
-    nodes = StandinNodes()
     workflow_id = f"bench-nodes-{secrets.token_hex(3)}-n{len(plan.nodes)}"
+    nodes = StandinNodes(runs=[workflow_id])
     per_queue = math.ceil((len(plan.nodes) + len(plan.spares)) / num_queues)
     try:
         await wait_for_controller(client, controller)
@@ -464,6 +481,7 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
                 await workers.enter_async_context(Worker(
                     client, task_queue=queue, activities=nodes.activities(),
                     max_concurrent_activities=max(200, 8 * per_queue),
+                    max_concurrent_activity_task_polls=min(MAX_POLLS_PER_QUEUE, 5 * per_queue),
                     graceful_shutdown_timeout=timedelta(seconds=1)))
             await wait_for_standins(client, shared_queues(num_queues))
             cpu_before, began = (controller.cpu_s(), cpu_s(server_pid), cpu_s(os.getpid())), time.monotonic()
@@ -486,7 +504,7 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
         p95 = percentile(every, 0.95)
         size.relaunch_p95_s = None if p95 is None else round(p95, 3)
         size.relaunch_max_s = round(max(every), 3) if every else None
-        commits = [c for c in controller.commits() if c.get("workflow_id") == workflow_id]
+        commits = [c for c in controller.commits() if str(c.get("workflow_id", "")).startswith(workflow_id)]
         summarize(size, await read_histories(client, workflow_id, save_histories), workflow_id, commits)
     finally:
         controller.stop()

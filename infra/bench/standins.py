@@ -178,9 +178,12 @@ def digest(final_step: int) -> str:
 
 
 class StandinNodes:
-    """Every simulated node's activities. State is keyed by (workflow id, node)."""
+    """Every simulated node's activities. State is keyed by (run, node), the run being the root workflow id."""
 
-    def __init__(self) -> None:
+    def __init__(self, runs: list[str] | None = None) -> None:
+        self.runs = list(runs or [])
+        """The runs' root workflow ids: a call from any workflow whose id starts with one (a child workflow per
+        node group, say) counts for that run, so a node's state and an attempt's rendezvous are the run's."""
         self.nodes: dict[tuple[str, str], NodeState] = {}
         self.attempts: dict[tuple[str, int], Attempt] = {}
         self.down: dict[str, float] = {}
@@ -188,6 +191,9 @@ class StandinNodes:
         self.calls: dict[str, int] = {}
 
     # --------------------------------------------------------------------------------- helpers
+    def run_of(self, workflow_id: str) -> str:
+        return next((run for run in self.runs if workflow_id.startswith(run)), workflow_id)
+
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
 
@@ -226,13 +232,13 @@ class StandinNodes:
     async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
         self._count("launch_ranks")
         await self._unless_down(request.node)
-        key = (request.workflow_id, request.node)
+        key = (self.run_of(request.workflow_id), request.node)
         current = self.nodes.get(key)
         if current is not None and current.attempt > request.attempt:
             raise ApplicationError(f"attempt {request.attempt} is older than {current.attempt}", type="StaleAttempt",
                                    non_retryable=True)
         final, step_s = parse_entrypoint(request.entrypoint)
-        attempt = self.attempts.setdefault((request.workflow_id, request.attempt), Attempt(
+        attempt = self.attempts.setdefault((key[0], request.attempt), Attempt(
             num_nodes=request.num_nodes, start_step=request.restore_step, final_step=final,
             every=request.checkpoint_every, step_s=step_s))
         adopted = current is not None and current.attempt == request.attempt
@@ -261,8 +267,8 @@ class StandinNodes:
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
         self._count("watch_ranks")
         await self._unless_down(request.node)
-        state = self._current(request.workflow_id, request.node, request.attempt)
-        attempt = self.attempts[(request.workflow_id, request.attempt)]
+        state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
+        attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
         began = time.monotonic()
         while True:
             if request.node in self.down:
@@ -307,7 +313,7 @@ class StandinNodes:
     async def upload_shards(self, request: UploadShardsInput) -> UploadShardsResult:
         self._count("upload_shards")
         await self._unless_down(request.node)
-        state = self._current(request.workflow_id, request.node, request.attempt)
+        state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
         shards = [ShardInfo(rank=r, key=f"{request.run_prefix}/step-{request.step:08d}/rank-{r:05d}.pt",
                             size_bytes=SHARD_BYTES, sha256=hashlib.sha256(f"{request.step}/{r}".encode()).hexdigest(),
                             node=request.node) for r in state.ranks()]
@@ -317,7 +323,7 @@ class StandinNodes:
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
         self._count("stop_ranks")
         await self._unless_down(request.node)
-        state = self.nodes.get((request.workflow_id, request.node))
+        state = self.nodes.get((self.run_of(request.workflow_id), request.node))
         if state is None or state.stopped or (request.attempt is not None and state.attempt > request.attempt):
             return StopRanksResult(stopped=0)
         state.stopped = True
@@ -328,8 +334,8 @@ class StandinNodes:
     async def request_checkpoint(self, request: RequestCheckpointInput) -> RequestCheckpointResult:
         self._count("request_checkpoint")
         await self._unless_down(request.node)
-        self._current(request.workflow_id, request.node, request.attempt)
-        attempt = self.attempts[(request.workflow_id, request.attempt)]
+        self._current(self.run_of(request.workflow_id), request.node, request.attempt)
+        attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
         return RequestCheckpointResult(node=request.node, step=attempt.step(time.time()), step_time_s=attempt.step_s)
 
     @activity.defn(name="inject_fault")
@@ -337,11 +343,11 @@ class StandinNodes:
         self._count("inject_fault")
         await self._unless_down(request.node)
         now = time.time()
-        state = self.nodes.get((request.workflow_id, request.node))
+        state = self.nodes.get((self.run_of(request.workflow_id), request.node))
         if state is None or state.stopped:
             raise ApplicationError(f"no live rank of {request.workflow_id} on {request.node}", type="NoSuchRank",
                                    non_retryable=True)
-        attempt = self.attempts.get((request.workflow_id, state.attempt))
+        attempt = self.attempts.get((self.run_of(request.workflow_id), state.attempt))
         if attempt is not None and request.fault in ("node-down", "crash"):
             attempt.halted_at = attempt.halted_at or now
         if request.fault == "node-down":
