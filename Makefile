@@ -47,6 +47,12 @@ bench-goodput: $(STAMP)
 bench-scale: $(STAMP)
 	$(BIN)/python -m infra.bench.scale $(BENCH_ARGS)
 
+# Node scale: one run of 16 ... 4,096 simulated nodes x 8 ranks on the real workflows, and its Temporal cost
+# (events, pending, payloads, relaunch) against issue 12's targets; .bench/nodes.json.
+.PHONY: bench-nodes
+bench-nodes: $(STAMP)
+	$(BIN)/python -m infra.bench.nodes $(BENCH_ARGS)
+
 .PHONY: bench-paths
 bench-paths: $(STAMP)
 	$(BIN)/python -m infra.bench.paths $(BENCH_ARGS)
@@ -71,6 +77,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m infra.bench.paths $(PATHS_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.goodput $(GOODPUT_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.scale $(SCALE_BENCH_ARGS)
+	$(BIN)/python -m infra.bench.nodes $(NODES_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.plots $(PLOTS_ARGS)
 
 bench-plots: $(BENCH_STAMP)

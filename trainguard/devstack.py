@@ -255,15 +255,7 @@ class DevStack:
     # --------------------------------------------------------------------------------------- up
     def up(self, echo: Any = print) -> None:
         cfg, ports = self.config, self.config.ports
-        self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / ".gitignore").write_text("*\n")
-        echo(f"trainguard dev stack in {self.home}")
-        self._spawn("temporal", [
-            _bin("temporal"), "server", "start-dev", "--db-filename", str(self.home / "temporal.db"),
-            "--ip", "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
-            "--http-port", str(ports.http), "--metrics-port", str(ports.server_metrics),
-            "--ui-disable-news-fetch", "--log-level", "warn",
-        ])
+        self._start_temporal(echo)
         self._start_s3()
         self._wait_port(ports.temporal, "Temporal server")
         if cfg.tls:
@@ -294,6 +286,24 @@ class DevStack:
         if cfg.tls:
             echo("Temporal over mutual TLS: clients need " +
                  " ".join(f"{k}={v}" for k, v in self.client_env().items()))
+
+    def up_temporal(self, echo: Any = print) -> None:
+        """Only the Temporal dev server (no store, no workers): for benchmarks that bring their own workers.
+        `down` stops it like the whole stack."""
+        self._start_temporal(echo)
+        self._wait_port(self.config.ports.temporal, "Temporal server")
+
+    def _start_temporal(self, echo: Any) -> None:
+        ports = self.config.ports
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / ".gitignore").write_text("*\n")
+        echo(f"trainguard dev stack in {self.home}")
+        self._spawn("temporal", [
+            _bin("temporal"), "server", "start-dev", "--db-filename", str(self.home / "temporal.db"),
+            "--ip", "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
+            "--http-port", str(ports.http), "--metrics-port", str(ports.server_metrics),
+            "--ui-disable-news-fetch", "--log-level", "warn",
+        ])
 
     def _start_s3(self) -> None:
         ports = self.config.ports

@@ -24,11 +24,13 @@ def _quiet(_line: str) -> None:
 
 @contextmanager
 def private_stack(name: str, nodes: tuple[str, ...], port_start: int, echo: Callable[[str], None] = _quiet,
-                  keep_logs: Path | None = None, timings: dict[str, float] | None = None) -> Iterator[DevStack]:
+                  keep_logs: Path | None = None, timings: dict[str, float] | None = None,
+                  temporal_only: bool = False) -> Iterator[DevStack]:
     """Bring up a stack under `.bench/<name>-<random>` on the first free ports from `port_start`, with the
     client's `TRAINGUARD_TEMPORAL_ADDRESS` pointing at it; on the way out (also on errors) stop it, restore the
     variable, copy its logs to `keep_logs` when given, and remove its folder. `timings` gets `stack_up_s` and
-    `stack_down_s`."""
+    `stack_down_s`. `temporal_only`: just the Temporal dev server, for a benchmark that runs its own workers
+(no store, no controller, no node agents)."""
     from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
     home = BENCH_DIR / f"{name}-{secrets.token_hex(4)}"
@@ -40,7 +42,10 @@ def private_stack(name: str, nodes: tuple[str, ...], port_start: int, echo: Call
     try:
         os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
         began = time.monotonic()
-        stack.up(echo=echo)
+        if temporal_only:
+            stack.up_temporal(echo=echo)
+        else:
+            stack.up(echo=echo)
         times["stack_up_s"] = round(time.monotonic() - began, 3)
         yield stack
     finally:

@@ -1,0 +1,427 @@
+"""Simulated nodes and an in-memory store for the node-scale benchmark (`infra/bench/nodes.py`).
+
+One stand-in per activity name, each a thin method over a small in-memory model, so that when an activity's
+contract changes only its method changes:
+
+- `StandinNodes`: every node-pinned activity (check, download, launch, rejoin, watch, upload, stop, request a
+  checkpoint, inject a fault) for every simulated node, served from ONE process. Per node it keeps which
+  attempt runs there, from which step, and which checkpoint steps its ranks have saved. An attempt's ranks
+  start stepping once every node of the attempt has launched (the rendezvous), at `--step-time` seconds a step,
+  save a checkpoint every `checkpoint_every` steps, and finish at the step the entrypoint names
+  (`standin --steps N --step-time S`).
+- `StandinStore`: `find_checkpoint`, `commit_checkpoint` and `prune_checkpoints` over manifests kept in memory
+  in the controller process; every commit is appended to a JSON-lines file the benchmark reads.
+
+Queues: serving 4,096 `trainguard-node-<node>` queues would take 4,096 Workers. `install_routing` replaces
+`trainguard.node_task_queue` (and every module's own reference to it) by `shared_queue`, which maps each node
+onto one of a few shared queues by crc32(node) % num_queues, in the controller process and in the stand-ins'
+process alike, before any worker starts. The Temporal cost of an activity (its events, the pending count, its
+payloads) does not depend on which queue it is on.
+
+Faults, as the real agent carries them out (`activities/ranks.py`):
+- `crash`: one rank of the node exits (-9); the node's watch reports RANK_EXITED. Ranks on other nodes stop
+  stepping (they block in the next collective) but do not exit, until the run stops them.
+- `node-down`: the node's watch stops heartbeating and never returns, so Temporal times it out (the watch's
+  heartbeat timeout); every later call to the node never completes (a real dead agent would never start it,
+  and its schedule-to-start timeout would fire instead); the other nodes' ranks stop stepping, as for a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.models import (
+    CheckNodeInput,
+    CheckNodeResult,
+    CommitCheckpointInput,
+    DownloadShardsInput,
+    DownloadShardsResult,
+    FindCheckpointInput,
+    FindCheckpointResult,
+    GpuHealth,
+    InjectFaultInput,
+    InjectFaultResult,
+    LaunchRanksInput,
+    LaunchRanksResult,
+    Manifest,
+    PruneCheckpointsInput,
+    PruneCheckpointsResult,
+    RejoinRanksInput,
+    RejoinRanksResult,
+    RequestCheckpointInput,
+    RequestCheckpointResult,
+    ShardInfo,
+    StopRanksInput,
+    StopRanksResult,
+    UploadShardsInput,
+    UploadShardsResult,
+    WatchEvent,
+    WatchEventKind,
+    WatchRanksInput,
+)
+from trainguard.models import CheckpointRef
+
+QUEUE_PREFIX = "trainguard-bench-nodes"
+HEARTBEAT_EVERY_S = 1.0
+"""How often a stand-in watch heartbeats; the SDK sends at most one per 0.8 x heartbeat timeout anyway."""
+SHARD_BYTES = 1 << 30
+"""The size every simulated shard claims (1 GiB): it travels only as a number."""
+
+
+# --------------------------------------------------------------------------------------------- queues
+
+
+def shared_queue(node: str, num_queues: int) -> str:
+    """The shared task queue a node's activities go to: crc32(node) % num_queues."""
+    return f"{QUEUE_PREFIX}-{zlib.crc32(node.encode()) % num_queues:02d}"
+
+
+def shared_queues(num_queues: int) -> list[str]:
+    return [f"{QUEUE_PREFIX}-{index:02d}" for index in range(num_queues)]
+
+
+def install_routing(num_queues: int) -> Callable[[str], str]:
+    """Replace `trainguard.node_task_queue`, and every loaded module's own reference to it, by the shared-queue
+    routing. Call it after importing the workflows and activities and before any worker starts: workflow code
+    imports it again from `trainguard` inside the sandbox, and gets the replacement."""
+    import trainguard
+
+    original = trainguard.node_task_queue
+
+    def node_task_queue(node: str) -> str:
+        return shared_queue(node, num_queues)
+
+    node_task_queue.__doc__ = f"Benchmark routing: node -> one of {num_queues} shared queues (crc32)."
+    for module in list(sys.modules.values()):
+        if module is not None and getattr(module, "node_task_queue", None) is original:
+            module.node_task_queue = node_task_queue  # type: ignore[attr-defined]
+    return node_task_queue
+
+
+# ------------------------------------------------------------------------------------------ the nodes
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One attempt of one run across its nodes: its ranks step once every node has launched."""
+
+    num_nodes: int
+    start_step: int
+    final_step: int
+    every: int
+    step_s: float
+    launched: dict[str, float] = field(default_factory=dict)
+    """Node -> Unix time its launch returned."""
+    started_at: float | None = None
+    """When the last node launched (the rendezvous completes): the first step is one step time later."""
+    halted_at: float | None = None
+    """When a rank of the attempt crashed or its node went down: its peers block in the next collective, so no
+    rank of the attempt steps past it (and none can finish before the run notices)."""
+
+    def step(self, now: float) -> int:
+        if self.started_at is None:
+            return self.start_step
+        until = now if self.halted_at is None else min(now, self.halted_at)
+        return min(self.final_step, self.start_step + math.floor((until - self.started_at) / self.step_s))
+
+    def saved(self, now: float, after: int) -> list[int]:
+        """Checkpoint steps every rank has saved by `now`, newer than `after`."""
+        top = self.step(now)
+        first = (max(after, self.start_step) // self.every + 1) * self.every
+        return [s for s in range(first, top + 1, self.every) if s < self.final_step]
+
+    def time_of(self, step: int) -> float:
+        assert self.started_at is not None
+        return self.started_at + (step - self.start_step) * self.step_s
+
+
+@dataclass(slots=True)
+class NodeState:
+    """What one node runs for one run."""
+
+    attempt: int
+    node_rank: int
+    ranks_per_node: int
+    stopped: bool = False
+    crashed: tuple[int, float] | None = None
+    """(global rank, Unix time) of a crashed rank."""
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def ranks(self) -> list[int]:
+        first = self.node_rank * self.ranks_per_node
+        return list(range(first, first + self.ranks_per_node))
+
+    def poke(self) -> None:
+        self.changed.set()
+
+
+def parse_entrypoint(entrypoint: list[str]) -> tuple[int, float]:
+    """`standin --steps N --step-time S` -> (N, S)."""
+    args = dict(zip(entrypoint[1::2], entrypoint[2::2]))
+    return int(args["--steps"]), float(args["--step-time"])
+
+
+def digest(final_step: int) -> str:
+    return hashlib.sha256(f"standin-final-{final_step}".encode()).hexdigest()
+
+
+class StandinNodes:
+    """Every simulated node's activities. State is keyed by (run, node), the run being the root workflow id."""
+
+    def __init__(self, runs: list[str] | None = None) -> None:
+        self.runs = list(runs or [])
+        """The runs' root workflow ids: a call from any workflow whose id starts with one (a child workflow per
+        node group, say) counts for that run, so a node's state and an attempt's rendezvous are the run's."""
+        self.nodes: dict[tuple[str, str], NodeState] = {}
+        self.attempts: dict[tuple[str, int], Attempt] = {}
+        self.down: dict[str, float] = {}
+        """Node -> when it went down."""
+        self.calls: dict[str, int] = {}
+
+    # --------------------------------------------------------------------------------- helpers
+    def run_of(self, workflow_id: str) -> str:
+        return next((run for run in self.runs if workflow_id.startswith(run)), workflow_id)
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    async def _unless_down(self, node: str) -> None:
+        """A node that is down never answers: the call waits (without heartbeats) until Temporal gives up."""
+        if node in self.down:
+            await asyncio.Event().wait()
+
+    def launch_times(self, workflow_id: str, attempt: int) -> dict[str, float]:
+        found = self.attempts.get((workflow_id, attempt))
+        return dict(found.launched) if found else {}
+
+    def _current(self, workflow_id: str, node: str, attempt: int) -> NodeState:
+        state = self.nodes.get((workflow_id, node))
+        if state is None or state.attempt != attempt:
+            raise ApplicationError(f"node {node} has no ranks of {workflow_id} attempt {attempt}",
+                                   type="NoSuchAttempt", non_retryable=True)
+        return state
+
+    # ------------------------------------------------------------------------------ activities
+    @activity.defn(name="check_node")
+    async def check_node(self, request: CheckNodeInput) -> CheckNodeResult:
+        self._count("check_node")
+        await self._unless_down(request.node)
+        return CheckNodeResult(node=request.node, host=f"{request.node}.sim", gpu=GpuHealth())
+
+    @activity.defn(name="download_shards")
+    async def download_shards(self, request: DownloadShardsInput) -> DownloadShardsResult:
+        self._count("download_shards")
+        await self._unless_down(request.node)
+        return DownloadShardsResult(restore_dir=f"/sim/{request.node}/attempt-{request.attempt}",
+                                    num_bytes=sum(s.size_bytes for s in request.shards),
+                                    tiers={s.rank: "local" for s in request.shards})
+
+    @activity.defn(name="launch_ranks")
+    async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
+        self._count("launch_ranks")
+        await self._unless_down(request.node)
+        key = (self.run_of(request.workflow_id), request.node)
+        current = self.nodes.get(key)
+        if current is not None and current.attempt > request.attempt:
+            raise ApplicationError(f"attempt {request.attempt} is older than {current.attempt}", type="StaleAttempt",
+                                   non_retryable=True)
+        final, step_s = parse_entrypoint(request.entrypoint)
+        attempt = self.attempts.setdefault((key[0], request.attempt), Attempt(
+            num_nodes=request.num_nodes, start_step=request.restore_step, final_step=final,
+            every=request.checkpoint_every, step_s=step_s))
+        adopted = current is not None and current.attempt == request.attempt
+        if not adopted:
+            if current is not None:
+                current.stopped = True
+                current.poke()
+            self.nodes[key] = NodeState(attempt=request.attempt, node_rank=request.node_rank,
+                                        ranks_per_node=request.ranks_per_node)
+        now = time.time()
+        attempt.launched.setdefault(request.node, now)
+        if attempt.started_at is None and len(attempt.launched) >= attempt.num_nodes:
+            attempt.started_at = now
+        return LaunchRanksResult(node=request.node, master_addr=request.master_addr or f"{request.node}.sim",
+                                 master_port=request.master_port or 29500 + request.attempt,
+                                 pids=[100_000 + r for r in self.nodes[key].ranks()], adopted=adopted)
+
+    @activity.defn(name="rejoin_ranks")
+    async def rejoin_ranks(self, request: RejoinRanksInput) -> RejoinRanksResult:
+        """The benchmark's runs restart by relaunch only: an in-process rejoin falls back to it."""
+        self._count("rejoin_ranks")
+        raise ApplicationError(f"stand-in node {request.node} does not rejoin in process", type="NoSuchAttempt",
+                               non_retryable=True)
+
+    @activity.defn(name="watch_ranks")
+    async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
+        self._count("watch_ranks")
+        await self._unless_down(request.node)
+        state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
+        attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
+        began = time.monotonic()
+        while True:
+            if request.node in self.down:
+                await asyncio.Event().wait()  # no heartbeat, no answer: the heartbeat timeout notices
+            now = time.time()
+            step = attempt.step(now)
+            first_step_at = attempt.time_of(attempt.start_step + 1) if step > attempt.start_step else None
+
+            def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
+                return WatchEvent(kind=kind, node=request.node, detected_at=now, first_step_at=first_step_at,
+                                  step=step, **fields)  # type: ignore[arg-type]
+
+            activity.heartbeat({"node": request.node, "attempt": request.attempt,
+                                "steps": {str(r): step for r in state.ranks()}})
+            if state.stopped:
+                rank = state.ranks()[0]
+                return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-15, detail=f"rank {rank} stopped")
+            if state.crashed is not None:
+                rank, at = state.crashed
+                return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-9, fault_at=at, occurred_at=at,
+                             detail=f"rank {rank} was killed by SIGKILL (stand-in crash)")
+            ready = attempt.saved(now, request.reported_step)
+            if ready:
+                return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready,
+                             rank_compute_s={r: attempt.step_s for r in state.ranks()})
+            if step >= attempt.final_step:
+                return event(WatchEventKind.FINISHED, state_digest=digest(attempt.final_step),
+                             mean_step_s=attempt.step_s)
+            if time.monotonic() - began > request.max_duration_s:
+                return event(WatchEventKind.KEEPALIVE)
+            wait = HEARTBEAT_EVERY_S
+            if attempt.started_at is not None and attempt.halted_at is None:
+                upcoming = min((step // attempt.every + 1) * attempt.every, attempt.final_step)
+                wait = min(wait, max(0.0, attempt.time_of(upcoming) - now) + 0.001)
+            state.changed.clear()
+            try:
+                await asyncio.wait_for(state.changed.wait(), wait)
+            except TimeoutError:
+                pass
+
+    @activity.defn(name="upload_shards")
+    async def upload_shards(self, request: UploadShardsInput) -> UploadShardsResult:
+        self._count("upload_shards")
+        await self._unless_down(request.node)
+        state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
+        shards = [ShardInfo(rank=r, key=f"{request.run_prefix}/step-{request.step:08d}/rank-{r:05d}.pt",
+                            size_bytes=SHARD_BYTES, sha256=hashlib.sha256(f"{request.step}/{r}".encode()).hexdigest(),
+                            node=request.node) for r in state.ranks()]
+        return UploadShardsResult(shards=shards, num_bytes=SHARD_BYTES * len(shards))
+
+    @activity.defn(name="stop_ranks")
+    async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
+        self._count("stop_ranks")
+        await self._unless_down(request.node)
+        state = self.nodes.get((self.run_of(request.workflow_id), request.node))
+        if state is None or state.stopped or (request.attempt is not None and state.attempt > request.attempt):
+            return StopRanksResult(stopped=0)
+        state.stopped = True
+        state.poke()
+        return StopRanksResult(stopped=state.ranks_per_node)
+
+    @activity.defn(name="request_checkpoint")
+    async def request_checkpoint(self, request: RequestCheckpointInput) -> RequestCheckpointResult:
+        self._count("request_checkpoint")
+        await self._unless_down(request.node)
+        self._current(self.run_of(request.workflow_id), request.node, request.attempt)
+        attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
+        return RequestCheckpointResult(node=request.node, step=attempt.step(time.time()), step_time_s=attempt.step_s)
+
+    @activity.defn(name="inject_fault")
+    async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
+        self._count("inject_fault")
+        await self._unless_down(request.node)
+        now = time.time()
+        state = self.nodes.get((self.run_of(request.workflow_id), request.node))
+        if state is None or state.stopped:
+            raise ApplicationError(f"no live rank of {request.workflow_id} on {request.node}", type="NoSuchRank",
+                                   non_retryable=True)
+        attempt = self.attempts.get((self.run_of(request.workflow_id), state.attempt))
+        if attempt is not None and request.fault in ("node-down", "crash"):
+            attempt.halted_at = attempt.halted_at or now
+        if request.fault == "node-down":
+            self.down[request.node] = now
+            state.poke()
+            return InjectFaultResult(node=request.node, rank=-1, pid=-1, injected_at=now)
+        if request.fault == "crash":
+            rank = request.rank if request.rank is not None else state.ranks()[0]
+            state.crashed = state.crashed or (rank, now)
+            state.poke()
+            return InjectFaultResult(node=request.node, rank=rank, pid=100_000 + rank, injected_at=state.crashed[1])
+        raise ApplicationError(f"the stand-in nodes carry out crash and node-down, not {request.fault!r}",
+                               type="BadFault", non_retryable=True)
+
+    def activities(self) -> list[Callable[..., object]]:
+        return [self.check_node, self.download_shards, self.launch_ranks, self.rejoin_ranks, self.watch_ranks,
+                self.upload_shards, self.stop_ranks, self.request_checkpoint, self.inject_fault]
+
+
+# ------------------------------------------------------------------------------------------ the store
+
+
+def manifest_key(run_prefix: str, step: int) -> str:
+    return f"{run_prefix}/step-{step:08d}/manifest.json"
+
+
+class StandinStore:
+    """The checkpoint store's controller-side activities over manifests kept in memory. Built without arguments
+    (as `workers.controller` builds `StoreActivities`); `commits_file` is set before the worker starts."""
+
+    commits_file: Path | None = None
+    """Each commit appends {"at", "step", "attempt", "shards"} here, for the benchmark to read."""
+
+    def __init__(self) -> None:
+        self.manifests: dict[str, dict[int, Manifest]] = {}
+        """Run prefix -> step -> manifest."""
+
+    def _log_commit(self, request: CommitCheckpointInput) -> None:
+        if self.commits_file is None:
+            return
+        line = {"at": time.time(), "step": request.step, "attempt": request.attempt, "shards": len(request.shards),
+                "workflow_id": request.workflow_id}
+        with self.commits_file.open("a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    @activity.defn(name="find_checkpoint")
+    async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
+        smallest = min(request.world_size, request.min_world_size or request.world_size)
+        largest = max(request.world_size, request.max_world_size or 0)
+        usable = [m for step, m in self.manifests.get(request.run_prefix, {}).items()
+                  if step not in request.exclude_steps and smallest <= m.world_size <= largest]
+        if not usable:
+            return FindCheckpointResult()
+        newest = max(usable, key=lambda m: m.step)
+        return FindCheckpointResult(manifest=newest, manifest_key=manifest_key(request.run_prefix, newest.step))
+
+    @activity.defn(name="commit_checkpoint")
+    async def commit_checkpoint(self, request: CommitCheckpointInput) -> CheckpointRef:
+        steps = self.manifests.setdefault(request.run_prefix, {})
+        if request.step not in steps:
+            steps[request.step] = Manifest(workflow_id=request.workflow_id, step=request.step,
+                                           world_size=request.world_size, attempt=request.attempt,
+                                           shards=sorted(request.shards, key=lambda s: s.rank),
+                                           created_at=time.time())
+            self._log_commit(request)
+        return CheckpointRef(step=request.step, manifest_key=manifest_key(request.run_prefix, request.step),
+                             bucket=request.bucket, world_size=request.world_size,
+                             total_bytes=sum(s.size_bytes for s in request.shards))
+
+    @activity.defn(name="prune_checkpoints")
+    async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
+        steps = self.manifests.get(request.run_prefix, {})
+        keep = set(sorted(steps)[-request.keep_last:]) | set(request.protect_steps)
+        deleted = [s for s in sorted(steps) if s not in keep]
+        for step in deleted:
+            del steps[step]
+        return PruneCheckpointsResult(deleted_steps=deleted)
