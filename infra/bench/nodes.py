@@ -183,12 +183,13 @@ class Plan:
 async def serve_controller(num_queues: int, commits_file: Path) -> None:
     """The controller worker as `workers.controller` builds it, with the stand-in store and shared queues."""
     import workers.controller as controller
-    from infra.bench.standins import StandinStore, install_routing
+    from infra.bench.standins import NodeRecords, StandinStore, install_routing
     from trainguard.connect import connect
     from workers.common import setup_logging, stop_event
 
     setup_logging("bench-controller")
     StandinStore.commits_file = commits_file
+    StandinStore.records = NodeRecords(commits_file.parent / "records")
     controller.StoreActivities = StandinStore  # type: ignore[misc]
     install_routing(num_queues)
     client = await connect()
@@ -467,7 +468,7 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
                   save_histories: Path | None = None) -> None:
     from temporalio.worker import Worker
 
-    from infra.bench.standins import StandinNodes, install_routing, shared_queues
+    from infra.bench.standins import NodeRecords, StandinNodes, install_routing, shared_queues
     from trainguard.connect import connect
 
     install_routing(num_queues)
@@ -475,7 +476,7 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
     await seed_pool(client, plan)
     controller = Controller(home, num_queues)
     workflow_id = f"bench-nodes-{secrets.token_hex(3)}-n{len(plan.nodes)}"
-    nodes = StandinNodes(runs=[workflow_id])
+    nodes = StandinNodes(runs=[workflow_id], records=NodeRecords(controller.commits_file.parent / "records"))
     per_queue = math.ceil((len(plan.nodes) + len(plan.spares)) / num_queues)
     try:
         await wait_for_controller(client, controller)
@@ -613,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= opts.queues <= 100:
         parser.error("--queues must be between 1 and 100")
 
-    from infra.bench.recovery import machine, say, write_results
+    from infra.bench.recovery import say, write_results
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A lost node's calls are cancelled when Temporal gives up on them: expected here, not worth a traceback.

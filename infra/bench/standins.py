@@ -46,6 +46,9 @@ from activities.models import (
     CheckNodeInput,
     CheckNodeResult,
     CommitCheckpointInput,
+    CommitCheckpointsInput,
+    CommitCheckpointsResult,
+    CommittedCheckpoint,
     DownloadShardsInput,
     DownloadShardsResult,
     FindCheckpointInput,
@@ -180,7 +183,9 @@ def digest(final_step: int) -> str:
 class StandinNodes:
     """Every simulated node's activities. State is keyed by (run, node), the run being the root workflow id."""
 
-    def __init__(self, runs: list[str] | None = None) -> None:
+    def __init__(self, runs: list[str] | None = None, records: NodeRecords | None = None) -> None:
+        self.records = records or NodeRecords(Path("/nonexistent"))
+        """Where the watches "upload": the stand-in of the store's node records, which the committer reads."""
         self.runs = list(runs or [])
         """The runs' root workflow ids: a call from any workflow whose id starts with one (a child workflow per
         node group, say) counts for that run, so a node's state and an attempt's rendezvous are the run's."""
@@ -224,9 +229,9 @@ class StandinNodes:
     async def download_shards(self, request: DownloadShardsInput) -> DownloadShardsResult:
         self._count("download_shards")
         await self._unless_down(request.node)
+        ranks = request.ranks or [s.rank for s in request.shards]
         return DownloadShardsResult(restore_dir=f"/sim/{request.node}/attempt-{request.attempt}",
-                                    num_bytes=sum(s.size_bytes for s in request.shards),
-                                    tiers={s.rank: "local" for s in request.shards})
+                                    num_bytes=SHARD_BYTES * len(ranks), tiers={r: "local" for r in ranks})
 
     @activity.defn(name="launch_ranks")
     async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
@@ -270,6 +275,7 @@ class StandinNodes:
         state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
         attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
         began = time.monotonic()
+        uploaded = -1
         while True:
             if request.node in self.down:
                 await asyncio.Event().wait()  # no heartbeat, no answer: the heartbeat timeout notices
@@ -290,10 +296,18 @@ class StandinNodes:
                 rank, at = state.crashed
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-9, fault_at=at, occurred_at=at,
                              detail=f"rank {rank} was killed by SIGKILL (stand-in crash)")
-            ready = attempt.saved(now, request.reported_step)
-            if ready:
+            ready = attempt.saved(now, max(request.reported_step, uploaded))
+            if ready and request.checkpoints is None:
                 return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready,
                              rank_compute_s={r: attempt.step_s for r in state.ranks()})
+            if ready and request.checkpoints is not None:
+                # As the real agent: upload the node's shards of each saved step, then write its node record.
+                for step_saved in ready:
+                    self.records.write(request.checkpoints.run_prefix, step_saved, request.node, request.attempt,
+                                       state.ranks(), step)
+                uploaded = max(ready)
+            if request.report_start and first_step_at is not None:
+                return event(WatchEventKind.STARTED)
             if step >= attempt.final_step:
                 return event(WatchEventKind.FINISHED, state_digest=digest(attempt.final_step),
                              mean_step_s=attempt.step_s)
@@ -374,12 +388,38 @@ def manifest_key(run_prefix: str, step: int) -> str:
     return f"{run_prefix}/step-{step:08d}/manifest.json"
 
 
+@dataclass(frozen=True)
+class NodeRecords:
+    """The node records the real agents write to the store (`<run>/step-N/nodes/<node>.json`), as small files
+    under one folder: the stand-in watches (in the benchmark's process) write them, the stand-in committer (in
+    the controller's) lists and reads them, as the real committer lists and reads the store."""
+
+    root: Path
+
+    def _step_dir(self, run_prefix: str, step: int) -> Path:
+        return self.root / hashlib.sha256(run_prefix.encode()).hexdigest()[:16] / f"{step:08d}"
+
+    def write(self, run_prefix: str, step: int, node: str, attempt: int, ranks: list[int], node_step: int) -> None:
+        folder = self._step_dir(run_prefix, step)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{node}.json").write_text(json.dumps({"attempt": attempt, "ranks": ranks, "node_step": node_step}))
+
+    def steps(self, run_prefix: str) -> list[int]:
+        folder = self._step_dir(run_prefix, 0).parent
+        return sorted(int(d.name) for d in folder.iterdir()) if folder.is_dir() else []
+
+    def read(self, run_prefix: str, step: int) -> list[dict[str, object]]:
+        return [json.loads(p.read_text()) for p in self._step_dir(run_prefix, step).glob("*.json")]
+
+
 class StandinStore:
     """The checkpoint store's controller-side activities over manifests kept in memory. Built without arguments
     (as `workers.controller` builds `StoreActivities`); `commits_file` is set before the worker starts."""
 
     commits_file: Path | None = None
     """Each commit appends {"at", "step", "attempt", "shards"} here, for the benchmark to read."""
+    records: NodeRecords | None = None
+    """The nodes' records, as the stand-in watches write them."""
 
     def __init__(self) -> None:
         self.manifests: dict[str, dict[int, Manifest]] = {}
@@ -416,6 +456,60 @@ class StandinStore:
         return CheckpointRef(step=request.step, manifest_key=manifest_key(request.run_prefix, request.step),
                              bucket=request.bucket, world_size=request.world_size,
                              total_bytes=sum(s.size_bytes for s in request.shards))
+
+    @activity.defn(name="commit_checkpoints")
+    async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
+        """As the real committer (`activities/checkpoints.py`): commit each step whose node records of the
+        attempts sharing the live state cover the world, keep `keep_last`, return the commits."""
+        assert self.records is not None
+        deadline = time.monotonic() + request.max_duration_s
+        last_change, seen = time.monotonic(), 0
+        while True:
+            activity.heartbeat()
+            commits, pending, count = await asyncio.to_thread(self._commit_pass, request)
+            if commits:
+                return CommitCheckpointsResult(commits=commits)
+            now = time.monotonic()
+            if count != seen:
+                last_change, seen = now, count
+            if now >= deadline or (request.quiet_s is not None and (not pending or now - last_change >= request.quiet_s)):
+                return CommitCheckpointsResult()
+            await asyncio.sleep(request.poll_interval_s)
+
+    def _commit_pass(self, request: CommitCheckpointsInput) -> tuple[list[CommittedCheckpoint], bool, int]:
+        assert self.records is not None
+        steps = self.manifests.setdefault(request.run_prefix, {})
+        commits: list[CommittedCheckpoint] = []
+        pending, count = False, 0
+        for step in self.records.steps(request.run_prefix):
+            if step <= request.after_step or step in steps:
+                continue
+            found = [r for r in self.records.read(request.run_prefix, step)
+                     if request.min_attempt <= int(r["attempt"]) <= request.attempt]  # type: ignore[call-overload]
+            count += len(found)
+            ranks = sorted(rank for r in found for rank in r["ranks"])  # type: ignore[attr-defined]
+            if ranks != list(range(request.world_size)):
+                pending = pending or bool(found)
+                continue
+            steps[step] = Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
+                                   attempt=request.attempt, created_at=time.time())
+            self._log(step, request.attempt, request.world_size, request.workflow_id)
+            commits.append(CommittedCheckpoint(
+                ref=CheckpointRef(step=step, manifest_key=manifest_key(request.run_prefix, step),
+                                  bucket=request.bucket, world_size=request.world_size,
+                                  total_bytes=SHARD_BYTES * request.world_size),
+                step=min(int(r["node_step"]) for r in found)))  # type: ignore[call-overload]
+        if commits:
+            for old in sorted(steps)[:-request.keep_last]:
+                del steps[old]
+        return commits, pending, count
+
+    def _log(self, step: int, attempt: int, shards: int, workflow_id: str) -> None:
+        if self.commits_file is None:
+            return
+        line = {"at": time.time(), "step": step, "attempt": attempt, "shards": shards, "workflow_id": workflow_id}
+        with self.commits_file.open("a") as out:
+            out.write(json.dumps(line) + "\n")
 
     @activity.defn(name="prune_checkpoints")
     async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
