@@ -34,7 +34,7 @@ Fewer, larger groups would put more events in one history; more, smaller ones mo
 
 GROUP_HISTORY_EVENTS = 10_000
 """A group watching for days continues as new past this (keepalives add 6 events per node per
-`WATCH_MAX_DURATION_S`), at a keepalive: its ranks keep running and its watches start again."""
+`WATCH_MAX_DURATION_S`: a day for 64 nodes), at a keepalive: its ranks keep running, its watches start again."""
 
 # ------------------------------------------------------------------------------ timeouts and retries
 
@@ -51,8 +51,10 @@ LAUNCH_TIMEOUT = timedelta(minutes=2)
 STOP_TIMEOUT = timedelta(seconds=60)
 """SIGTERM, a grace period, then SIGKILL of whole process groups, and reaping them."""
 
-WATCH_MAX_DURATION_S = 600.0
-"""A watch returns after this long even if nothing happened, so no activity runs unbounded."""
+WATCH_MAX_DURATION_S = 3600.0
+"""A watch returns after this long even if nothing happened, so no activity runs unbounded. Each renewal costs
+about 6 events and an action per node: an hour, not minutes, keeps a 2,048-node run's renewals near 50,000
+a day (a dead agent is noticed by the heartbeat timeout, whatever this is)."""
 
 WATCH_TIMEOUT = timedelta(seconds=WATCH_MAX_DURATION_S + 60)
 WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
@@ -139,7 +141,8 @@ class NodeCallsResult(BaseModel):
 
 
 class GroupStarted(BaseModel):
-    """Signal from a group to its run: every node of the group has run the attempt's first step."""
+    """Signal from a group to its run: the group's starters (the run's master node) have run the attempt's first
+    step."""
 
     attempt: int
     group: int
@@ -156,6 +159,10 @@ class NodeGroupWatchInput(BaseModel):
     watch: WatchRanksInput
     """The watch of every node of the group (its `node` is replaced by each node's)."""
     nodes: list[str]
+    starters: list[str] | None = None
+    """The nodes whose first step of the attempt is reported (a watch return each); None: all of them. The run
+    asks only its master node: every rank steps in lockstep with it, and a return per node per attempt would
+    cost a 4,096-node relaunch 8,192 more activity events."""
     started: dict[str, float] = Field(default_factory=dict)
     """Carried across continue-as-new: node -> when its first step of the attempt was seen."""
     finished: list[WatchEvent] = Field(default_factory=list)
@@ -233,7 +240,8 @@ class NodeGroupWatch:
         started = dict(request.started)
         finished = {e.node: e for e in request.finished}
         signalled = request.signalled
-        watches = {n: self._watch(request, n, report_start=n not in started)
+        starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
+        watches = {n: self._watch(request, n, report_start=n in starters and n not in started)
                    for n in request.nodes if n not in finished}
         try:
             while True:
@@ -257,15 +265,15 @@ class NodeGroupWatch:
                         watches[node] = self._watch(request, node, report_start=False)
                     elif event.kind is WatchEventKind.KEEPALIVE:
                         keepalive = True
-                        watches[node] = self._watch(request, node, report_start=node not in started)
+                        watches[node] = self._watch(request, node, report_start=node in starters and node not in started)
                     elif event.kind is WatchEventKind.FINISHED:
                         finished[node] = event
                         if event.first_step_at is not None:
                             started.setdefault(node, event.first_step_at)
                     else:
                         result.incidents.append(event)
-                finished_unstarted = [n for n in finished if n not in started]
-                if not signalled and started and len(started) + len(finished_unstarted) == len(request.nodes):
+                waiting = [n for n in starters if n not in started and n not in finished]
+                if not signalled and started and not waiting:
                     signalled = True
                     await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
                         "group_started", GroupStarted(attempt=request.watch.attempt, group=request.group,

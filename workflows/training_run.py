@@ -800,8 +800,10 @@ class TrainingRun:
             max_duration_s=WATCH_MAX_DURATION_S,
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
+        master = self._status.nodes[:1]
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
-            NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group),
+            NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
+                                                    starters=[n for n in group if n in master]),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
         )) for index, group in enumerate(groups_of(self._status.nodes))}

@@ -483,10 +483,10 @@ async def test_happy_path_commits_a_checkpoint_and_completes(env: WorkflowEnviro
     [commit] = cluster.inputs("commit_checkpoint")
     assert (commit.step, commit.world_size, sorted(s.rank for s in commit.shards)) == (10, 2, [0, 1])
     assert [p.protect_steps for p in cluster.inputs("prune_checkpoints")] == [[10]]
-    # A watch uploads its node's checkpoints itself: only the first step, a keepalive and the end return it,
-    # and only a start is reported once per node; nothing stopped.
+    # A watch uploads its node's checkpoints itself: only the first step (the master's, once), a keepalive and
+    # the end return it; nothing stopped.
     assert sorted((w.node, w.report_start) for w in cluster.inputs("watch_ranks")) == [
-        (nodes[0], False), (nodes[0], True), (nodes[1], False), (nodes[1], False), (nodes[1], True)]
+        (nodes[0], False), (nodes[0], True), (nodes[1], False), (nodes[1], False)]
     assert all(w.checkpoints is not None and w.checkpoints.run_prefix == f"runs/{run.handle.id}"
                for w in cluster.inputs("watch_ranks"))
     assert cluster.inputs("stop_ranks") == []
