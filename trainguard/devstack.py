@@ -287,13 +287,13 @@ class DevStack:
             echo("Temporal over mutual TLS: clients need " +
                  " ".join(f"{k}={v}" for k, v in self.client_env().items()))
 
-    def up_temporal(self, echo: Any = print) -> None:
+    def up_temporal(self, echo: Any = print, extra_args: tuple[str, ...] = ()) -> None:
         """Only the Temporal dev server (no store, no workers): for benchmarks that bring their own workers.
         `down` stops it like the whole stack."""
-        self._start_temporal(echo)
+        self._start_temporal(echo, extra_args)
         self._wait_port(self.config.ports.temporal, "Temporal server")
 
-    def _start_temporal(self, echo: Any) -> None:
+    def _start_temporal(self, echo: Any, extra_args: tuple[str, ...] = ()) -> None:
         ports = self.config.ports
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / ".gitignore").write_text("*\n")
@@ -302,7 +302,7 @@ class DevStack:
             _bin("temporal"), "server", "start-dev", "--db-filename", str(self.home / "temporal.db"),
             "--ip", "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
             "--http-port", str(ports.http), "--metrics-port", str(ports.server_metrics),
-            "--ui-disable-news-fetch", "--log-level", "warn",
+            "--ui-disable-news-fetch", "--log-level", "warn", *extra_args,
         ])
 
     def _start_s3(self) -> None:

@@ -25,7 +25,7 @@ def _quiet(_line: str) -> None:
 @contextmanager
 def private_stack(name: str, nodes: tuple[str, ...], port_start: int, echo: Callable[[str], None] = _quiet,
                   keep_logs: Path | None = None, timings: dict[str, float] | None = None,
-                  temporal_only: bool = False) -> Iterator[DevStack]:
+                  temporal_only: bool = False, temporal_args: tuple[str, ...] = ()) -> Iterator[DevStack]:
     """Bring up a stack under `.bench/<name>-<random>` on the first free ports from `port_start`, with the
     client's `TRAINGUARD_TEMPORAL_ADDRESS` pointing at it; on the way out (also on errors) stop it, restore the
     variable, copy its logs to `keep_logs` when given, and remove its folder. `timings` gets `stack_up_s` and
@@ -43,7 +43,7 @@ def private_stack(name: str, nodes: tuple[str, ...], port_start: int, echo: Call
         os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
         began = time.monotonic()
         if temporal_only:
-            stack.up_temporal(echo=echo)
+            stack.up_temporal(echo=echo, extra_args=temporal_args)
         else:
             stack.up(echo=echo)
         times["stack_up_s"] = round(time.monotonic() - began, 3)
