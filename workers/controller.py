@@ -25,6 +25,9 @@ from workflows.training_run import TrainingRun
 
 log = logging.getLogger("trainguard.controller")
 
+WORKFLOW_TASK_POLLS = 20
+"""Workflow-task polls the controller keeps open (the SDK's default is 5)."""
+
 
 def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
     """Worker versioning when the controller has a build id: runs are pinned to the build that started them
@@ -61,6 +64,9 @@ def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untype
         ],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        # A large run's node groups make bursts of workflow tasks (64 children answering at once): with the
+        # SDK's 5 polls, tasks queued past the sticky timeout and were replayed from scratch elsewhere.
+        max_concurrent_workflow_task_polls=WORKFLOW_TASK_POLLS,
         deployment_config=deployment_config(settings or Settings.from_env()),
     )
 

@@ -1,0 +1,100 @@
+"""The inputs, results and signals of the node-group child workflows (workflows/node_group.py).
+
+A module of its own, imported by the workflows through the sandbox's pass-through: the models are defined once
+per controller process, not once per child workflow.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from activities.models import WatchEvent, WatchRanksInput
+
+
+class NodeCallKind(str, Enum):
+    """A per-node operation a run fans out: each is one activity on each node's agent."""
+
+    CHECK = "check_node"
+    DOWNLOAD = "download_shards"
+    LAUNCH = "launch_ranks"
+    REJOIN = "rejoin_ranks"
+    STOP = "stop_ranks"
+    REQUEST_CHECKPOINT = "request_checkpoint"
+
+
+class NodeCall(BaseModel):
+    node: str
+    input: dict[str, Any]
+    """The activity's input model, as JSON."""
+
+
+class NodeCallsInput(BaseModel):
+    kind: NodeCallKind
+    calls: list[NodeCall]
+    summary: str
+    """What the calls do, for the UI; `{node}` is replaced by each call's node."""
+
+
+class NodeOutcome(BaseModel):
+    node: str
+    result: dict[str, Any] | None = None
+    """The activity's result model, as JSON; None when it failed."""
+    error: str | None = None
+    """Why it failed, from the innermost cause."""
+    error_type: str | None = None
+    """The failure's application error type (e.g. `BadSpec`), when it had one."""
+    timed_out: bool = False
+
+
+class NodeCallsResult(BaseModel):
+    outcomes: list[NodeOutcome]
+    """One per call, in the calls' order."""
+
+
+class GroupStarted(BaseModel):
+    """Signal from a group to its run: the group's starters (the run's master node) have run the attempt's first
+    step."""
+
+    attempt: int
+    group: int
+    first_step_at: float
+    """Unix time of the group's first step of the attempt."""
+    all_started_at: float
+    """Unix time by which every node of the group had run a step of the attempt."""
+
+
+class NodeGroupWatchInput(BaseModel):
+    run_workflow_id: str
+    """The run to signal `group_started` to (by workflow id: it survives the run's continue-as-new)."""
+    group: int
+    watch: WatchRanksInput
+    """The watch of every node of the group (its `node` is replaced by each node's)."""
+    nodes: list[str]
+    starters: list[str] | None = None
+    """The nodes whose first step of the attempt is reported (a watch return each); None: all of them. The run
+    asks only its master node: every rank steps in lockstep with it, and a return per node per attempt would
+    cost a 4,096-node relaunch 8,192 more activity events."""
+    started: dict[str, float] = Field(default_factory=dict)
+    """Carried across continue-as-new: node -> when its first step of the attempt was seen."""
+    finished: list[WatchEvent] = Field(default_factory=list)
+    """Carried across continue-as-new: nodes whose ranks have all finished."""
+    signalled: bool = False
+
+
+class LostNode(BaseModel):
+    node: str
+    detail: str
+
+
+class NodeGroupWatchResult(BaseModel):
+    incidents: list[WatchEvent] = Field(default_factory=list)
+    """Events the run must decide on (a rank exited or hung, a GPU fault), reported together."""
+    lost: list[LostNode] = Field(default_factory=list)
+    """Nodes whose agent stopped heartbeating or failed its watch."""
+    finished: list[WatchEvent] = Field(default_factory=list)
+    """Every node's FINISHED event when all of the group's ranks are done (else empty)."""
+
+
