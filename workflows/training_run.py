@@ -104,6 +104,9 @@ PATCH_IN_PROCESS = "in-process-restart"
 DRAIN_TIMEOUT = timedelta(seconds=30)
 """After an incident, pause or drain: how long uploads already under way may take to finish and commit."""
 
+DRAIN_MARGIN = timedelta(seconds=10)
+"""What the last pass may take beyond `DRAIN_TIMEOUT`: its final look at the store and a manifest write."""
+
 DRAIN_QUIET_S = 3.0
 """...and the drain ends sooner once no node has reported a new upload for this long."""
 
@@ -820,6 +823,9 @@ class TrainingRun:
                                    max_duration_s=DRAIN_TIMEOUT.total_seconds() if quiet_s else COMMITTER_MAX_DURATION_S,
                                    quiet_s=quiet_s),
             start_to_close_timeout=COMMITTER_TIMEOUT,
+            # The last pass is bounded whatever the store does: with the store down its retries would hold
+            # recovery for minutes, for a checkpoint the run can do without.
+            schedule_to_close_timeout=DRAIN_TIMEOUT + DRAIN_MARGIN if quiet_s else None,
             heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
             retry_policy=STORE_RETRY,
             result_type=CommitCheckpointsResult,

@@ -7,18 +7,31 @@ land unless it is guarded by `workflow.patched()`. Histories come from real runs
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from temporalio import workflow
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from workflows.node_group import NodeCalls, NodeGroupWatch
+from workflows.node_group_models import NodeCallsInput, NodeCallsResult
 from workflows.node_pool import NodePool
 from workflows.training_run import TrainingRun
 
 HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.json"))
+
+
+def _workflow_id(path: Path) -> str:
+    """The recorded run's workflow id: its node groups' ids start with it, and a replay under another id would
+    start children of other ids. Read from the first child it started (a run without children: any id)."""
+    for event in json.loads(path.read_text())["events"]:
+        started = event.get("startChildWorkflowExecutionInitiatedEventAttributes")
+        if started:
+            return str(started["workflowId"]).split("/", 1)[0]
+    return path.stem
 
 
 def test_histories_are_committed() -> None:
@@ -27,8 +40,27 @@ def test_histories_are_committed() -> None:
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 async def test_history_replays_without_nondeterminism(path: Path) -> None:
-    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    history = WorkflowHistory.from_json(_workflow_id(path), path.read_text())
     replayer = Replayer(workflows=[TrainingRun, NodePool, NodeCalls, NodeGroupWatch],
                         data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"
+
+
+@workflow.defn(name="NodeCalls", sandboxed=False)
+class _NodeCallsThatSkipTheirActivities:
+    """A deliberately broken NodeCalls: it answers without calling any node."""
+
+    @workflow.run
+    async def run(self, request: NodeCallsInput) -> NodeCallsResult:
+        return NodeCallsResult(outcomes=[])
+
+
+async def test_a_changed_command_sequence_fails_replay() -> None:
+    """The negative control: the replay suite catches a workflow that no longer does what its history did."""
+    calls = [p for p in HISTORIES if p.stem.startswith("calls-")]
+    assert calls, "no NodeCalls history recorded"
+    history = WorkflowHistory.from_json(calls[0].stem, calls[0].read_text())
+    replayer = Replayer(workflows=[_NodeCallsThatSkipTheirActivities], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    assert result.replay_failure is not None
