@@ -4,13 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration install clean lint
+.PHONY: demo test test-slow unit integration install clean lint
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch is pinned to the CPU wheel this machine carries (see README: installing).
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# torch: the package asks for a range; constraints.txt pins the CPU wheel this machine carries.
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -18,14 +18,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/trainguard demo $(DEMO_ARGS)
 
+# The whole suite but the minutes-long soak and benchmark smoke (marked slow): `make test-slow` runs those.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not integration" $(PYTEST_ARGS)
 
 integration: $(STAMP)
-	$(BIN)/python -m pytest tests -m integration $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m "integration and not slow" $(PYTEST_ARGS)
 
 clean:
 	-$(BIN)/trainguard dev down
@@ -67,7 +71,7 @@ soak: $(STAMP)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
 
 .PHONY: bench bench-plots

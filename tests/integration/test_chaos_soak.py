@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from infra.chaos_soak import COMPONENTS, Job, SoakConfig, run_soak, scan_ranks
+
+pytestmark = pytest.mark.slow
 
 CHAOS_MINUTES = 1.5
 JOBS = (Job(60, 10), Job(80, 20))
