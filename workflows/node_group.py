@@ -166,56 +166,54 @@ class NodeGroupWatch:
         starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
         watches = {n: self._watch(request, n, report_start=n in starters and n not in started)
                    for n in request.nodes if n not in finished}
-        try:
-            while True:
-                if watches:
-                    await workflow.wait(list(watches.values()), return_when=asyncio.FIRST_COMPLETED)
-                result = NodeGroupWatchResult()
-                keepalive = False
-                for node in request.nodes:  # a fixed order keeps the workflow deterministic
-                    task = watches.get(node)
-                    if task is None or not task.done():
-                        continue
-                    del watches[node]
-                    try:
-                        event = task.result()
-                    except ActivityError as error:
-                        how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
-                        result.lost.append(LostNode(node=node, detail=f"node agent {how}: {_failure(node, error).error}"))
-                        continue
-                    if event.kind is WatchEventKind.STARTED:
-                        started[node] = event.first_step_at or event.detected_at
-                        watches[node] = self._watch(request, node, report_start=False)
-                    elif event.kind is WatchEventKind.KEEPALIVE:
-                        keepalive = True
-                        watches[node] = self._watch(request, node, report_start=node in starters and node not in started)
-                    elif event.kind is WatchEventKind.FINISHED:
-                        finished[node] = event
-                        if event.first_step_at is not None:
-                            started.setdefault(node, event.first_step_at)
-                    else:
-                        result.incidents.append(event)
-                waiting = [n for n in starters if n not in started and n not in finished]
-                if not signalled and started and not waiting:
-                    signalled = True
-                    await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
-                        "group_started", GroupStarted(attempt=request.watch.attempt, group=request.group,
-                                                      first_step_at=min(started.values()),
-                                                      all_started_at=max(started.values())))
-                if result.incidents or result.lost:
-                    return result
-                if len(finished) == len(request.nodes):
-                    return NodeGroupWatchResult(finished=[finished[n] for n in request.nodes])
-                info = workflow.info()
-                if keepalive and (info.is_continue_as_new_suggested()
-                                  or info.get_current_history_length() > GROUP_HISTORY_EVENTS):
-                    for task in watches.values():
-                        task.cancel()
-                    workflow.continue_as_new(request.model_copy(update={
-                        "started": started, "finished": list(finished.values()), "signalled": signalled}))
-        finally:
-            for task in watches.values():
-                task.cancel()
+        # Watches still running when the group closes are left, not cancelled: a cancel that races a watch
+        # just returned is refused (ACTIVITY_UNKNOWN) and fails the workflow task. Once the group has closed,
+        # each watch's next heartbeat (a second) is refused and its agent stops it; the ranks keep running,
+        # as they would for a cancelled watch.
+        while True:
+            if watches:
+                await workflow.wait(list(watches.values()), return_when=asyncio.FIRST_COMPLETED)
+            result = NodeGroupWatchResult()
+            keepalive = False
+            for node in request.nodes:  # a fixed order keeps the workflow deterministic
+                task = watches.get(node)
+                if task is None or not task.done():
+                    continue
+                del watches[node]
+                try:
+                    event = task.result()
+                except ActivityError as error:
+                    how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
+                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {_failure(node, error).error}"))
+                    continue
+                if event.kind is WatchEventKind.STARTED:
+                    started[node] = event.first_step_at or event.detected_at
+                    watches[node] = self._watch(request, node, report_start=False)
+                elif event.kind is WatchEventKind.KEEPALIVE:
+                    keepalive = True
+                    watches[node] = self._watch(request, node, report_start=node in starters and node not in started)
+                elif event.kind is WatchEventKind.FINISHED:
+                    finished[node] = event
+                    if event.first_step_at is not None:
+                        started.setdefault(node, event.first_step_at)
+                else:
+                    result.incidents.append(event)
+            waiting = [n for n in starters if n not in started and n not in finished]
+            if not signalled and started and not waiting:
+                signalled = True
+                await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
+                    "group_started", GroupStarted(attempt=request.watch.attempt, group=request.group,
+                                                  first_step_at=min(started.values()),
+                                                  all_started_at=max(started.values())))
+            if result.incidents or result.lost:
+                return result
+            if len(finished) == len(request.nodes):
+                return NodeGroupWatchResult(finished=[finished[n] for n in request.nodes])
+            info = workflow.info()
+            if keepalive and (info.is_continue_as_new_suggested()
+                              or info.get_current_history_length() > GROUP_HISTORY_EVENTS):
+                workflow.continue_as_new(request.model_copy(update={
+                    "started": started, "finished": list(finished.values()), "signalled": signalled}))
 
     @staticmethod
     def _watch(request: NodeGroupWatchInput, node: str, report_start: bool) -> asyncio.Task[WatchEvent]:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.workflow import ActivityCancellationType
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -95,6 +96,8 @@ PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
 """Histories before this patch relaunched onto a node that had not answered the stop of its ranks."""
 PATCH_IN_PROCESS = "in-process-restart"
 """Histories before this patch relaunched every rank after a crash whatever `restarts.in_process` said."""
+PATCH_ABANDON_COMMITTER = "abandon-committer"
+"""Histories before this patch cancelled a committer they no longer needed (a cancel request in history)."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -831,6 +834,11 @@ class TrainingRun:
             result_type=CommitCheckpointsResult,
             summary=(f"commit the checkpoints left (attempt {attempt})" if quiet_s else
                      f"commit checkpoints after step {self._last_committed_step} (attempt {attempt})"),
+            # Given up without a cancel request: a cancel racing the committer's own return is refused
+            # (ACTIVITY_UNKNOWN) and fails the workflow task. An abandoned committer is harmless (its commits
+            # are idempotent, and the next pass finds them), and stops at its next heartbeat once the run closes.
+            cancellation_type=(ActivityCancellationType.ABANDON if workflow.patched(PATCH_ABANDON_COMMITTER)
+                               else ActivityCancellationType.TRY_CANCEL),
         ))
 
     async def _supervise(self, spec: RunSpec, attempt: int) -> _Outcome:
