@@ -584,10 +584,6 @@ class StoreActivities:
                 return CommitCheckpointsResult()
             await asyncio.sleep(request.poll_interval_s)
 
-    def _commit_ready(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
-        """One pass of the committer, blocking (for tests and tools)."""
-        return CommitCheckpointsResult(commits=self._commit_pass(request, _CommitterState())[0])
-
     def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:
         """Commit what is complete, then apply retention. Returns (commits, whether a step is partly

@@ -3,13 +3,15 @@
 One stand-in per activity name, each a thin method over a small in-memory model, so that when an activity's
 contract changes only its method changes:
 
-- `StandinNodes`: every node-pinned activity (check, download, launch, rejoin, watch, upload, stop, request a
-  checkpoint, inject a fault) for every simulated node, served from ONE process. Per node it keeps which
+- `StandinNodes`: every node-pinned activity the run calls (check, download, launch, rejoin, watch, stop,
+  request a checkpoint, inject a fault) for every simulated node, served from ONE process. Per node it keeps which
   attempt runs there, from which step, and which checkpoint steps its ranks have saved. An attempt's ranks
   start stepping once every node of the attempt has launched (the rendezvous), at `--step-time` seconds a step,
   save a checkpoint every `checkpoint_every` steps, and finish at the step the entrypoint names
   (`standin --steps N --step-time S`).
-- `StandinStore`: `find_checkpoint`, `commit_checkpoint` and `prune_checkpoints` over manifests kept in memory
+- `StandinStore`: `find_checkpoint` and the committer (`commit_checkpoints`) over manifests kept in memory
+  (plus `commit_checkpoint` and `prune_checkpoints`, which the real controller still registers for runs of
+  older builds)
   in the controller process; every commit is appended to a JSON-lines file the benchmark reads.
 
 Queues: serving 4,096 `trainguard-node-<node>` queues would take 4,096 Workers. `install_routing` replaces
@@ -65,11 +67,8 @@ from activities.models import (
     RejoinRanksResult,
     RequestCheckpointInput,
     RequestCheckpointResult,
-    ShardInfo,
     StopRanksInput,
     StopRanksResult,
-    UploadShardsInput,
-    UploadShardsResult,
     WatchEvent,
     WatchEventKind,
     WatchRanksInput,
@@ -297,9 +296,6 @@ class StandinNodes:
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-9, fault_at=at, occurred_at=at,
                              detail=f"rank {rank} was killed by SIGKILL (stand-in crash)")
             ready = attempt.saved(now, max(request.reported_step, uploaded))
-            if ready and request.checkpoints is None:
-                return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready,
-                             rank_compute_s={r: attempt.step_s for r in state.ranks()})
             if ready and request.checkpoints is not None:
                 # As the real agent: upload the node's shards of each saved step, then write its node record.
                 for step_saved in ready:
@@ -322,16 +318,6 @@ class StandinNodes:
                 await asyncio.wait_for(state.changed.wait(), wait)
             except TimeoutError:
                 pass
-
-    @activity.defn(name="upload_shards")
-    async def upload_shards(self, request: UploadShardsInput) -> UploadShardsResult:
-        self._count("upload_shards")
-        await self._unless_down(request.node)
-        state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
-        shards = [ShardInfo(rank=r, key=f"{request.run_prefix}/step-{request.step:08d}/rank-{r:05d}.pt",
-                            size_bytes=SHARD_BYTES, sha256=hashlib.sha256(f"{request.step}/{r}".encode()).hexdigest(),
-                            node=request.node) for r in state.ranks()]
-        return UploadShardsResult(shards=shards, num_bytes=SHARD_BYTES * len(shards))
 
     @activity.defn(name="stop_ranks")
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
@@ -378,7 +364,7 @@ class StandinNodes:
 
     def activities(self) -> list[Callable[..., object]]:
         return [self.check_node, self.download_shards, self.launch_ranks, self.rejoin_ranks, self.watch_ranks,
-                self.upload_shards, self.stop_ranks, self.request_checkpoint, self.inject_fault]
+                self.stop_ranks, self.request_checkpoint, self.inject_fault]
 
 
 # ------------------------------------------------------------------------------------------ the store
@@ -425,14 +411,6 @@ class StandinStore:
         self.manifests: dict[str, dict[int, Manifest]] = {}
         """Run prefix -> step -> manifest."""
 
-    def _log_commit(self, request: CommitCheckpointInput) -> None:
-        if self.commits_file is None:
-            return
-        line = {"at": time.time(), "step": request.step, "attempt": request.attempt, "shards": len(request.shards),
-                "workflow_id": request.workflow_id}
-        with self.commits_file.open("a") as out:
-            out.write(json.dumps(line) + "\n")
-
     @activity.defn(name="find_checkpoint")
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
         smallest = min(request.world_size, request.min_world_size or request.world_size)
@@ -452,7 +430,7 @@ class StandinStore:
                                            world_size=request.world_size, attempt=request.attempt,
                                            shards=sorted(request.shards, key=lambda s: s.rank),
                                            created_at=time.time())
-            self._log_commit(request)
+            self._log(request.step, request.attempt, len(request.shards), request.workflow_id)
         return CheckpointRef(step=request.step, manifest_key=manifest_key(request.run_prefix, request.step),
                              bucket=request.bucket, world_size=request.world_size,
                              total_bytes=sum(s.size_bytes for s in request.shards))

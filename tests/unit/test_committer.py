@@ -21,6 +21,7 @@ from activities.checkpoints import (
 )
 from activities.models import (
     CommitCheckpointsInput,
+    CommitCheckpointsResult,
     DownloadShardsInput,
     FindCheckpointInput,
     NodeCheckpointRecord,
@@ -109,6 +110,13 @@ def _upload(store: MemoryStore, step: int, node_index: int, ranks_per_node: int,
     store.objects[node_record_key(RUN, step, f"node-{node_index}")] = record.model_dump_json().encode()
 
 
+def _commit_once(request: CommitCheckpointsInput) -> CommitCheckpointsResult:
+    """The committer activity itself, given no time to wait (`max_duration_s` 0): one pass over the store."""
+    from temporalio.testing import ActivityEnvironment
+
+    return asyncio.run(ActivityEnvironment().run(StoreActivities().commit_checkpoints, request))
+
+
 def _request(world_size: int, num_nodes: int, **changes: Any) -> CommitCheckpointsInput:
     return CommitCheckpointsInput(bucket=BUCKET, run_prefix=RUN, workflow_id="wf-1", attempt=2, min_attempt=2,
                                   world_size=world_size, num_nodes=num_nodes, keep_last=2,
@@ -117,11 +125,11 @@ def _request(world_size: int, num_nodes: int, **changes: Any) -> CommitCheckpoin
 
 def test_a_step_commits_once_every_node_has_written_its_record(store: MemoryStore) -> None:
     _upload(store, 10, 0, 2, attempt=2)
-    assert StoreActivities()._commit_ready(_request(4, 2)).commits == []  # node-1 has not uploaded yet
+    assert _commit_once(_request(4, 2)).commits == []  # node-1 has not uploaded yet
     assert manifest_key(RUN, 10) not in store.objects
 
     _upload(store, 10, 1, 2, attempt=2)
-    [commit] = StoreActivities()._commit_ready(_request(4, 2)).commits
+    [commit] = _commit_once(_request(4, 2)).commits
     assert (commit.ref.step, commit.ref.world_size, commit.step) == (10, 4, 12)
     manifest = read_manifest(store, BUCKET, manifest_key(RUN, 10))
     assert manifest is not None and [s.rank for s in manifest.shards] == [0, 1, 2, 3]
@@ -132,9 +140,9 @@ def test_records_of_a_dead_attempt_never_make_a_checkpoint(store: MemoryStore) -
     _upload(store, 10, 0, 1, attempt=1)
     _upload(store, 10, 1, 1, attempt=1)
     _upload(store, 10, 0, 1, attempt=2)
-    assert StoreActivities()._commit_ready(_request(2, 2)).commits == []
+    assert _commit_once(_request(2, 2)).commits == []
     # An in-process restart carries the live ranks' state over: attempt 1's records count with attempt 2's.
-    [commit] = StoreActivities()._commit_ready(_request(2, 2, min_attempt=1)).commits
+    [commit] = _commit_once(_request(2, 2, min_attempt=1)).commits
     assert commit.ref.step == 10
 
 
@@ -142,7 +150,7 @@ def test_the_committer_judges_stragglers_and_applies_retention(store: MemoryStor
     for step in (10, 20, 30):
         _upload(store, step, 0, 2, attempt=2)
         _upload(store, step, 1, 2, attempt=2, compute_s=0.1 if step < 30 else 0.5)
-    result = StoreActivities()._commit_ready(_request(4, 2))
+    result = _commit_once(_request(4, 2))
     assert [c.ref.step for c in result.commits] == [10, 20, 30]
     assert [c.slow_ranks for c in result.commits] == [{}, {}, {2: 5.0, 3: 5.0}]
     # keep_last=2: step 10 is gone, manifest first, shards and records with it.
@@ -179,7 +187,7 @@ def test_a_large_world_is_paged_and_a_node_reads_only_its_page(store: MemoryStor
     world, per_node = 4 * MANIFEST_PAGE_RANKS, 8
     for node in range(world // per_node):
         _upload(store, 10, node, per_node, attempt=2)
-    [commit] = StoreActivities()._commit_ready(_request(world, world // per_node)).commits
+    [commit] = _commit_once(_request(world, world // per_node)).commits
     header = json.loads(store.objects[manifest_key(RUN, 10)])
     assert header["shards"] == [] and len(header["pages"]) == 4
     assert len(store.objects[manifest_key(RUN, 10)]) < 4096, "the manifest object itself stays small"
@@ -201,7 +209,7 @@ def test_a_page_that_does_not_match_its_checksum_is_refused(store: MemoryStore) 
     world = 2 * MANIFEST_PAGE_RANKS
     for node in range(world // 8):
         _upload(store, 10, node, 8, attempt=2)
-    StoreActivities()._commit_ready(_request(world, world // 8))
+    _commit_once(_request(world, world // 8))
     page = next(k for k in store.objects if "/manifest-01024.json" in k)
     store.objects[page] = store.objects[page].replace(b'"size_bytes": 10', b'"size_bytes": 11', 1)
     with pytest.raises(ValueError, match="does not match its sha256"):
@@ -210,7 +218,7 @@ def test_a_page_that_does_not_match_its_checksum_is_refused(store: MemoryStore) 
 
 def test_a_grown_world_restores_shard_r_mod_the_checkpoints_world(store: MemoryStore) -> None:
     _upload(store, 20, 0, 1, attempt=2)  # written by a world of one (a shrunk run)
-    StoreActivities()._commit_ready(_request(1, 1))
+    _commit_once(_request(1, 1))
     shards = NodeCheckpointActivities._shards_of(DownloadShardsInput(
         workflow_id="wf-1", attempt=3, node="node-1", bucket=BUCKET, manifest_key=manifest_key(RUN, 20), ranks=[1]))
     assert [(s.rank, s.key.rsplit("/", 1)[1]) for s in shards] == [(1, "rank-00000.pt")]

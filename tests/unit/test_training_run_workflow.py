@@ -44,14 +44,12 @@ from activities.models import (
     Manifest,
     NodeCheckpointRecord,
     PruneCheckpointsInput,
-    PruneCheckpointsResult,
     RejoinRanksInput,
     RejoinRanksResult,
     ShardInfo,
     StopRanksInput,
     StopRanksResult,
     UploadShardsInput,
-    UploadShardsResult,
     WatchEvent,
     WatchEventKind,
     WatchRanksInput,
@@ -180,17 +178,6 @@ class Cluster:
             return FindCheckpointResult(manifest=newest,
                                         manifest_key=_manifest_key(request.run_prefix, newest.step))
 
-        @activity.defn(name="commit_checkpoint")
-        async def commit_checkpoint(request: CommitCheckpointInput) -> CheckpointRef:
-            self.calls["commit_checkpoint"].append(request)
-            self.manifests.append(Manifest(workflow_id=request.workflow_id, step=request.step,
-                                           world_size=request.world_size, attempt=request.attempt,
-                                           shards=sorted(request.shards, key=lambda s: s.rank)))
-            return CheckpointRef(step=request.step,
-                                 manifest_key=_manifest_key(request.run_prefix, request.step),
-                                 bucket=request.bucket, world_size=request.world_size,
-                                 total_bytes=sum(s.size_bytes for s in request.shards))
-
         @activity.defn(name="commit_checkpoints")
         async def commit_checkpoints(request: CommitCheckpointsInput) -> CommitCheckpointsResult:
             """As the real committer: commit each step whose node records cover the world, prune, return."""
@@ -208,11 +195,6 @@ class Cluster:
                     return CommitCheckpointsResult()
                 activity.heartbeat()
                 await asyncio.sleep(0.01)
-
-        @activity.defn(name="prune_checkpoints")
-        async def prune_checkpoints(request: PruneCheckpointsInput) -> PruneCheckpointsResult:
-            self.calls["prune_checkpoints"].append(request)
-            return PruneCheckpointsResult()
 
         @activity.defn(name="acquire_nodes")
         async def acquire_nodes(request: AcquireNodesRequest) -> AcquireNodesResult:
@@ -236,7 +218,7 @@ class Cluster:
             self.calls["notify_scheduler"].append(request)
             return NotifySchedulerResult()
 
-        return [find_node_agents, find_checkpoint, commit_checkpoint, commit_checkpoints, prune_checkpoints,
+        return [find_node_agents, find_checkpoint, commit_checkpoints,
                 acquire_nodes, release_nodes, cordon_node, notify_scheduler]
 
     def _commit(self, request: CommitCheckpointsInput, step: int) -> CommittedCheckpoint | None:
@@ -343,17 +325,6 @@ class Cluster:
                     continue
                 return step.model_copy(update={"node": request.node})
 
-        @activity.defn(name="upload_shards")
-        async def upload_shards(request: UploadShardsInput) -> UploadShardsResult:
-            self.calls["upload_shards"].append(request)
-            [launch] = [r for r in self.calls["launch_ranks"]
-                        if (r.node, r.attempt) == (request.node, request.attempt)]
-            first = launch.node_rank * self.ranks_per_node
-            shards = [ShardInfo(rank=r, key=f"{request.run_prefix}/step-{request.step:08d}/rank-{r:05d}.pt",
-                                size_bytes=100, sha256=f"{r:064x}", node=request.node)
-                      for r in range(first, first + self.ranks_per_node)]
-            return UploadShardsResult(shards=shards, num_bytes=100 * len(shards))
-
         @activity.defn(name="inject_fault")
         async def inject_fault(request: InjectFaultInput) -> InjectFaultResult:
             self.calls["inject_fault"].append(request)
@@ -366,7 +337,7 @@ class Cluster:
                 raise ApplicationError(f"no agent on {request.node}", type="Unreachable", non_retryable=True)
             return StopRanksResult(stopped=self.ranks_per_node)
 
-        return [check_node, download_shards, launch_ranks, rejoin_ranks, watch_ranks, upload_shards, inject_fault,
+        return [check_node, download_shards, launch_ranks, rejoin_ranks, watch_ranks, inject_fault,
                 stop_ranks]
 
 
