@@ -75,7 +75,11 @@ def _port_free(port: int) -> bool:
 def free_port_base(start: int, num_nodes: int = len(DEFAULT_NODES), step: int = 50, stop: int = 60_000) -> int:
     """The first base from `start` whose stack would find every port free, the node agents' metrics ports
     included, and no SeaweedFS socket left in /tmp on its ports: a private stack (tests, benchmarks, the
-    soak) that never meets a developer's `trainguard dev up` or another private stack."""
+    soak) that never meets a developer's `trainguard dev up` or another private stack.
+
+    `TRAINGUARD_PORT_SEARCH_OFFSET` shifts `start`, so suites run side by side from two checkouts do not race
+    for the same first free base between its check and its bind."""
+    start += int(os.environ.get("TRAINGUARD_PORT_SEARCH_OFFSET", "0"))
     for base in range(start, stop, step):
         ports = Ports.from_base(base)
         every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
