@@ -346,12 +346,19 @@ class WatchRanksInput(BaseModel):
     """Newest checkpoint step already reported by an earlier watch; only newer ones are reported."""
     first_step_reported: bool = False
     max_duration_s: float = 600.0
+    """Return KEEPALIVE after this long so no single activity runs forever."""
     checkpoints: WatchCheckpoints | None = None
     """Upload complete local steps and write their `NodeCheckpointRecord` instead of returning
     CHECKPOINT_READY."""
     report_start: bool = False
     """Return STARTED once the attempt's first step is seen here."""
-    """Return KEEPALIVE after this long so no single activity runs forever."""
+    launch: LaunchRanksInput | None = None
+    """Launch this node's ranks of `attempt` first, unless the node already runs it (or a newer one): a
+    relaunch then costs each node one activity, its watch, not a launch and a watch (and a download)."""
+    download: DownloadShardsInput | None = None
+    """With `launch`: download the shards its ranks restore from first, and launch them from there."""
+    download_timeout_s: float = 7200.0
+    """How long the watch retries a download the store fails (an outage), before it fails as the node's."""
 
 
 class WatchEvent(BaseModel):

@@ -26,6 +26,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.models import (
+    DownloadShardsInput,
+    DownloadShardsResult,
     NodeCheckpointRecord,
     WatchCheckpoints,
     InjectFaultInput,
@@ -72,6 +74,12 @@ FINAL_UPLOAD_MARGIN_S = 30.0
 `max_duration_s` (its start-to-close timeout leaves 60 s): the last checkpoint is the one a rerun resumes from."""
 
 Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int], Awaitable[NodeCheckpointRecord]]
+Downloader = Callable[[DownloadShardsInput], Awaitable[DownloadShardsResult]]
+
+DOWNLOAD_RETRY_INITIAL_S = 2.0
+DOWNLOAD_RETRY_MAX_S = 30.0
+"""A watch that launches retries a download the store fails as the transfer policy would (2 s doubling to
+30 s): an outage heals; bad bytes (a non-retryable error) never do, and fail the watch at once."""
 """(workflow id, attempt, target, step, rank compute times, node step) -> the node record written."""
 
 
@@ -242,8 +250,11 @@ class RankActivities:
 
     def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
-                 allowed_env: frozenset[str] = frozenset(), uploader: Uploader | None = None) -> None:
+                 allowed_env: frozenset[str] = frozenset(), uploader: Uploader | None = None,
+                 downloader: Downloader | None = None) -> None:
         self.node = node
+        self.downloader = downloader
+        """Downloads the shards a launch restores from (`NodeCheckpointActivities.download_shards`)."""
         self.uploader = uploader
         """Uploads a complete local step and writes its node record (`NodeCheckpointActivities.upload_step`)."""
         self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
@@ -730,7 +741,11 @@ class RankActivities:
 
     @activity.defn(name="watch_ranks")
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
-        """Watch this node's ranks; return on the first event (exit, hang, checkpoint ready, all finished)."""
+        """Watch this node's ranks; return on the first event (exit, hang, checkpoint ready, all finished).
+        With `request.launch`, launch the attempt's ranks here first (downloading their shards first with
+        `request.download`), unless this node already runs that attempt."""
+        if request.launch is not None:
+            await self._launch_from_watch(request, request.launch)
         record = self._record(request.workflow_id)
         if record is None or record.attempt != request.attempt:
             raise ApplicationError(
@@ -821,6 +836,42 @@ class RankActivities:
             if time.monotonic() - started > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
             await asyncio.sleep(health.poll_interval_s)
+
+    async def _launch_from_watch(self, request: WatchRanksInput, launch: LaunchRanksInput) -> None:
+        """The launch a relaunch's watch carries: idempotent by attempt, as `launch_ranks` is (a watch started
+        again after a keepalive or a controller restart launches nothing twice)."""
+        current = self._record(request.workflow_id)
+        if current is not None and current.chain_id == launch.chain_id and current.attempt >= launch.attempt:
+            return  # launched already; a newer attempt here fails the watch just below (NoSuchAttempt)
+        if request.download is not None:
+            restored = await self._download_for_launch(request.download, request.download_timeout_s)
+            launch = launch.model_copy(update={"restore_dir": restored.restore_dir})
+        await self.launch_ranks(launch)
+
+    async def _download_for_launch(self, request: DownloadShardsInput, timeout_s: float) -> DownloadShardsResult:
+        """Download as `download_shards` does, heartbeating the watch meanwhile (one shard can take longer
+        than the watch's heartbeat timeout), retrying what the store fails until `timeout_s`."""
+        if self.downloader is None:
+            raise ApplicationError(f"node {self.node} has no checkpoint tier to restore from",
+                                   type="NoLocalShards", non_retryable=True)
+        deadline, delay = time.monotonic() + timeout_s, DOWNLOAD_RETRY_INITIAL_S
+        while True:
+            task = asyncio.ensure_future(self.downloader(request))
+            while not task.done():
+                activity.heartbeat({"node": self.node, "attempt": request.attempt, "downloading": True})
+                await asyncio.wait([task], timeout=1.0)
+            error = task.exception()
+            if error is None:
+                return task.result()
+            if (isinstance(error, ApplicationError) and error.non_retryable) or time.monotonic() + delay > deadline:
+                raise error
+            log.warning("download for attempt %d of %s failed, retrying in %.0fs: %s", request.attempt,
+                        request.workflow_id, delay, error)
+            resume = time.monotonic() + delay
+            while time.monotonic() < resume:  # the watch's heartbeat timeout is shorter than the backoff
+                activity.heartbeat({"node": self.node, "attempt": request.attempt, "downloading": True})
+                await asyncio.sleep(min(1.0, resume - time.monotonic()))
+            delay = min(DOWNLOAD_RETRY_MAX_S, delay * 2)
 
     def _upload_ready(self, record: AttemptRecord, target: WatchCheckpoints, steps: list[int],
                       compute: dict[int, float], node_step: int) -> None:

@@ -45,7 +45,8 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
     node_health = NodeHealth()
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
-                           allowed_env=allowed_env, uploader=checkpoints.upload_step)
+                           allowed_env=allowed_env, uploader=checkpoints.upload_step,
+                           downloader=checkpoints.download_shards)
     health = HealthActivities(node, host, node_health)
     worker = Worker(
         client,

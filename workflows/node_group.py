@@ -52,6 +52,12 @@ NODE_SCHEDULE_TO_START = timedelta(seconds=10)
 """Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever. A live agent
 polls all the time and starts one in milliseconds; 10 s, like the watch's heartbeat timeout, means it is gone."""
 
+BURST_SCHEDULE_TO_START = timedelta(seconds=30)
+"""...but where a call reaches every node of a run at once (the check at reservation, a relaunch's launching
+watches), thousands of activities queue together, and on a small Temporal the last is matched to its agent
+seconds later: at 1,024 nodes on a loaded two-core dev server, checks waited past 10 s, and the run took
+live nodes for dead. A dead node is noticed 20 s later there; everywhere else 10 s still holds."""
+
 CHECK_NODE_TIMEOUT = timedelta(seconds=30)
 """An NVML query and a reply; anything slower is a sick node."""
 
@@ -94,10 +100,11 @@ class _CallOptions:
     retry: RetryPolicy
     heartbeat: timedelta | None = None
     schedule_to_close: timedelta | None = None
+    schedule_to_start: timedelta = NODE_SCHEDULE_TO_START
 
 
 _CALL_OPTIONS: dict[NodeCallKind, _CallOptions] = {
-    NodeCallKind.CHECK: _CallOptions(CHECK_NODE_TIMEOUT, NODE_CALL_RETRY),
+    NodeCallKind.CHECK: _CallOptions(CHECK_NODE_TIMEOUT, NODE_CALL_RETRY, schedule_to_start=BURST_SCHEDULE_TO_START),
     NodeCallKind.DOWNLOAD: _CallOptions(TRANSFER_TIMEOUT, TRANSFER_RETRY, TRANSFER_HEARTBEAT_TIMEOUT,
                                         TRANSFER_SCHEDULE_TO_CLOSE),
     NodeCallKind.LAUNCH: _CallOptions(LAUNCH_TIMEOUT, NODE_CALL_RETRY),
@@ -139,7 +146,7 @@ class NodeCalls:
                     task_queue=node_task_queue(one.node),
                     start_to_close_timeout=options.start_to_close,
                     schedule_to_close_timeout=options.schedule_to_close,
-                    schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+                    schedule_to_start_timeout=options.schedule_to_start,
                     heartbeat_timeout=options.heartbeat,
                     retry_policy=options.retry,
                     result_type=dict,
@@ -164,7 +171,7 @@ class NodeGroupWatch:
         finished = {e.node: e for e in request.finished}
         signalled = request.signalled
         starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
-        watches = {n: self._watch(request, n, report_start=n in starters and n not in started)
+        watches = {n: self._watch(request, n, report_start=n in starters and n not in started, launch=True)
                    for n in request.nodes if n not in finished}
         # Watches still running when the group closes are left, not cancelled: a cancel that races a watch
         # just returned is refused (ACTIVITY_UNKNOWN) and fails the workflow task. Once the group has closed,
@@ -184,7 +191,9 @@ class NodeGroupWatch:
                     event = task.result()
                 except ActivityError as error:
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
-                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {_failure(node, error).error}"))
+                    failure = _failure(node, error)
+                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {failure.error}",
+                                                error_type=failure.error_type))
                     continue
                 if event.kind is WatchEventKind.STARTED:
                     started[node] = event.first_step_at or event.detected_at
@@ -213,16 +222,31 @@ class NodeGroupWatch:
             if keepalive and (info.is_continue_as_new_suggested()
                               or info.get_current_history_length() > GROUP_HISTORY_EVENTS):
                 workflow.continue_as_new(request.model_copy(update={
-                    "started": started, "finished": list(finished.values()), "signalled": signalled}))
+                    "started": started, "finished": list(finished.values()), "signalled": signalled,
+                    "launch": None, "download": None}))  # every node has launched: a watch returned
 
     @staticmethod
-    def _watch(request: NodeGroupWatchInput, node: str, report_start: bool) -> asyncio.Task[WatchEvent]:
-        watch = request.watch.model_copy(update={"node": node, "report_start": report_start})
+    def _watch(request: NodeGroupWatchInput, node: str, report_start: bool,
+               launch: bool = False) -> asyncio.Task[WatchEvent]:
+        """`node`'s watch; its first (`launch`) also launches the node's ranks when the group launches them."""
+        update: dict[str, object] = {"node": node, "report_start": report_start}
+        launches = launch and request.launch is not None and node not in request.launched
+        if launches:
+            assert request.launch is not None
+            node_rank = request.first_node_rank + request.nodes.index(node)
+            update["launch"] = request.launch.model_copy(update={"node": node, "node_rank": node_rank})
+            if request.download is not None:
+                per_node = request.launch.ranks_per_node
+                update["download"] = request.download.model_copy(update={
+                    "node": node, "ranks": list(range(node_rank * per_node, (node_rank + 1) * per_node))})
+                update["download_timeout_s"] = TRANSFER_TIMEOUT.total_seconds()
+        watch = request.watch.model_copy(update=update)
         return asyncio.ensure_future(workflow.execute_activity(
             "watch_ranks", watch,
             task_queue=node_task_queue(node),
-            start_to_close_timeout=WATCH_TIMEOUT,
-            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            # A launching watch may first download for as long as a download activity would.
+            start_to_close_timeout=WATCH_TIMEOUT + TRANSFER_TIMEOUT if launches else WATCH_TIMEOUT,
+            schedule_to_start_timeout=BURST_SCHEDULE_TO_START if launches else NODE_SCHEDULE_TO_START,
             heartbeat_timeout=WATCH_HEARTBEAT_TIMEOUT,
             retry_policy=WATCH_RETRY,
             result_type=WatchEvent,

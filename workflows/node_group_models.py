@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from activities.models import WatchEvent, WatchRanksInput
+from activities.models import DownloadShardsInput, LaunchRanksInput, WatchEvent, WatchRanksInput
 
 
 class NodeCallKind(str, Enum):
@@ -82,11 +82,24 @@ class NodeGroupWatchInput(BaseModel):
     finished: list[WatchEvent] = Field(default_factory=list)
     """Carried across continue-as-new: nodes whose ranks have all finished."""
     signalled: bool = False
+    launch: LaunchRanksInput | None = None
+    """The attempt's launch, as every node of the group but `launched` runs it: each node's first watch
+    launches its ranks (its `node`, `node_rank` filled in), so a relaunch costs a node one activity. None: the
+    ranks run already (a watch after continue-as-new, or the launches were their own activities)."""
+    download: DownloadShardsInput | None = None
+    """With `launch`: what each node downloads first (its `node` and `ranks` filled in)."""
+    first_node_rank: int = 0
+    """Node rank of the group's first node: groups are consecutive slices of the attempt's nodes."""
+    launched: list[str] = Field(default_factory=list)
+    """Nodes already launched by an activity of their own (the master node, which picks the rendezvous)."""
 
 
 class LostNode(BaseModel):
     node: str
     detail: str
+    error_type: str | None = None
+    """The watch's application error type, when it failed with one: a launch from the watch can fail as the
+    spec's fault (`BadSpec`, `EntrypointNotAllowed`) or the checkpoint's (`CorruptCheckpoint`), not the node's."""
 
 
 class NodeGroupWatchResult(BaseModel):

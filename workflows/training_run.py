@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
     from workflows.node_group import (
+        NODES_PER_GROUP,
         NODE_CALL_RETRY,
         NODE_SCHEDULE_TO_START,
         STOP_TIMEOUT,
@@ -83,6 +84,7 @@ with workflow.unsafe.imports_passed_through():
         NodeGroupWatchInput,
         NodeGroupWatchResult,
         NodeOutcome,
+        LostNode,
         groups_of,
     )
 
@@ -98,9 +100,23 @@ PATCH_IN_PROCESS = "in-process-restart"
 """Histories before this patch relaunched every rank after a crash whatever `restarts.in_process` said."""
 PATCH_ABANDON_COMMITTER = "abandon-committer"
 """Histories before this patch cancelled a committer they no longer needed (a cancel request in history)."""
+PATCH_FAN_OUT_SLOTS = "fan-out-slots"
+"""Histories before this patch started every group's node calls at once, however many groups."""
+PATCH_LAUNCH_IN_WATCH = "launch-in-watch"
+"""Histories before this patch downloaded and launched on every node with activities of their own, then
+watched; now only the master node does, and every other node's first watch downloads and launches."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
+
+FAN_OUT_GROUPS = 8
+"""Node-call groups a run keeps open at once: 512 node activities, which a dev server on two cores matches to
+their agents within seconds; the 64 groups of a 4,096-node check all at once left 1,309 checks waiting past
+their schedule-to-start timeout, and the run took those nodes for dead."""
+
+SPEC_FAULTS = ("BadSpec", "StaleAttempt", "EntrypointNotAllowed")
+"""Launch failures that are the spec's (or its operator's) fault: the run fails with InvalidSpec, no node is
+cordoned and no spare spent."""
 
 # ------------------------------------------------------------------------------ timeouts and retries
 
@@ -223,6 +239,8 @@ class TrainingRun:
         self._lost: list[str] = []
         self._replaced: list[str] = []
         self._continued = 0
+        self._corrupt_steps: list[int] = []
+        """Checkpoints a node's launching watch found corrupt: later restores pass them over."""
 
     # ------------------------------------------------------------------------------ queries/updates
     @workflow.query
@@ -333,11 +351,19 @@ class TrainingRun:
         wid = workflow.info().workflow_id
         tag = str(workflow.uuid4())[:8]
         chunks = groups_of([NodeCall(node=node, input=request.model_dump(mode="json")) for node, request in calls])
-        results: list[NodeCallsResult] = await asyncio.gather(*(workflow.execute_child_workflow(
-            NodeCalls.run, NodeCallsInput(kind=kind, calls=chunk, summary=summary),
-            id=f"{wid}/{kind.value}-{tag}-{index}", result_type=NodeCallsResult,
-            static_summary=f"{kind.value} on {chunk[0].node}..{chunk[-1].node} ({len(chunk)} nodes)",
-        ) for index, chunk in enumerate(chunks)))
+        # Past FAN_OUT_GROUPS groups, the rest wait for a free slot: thousands of node activities queued at once
+        # wait longer than NODE_SCHEDULE_TO_START to be matched to their agents, and would read as dead nodes.
+        limit = asyncio.Semaphore(FAN_OUT_GROUPS if len(chunks) > FAN_OUT_GROUPS and workflow.patched(
+            PATCH_FAN_OUT_SLOTS) else len(chunks) or 1)
+
+        async def one(index: int, chunk: list[NodeCall]) -> NodeCallsResult:
+            async with limit:
+                return await workflow.execute_child_workflow(
+                    NodeCalls.run, NodeCallsInput(kind=kind, calls=chunk, summary=summary),
+                    id=f"{wid}/{kind.value}-{tag}-{index}", result_type=NodeCallsResult,
+                    static_summary=f"{kind.value} on {chunk[0].node}..{chunk[-1].node} ({len(chunk)} nodes)")
+
+        results = await asyncio.gather(*(one(index, chunk) for index, chunk in enumerate(chunks)))
         return [outcome for result in results for outcome in result.outcomes]
 
     @inject_fault.validator
@@ -636,8 +662,9 @@ class TrainingRun:
     async def _run_attempt(self, spec: RunSpec, attempt: int) -> _Outcome:
         if self._warm is not None:
             return await self._run_in_process(spec, attempt, self._warm)
+        in_watch = workflow.patched(PATCH_LAUNCH_IN_WATCH)
         try:
-            found, restore_dirs = await self._restore(spec, attempt)
+            found, restore_dirs = await self._restore(spec, attempt, master_only=in_watch)
         except _NodeFailed as failed:
             return _Outcome(False, self._node_lost(failed.node, attempt, str(failed)))
         except _StoreUnavailable as unavailable:
@@ -670,17 +697,29 @@ class TrainingRun:
                 rejoin_timeout_s=spec.restarts.rejoin_timeout_s if spec.restarts.in_process else None,
             )
 
-        outcomes = await self._master_first(NodeCallKind.LAUNCH, launch, LaunchRanksResult,
-                                            f"launch ranks on {{node}} (attempt {attempt}, from step {restore_step})")
+        summary = f"launch ranks on {{node}} (attempt {attempt}, from step {restore_step})"
+        if in_watch:
+            # The master picks the rendezvous; every other node launches from its first watch, given it.
+            outcomes = await self._fan_out(NodeCallKind.LAUNCH, [(nodes[0], launch(0, None))], summary)
+        else:
+            outcomes = await self._master_first(NodeCallKind.LAUNCH, launch, LaunchRanksResult, summary)
         for outcome in outcomes:
             if outcome.result is not None:
                 continue
-            if outcome.error_type in ("BadSpec", "StaleAttempt", "EntrypointNotAllowed"):
+            if outcome.error_type in SPEC_FAULTS:
                 self._status.reason = outcome.error
                 raise ApplicationError(self._status.reason or "bad spec", type="InvalidSpec", non_retryable=True)
             return _Outcome(False, self._node_lost(outcome.node, attempt, f"launch failed: {outcome.error}"))
         self._set_phase(Phase.RUNNING)
-        return await self._supervise(spec, attempt)
+        if not in_watch or len(nodes) == 1:
+            return await self._supervise(spec, attempt)
+        master = LaunchRanksResult.model_validate(outcomes[0].result)
+        template = launch(0, master).model_copy(update={"node": "", "node_rank": 0, "restore_dir": None})
+        download = None
+        if found.manifest is not None and found.manifest_key is not None:
+            download = DownloadShardsInput(workflow_id=wid, attempt=attempt, node="", bucket=spec.checkpoint.bucket,
+                                           manifest_key=found.manifest_key, local_tier=spec.checkpoint.local_tier)
+        return await self._supervise(spec, attempt, launch=template, download=download)
 
     async def _master_first(self, kind: NodeCallKind, make: Callable[[int, Any], Any], result_type: type[_Group],
                             summary: str) -> list[NodeOutcome]:
@@ -737,9 +776,12 @@ class TrainingRun:
         await self._stop_everywhere(nodes, attempt, "in-process restart failed: relaunch")
         return _Outcome(False, fallback=True)
 
-    async def _restore(self, spec: RunSpec, attempt: int) -> tuple[FindCheckpointResult, dict[str, str]]:
+    async def _restore(self, spec: RunSpec, attempt: int,
+                       master_only: bool = False) -> tuple[FindCheckpointResult, dict[str, str]]:
+        """The newest usable checkpoint, downloaded to every node (`master_only`: to the master node; the
+        others download from their launching watch). A corrupt one is passed over for the one before."""
         self._set_phase(Phase.RESTORING)
-        excluded: list[int] = []
+        excluded: list[int] = list(self._corrupt_steps)
         while True:
             try:
                 found = await self._find_checkpoint(spec, attempt, excluded)
@@ -753,7 +795,8 @@ class TrainingRun:
             if found.manifest is None or found.manifest_key is None:
                 return found, {}
             try:
-                return found, await self._download(spec, attempt, found.manifest.step, found.manifest_key)
+                return found, await self._download(spec, attempt, found.manifest.step, found.manifest_key,
+                                                   count=1 if master_only else None)
             except _CheckpointCorrupt as corrupt:
                 excluded.append(corrupt.step)
                 self._record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt,
@@ -775,10 +818,11 @@ class TrainingRun:
             summary=f"find newest checkpoint (attempt {attempt})",
         )
 
-    async def _download(self, spec: RunSpec, attempt: int, step: int, manifest_key: str) -> dict[str, str]:
-        """Every node reads the shards its ranks restore from the manifest itself (rank r: shard r mod the
-        checkpoint's world size): no shard list passes through history."""
-        nodes, per_node, wid = self._status.nodes, spec.ranks_per_node, workflow.info().workflow_id
+    async def _download(self, spec: RunSpec, attempt: int, step: int, manifest_key: str,
+                        count: int | None = None) -> dict[str, str]:
+        """Every node (the first `count`) reads the shards its ranks restore from the manifest itself (rank r:
+        shard r mod the checkpoint's world size): no shard list passes through history."""
+        nodes, per_node, wid = self._status.nodes[:count], spec.ranks_per_node, workflow.info().workflow_id
         outcomes = await self._fan_out(NodeCallKind.DOWNLOAD, [
             (node, DownloadShardsInput(workflow_id=wid, attempt=attempt, node=node, bucket=spec.checkpoint.bucket,
                                        manifest_key=manifest_key,
@@ -797,7 +841,9 @@ class TrainingRun:
         return {node: result.restore_dir for node, result in zip(nodes, results)}
 
     # ----------------------------------------------------------------------------------- supervise
-    def _watch_groups(self, spec: RunSpec, attempt: int) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
+    def _watch_groups(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None = None,
+                      download: DownloadShardsInput | None = None) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
+        """A `NodeGroupWatch` per group; with `launch`, each node but the master launches from its first watch."""
         wid = workflow.info().workflow_id
         watch = WatchRanksInput(
             workflow_id=wid, attempt=attempt, node="", health=spec.health,
@@ -809,7 +855,10 @@ class TrainingRun:
         master = self._status.nodes[:1]
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
             NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
-                                                    starters=[n for n in group if n in master]),
+                                                    starters=[n for n in group if n in master],
+                                                    launch=launch, download=download,
+                                                    first_node_rank=index * NODES_PER_GROUP,
+                                                    launched=[n for n in group if n in master] if launch else []),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
         )) for index, group in enumerate(groups_of(self._status.nodes))}
@@ -841,9 +890,10 @@ class TrainingRun:
                                else ActivityCancellationType.TRY_CANCEL),
         ))
 
-    async def _supervise(self, spec: RunSpec, attempt: int) -> _Outcome:
+    async def _supervise(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None = None,
+                         download: DownloadShardsInput | None = None) -> _Outcome:
         nodes = list(self._status.nodes)
-        watches = self._watch_groups(spec, attempt)
+        watches = self._watch_groups(spec, attempt, launch, download)
         committer = self._committer(spec, attempt)
         finished: dict[int, NodeGroupWatchResult] = {}
         incident: Incident | None = None
@@ -852,8 +902,11 @@ class TrainingRun:
 
         continue_as_new = drain = False
         grow: list[str] = []
+        spec_fault: LostNode | None = None
+        corrupt: LostNode | None = None
+        """A launching watch's download found the restored checkpoint corrupt."""
         while incident is None and not paused and not continue_as_new and not drain and not grow and (
-                len(finished) < len(watches)):
+                spec_fault is None and corrupt is None and len(finished) < len(watches)):
             pending: list[asyncio.Task[Any]] = [*(t for g, t in watches.items() if g not in finished), committer,
                                                 control]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -872,6 +925,12 @@ class TrainingRun:
             for group in sorted(reported):  # a fixed order keeps the workflow deterministic
                 result = watches[group].result()
                 for lost in result.lost:
+                    if lost.error_type in SPEC_FAULTS:  # from a launching watch: the spec's fault, not the node's
+                        spec_fault = spec_fault or lost
+                        continue
+                    if lost.error_type == "CorruptCheckpoint":
+                        corrupt = corrupt or lost
+                        continue
                     found = self._node_lost(lost.node, attempt, lost.detail)
                     seen.append((found.detected_at, found))
                 for event in result.incidents:
@@ -913,6 +972,19 @@ class TrainingRun:
         committer.cancel()
         await asyncio.gather(committer, control, return_exceptions=True)  # a cancel is not waited on
         await self._stop_watching(watches)
+        if spec_fault is not None:
+            self._status.reason = f"launch failed on {spec_fault.node}: {spec_fault.detail}"
+            raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True)
+        if corrupt is not None:
+            # As a corrupt download before any launch: pass the checkpoint over and restore the one before.
+            step = self._status.resumed_step
+            self._corrupt_steps.append(step)
+            self._record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt, node=corrupt.node,
+                                           detail=f"step {step}: {corrupt.detail}", action=Action.RESTART,
+                                           detected_at=workflow.now().timestamp()))
+            self._set_phase(Phase.RECOVERING)
+            await self._stop_everywhere(self._status.nodes, attempt, f"checkpoint {step} is corrupt: restore older")
+            return _Outcome(False, fallback=True)
         if continue_as_new and incident is None and not paused:
             return _Outcome(False, continue_as_new=True)
         # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.

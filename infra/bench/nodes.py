@@ -397,7 +397,7 @@ async def read_histories(client: Any, workflow_id: str, save: Path | None = None
         if save is not None:
             save.mkdir(parents=True, exist_ok=True)
             history = await client.get_workflow_handle(key[0], run_id=key[1]).fetch_history()
-            (save / f"{key[0]}-{key[1]}.json").write_text(history.to_json())
+            (save / f"{key[0].replace('/', '%2F')}-{key[1]}.json").write_text(history.to_json())
         queue.extend(walked.children)
         if walked.next_run_id:
             queue.append((key[0], walked.next_run_id))

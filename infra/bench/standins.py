@@ -271,6 +271,12 @@ class StandinNodes:
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
         self._count("watch_ranks")
         await self._unless_down(request.node)
+        current = self.nodes.get((self.run_of(request.workflow_id), request.node))
+        if request.launch is not None and (current is None or current.attempt < request.launch.attempt):
+            # As the real agent: a relaunch's first watch downloads and launches the node's ranks itself.
+            if request.download is not None:
+                await self.download_shards(request.download)
+            await self.launch_ranks(request.launch)
         state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
         attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
         began = time.monotonic()

@@ -127,6 +127,10 @@ class Cluster:
     at step 20 once a script runs out."""
     corrupt_steps: set[int] = field(default_factory=set)
     """Checkpoint steps whose shards fail their checksum at download."""
+    corrupt_on: set[str] = field(default_factory=set)
+    """...on these nodes only (empty: on every node)."""
+    refuse_launch: dict[str, str] = field(default_factory=dict)
+    """Node -> the non-retryable error type its agent refuses a launch with (its own allow-list, say)."""
     missing: list[str] = field(default_factory=list)
     """Nodes `find_node_agents` reports without an agent."""
     unhealthy: dict[str, str] = field(default_factory=dict)
@@ -268,7 +272,8 @@ class Cluster:
         @activity.defn(name="download_shards")
         async def download_shards(request: DownloadShardsInput) -> DownloadShardsResult:
             self.calls["download_shards"].append(request)
-            if any(f"/step-{step:08d}/" in (request.manifest_key or "") for step in self.corrupt_steps):
+            if any(f"/step-{step:08d}/" in (request.manifest_key or "") for step in self.corrupt_steps) and (
+                    not self.corrupt_on or request.node in self.corrupt_on):
                 raise ApplicationError("shard rank 0: sha256 mismatch", type="CorruptCheckpoint",
                                        non_retryable=True)
             return DownloadShardsResult(restore_dir=f"/restore/{request.node}/attempt-{request.attempt}",
@@ -277,6 +282,9 @@ class Cluster:
         @activity.defn(name="launch_ranks")
         async def launch_ranks(request: LaunchRanksInput) -> LaunchRanksResult:
             self.calls["launch_ranks"].append(request)
+            if request.node in self.refuse_launch:
+                raise ApplicationError(f"entrypoint not allowed on {request.node}",
+                                       type=self.refuse_launch[request.node], non_retryable=True)
             return LaunchRanksResult(node=request.node,
                                      master_addr=request.master_addr or f"{request.node}.cluster",
                                      master_port=request.master_port or 29500 + request.attempt,
@@ -298,6 +306,12 @@ class Cluster:
         @activity.defn(name="watch_ranks")
         async def watch_ranks(request: WatchRanksInput) -> WatchEvent:
             self.calls["watch_ranks"].append(request)
+            if request.launch is not None:  # as the agent: a relaunch's first watch downloads and launches
+                launch = request.launch
+                if request.download is not None:
+                    restored = await download_shards(request.download)
+                    launch = launch.model_copy(update={"restore_dir": restored.restore_dir})
+                await launch_ranks(launch)
             if self.while_running is not None:
                 while_running, self.while_running = self.while_running, None
                 await while_running(self.client.get_workflow_handle(request.workflow_id))
@@ -942,6 +956,44 @@ async def test_corrupt_checkpoint_falls_back_to_the_one_before(env: WorkflowEnvi
     assert result.incidents[1].detail.startswith("step 20: ")
     assert "sha256 mismatch" in result.incidents[1].detail
     assert result.incidents[1].resumed_step == 10
+
+
+async def test_a_corrupt_shard_found_by_a_launching_watch_restores_the_checkpoint_before(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, corrupt_steps={20}, corrupt_on={nodes[1]}, watch_script={
+        (1, nodes[0]): [_ready(10, 20), _exited(-9)],
+        (1, nodes[1]): [_ready(10, 20), BLOCK],
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult)
+    # The master downloaded step 20 intact and launched; node 1's first watch found its shard corrupt.
+    assert [(d.node, d.attempt) for d in cluster.inputs("download_shards")
+            if "/step-00000020/" in (d.manifest_key or "")] == [(nodes[0], 2), (nodes[1], 2)]
+    assert [(i.kind, i.node, i.attempt) for i in result.incidents] == [
+        (IncidentKind.CRASH, nodes[0], 1), (IncidentKind.CHECKPOINT_CORRUPT, nodes[1], 2)]
+    assert [f.exclude_steps for f in cluster.inputs("find_checkpoint")] == [[], [], [20]]
+    assert sorted((r.node, r.restore_step) for r in _by_attempt(cluster.inputs("launch_ranks"), 3)) == [
+        (nodes[0], 10), (nodes[1], 10)]
+    assert cluster.inputs("cordon_node") == [], "a corrupt checkpoint is not the node's fault"
+
+
+async def test_a_launch_a_node_refuses_from_its_watch_fails_the_run_as_the_specs_fault(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(3)
+    cluster = Cluster(nodes=nodes, refuse_launch={nodes[2]: "EntrypointNotAllowed"},
+                      watch_script={(1, n): [BLOCK] for n in nodes[:2]})
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, WorkflowFailureError)
+    assert isinstance(run.outcome.cause, ApplicationError) and run.outcome.cause.type == "InvalidSpec"
+    assert nodes[2] in run.outcome.cause.message and "not allowed" in run.outcome.cause.message
+    assert cluster.inputs("cordon_node") == [], "no node is blamed, no spare spent"
+    assert {s.node for s in cluster.inputs("stop_ranks")} == set(nodes), "no rank outlives the run"
 
 
 async def test_incident_before_a_corrupt_checkpoint_records_where_the_run_resumed(

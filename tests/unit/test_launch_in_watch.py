@@ -1,0 +1,107 @@
+"""A relaunch's first watch launches the node's ranks itself (downloading their shards first), so a relaunch
+costs each node one activity. The launch is the agent's real one (real processes), idempotent by attempt, and a
+download the store fails is retried inside the watch while bad bytes fail it at once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities import ranks as ranks_module
+from activities.models import (
+    DownloadShardsInput,
+    DownloadShardsResult,
+    HealthSpec,
+    LaunchRanksInput,
+    WatchEventKind,
+    WatchRanksInput,
+)
+from activities.paths import RunLayout
+from activities.ranks import RankActivities
+
+PRINT_RESTORE = "import os; print('restore', os.environ.get('TRAINGUARD_RESTORE_DIR'))"
+
+
+class Store:
+    """The agent's downloader: fails `transient` times as an unreachable store would, then restores."""
+
+    def __init__(self, tmp_path: Path, transient: int = 0, corrupt: bool = False) -> None:
+        self.calls: list[DownloadShardsInput] = []
+        self.transient, self.corrupt, self.restore_dir = transient, corrupt, tmp_path / "restored"
+
+    async def __call__(self, request: DownloadShardsInput) -> DownloadShardsResult:
+        self.calls.append(request)
+        if self.corrupt:
+            raise ApplicationError("shard rank 0: sha256 mismatch", type="CorruptCheckpoint", non_retryable=True)
+        if len(self.calls) <= self.transient:
+            raise ConnectionError("store unreachable")
+        return DownloadShardsResult(restore_dir=str(self.restore_dir))
+
+
+@pytest.fixture
+async def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RankActivities]:
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setattr(ranks_module, "DOWNLOAD_RETRY_INITIAL_S", 0.05)
+    made = RankActivities("node-b", tmp_path / "agent", "127.0.0.1", tmp_path)
+    yield made
+    await made.stop_all(grace_s=0.5)
+
+
+def _watch(attempt: int = 2, download: bool = True) -> WatchRanksInput:
+    launch = LaunchRanksInput(workflow_id="wf", chain_id="c1", attempt=attempt, node="node-b", node_rank=1,
+                              num_nodes=2, ranks_per_node=2, master_addr="127.0.0.1", master_port=29999,
+                              entrypoint=["python", "-c", PRINT_RESTORE], restore_step=10)
+    return WatchRanksInput(workflow_id="wf", attempt=attempt, node="node-b", health=HealthSpec(poll_interval_s=0.05),
+                           launch=launch, max_duration_s=30,
+                           download=DownloadShardsInput(workflow_id="wf", attempt=attempt, node="node-b", bucket="b",
+                                                        manifest_key="m", ranks=[2, 3]) if download else None)
+
+
+async def test_the_first_watch_launches_from_the_restored_shards_and_a_second_launches_nothing(
+        agent: RankActivities, tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    agent.downloader = store
+    event = await ActivityEnvironment().run(agent.watch_ranks, _watch())
+    assert event.kind is WatchEventKind.FINISHED
+    record = agent._record("wf")
+    assert record is not None and record.attempt == 2 and sorted(record.ranks) == [2, 3]
+    log = RunLayout.of(agent.workdir, "wf").log_file(2, 2).read_text()
+    assert f"restore {store.restore_dir}" in log, "the ranks restore from what the watch downloaded"
+    pids = sorted(p.pid for p in record.ranks.values())
+
+    again = await ActivityEnvironment().run(agent.watch_ranks, _watch())
+    assert again.kind is WatchEventKind.FINISHED
+    assert sorted(p.pid for p in agent._record("wf").ranks.values()) == pids, "nothing launched twice"
+    assert len(store.calls) == 1, "nor downloaded twice"
+
+
+async def test_a_store_outage_is_ridden_out_inside_the_watch(agent: RankActivities, tmp_path: Path) -> None:
+    store = Store(tmp_path, transient=2)
+    agent.downloader = store
+    event = await ActivityEnvironment().run(agent.watch_ranks, _watch())
+    assert event.kind is WatchEventKind.FINISHED and len(store.calls) == 3
+
+
+async def test_bad_bytes_fail_the_watch_at_once_and_launch_nothing(agent: RankActivities, tmp_path: Path) -> None:
+    store = Store(tmp_path, corrupt=True)
+    agent.downloader = store
+    with pytest.raises(ApplicationError) as failed:
+        await ActivityEnvironment().run(agent.watch_ranks, _watch())
+    assert failed.value.type == "CorruptCheckpoint" and len(store.calls) == 1
+    assert agent._record("wf") is None, "no rank of the attempt started"
+
+
+async def test_a_watch_never_launches_an_older_attempt_than_the_node_runs(agent: RankActivities,
+                                                                          tmp_path: Path) -> None:
+    agent.downloader = Store(tmp_path)
+    await ActivityEnvironment().run(agent.watch_ranks, _watch(attempt=3, download=False))
+    with pytest.raises(ApplicationError) as stale:
+        await ActivityEnvironment().run(agent.watch_ranks, _watch(attempt=2, download=False))
+    assert stale.value.type == "NoSuchAttempt"
+    assert agent._record("wf").attempt == 3
