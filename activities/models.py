@@ -384,6 +384,9 @@ class WatchEvent(BaseModel):
     mean_step_s: float | None = None
     rank_compute_s: dict[int, float] = Field(default_factory=dict)
     """Each local rank's recent compute time per step (what it reports outside collectives), seconds."""
+    restore_tiers: list[str] = Field(default_factory=list)
+    """Where this node's ranks of the attempt restored from, when its watch downloaded their shards: the run
+    learns the tiers of nodes that launched from their watch from their events."""
 
 
 class InjectFaultInput(BaseModel):

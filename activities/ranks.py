@@ -151,6 +151,8 @@ class AttemptRecord:
     `trainguard.rank.standby()` to take the place of a rank that dies."""
     last_watched: float = field(default_factory=time.monotonic)
     """When a watch of this attempt last ran here: a run that stops watching may have moved on without us."""
+    restore_tiers: list[str] = field(default_factory=list)
+    """Where a watch's download for this launch found the shards (`local`, `peer`, `s3`): its events say so."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -163,6 +165,7 @@ class AttemptRecord:
             "chain_id": self.chain_id,
             "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time} for p in self.ranks.values()],
             "survivors": sorted(self.survivors),
+            "restore_tiers": self.restore_tiers,
             "standby": None if self.standby is None else {"pid": self.standby.pid,
                                                           "start_time": self.standby.start_time},
         }
@@ -178,6 +181,7 @@ class AttemptRecord:
             launched_at=data["launched_at"],
             chain_id=data.get("chain_id", ""),
             survivors=set(data.get("survivors", [])),
+            restore_tiers=list(data.get("restore_tiers", [])),
         )
         if data.get("standby"):
             record.standby = RankProcess(-1, data["standby"]["pid"], data["standby"]["start_time"])
@@ -775,7 +779,7 @@ class RankActivities:
 
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,
-                                  step=node_step, **fields)  # type: ignore[arg-type]
+                                  step=node_step, restore_tiers=record.restore_tiers, **fields)  # type: ignore[arg-type]
 
             ready = complete_steps(self._saved_steps(layout), local_ranks, max(request.reported_step,
                                                                                  record.start_step))
@@ -843,10 +847,16 @@ class RankActivities:
         current = self._record(request.workflow_id)
         if current is not None and current.chain_id == launch.chain_id and current.attempt >= launch.attempt:
             return  # launched already; a newer attempt here fails the watch just below (NoSuchAttempt)
+        tiers: list[str] = []
         if request.download is not None:
             restored = await self._download_for_launch(request.download, request.download_timeout_s)
             launch = launch.model_copy(update={"restore_dir": restored.restore_dir})
+            tiers = sorted(set(restored.tiers.values()))
         await self.launch_ranks(launch)
+        record = self._record(request.workflow_id)
+        if record is not None and tiers:
+            record.restore_tiers = tiers
+            self._save_record(record)
 
     async def _download_for_launch(self, request: DownloadShardsInput, timeout_s: float) -> DownloadShardsResult:
         """Download as `download_shards` does, heartbeating the watch meanwhile (one shard can take longer

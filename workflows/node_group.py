@@ -53,10 +53,12 @@ NODE_SCHEDULE_TO_START = timedelta(seconds=10)
 polls all the time and starts one in milliseconds; 10 s, like the watch's heartbeat timeout, means it is gone."""
 
 BURST_SCHEDULE_TO_START = timedelta(seconds=30)
-"""...but where a call reaches every node of a run at once (the check at reservation, a relaunch's launching
-watches), thousands of activities queue together, and on a small Temporal the last is matched to its agent
-seconds later: at 1,024 nodes on a loaded two-core dev server, checks waited past 10 s, and the run took
-live nodes for dead. A dead node is noticed 20 s later there; everywhere else 10 s still holds."""
+"""...but where a call reaches every node of a run at once and nothing waits on a dead node being noticed
+fast (the check at reservation, a relaunch's launching watches, just after every node answered the stop),
+thousands of activities queue together, and on a small Temporal the last is matched to its agent seconds
+later: at 1,024 nodes on a loaded two-core dev server, checks waited past 10 s and live nodes read as dead.
+The stop keeps 10 s: a node that does not start it is how a crash that was a lost node's symptom is told
+(fan-out slots keep its queue short)."""
 
 CHECK_NODE_TIMEOUT = timedelta(seconds=30)
 """An NVML query and a reply; anything slower is a sick node."""

@@ -239,6 +239,9 @@ class TrainingRun:
         self._lost: list[str] = []
         self._replaced: list[str] = []
         self._continued = 0
+        self._restored_by: list[Incident] = []
+        """The incidents this attempt's restore recovers: nodes that downloaded from their watch add their
+        restore tiers to them as their events come."""
         self._corrupt_steps: list[int] = []
         """Checkpoints a node's launching watch found corrupt: later restores pass them over."""
 
@@ -674,11 +677,14 @@ class TrainingRun:
         self._status.resumed_step = restore_step
         self._status.step = max(self._status.step, restore_step)
         self._state_since_attempt = attempt  # a relaunch: only this attempt's shards make its checkpoints
+        self._restored_by = []
         for incident in self._status.incidents:
             if incident.resumed_step is None and incident.action is not Action.REPORT:
                 incident.resumed_step = restore_step
                 incident.restore_tier = self._restore_tier if found.manifest else None
                 incident.recovery_path = incident.recovery_path or "relaunch"
+                if found.manifest:
+                    self._restored_by.append(incident)
 
         self._set_phase(Phase.LAUNCHING)
         self._launched = True
@@ -924,6 +930,7 @@ class TrainingRun:
             seen: list[tuple[float, Incident]] = []
             for group in sorted(reported):  # a fixed order keeps the workflow deterministic
                 result = watches[group].result()
+                self._add_restore_tiers([*result.incidents, *result.finished])
                 for lost in result.lost:
                     if lost.error_type in SPEC_FAULTS:  # from a launching watch: the spec's fault, not the node's
                         spec_fault = spec_fault or lost
@@ -1018,6 +1025,14 @@ class TrainingRun:
             return
         for commit in result.commits:
             self._committed(commit.ref)
+
+    def _add_restore_tiers(self, events: list[WatchEvent]) -> None:
+        tiers = {tier for event in events for tier in event.restore_tiers}
+        known = set((self._restore_tier or "").split("+")) - {""}
+        if tiers - known:
+            self._restore_tier = "+".join(sorted(known | tiers))
+            for incident in self._restored_by:
+                incident.restore_tier = self._restore_tier
 
     def _committed(self, ref: CheckpointRef) -> None:
         """The committer already applied retention; the history records the commit."""
