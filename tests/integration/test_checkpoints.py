@@ -264,13 +264,17 @@ async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, sour
     assert result.steps_completed == STEPS
     # Bit-identical to the run that wrote the genuine checkpoints: no damaged byte reached a rank.
     assert result.final_state_digest == source.digest
+    # The master node launches with an activity of its own; the other node from its first watch, after its
+    # download. A shard only the other node reads is found corrupt there, after the master launched: that
+    # attempt ends, and the next one restores the checkpoint before. The last attempt restores the good one.
     launches = await activity_calls(client, workflow_id, "launch_ranks", LaunchRanksInput)
-    assert {request.restore_step for request, _ in launches} == {case.resumes_from}, launches
-    assert result.attempts == 1
+    final = [request for request, _ in launches if request.attempt == result.attempts]
+    assert [request.restore_step for request in final] == [case.resumes_from], launches
+    assert result.attempts <= 1 + case.num_corrupt_incidents
     corrupt = [i for i in result.incidents if i.kind is IncidentKind.CHECKPOINT_CORRUPT]
     assert len(corrupt) == case.num_corrupt_incidents, result.incidents
     assert len(result.incidents) == len(corrupt), result.incidents
-    assert all(i.resumed_step == case.resumes_from for i in corrupt), result.incidents
+    assert corrupt[-1:] == [] or corrupt[-1].resumed_step == case.resumes_from, result.incidents
     if case.skipped is not None:
         finds = await activity_calls(client, workflow_id, "find_checkpoint", FindCheckpointInput,
                                      FindCheckpointResult)
