@@ -640,7 +640,8 @@ class StoreActivities:
                         continue
                     changed = True
                 record = cache[key][1]
-                if request.min_attempt <= record.attempt <= request.attempt and record.step == step:
+                ours = not (request.chain_id and record.chain_id and record.chain_id != request.chain_id)
+                if ours and request.min_attempt <= record.attempt <= request.attempt and record.step == step:
                     found.append(record)
         return found, changed
 
@@ -853,7 +854,8 @@ class NodeCheckpointActivities:
         return [by_rank[r % manifest.world_size].model_copy(update={"rank": r}) for r in request.ranks]
 
     async def upload_step(self, workflow_id: str, attempt: int, target: WatchCheckpoints, step: int,
-                          rank_compute_s: dict[int, float], node_step: int) -> NodeCheckpointRecord:
+                          rank_compute_s: dict[int, float], node_step: int,
+                          chain_id: str = "") -> NodeCheckpointRecord:
         """From a watch: upload this node's shards of `step`, then write its node record (last), so the
         committer can see this node's part of the step is in the store. Idempotent."""
         result = await self.upload_shards(UploadShardsInput(
@@ -861,7 +863,7 @@ class NodeCheckpointActivities:
             run_prefix=target.run_prefix, step=step,
             committed_step=await asyncio.to_thread(self._newest_committed, workflow_id, target, step)))
         record = NodeCheckpointRecord(node=self.node, attempt=attempt, step=step, shards=result.shards,
-                                      rank_compute_s=rank_compute_s, node_step=node_step)
+                                      rank_compute_s=rank_compute_s, node_step=node_step, chain_id=chain_id)
         await asyncio.to_thread(
             s3_client().put_object, Bucket=target.bucket, Key=node_record_key(target.run_prefix, step, self.node),
             Body=record.model_dump_json().encode(), ContentType="application/json")

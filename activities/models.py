@@ -110,6 +110,9 @@ class NodeCheckpointRecord(BaseModel):
     """Each local rank's recent compute time per step, seconds: the committer judges stragglers from these."""
     node_step: int = -1
     """Lowest step across this node's ranks when it wrote the record."""
+    chain_id: str = ""
+    """The run's chain (its first execution's run id): a rerun under the same workflow id has attempts of the
+    same numbers, and a previous run's records must never count toward its commits."""
 
 
 class FindCheckpointInput(BaseModel):
@@ -200,6 +203,8 @@ class CommitCheckpointsInput(BaseModel):
     run_prefix: str
     workflow_id: str
     attempt: int
+    chain_id: str = ""
+    """Only records of this chain count (and records written before chains were recorded)."""
     min_attempt: int
     """Records of attempts `min_attempt`..`attempt` count: after an in-process restart the live ranks' state
     (and their shards) carries over from earlier attempts; after a relaunch, only the new attempt's."""

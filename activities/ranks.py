@@ -73,7 +73,8 @@ FINAL_UPLOAD_MARGIN_S = 30.0
 """A finished node retries its last uploads against a store that is out until this long past the watch's
 `max_duration_s` (its start-to-close timeout leaves 60 s): the last checkpoint is the one a rerun resumes from."""
 
-Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int], Awaitable[NodeCheckpointRecord]]
+Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int, str], Awaitable[NodeCheckpointRecord]]
+"""(workflow id, attempt, where, step, rank compute times, node step, chain id) -> the node record written."""
 Downloader = Callable[[DownloadShardsInput], Awaitable[DownloadShardsResult]]
 
 DOWNLOAD_RETRY_INITIAL_S = 2.0
@@ -913,7 +914,8 @@ class RankActivities:
         assert self.uploader is not None
         key = _upload_key(record, step)
         try:
-            return await self.uploader(record.workflow_id, record.attempt, target, step, compute, node_step)
+            return await self.uploader(record.workflow_id, record.attempt, target, step, compute, node_step,
+                                       record.chain_id)
         except BaseException as error:
             self._upload_failed_at[key] = time.monotonic()
             log.warning("upload of step %d of %s attempt %d failed: %s", step, record.workflow_id,

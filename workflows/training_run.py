@@ -805,6 +805,7 @@ class TrainingRun:
                                                    count=1 if master_only else None)
             except _CheckpointCorrupt as corrupt:
                 excluded.append(corrupt.step)
+                self._corrupt_steps.append(corrupt.step)  # a later attempt's restore passes it over too
                 self._record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt,
                                                detail=str(corrupt), action=Action.RESTART,
                                                detected_at=workflow.now().timestamp()))
@@ -874,6 +875,7 @@ class TrainingRun:
             "commit_checkpoints",
             CommitCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
                                    workflow_id=workflow.info().workflow_id, attempt=attempt,
+                                   chain_id=workflow.info().first_execution_run_id,
                                    min_attempt=min(self._state_since_attempt, attempt),
                                    world_size=self._status.world_size, num_nodes=len(self._status.nodes),
                                    after_step=self._last_committed_step, keep_last=spec.checkpoint.keep_last,
@@ -986,6 +988,8 @@ class TrainingRun:
             # As a corrupt download before any launch: pass the checkpoint over and restore the one before.
             step = self._status.resumed_step
             self._corrupt_steps.append(step)
+            for recovered in self._restored_by:  # not resumed from there after all: the next restore says where
+                recovered.resumed_step = recovered.restore_tier = None
             self._record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt, node=corrupt.node,
                                            detail=f"step {step}: {corrupt.detail}", action=Action.RESTART,
                                            detected_at=workflow.now().timestamp()))

@@ -98,7 +98,7 @@ def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
 
 
 def _upload(store: MemoryStore, step: int, node_index: int, ranks_per_node: int, attempt: int = 1,
-            compute_s: float = 0.1) -> None:
+            compute_s: float = 0.1, chain_id: str = "") -> None:
     """What a node's watch leaves in the store once its shards of `step` are uploaded."""
     ranks = range(node_index * ranks_per_node, (node_index + 1) * ranks_per_node)
     shards = [ShardInfo(rank=r, key=f"{RUN}/step-{step:08d}/rank-{r:05d}.pt", size_bytes=10,
@@ -106,7 +106,8 @@ def _upload(store: MemoryStore, step: int, node_index: int, ranks_per_node: int,
     for shard in shards:
         store.objects[shard.key] = b"x" * 10
     record = NodeCheckpointRecord(node=f"node-{node_index}", attempt=attempt, step=step, shards=shards,
-                                  rank_compute_s={r: compute_s for r in ranks}, node_step=step + 2)
+                                  rank_compute_s={r: compute_s for r in ranks}, node_step=step + 2,
+                                  chain_id=chain_id)
     store.objects[node_record_key(RUN, step, f"node-{node_index}")] = record.model_dump_json().encode()
 
 
@@ -143,6 +144,17 @@ def test_records_of_a_dead_attempt_never_make_a_checkpoint(store: MemoryStore) -
     assert _commit_once(_request(2, 2)).commits == []
     # An in-process restart carries the live ranks' state over: attempt 1's records count with attempt 2's.
     [commit] = _commit_once(_request(2, 2, min_attempt=1)).commits
+    assert commit.ref.step == 10
+
+
+def test_a_previous_run_under_the_same_workflow_id_never_makes_a_checkpoint(store: MemoryStore) -> None:
+    # The first run of the id left step 10 whole (its attempt 2, chain A); a rerun (chain B) is at attempt 2 too.
+    _upload(store, 10, 0, 1, attempt=2, chain_id="chain-a")
+    _upload(store, 10, 1, 1, attempt=2, chain_id="chain-a")
+    assert _commit_once(_request(2, 2, chain_id="chain-b")).commits == []
+    _upload(store, 10, 0, 1, attempt=2, chain_id="chain-b")
+    _upload(store, 10, 1, 1, attempt=2, chain_id="chain-b")
+    [commit] = _commit_once(_request(2, 2, chain_id="chain-b")).commits
     assert commit.ref.step == 10
 
 
