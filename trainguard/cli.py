@@ -23,17 +23,26 @@ def _print_json(value: Any) -> None:
 # ------------------------------------------------------------------------------------------------ dev
 def cmd_dev(args: argparse.Namespace) -> int:
     from trainguard.devstack import DevStack
+    from trainguard.hosts import HostsUnavailable
 
     stack = DevStack()
     if getattr(args, "tls", False):
         stack = DevStack(dataclasses.replace(stack.config, tls=True))
+    # A stack brought up in hosts mode is still in it for `status` and `down` without the flag.
+    if getattr(args, "hosts", False) or stack.config.network.state_file.exists():
+        stack = DevStack(dataclasses.replace(stack.config, hosts=True))
     if args.action == "up":
-        stack.up()
+        try:
+            stack.up()
+        except HostsUnavailable as error:
+            print(f"trainguard dev up --hosts: {error}", file=sys.stderr)
+            return 2
     elif args.action == "down":
         stack.down()
     else:
         for name, pid in stack.status().items():
-            print(f"{name:<16} {'running (pid %d)' % pid if pid else 'stopped'}")
+            where = f" at {stack.node_address(name[6:])}" if stack.config.hosts and name.startswith("agent-") else ""
+            print(f"{name:<16} {'running (pid %d)' % pid if pid else 'stopped'}{where}")
         print(f"Temporal Web UI: {stack.config.ui_url}")
     return 0
 
@@ -202,6 +211,7 @@ async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from trainguard.devstack import DevStack
+    from trainguard.hosts import HostsUnavailable
 
     stack = DevStack()
     stack.up()
@@ -227,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--tls", action="store_true",
                      help="reach Temporal over mutual TLS through a front with the stack's own CA "
                           "(also TRAINGUARD_DEV_TLS=1); prints the client settings to export")
+    dev.add_argument("--hosts", action="store_true",
+                     help="each node agent and its ranks in a network namespace of its own, on a bridge the "
+                          "stack makes (also TRAINGUARD_DEV_HOSTS=1; needs root); `down` removes them")
     dev.set_defaults(func=cmd_dev)
 
     spec = sub.add_parser("spec", help="the run spec: print its JSON schema or check a file")
