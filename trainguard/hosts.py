@@ -90,6 +90,29 @@ def subnet_for(base: int) -> ipaddress.IPv4Network:
     return ipaddress.IPv4Network(f"10.{base >> 8}.{base & 0xFF}.0/24")
 
 
+ROUTE_TYPES = frozenset({"unicast", "local", "broadcast", "multicast", "throw", "unreachable", "prohibit",
+                         "blackhole", "nat", "anycast"})
+
+
+def overlapping_route(routes: str, subnet: ipaddress.IPv4Network, own_device: str) -> str | None:
+    """The first route of `ip -4 -o route show` output that overlaps `subnet` on a device other than ours
+    (`10.0.0.0/8 dev eth1`), or None. The default route overlaps everything and is not counted."""
+    for line in routes.splitlines():
+        words = line.split()
+        if words and words[0] in ROUTE_TYPES:
+            words = words[1:]
+        if not words or words[0] == "default":
+            continue
+        try:
+            network = ipaddress.IPv4Network(words[0], strict=False)
+        except ValueError:
+            continue
+        device = words[words.index("dev") + 1] if "dev" in words[:-1] else "?"
+        if network.overlaps(subnet) and device != own_device:
+            return f"{network} dev {device}"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class HostsNetwork:
     """The namespaces, links and addresses of one stack, and what makes, cuts and removes them."""
@@ -195,8 +218,11 @@ class HostsNetwork:
             _run(["ip", "link", "set", host, "master", self.bridge, "up"])
             inside = ["ip", "-n", namespace]
             _run([*inside, "link", "set", "lo", "up"])
-            _run([*inside, "addr", "flush", "dev", inner])
-            _run([*inside, "addr", "add", f"{self.address(node)}/{self.subnet.prefixlen}", "dev", inner])
+            wanted = f"{self.address(node)}/{self.subnet.prefixlen}"
+            # Left alone when it has it already: a running agent's connections survive another `up`.
+            if f" {wanted} " not in _run([*inside, "-4", "-o", "addr", "show", "dev", inner]).stdout:
+                _run([*inside, "addr", "flush", "dev", inner])
+                _run([*inside, "addr", "add", wanted, "dev", inner])
             _run([*inside, "link", "set", inner, "up"])
             if node != SERVICES:
                 addresses.setdefault(node, self.address(node))
@@ -220,18 +246,10 @@ class HostsNetwork:
 
     def _check_subnet_free(self) -> None:
         """Refuse a subnet the host already routes elsewhere: our bridge would shadow a real network."""
-        for line in _run(["ip", "-4", "-o", "route", "show"]).stdout.splitlines():
-            words = line.split()
-            if not words or words[0] == "default":
-                continue
-            try:
-                network = ipaddress.IPv4Network(words[0], strict=False)
-            except ValueError:
-                continue
-            device = words[words.index("dev") + 1] if "dev" in words else ""
-            if network.overlaps(self.subnet) and device != self.bridge:
-                raise HostsUnavailable(f"hosts mode would use {self.subnet}, but the host routes {network} via "
-                                       f"{device or '?'}: pick another TRAINGUARD_PORT_BASE")
+        clash = overlapping_route(_run(["ip", "-4", "-o", "route", "show"]).stdout, self.subnet, self.bridge)
+        if clash:
+            raise HostsUnavailable(f"hosts mode would use {self.subnet}, but the host routes {clash}: "
+                                   "pick another TRAINGUARD_PORT_BASE")
 
     # ------------------------------------------------------------------------------- partitions
     def partition(self, node: str, direction: Direction = Direction.BOTH) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -100,16 +101,66 @@ async def no_rank_survives(stack: DevStack) -> None:
         await asyncio.sleep(0.5)
 
 
+PROBE = """
+import errno, sys, urllib.error, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))
+    print(200)
+except urllib.error.HTTPError as error:
+    print(error.code)
+except (urllib.error.URLError, OSError) as error:
+    reason = getattr(error, "reason", error)
+    print("timeout" if isinstance(reason, TimeoutError) else errno.errorcode.get(getattr(reason, "errno", 0), reason))
+"""
+
+
+DROPPED = ("timeout", "EHOSTUNREACH")
+"""What a request to a cut-off node gets: no answer, or, once its neighbour entry has expired, no route (its
+ARP replies are dropped too). Never a refusal: nothing answers for it."""
+
+
+async def answer_from(stack: DevStack, node: str, url: str, timeout_s: float = 2.0) -> str:
+    """What an HTTP GET of `url` from inside `node`'s namespace gets: a status code, `timeout` (the packets
+    vanished) or the errno's name (`ECONNREFUSED`, `ENETUNREACH`)."""
+    proc = await asyncio.create_subprocess_exec(
+        *stack.config.network.exec_prefix(node), sys.executable, "-c", PROBE, url, str(timeout_s),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return out.decode().strip()
+
+
+async def test_three_nodes_on_three_addresses_reach_each_other_only_over_the_bridge(
+    hosts_client: TrainguardClient, hosts_stack: DevStack
+) -> None:
+    addresses = {node: hosts_stack.node_address(node) for node in NODES}
+    assert len(set(addresses.values())) == 3 and not any(a.startswith("127.") for a in addresses.values())
+    pool = {n.node: n for n in await hosts_client.nodes()}
+    assert {node: pool[node].host for node in NODES} == addresses  # each advertises its own address
+    shard_server = pool["node-1"].peer_url + "/runs/no-run/step-00000001/rank-00000.pt"
+    assert shard_server.startswith(f"http://{addresses['node-1']}:")
+    network = hosts_stack.config.network
+
+    assert await answer_from(hosts_stack, "node-2", shard_server) == "401"  # another host's agent answers
+    # Nothing outside the stack's subnet is routed from a node (TEST-NET-1, RFC 5737).
+    assert await answer_from(hosts_stack, "node-2", "http://192.0.2.1:80/") == "ENETUNREACH"
+    network.partition("node-1", Direction.BOTH)
+    try:
+        assert await answer_from(hosts_stack, "node-2", shard_server) in DROPPED  # never refused
+        network.heal("node-1")
+        assert await answer_from(hosts_stack, "node-2", shard_server) == "401"
+        network.partition("node-1", Direction.INBOUND)  # its answers leave; nothing reaches it
+        assert network.dropped("node-1") == ["inbound"]
+        assert await answer_from(hosts_stack, "node-2", shard_server) in DROPPED
+    finally:
+        network.heal("node-1")
+    assert network.dropped("node-1") == [] and await answer_from(hosts_stack, "node-2", shard_server) == "401"
+
+
+@pytest.mark.slow
 async def test_three_hosts_recover_a_crash_with_the_masters_own_address(
     hosts_client: TrainguardClient, hosts_stack: DevStack, baseline3: RunResult, prefix: str
 ) -> None:
     addresses = {node: hosts_stack.node_address(node) for node in NODES}
-    assert len(set(addresses.values())) == 3 and not any(a.startswith("127.") for a in addresses.values())
-    # Each agent advertises its own address, and serves its shards there.
-    pool = {n.node: n for n in await hosts_client.nodes()}
-    assert {node: pool[node].host for node in NODES} == addresses
-    assert all(pool[node].peer_url.startswith(f"http://{addresses[node]}:") for node in NODES)
-
     rid = await hosts_client.start_run(make_spec(prefix, nodes=NODES), workflow_id=run_id("crash"))
     await wait_until(hosts_client, rid, checkpointed)
     await hosts_client.inject_fault(rid, "crash", "node-1")
