@@ -168,10 +168,12 @@ async def _nodes_cmd(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- demo
-async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_s: float) -> RunResult:
+async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_s: float,
+                   client_env: dict[str, str] | None = None) -> RunResult:
     from trainguard.client import TrainguardClient
+    from trainguard.settings import Settings
 
-    client = await TrainguardClient.connect()
+    client = await TrainguardClient.connect(Settings.from_env({**os.environ, **(client_env or {})}))
     spec = json.loads(spec_path.read_text())
     run_id = await client.start_run(spec, workflow_id=f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"started {run_id}: {ui_url}/namespaces/default/workflows/{run_id}", flush=True)
@@ -213,10 +215,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from trainguard.devstack import DevStack
     from trainguard.hosts import HostsUnavailable
 
-    stack = DevStack()
-    stack.up()
+    stack = DevStack()  # TRAINGUARD_DEV_HOSTS=1: on three hosts (`trainguard dev up --hosts`)
     try:
-        result = asyncio.run(run_demo(Path(args.spec), args.crash_after_step, stack.config.ui_url, args.timeout))
+        stack.up()
+    except HostsUnavailable as error:
+        print(f"trainguard demo: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(run_demo(Path(args.spec), args.crash_after_step, stack.config.ui_url, args.timeout,
+                                      stack.client_env()))
         print(summary_line(result), flush=True)
     finally:
         if args.keep:

@@ -1,7 +1,7 @@
 """The embedded dev stack behind `trainguard dev up | down | status`.
 
-Everything listens on loopback only (in hosts mode, `trainguard.hosts`, on a bridge of the stack's own): the
-Temporal dev server (SQLite file, Web UI), SeaweedFS (`weed mini`)
+Everything listens on loopback only (in hosts mode, `trainguard.hosts`, each node and the services on an
+address of their own on a bridge of the stack's): the Temporal dev server (SQLite file, Web UI), SeaweedFS (`weed mini`)
 as the S3 store, a controller worker, and node agents for a pool of simulated nodes, each with its own
 working directory (nodes share no disk: shards travel between them only through S3). Data lives under
 `.trainguard/` or `$TRAINGUARD_HOME`. Every process is recorded by PID and start time, so `down` stops
@@ -104,7 +104,7 @@ class StackConfig:
     """Workers, the CLI and the client reach Temporal over mutual TLS (`trainguard.tls`), not plain gRPC."""
     hosts: bool = False
     """Each node agent and its ranks in a network namespace of its own, on a bridge the stack makes
-    (`trainguard.hosts`); Temporal and the store listen on the bridge's address. Needs root."""
+    (`trainguard.hosts`); Temporal and the store in one more, the services host. Needs root."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StackConfig:
@@ -340,7 +340,9 @@ class DevStack:
         if reason:
             raise HostsUnavailable(reason)
         self.config.network.setup()
-        echo(f"hosts mode: bridge {self.config.network.bridge} at {self.config.service_host}/24")
+        network = self.config.network
+        echo(f"hosts mode: bridge {network.bridge} on {network.subnet} (this host {network.gateway}, "
+             f"services {network.services_address})")
 
     def readdress(self, node: str, echo: Any = print) -> str:
         """Hosts mode: stop node `node`'s agent, move its namespace to a new address, and start the agent again

@@ -609,6 +609,15 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 # A straggler: detected when first reported, recovered once the spare replaced it.
                 result.detection_s = first.detection_s
                 result.restart_s = round(result.time_to_recover_s - first.detection_s, 3)
+            if (incident.detection_s is None and incident.recovery_s is not None and incidents[0] is not incident
+                    and incidents[0].detection_s is not None):
+                # A lost node found at the stop after its peers' hang (a partition): the run noticed at the
+                # first incident; the node's recovery_s runs from its own, later, detection.
+                first = incidents[0]
+                fault_at = first.detected_at - first.detection_s
+                result.detection_s = first.detection_s
+                result.time_to_recover_s = round(incident.detected_at + incident.recovery_s - fault_at, 3)
+                result.restart_s = round(result.time_to_recover_s - first.detection_s, 3)
             result.resumed_step = incident.resumed_step
             result.restore_tier, result.recovery_path = incident.restore_tier, incident.recovery_path
         if others:
@@ -670,11 +679,11 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def report(results: list[Measurement], floor: Floor | None) -> tuple[list[str], dict[str, Any]]:
-    lines = [f"{'fault':<9} {'system':<11} {'detection_s':>11} {'restart_s':>9} {'time_to_recover_s':>17} "
+    lines = [f"{'fault':<9} {'system':<16} {'detection_s':>11} {'restart_s':>9} {'time_to_recover_s':>17} "
              f"{'goodput':>8} {'wall_s':>7} {'fault@':>6} {'resumed':>7} {'done':>4}  note"]
     for m in results:
         lines.append(
-            f"{m.fault:<9} {m.system:<11} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
+            f"{m.fault:<9} {m.system:<16} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
             f"{_fmt(m.time_to_recover_s):>17} "
             f"{_fmt(None if m.goodput is None else m.goodput * 100, '{:.1f}%'):>8} "
             f"{_fmt(m.wall_s, '{:.1f}'):>7} {_fmt(m.fault_step, '{}'):>6} {_fmt(m.resumed_step, '{}'):>7} "
