@@ -21,16 +21,23 @@ def _print_json(value: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ dev
-def cmd_dev(args: argparse.Namespace) -> int:
+def dev_stack(args: argparse.Namespace) -> Any:
+    """The dev stack from the environment and the flags. One brought up in hosts mode stays in it for
+    `status`, `down` and `demo` without the flag (its addresses are recorded under the data dir)."""
     from trainguard.devstack import DevStack
-    from trainguard.hosts import HostsUnavailable
 
     stack = DevStack()
     if getattr(args, "tls", False):
         stack = DevStack(dataclasses.replace(stack.config, tls=True))
-    # A stack brought up in hosts mode is still in it for `status` and `down` without the flag.
     if getattr(args, "hosts", False) or stack.config.network.state_file.exists():
         stack = DevStack(dataclasses.replace(stack.config, hosts=True))
+    return stack
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from trainguard.hosts import HostsUnavailable
+
+    stack = dev_stack(args)
     if args.action == "up":
         try:
             stack.up()
@@ -212,10 +219,9 @@ async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from trainguard.devstack import DevStack
     from trainguard.hosts import HostsUnavailable
 
-    stack = DevStack()  # TRAINGUARD_DEV_HOSTS=1: on three hosts (`trainguard dev up --hosts`)
+    stack = dev_stack(args)  # TRAINGUARD_DEV_HOSTS=1, or a stack up in hosts mode: on three hosts
     try:
         stack.up()
     except HostsUnavailable as error:
