@@ -21,19 +21,35 @@ def _print_json(value: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ dev
-def cmd_dev(args: argparse.Namespace) -> int:
+def dev_stack(args: argparse.Namespace) -> Any:
+    """The dev stack from the environment and the flags. One brought up in hosts mode stays in it for
+    `status`, `down` and `demo` without the flag (its addresses are recorded under the data dir)."""
     from trainguard.devstack import DevStack
 
     stack = DevStack()
     if getattr(args, "tls", False):
         stack = DevStack(dataclasses.replace(stack.config, tls=True))
+    if getattr(args, "hosts", False) or stack.config.network.state_file.exists():
+        stack = DevStack(dataclasses.replace(stack.config, hosts=True))
+    return stack
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from trainguard.hosts import HostsUnavailable
+
+    stack = dev_stack(args)
     if args.action == "up":
-        stack.up()
+        try:
+            stack.up()
+        except HostsUnavailable as error:
+            print(f"trainguard dev up --hosts: {error}", file=sys.stderr)
+            return 2
     elif args.action == "down":
         stack.down()
     else:
         for name, pid in stack.status().items():
-            print(f"{name:<16} {'running (pid %d)' % pid if pid else 'stopped'}")
+            where = f" at {stack.node_address(name[6:])}" if stack.config.hosts and name.startswith("agent-") else ""
+            print(f"{name:<16} {'running (pid %d)' % pid if pid else 'stopped'}{where}")
         print(f"Temporal Web UI: {stack.config.ui_url}")
     return 0
 
@@ -159,10 +175,12 @@ async def _nodes_cmd(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- demo
-async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_s: float) -> RunResult:
+async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_s: float,
+                   client_env: dict[str, str] | None = None) -> RunResult:
     from trainguard.client import TrainguardClient
+    from trainguard.settings import Settings
 
-    client = await TrainguardClient.connect()
+    client = await TrainguardClient.connect(Settings.from_env({**os.environ, **(client_env or {})}))
     spec = json.loads(spec_path.read_text())
     run_id = await client.start_run(spec, workflow_id=f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"started {run_id}: {ui_url}/namespaces/default/workflows/{run_id}", flush=True)
@@ -201,12 +219,17 @@ async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from trainguard.devstack import DevStack
+    from trainguard.hosts import HostsUnavailable
 
-    stack = DevStack()
-    stack.up()
+    stack = dev_stack(args)  # TRAINGUARD_DEV_HOSTS=1, or a stack up in hosts mode: on three hosts
     try:
-        result = asyncio.run(run_demo(Path(args.spec), args.crash_after_step, stack.config.ui_url, args.timeout))
+        stack.up()
+    except HostsUnavailable as error:
+        print(f"trainguard demo: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(run_demo(Path(args.spec), args.crash_after_step, stack.config.ui_url, args.timeout,
+                                      stack.client_env()))
         print(summary_line(result), flush=True)
     finally:
         if args.keep:
@@ -227,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--tls", action="store_true",
                      help="reach Temporal over mutual TLS through a front with the stack's own CA "
                           "(also TRAINGUARD_DEV_TLS=1); prints the client settings to export")
+    dev.add_argument("--hosts", action="store_true",
+                     help="each node agent and its ranks in a network namespace of its own, on a bridge the "
+                          "stack makes (also TRAINGUARD_DEV_HOSTS=1; needs root); `down` removes them")
     dev.set_defaults(func=cmd_dev)
 
     spec = sub.add_parser("spec", help="the run spec: print its JSON schema or check a file")

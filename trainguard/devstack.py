@@ -1,6 +1,7 @@
 """The embedded dev stack behind `trainguard dev up | down | status`.
 
-Everything listens on loopback only: the Temporal dev server (SQLite file, Web UI), SeaweedFS (`weed mini`)
+Everything listens on loopback only (in hosts mode, `trainguard.hosts`, each node and the services on an
+address of their own on a bridge of the stack's): the Temporal dev server (SQLite file, Web UI), SeaweedFS (`weed mini`)
 as the S3 store, a controller worker, and node agents for a pool of simulated nodes, each with its own
 working directory (nodes share no disk: shards travel between them only through S3). Data lives under
 `.trainguard/` or `$TRAINGUARD_HOME`. Every process is recorded by PID and start time, so `down` stops
@@ -9,6 +10,7 @@ exactly what `up` started.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.hosts import SERVICES, HostsNetwork, HostsUnavailable, bridge_exists, unavailable_reason
 from trainguard.procs import start_time, state
 
 DEFAULT_NODES = ("node-0", "node-1", "node-2")
@@ -85,6 +88,7 @@ def free_port_base(start: int, num_nodes: int = len(DEFAULT_NODES), step: int = 
         every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
         every += [ports.metrics + 1 + index for index in range(num_nodes)]
         stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
+        stale = stale or bridge_exists(ports.temporal)  # a hosts-mode stack listens on its bridge, not loopback
         if not stale and all(_port_free(port) for port in every):
             return base
     raise RuntimeError(f"no free port range between {start} and {stop}")
@@ -98,6 +102,9 @@ class StackConfig:
     code_dir: Path = Path.cwd()
     tls: bool = False
     """Workers, the CLI and the client reach Temporal over mutual TLS (`trainguard.tls`), not plain gRPC."""
+    hosts: bool = False
+    """Each node agent and its ranks in a network namespace of its own, on a bridge the stack makes
+    (`trainguard.hosts`); Temporal and the store in one more, the services host. Needs root."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StackConfig:
@@ -110,20 +117,36 @@ class StackConfig:
             nodes=nodes,
             code_dir=Path.cwd(),
             tls=env.get("TRAINGUARD_DEV_TLS", "").lower() in ("1", "true", "yes"),
+            hosts=env.get("TRAINGUARD_DEV_HOSTS", "").lower() in ("1", "true", "yes"),
         )
+
+    @property
+    def network(self) -> HostsNetwork:
+        """The stack's namespaces and links (named after its port base): made only in hosts mode, but always
+        looked for by `down`."""
+        return HostsNetwork(self.ports.temporal, self.nodes, self.home / "run" / "hosts.json")
+
+    @property
+    def service_host(self) -> str:
+        """Where Temporal and the store listen: loopback, or the services host's address on the bridge."""
+        return self.network.services_address if self.hosts else "127.0.0.1"
+
+    def in_services(self, argv: list[str]) -> list[str]:
+        """`argv` as run on the services host: in its namespace in hosts mode."""
+        return [*self.network.exec_prefix(SERVICES), *argv] if self.hosts else argv
 
     @property
     def temporal_address(self) -> str:
         """Where clients reach Temporal: the TLS front with `tls` on, else the server itself."""
-        return f"127.0.0.1:{self.ports.temporal_tls if self.tls else self.ports.temporal}"
+        return f"{self.service_host}:{self.ports.temporal_tls if self.tls else self.ports.temporal}"
 
     @property
     def ui_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.ui}"
+        return f"http://{self.service_host}:{self.ports.ui}"
 
     @property
     def s3_endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports.s3}"
+        return f"http://{self.service_host}:{self.ports.s3}"
 
 
 def _bin(name: str) -> str:
@@ -259,6 +282,8 @@ class DevStack:
     # --------------------------------------------------------------------------------------- up
     def up(self, echo: Any = print) -> None:
         cfg, ports = self.config, self.config.ports
+        if cfg.hosts:
+            self._setup_hosts(echo)
         self._start_temporal(echo)
         self._start_s3()
         self._wait_port(ports.temporal, "Temporal server")
@@ -279,21 +304,61 @@ class DevStack:
         for index, node in enumerate(cfg.nodes):
             workdir = self.home / "nodes" / node
             workdir.mkdir(parents=True, exist_ok=True)
+            host = self.node_address(node)
+            agent_env = {**env, "TRAINGUARD_METRICS_ADDRESS": f"{host}:{self.metrics_port(index)}"}
+            if cfg.hosts:
+                # Ranks inherit it: gloo otherwise binds the address the hostname resolves to (loopback here),
+                # and peers in other namespaces would be told to connect to their own loopback.
+                agent_env["GLOO_SOCKET_IFNAME"] = cfg.network.node_link(node)
             self._spawn(f"agent-{node}", [
+                *(cfg.network.exec_prefix(node) if cfg.hosts else []),
                 sys.executable, "-m", "workers.node_agent", "--node", node, "--workdir", str(workdir),
-                "--host", "127.0.0.1", "--code-dir", str(cfg.code_dir),
+                "--host", host, "--code-dir", str(cfg.code_dir),
                 # The dev pool runs the venv's programs (python, torchrun) and nothing else.
                 "--allow", str(Path(sys.executable).parent),
-            ], env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{self.metrics_port(index)}"}, cwd=cfg.code_dir)
+            ], env=agent_env, cwd=cfg.code_dir)
         self._wait_workers()
         echo(f"Temporal Web UI: {cfg.ui_url}   (Temporal at {cfg.temporal_address}, S3 at {cfg.s3_endpoint})")
+        if cfg.hosts:
+            echo(f"clients need TRAINGUARD_TEMPORAL_ADDRESS={cfg.temporal_address} "
+                 f"TRAINGUARD_S3_ENDPOINT={cfg.s3_endpoint}")
+            echo("hosts mode: " + ", ".join(f"{n} at {self.node_address(n)} (netns {cfg.network.namespace(n)})"
+                                            for n in cfg.nodes) + f"; Temporal and S3 on {cfg.service_host}")
         if cfg.tls:
             echo("Temporal over mutual TLS: clients need " +
                  " ".join(f"{k}={v}" for k, v in self.client_env().items()))
 
+    def node_address(self, node: str) -> str:
+        """The address node `node`'s agent advertises (`--host`): loopback, or its own in hosts mode."""
+        return self.config.network.address(node) if self.config.hosts else "127.0.0.1"
+
+    def _setup_hosts(self, echo: Any) -> None:
+        if self.config.tls:
+            raise HostsUnavailable("hosts mode and --tls together are not supported: the dev certificates name "
+                                   "127.0.0.1 only")
+        reason = unavailable_reason()
+        if reason:
+            raise HostsUnavailable(reason)
+        self.config.network.setup()
+        network = self.config.network
+        echo(f"hosts mode: bridge {network.bridge} on {network.subnet} (this host {network.gateway}, "
+             f"services {network.services_address})")
+
+    def readdress(self, node: str, echo: Any = print) -> str:
+        """Hosts mode: stop node `node`'s agent, move its namespace to a new address, and start the agent again
+        advertising it (a node coming back from a repair under another IP). Returns the new address."""
+        if not self.config.hosts:
+            raise RuntimeError("readdress needs hosts mode (trainguard dev up --hosts)")
+        self.stop([f"agent-{node}"], echo)
+        address = self.config.network.readdress(node)
+        self.up(echo)
+        return address
+
     def up_temporal(self, echo: Any = print, extra_args: tuple[str, ...] = ()) -> None:
         """Only the Temporal dev server (no store, no workers): for benchmarks that bring their own workers.
         `down` stops it like the whole stack."""
+        if self.config.hosts:
+            self._setup_hosts(echo)
         self._start_temporal(echo, extra_args)
         self._wait_port(self.config.ports.temporal, "Temporal server")
 
@@ -302,12 +367,14 @@ class DevStack:
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / ".gitignore").write_text("*\n")
         echo(f"trainguard dev stack in {self.home}")
-        self._spawn("temporal", [
+        # In hosts mode on every address of the services namespace (its loopback and its bridge address): the
+        # dev server's own services reach each other at 127.0.0.1 whatever --ip says.
+        self._spawn("temporal", self.config.in_services([
             _bin("temporal"), "server", "start-dev", "--db-filename", str(self.home / "temporal.db"),
-            "--ip", "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
+            "--ip", "0.0.0.0" if self.config.hosts else "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
             "--http-port", str(ports.http), "--metrics-port", str(ports.server_metrics),
             "--ui-disable-news-fetch", "--log-level", "warn", *extra_args,
-        ])
+        ]))
 
     def _start_s3(self) -> None:
         ports = self.config.ports
@@ -322,9 +389,9 @@ class DevStack:
         config_path.write_text(json.dumps(config))
         config_path.chmod(0o600)
         env = {**os.environ, "TMPDIR": str(s3_dir / "tmp"), "GOMEMLIMIT": "512MiB"}
-        self._spawn("s3", [
+        self._spawn("s3", self.config.in_services([
             _bin("weed"), f"-logdir={s3_dir / 'logs'}", "mini", f"-dir={s3_dir / 'data'}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.config={config_path}",
+            f"-ip={self.config.service_host}", f"-ip.bind={self.config.service_host}", f"-s3.config={config_path}",
             f"-s3.port={ports.s3}", f"-s3.port.grpc={ports.s3_grpc}",
             f"-master.port={ports.master}", f"-master.port.grpc={ports.master_grpc}",
             f"-volume.port={ports.volume}", f"-volume.port.grpc={ports.volume_grpc}",
@@ -332,7 +399,7 @@ class DevStack:
             f"-admin.port={ports.admin}", f"-admin.port.grpc={ports.admin_grpc}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
             f"-filer.localSocket={s3_dir / 'filer.sock'}", f"-s3.localSocket={s3_dir / 's3.sock'}",
-        ], env=env)
+        ]), env=env)
 
     def s3(self) -> Any:
         import boto3
@@ -372,10 +439,10 @@ class DevStack:
         while time.monotonic() < deadline:
             with socket.socket() as sock:
                 sock.settimeout(0.5)
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                if sock.connect_ex((self.config.service_host, port)) == 0:
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {READY_TIMEOUT_S:.0f}s; "
+        raise RuntimeError(f"{what} did not listen on {self.config.service_host}:{port} within {READY_TIMEOUT_S:.0f}s; "
                            f"see {self.log_dir}")
 
     def _wait_http(self, url: str, what: str) -> None:
@@ -436,6 +503,16 @@ class DevStack:
         killed = self._kill_orphan_ranks()
         if killed:
             echo(f"killed {killed} orphaned rank processes")
+        # Whatever mode it was brought up in: its namespaces and links carry its prefix, nothing else's (the
+        # prefix it was brought up with, should the port base have changed since).
+        network = self.config.network
+        recorded = network.recorded_base()
+        if recorded is not None and recorded != network.base:
+            network.teardown(echo)
+            network = dataclasses.replace(network, base=recorded)
+        left = network.teardown(echo)
+        if left:
+            echo(f"hosts: still present after down: {', '.join(left)}")
         for port in self.config.ports.weed_grpc_ports():
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 sock.unlink(missing_ok=True)

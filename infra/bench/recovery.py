@@ -2,7 +2,7 @@
 and the same faults.
 
     python -m infra.bench.recovery [--faults crash,hang,slow,gpu,node-down] [--launchers torchrun,ft_launcher]
-                                   [--steps 400] [--json .bench/recovery.json] [--skip-torchrun]
+                                   [--steps 400] [--json .bench/recovery.json] [--skip-torchrun] [--hosts]
 
 Measured side by side in one run, on this machine, for a 2-rank gloo job of `examples/train.py`
 (`--steps 400 --step-time 0.1 --hidden 64`, a checkpoint every 50 steps), each fault hitting rank 1 (node-1)
@@ -32,7 +32,12 @@ once training has passed step `--fault-step` (120):
 3. ft_launcher (nvidia-resiliency-ext, the `bench` extra): the same as torchrun, plus its rank monitors with
    a 5 s heartbeat timeout (the trainer's `--ft-heartbeat` sends one per step); a hang is detected at its
    `Did not get subsequent heartbeat` line.
-4. The floor: the same 2 ranks started cold by plain torchrun with a local checkpoint present, time from
+4. `--hosts`: the lost-node rows again on a second private stack in hosts mode (`trainguard.hosts`: every
+   agent and its ranks in a network namespace of its own, on a bridge; needs root), as `trainguard/hosts`
+   beside the loopback `trainguard` row: node-down (node-1's agent dies with its ranks) and partition (every
+   packet node-1 sends or is sent is dropped, `tc` blackhole on both ends of its link; healed, its agent
+   restarted and uncordoned afterwards).
+5. The floor: the same 2 ranks started cold by plain torchrun with a local checkpoint present, time from
    launch to the first training step. No recovery can beat a cold start of the job it restarts.
 
 This is a benchmark, not a test: it prints figures and writes them to JSON; it never asserts a time.
@@ -88,11 +93,14 @@ TORCHRUN_EVENTS = re.compile(r"Worker group (FAILED|UNHEALTHY)|Stopping worker g
 SIGNALS = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}
 FAULTS = ("crash", "hang", "slow", "gpu", "node-down")
 INCIDENT_KINDS = {"crash": "crash", "hang": "hang", "slow": "straggler", "gpu": "gpu_unhealthy",
-                  "node-down": "node_unresponsive"}
+                  "node-down": "node_unresponsive", "partition": "node_unresponsive"}
 """The incident each fault should produce."""
-NODE_FAULTS = frozenset({"slow", "gpu", "node-down"})
+NODE_FAULTS = frozenset({"slow", "gpu", "node-down", "partition"})
 """Faults trainguard answers by replacing the node: its runs get a spare (`node-2`)."""
 SPARE = "node-2"
+HOSTS_FAULTS = ("node-down", "partition")
+"""The lost-node rows `--hosts` measures in hosts mode; `partition` exists only there (packets dropped)."""
+HOSTS_SYSTEM = "trainguard/hosts"
 SLOW_DUTY = 0.8
 """`slow`: rank 1 is stopped 80% of every 0.1 s (a GPU running at a fifth of its speed)."""
 TORCHRUN_UNMEASURED = {
@@ -479,16 +487,22 @@ def trainguard_spec(opts: argparse.Namespace, prefix: str, fault: str) -> dict[s
     }
 
 
-async def trainguard_faults(opts: argparse.Namespace, faults: list[str], dev: Any) -> list[Measurement]:
+async def trainguard_faults(opts: argparse.Namespace, faults: list[str], dev: Any,
+                            system: str = "trainguard") -> list[Measurement]:
     from trainguard.client import TrainguardClient
+    from trainguard.settings import Settings
 
-    client = await TrainguardClient.connect()
+    client = await TrainguardClient.connect(Settings.from_env({**os.environ, **dev.client_env()}))
     results = []
     for fault in faults:
+        # A partition drops node-1's packets at its link (hosts mode); every other fault goes through its agent.
+        cut = (lambda: dev.config.network.partition(FAULT_NODE)) if fault == "partition" else None
         try:
-            measured = await trainguard_fault(client, opts, fault, dev.config.home)
+            measured = await trainguard_fault(client, opts, fault, dev.config.home, system, cut=cut)
         except Exception as error:  # noqa: BLE001 - one failed measurement must not lose the others
-            measured = Measurement(fault=fault, system="trainguard", note=f"error: {error!r}"[:300])
+            measured = Measurement(fault=fault, system=system, note=f"error: {error!r}"[:300])
+        if fault == "partition":
+            dev.config.network.heal(FAULT_NODE)
         if fault in NODE_FAULTS:
             await repair(client, dev, FAULT_NODE)
         say(f"  -> {summary(measured)}")
@@ -518,9 +532,11 @@ def rank_step(home: Path, node: str, run_id: str, attempt: int, rank: int) -> in
 
 
 async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, home: Path,
-                           system: str = "trainguard", spec_changes: dict[str, Any] | None = None) -> Measurement:
+                           system: str = "trainguard", spec_changes: dict[str, Any] | None = None,
+                           cut: Any = None) -> Measurement:
     """One run of the job with `fault` sent once it passes `opts.fault_step`. `spec_changes` are merged into
-    the spec's sections (e.g. `{"restarts": {"in_process": True}}`)."""
+    the spec's sections (e.g. `{"restarts": {"in_process": True}}`). `cut`: what makes the fault instead of
+    the agent (a partition: the agent cannot be asked to cut itself off)."""
     from temporalio.service import RPCError
 
     result = Measurement(fault=fault, system=system)
@@ -554,12 +570,15 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                     attempt = view.status.attempt
             step = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
             if step is not None and step >= opts.fault_step:
-                injected = await client.inject_fault(run_id, fault, FAULT_NODE, slow_duty=SLOW_DUTY)
+                if cut is not None:
+                    await asyncio.to_thread(cut)
+                    what = f"every packet to and from {FAULT_NODE} dropped"
+                else:
+                    injected = await client.inject_fault(run_id, fault, FAULT_NODE, slow_duty=SLOW_DUTY)
+                    what = f"{fault} of rank {injected.rank} (pid {injected.pid}) on {FAULT_NODE}"
                 landed = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
                 result.fault_step = landed if landed is not None else step
-                say(f"  trainguard {fault}: {fault} of rank {injected.rank} (pid {injected.pid}) "
-                    f"on {FAULT_NODE}; "
-                    f"rank 0 at step {step} when asked, {result.fault_step} when done")
+                say(f"  {system} {fault}: {what}; rank 0 at step {step} when asked, {result.fault_step} when done")
                 break
             await asyncio.sleep(0.02)
         else:
@@ -590,6 +609,15 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 # A straggler: detected when first reported, recovered once the spare replaced it.
                 result.detection_s = first.detection_s
                 result.restart_s = round(result.time_to_recover_s - first.detection_s, 3)
+            if (incident.detection_s is None and incident.recovery_s is not None and incidents[0] is not incident
+                    and incidents[0].detection_s is not None):
+                # A lost node found at the stop after its peers' hang (a partition): the run noticed at the
+                # first incident; the node's recovery_s runs from its own, later, detection.
+                first = incidents[0]
+                fault_at = first.detected_at - first.detection_s
+                result.detection_s = first.detection_s
+                result.time_to_recover_s = round(incident.detected_at + incident.recovery_s - fault_at, 3)
+                result.restart_s = round(result.time_to_recover_s - first.detection_s, 3)
             result.resumed_step = incident.resumed_step
             result.restore_tier, result.recovery_path = incident.restore_tier, incident.recovery_path
         if others:
@@ -612,18 +640,22 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 await client.cancel(run_id)
 
 
-def run_trainguard(opts: argparse.Namespace, faults: list[str],
-                   work: Path) -> tuple[list[Measurement], dict[str, Any]]:
+def run_trainguard(opts: argparse.Namespace, faults: list[str], work: Path,
+                   hosts: bool = False) -> tuple[list[Measurement], dict[str, Any]]:
     from infra.bench.stack import private_stack
 
     nodes = (*NODES, SPARE) if NODE_FAULTS & set(faults) else NODES
     info: dict[str, Any] = {}
-    with private_stack("stack", nodes, PORT_SEARCH_START, echo=lambda line: say(f"  stack: {line}"),
-                       keep_logs=work / "stack-logs" if opts.keep_logs else None, timings=info) as dev:
+    name = "hosts-stack" if hosts else "stack"
+    with private_stack(name, nodes, PORT_SEARCH_START, echo=lambda line: say(f"  {name}: {line}"),
+                       keep_logs=work / f"{name}-logs" if opts.keep_logs else None, timings=info, hosts=hosts) as dev:
         info.update(home=str(dev.home), port_base=dev.config.ports.temporal,
-                    weed_grpc_ports=dev.config.ports.weed_grpc_ports())
-        say(f"  stack up in {info['stack_up_s']:.1f}s on port base {dev.config.ports.temporal}")
-        return asyncio.run(trainguard_faults(opts, faults, dev)), info
+                    weed_grpc_ports=dev.config.ports.weed_grpc_ports(), hosts=hosts)
+        if hosts:
+            info["addresses"] = {node: dev.node_address(node) for node in nodes}
+        say(f"  {name} up in {info['stack_up_s']:.1f}s on port base {dev.config.ports.temporal}")
+        system = HOSTS_SYSTEM if hosts else "trainguard"
+        return asyncio.run(trainguard_faults(opts, faults, dev, system)), info
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -647,11 +679,11 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def report(results: list[Measurement], floor: Floor | None) -> tuple[list[str], dict[str, Any]]:
-    lines = [f"{'fault':<9} {'system':<11} {'detection_s':>11} {'restart_s':>9} {'time_to_recover_s':>17} "
+    lines = [f"{'fault':<9} {'system':<16} {'detection_s':>11} {'restart_s':>9} {'time_to_recover_s':>17} "
              f"{'goodput':>8} {'wall_s':>7} {'fault@':>6} {'resumed':>7} {'done':>4}  note"]
     for m in results:
         lines.append(
-            f"{m.fault:<9} {m.system:<11} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
+            f"{m.fault:<9} {m.system:<16} {_fmt(m.detection_s):>11} {_fmt(m.restart_s):>9} "
             f"{_fmt(m.time_to_recover_s):>17} "
             f"{_fmt(None if m.goodput is None else m.goodput * 100, '{:.1f}%'):>8} "
             f"{_fmt(m.wall_s, '{:.1f}'):>7} {_fmt(m.fault_step, '{}'):>6} {_fmt(m.resumed_step, '{}'):>7} "
@@ -720,11 +752,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the baselines, of torchrun, ft_launcher (default both; ft_launcher needs "
                              "nvidia-resiliency-ext, in the bench extra)")
     parser.add_argument("--skip-trainguard", action="store_true", help="torchrun and the floor only")
+    parser.add_argument("--hosts", action="store_true",
+                        help=f"also measure the lost-node rows ({', '.join(HOSTS_FAULTS)}) in hosts mode: each node "
+                             "in a network namespace of its own (needs root)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep torchrun output and the stack's logs under .bench/recovery-logs")
     opts = parser.parse_args(argv)
     faults = [f.strip() for f in opts.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
+    if opts.hosts:
+        from trainguard.hosts import unavailable_reason
+
+        if reason := unavailable_reason():
+            parser.error(f"--hosts: {reason}")
     if unknown:
         parser.error(f"unknown fault(s): {', '.join(unknown)} (known: {', '.join(FAULTS)})")
     if not 0 < opts.fault_step < opts.steps:
@@ -754,6 +794,10 @@ def main(argv: list[str] | None = None) -> int:
             say("trainguard: private dev stack")
             tg_results, stack_info = run_trainguard(opts, faults, work)
             results.extend(tg_results)
+        if opts.hosts and not opts.skip_trainguard:
+            say("trainguard: private dev stack in hosts mode")
+            hosts_results, stack_info["hosts_stack"] = run_trainguard(opts, list(HOSTS_FAULTS), work, hosts=True)
+            results.extend(hosts_results)
         say("floor: cold start from a local checkpoint under plain torchrun")
         floor = torchrun_floor(opts, work, log)
         say(f"  floor {_fmt(floor.cold_start_s)} s {floor.note}")
@@ -770,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.keep_logs:
             keep = BENCH_DIR / "recovery-logs"
             keep.mkdir(exist_ok=True)
-            for item in (log, work / "stack-logs"):
+            for item in (log, work / "stack-logs", work / "hosts-stack-logs"):
                 if item.exists():
                     target = keep / item.name
                     if item.is_dir():
@@ -779,12 +823,13 @@ def main(argv: list[str] | None = None) -> int:
                         shutil.copy2(item, target)
         shutil.rmtree(work, ignore_errors=True)
 
-    order = {f: i for i, f in enumerate(faults)}
-    systems = ["trainguard", *LAUNCHERS]
+    order = {f: i for i, f in enumerate(dict.fromkeys([*faults, *(HOSTS_FAULTS if opts.hosts else ())]))}
+    systems = ["trainguard", HOSTS_SYSTEM, *LAUNCHERS]
     results.sort(key=lambda m: (order[m.fault], systems.index(m.system)))
     lines, ratios = report(results, floor)
     new_tmp = sorted(_tmp_entries() - tmp_before)
-    stack_socks = tuple(f"-{port}.sock" for port in stack_info.get("weed_grpc_ports", []))
+    stack_socks = tuple(f"-{port}.sock" for port in [*stack_info.get("weed_grpc_ports", []),
+                                                     *stack_info.get("hosts_stack", {}).get("weed_grpc_ports", [])])
     ours = [n for n in new_tmp if n.startswith(("torchelastic_", "torchinductor_"))
             or (n.startswith("seaweedfs-") and n.endswith(stack_socks))]
     load_after = os.getloadavg()
@@ -800,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "recovery",
         "config": {"faults": faults, "steps": opts.steps, "step_time": opts.step_time, "hidden": opts.hidden,
                    "checkpoint_every": opts.every, "fault_step": opts.fault_step, "nodes": list(NODES),
-                   "fault_node": FAULT_NODE, "fault_rank": FAULT_RANK,
+                   "fault_node": FAULT_NODE, "fault_rank": FAULT_RANK, "hosts": opts.hosts,
                    "torchrun": {"max_restarts": TORCHRUN_MAX_RESTARTS, "pg_timeout_s": TORCHRUN_PG_TIMEOUT_S,
                                 "rdzv_backend": "c10d", "share_rdzv_store": False}},
         "machine": machine(load_before, load_after),

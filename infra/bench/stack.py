@@ -25,17 +25,19 @@ def _quiet(_line: str) -> None:
 @contextmanager
 def private_stack(name: str, nodes: tuple[str, ...], port_start: int, echo: Callable[[str], None] = _quiet,
                   keep_logs: Path | None = None, timings: dict[str, float] | None = None,
-                  temporal_only: bool = False, temporal_args: tuple[str, ...] = ()) -> Iterator[DevStack]:
+                  temporal_only: bool = False, temporal_args: tuple[str, ...] = (),
+                  hosts: bool = False) -> Iterator[DevStack]:
     """Bring up a stack under `.bench/<name>-<random>` on the first free ports from `port_start`, with the
     client's `TRAINGUARD_TEMPORAL_ADDRESS` pointing at it; on the way out (also on errors) stop it, restore the
     variable, copy its logs to `keep_logs` when given, and remove its folder. `timings` gets `stack_up_s` and
     `stack_down_s`. `temporal_only`: just the Temporal dev server, for a benchmark that runs its own workers
-(no store, no controller, no node agents)."""
+(no store, no controller, no node agents). `hosts`: each node in a network namespace of its own
+    (`trainguard.hosts`; needs root), removed with the stack."""
     from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
     home = BENCH_DIR / f"{name}-{secrets.token_hex(4)}"
     config = StackConfig(home=home, ports=Ports.from_base(free_port_base(port_start, len(nodes))), nodes=nodes,
-                         code_dir=REPO)
+                         code_dir=REPO, hosts=hosts)
     stack = DevStack(config)
     times = timings if timings is not None else {}
     saved = os.environ.get("TRAINGUARD_TEMPORAL_ADDRESS")
