@@ -377,6 +377,13 @@ class WatchEvent(BaseModel):
     mean_step_s: float | None = None
     rank_compute_s: dict[int, float] = Field(default_factory=dict)
     """Each local rank's recent compute time per step (what it reports outside collectives), seconds."""
+    log_path: str | None = None
+    """RANK_EXITED, HANG: the rank's log on its node (stdout and stderr of the attempt)."""
+    log_tail: str = ""
+    """RANK_EXITED, HANG: the last lines of that log (`activities.rank_logs.read_tail`), its traceback."""
+    failure_signature: str | None = None
+    """RANK_EXITED: the exception in the tail and the frame that raised it, addresses and ports masked
+    (`activities.rank_logs.failure_signature`); None when the tail shows no Python exception."""
 
 
 class InjectFaultInput(BaseModel):

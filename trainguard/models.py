@@ -53,6 +53,10 @@ class Phase(str, Enum):
     FAILED = "failed"
 
 
+INCIDENT_TAILS_KEPT = 10
+"""Incidents that keep their `log_tail`: the newest ones, which an operator reads first."""
+
+
 class Incident(BaseModel):
     """One failure and what was done about it."""
 
@@ -84,6 +88,15 @@ class Incident(BaseModel):
     """How training came back: `relaunch` (every rank started again from a checkpoint), `in-process`
     (live ranks kept their state and formed a new process group with restarted ranks), or `relaunch after
     failed in-process: <why>`. None until the next attempt starts."""
+    log_path: str | None = None
+    """A rank incident's log on its node: the rank's stdout and stderr for that attempt
+    (`$TRAINGUARD_HOME/nodes/<node>/runs/<run>/attempt-NNNN/logs/rank-NNNNN.log`)."""
+    log_tail: str = ""
+    """The last lines of that log when the incident was seen (its traceback). Kept on the newest
+    `INCIDENT_TAILS_KEPT` incidents only, so a long run's status stays small."""
+    signature: str | None = None
+    """What identifies a crash across attempts: the exception and the frame that raised it. The same one on
+    consecutive attempts is a script that fails the same way each time (`restarts.max_same_failure`)."""
 
 
 class CheckpointRef(BaseModel):

@@ -254,6 +254,11 @@ class RestartSpec(_Strict):
     max_restarts_without_checkpoint: int = Field(3, ge=1, le=10_000)
     """Consecutive relaunches that commit no new checkpoint before the run stops. Default 3."""
 
+    max_same_failure: int = Field(2, ge=0, le=10_000)
+    """Consecutive attempts whose crash is the same Python exception raised at the same place (the rank's
+    log says so) before the run stops with that traceback as its reason: a script that fails the same way
+    every time, which no relaunch fixes. 0: never stop for it. Default 2."""
+
     in_process: bool = False
     """After a rank crash, keep the ranks that are still alive: they leave the broken process group and
     form a new one with a restarted rank, which takes its state from a live peer instead of every rank

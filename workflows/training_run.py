@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
     from trainguard import WORKFLOW_TYPE, node_task_queue
     from trainguard.models import (
+        INCIDENT_TAILS_KEPT,
         Action,
         CarriedState,
         CheckpointNowResult,
@@ -66,7 +67,8 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
-    from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
+    from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
+                                 same_failure_streak)
     from workflows.node_group import (
         NODE_CALL_RETRY,
         NODE_SCHEDULE_TO_START,
@@ -98,6 +100,9 @@ PATCH_IN_PROCESS = "in-process-restart"
 """Histories before this patch relaunched every rank after a crash whatever `restarts.in_process` said."""
 PATCH_ABANDON_COMMITTER = "abandon-committer"
 """Histories before this patch cancelled a committer they no longer needed (a cancel request in history)."""
+PATCH_SAME_FAILURE = "same-failure-stops"
+"""Histories before this patch relaunched a script that crashed the same way on every attempt until a restart
+budget ran out."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -188,6 +193,15 @@ def _cause_text(error: BaseException) -> str:
     while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
         cause = cause.__cause__
     return str(cause or error)
+
+
+def _same_failure_reason(incident: Incident, why: str) -> str:
+    """A run stopped for a script that fails the same way every time: the reason names the failure, where
+    the rank's log is, and ends with the traceback, so `run result`, `status` and the CLI show the cause."""
+    where = f"rank {incident.rank} on {incident.node}" if incident.rank is not None else f"{incident.node}"
+    log = f" (log: {incident.log_path} on {incident.node})" if incident.log_path else ""
+    tail = f"\n{incident.log_tail}" if incident.log_tail else ""
+    return f"{where}: {incident.signature}: {why}{log}{tail}"
 
 
 def _error_type(error: BaseException) -> str | None:
@@ -995,7 +1009,8 @@ class TrainingRun:
         kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
         detection = None if event.fault_at is None else round(max(0.0, event.detected_at - event.fault_at), 3)
         return Incident(kind=kind, node=event.node, rank=event.rank, attempt=attempt, detail=event.detail,
-                        detection_s=detection, detected_at=event.detected_at)
+                        detection_s=detection, detected_at=event.detected_at, log_path=event.log_path,
+                        log_tail=event.log_tail, signature=event.failure_signature)
 
     def _node_lost(self, node: str, attempt: int, detail: str) -> Incident:
         """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
@@ -1010,13 +1025,24 @@ class TrainingRun:
     async def _recover(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
         self._set_phase(Phase.RECOVERING)
         now = workflow.now().timestamp()
+        same = same_failure_streak(incident, self._status.incidents)
+        if (spec.restarts.max_same_failure and same >= spec.restarts.max_same_failure
+                and not workflow.patched(PATCH_SAME_FAILURE)):
+            same = 0
         decision: Decision = decide(
             incident.kind, incident.node, spec, self._status.nodes, self._spares,
-            RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint), now,
+            RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint, same), now,
             persisted=incident.kind is IncidentKind.STRAGGLER,
         )
+        seen_as = incident.detail
         incident.action = decision.action
         incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
+        if decision.action is Action.STOP and spec.restarts.max_same_failure and same >= spec.restarts.max_same_failure:
+            decision = Decision(Action.STOP, _same_failure_reason(incident, decision.reason))
+        elif decision.action is Action.STOP and seen_as and incident.kind in RANK_FAULTS:
+            # A spent budget names the fault that spent it, and where its rank's log is.
+            where = f" (log: {incident.log_path} on {incident.node})" if incident.log_path else ""
+            decision = Decision(Action.STOP, f"{decision.reason}; the last incident: {seen_as}{where}")
         self._record_incident(incident)
         workflow.logger.info("incident %s on %s rank %s: %s", incident.kind.value, incident.node, incident.rank,
                              decision.reason)
@@ -1066,6 +1092,8 @@ class TrainingRun:
     def _record_incident(self, incident: Incident) -> None:
         if incident not in self._status.incidents:
             self._status.incidents = [*self._status.incidents, incident]
+            for older in self._status.incidents[:-INCIDENT_TAILS_KEPT]:
+                older.log_tail = ""
             meter = workflow.metric_meter()  # replay-safe: nothing is emitted while replaying
             labels = {"kind": incident.kind.value, "action": incident.action.value}
             meter.create_counter("trainguard_incidents", "Incidents by kind and action").add(1, labels)

@@ -1007,6 +1007,44 @@ async def test_a_run_that_keeps_crashing_stops_with_a_reason(env: WorkflowEnviro
     assert [i.action for i in run.status.incidents] == [Action.RESTART, Action.RESTART, Action.STOP]
 
 
+TRACE = 'Traceback (most recent call last):\n  File "train.py", line 9, in main\nValueError: loss is nan'
+SAME = "train.py:9 in main: ValueError: loss is nan"
+
+
+def _raised(signature: str | None) -> WatchEvent:
+    return _event(WatchEventKind.RANK_EXITED, rank=0, exit_code=1, detail="rank 0 exited with code 1",
+                  log_path="/agent/runs/r/attempt-0001/logs/rank-00000.log", log_tail=TRACE,
+                  failure_signature=signature)
+
+
+@pytest.mark.parametrize(
+    ("signatures", "launches"),
+    [
+        pytest.param([SAME, SAME], 2, id="same-failure-twice-stops-after-two-attempts"),
+        pytest.param([SAME, "train.py:9 in main: KeyError: 'x'", None], 3, id="different-failures-spend-the-budget"),
+    ],
+)
+async def test_a_script_that_fails_the_same_way_stops_with_its_traceback(
+        env: WorkflowEnvironment, signatures: list[str | None], launches: int) -> None:
+    nodes = _node_ids(1)
+    script = {(a, nodes[0]): [_raised(signatures[min(a, len(signatures)) - 1])] for a in range(1, 10)}
+    cluster = Cluster(nodes=nodes, watch_script=script)
+
+    run = await _run(env, cluster, _spec(nodes, restarts={"max_restarts_without_checkpoint": 2}))
+
+    message = _failure_message(run.outcome)
+    assert len(cluster.inputs("launch_ranks")) == launches
+    first = run.status.incidents[0]
+    assert first.log_tail == TRACE and first.log_path and first.signature == signatures[0]
+    if launches == 2:
+        assert message.startswith(f"rank 0 on {nodes[0]}: {SAME}: the same failure on 2 attempts in a row")
+        assert "ValueError: loss is nan" in message.splitlines()[-1], "the traceback ends the reason"
+        assert "rank-00000.log" in message
+    else:
+        assert "committed no new checkpoint" in message and "the last incident: rank 0 exited" in message
+    assert run.status.reason == message
+
+
 async def test_with_tracing_one_trace_covers_the_run_its_workflow_tasks_and_every_activity(
         env: WorkflowEnvironment) -> None:
     from opentelemetry.sdk.trace import TracerProvider

@@ -1,0 +1,72 @@
+"""A rank's own words about why it failed: the tail of its log, and a signature of the failure in it.
+
+A rank's stdout and stderr go to `$TRAINGUARD_HOME/nodes/<node>/runs/<run>/attempt-NNNN/logs/rank-NNNNN.log`
+on its node (`RunLayout.log_file`). When a rank exits, the node agent reads the end of that file so the
+incident carries the traceback instead of only `exited with code 1`, and a signature of the failure (the
+exception line and the frame that raised it), so the run can tell a script that fails the same way on every
+attempt from a fault a relaunch fixes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+TAIL_MAX_LINES = 20
+"""Lines of a rank's log an incident carries: a Python traceback of a few frames and its exception."""
+TAIL_MAX_BYTES = 2048
+"""...and at most this many bytes of them: incidents travel in the status query, the result and every
+continue-as-new, whose payloads Temporal warns about past 256 KB."""
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
+"""`ValueError: bad shape`, `torch.OutOfMemoryError: ...`, `KeyboardInterrupt`: how Python ends a traceback."""
+_FRAME_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+_VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\b\d{4,}\b|\[[0-9a-fA-F:.]+\]:\d+")
+"""Parts of a message that differ between attempts of the same failure: addresses, pids, ports."""
+SIGNATURE_MAX_CHARS = 300
+
+
+def read_tail(path: Path, max_lines: int = TAIL_MAX_LINES, max_bytes: int = TAIL_MAX_BYTES) -> str:
+    """The last `max_lines` lines of `path`, at most `max_bytes` of them (cut at a line start), as text;
+    empty when the file is missing or unreadable (a log is evidence, never a reason to fail a watch)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes * 4))
+            data = handle.read()
+    except OSError:
+        return ""
+    lines = data.decode("utf-8", errors="replace").splitlines()[-max_lines:]
+    while lines and len("\n".join(lines).encode()) > max_bytes:
+        lines = lines[1:]
+    if not lines and data:  # one line longer than max_bytes: its end
+        return data.decode("utf-8", errors="replace")[-max_bytes:].strip()
+    return "\n".join(lines).strip("\n")
+
+
+def failure_signature(tail: str) -> str | None:
+    """What identifies this failure across attempts: the last exception line of the traceback in `tail`,
+    with the innermost frame before it (`train.py:87 in main: ValueError: loss is nan`), addresses, pids and
+    ports masked. None when the tail holds no Python exception (a signal, a silent exit): nothing shows that
+    a relaunch would fail the same way."""
+    lines = [line.rstrip() for line in tail.splitlines()]
+    for index in range(len(lines) - 1, -1, -1):
+        line = lines[index].strip()
+        if not _EXCEPTION_LINE.match(line):
+            continue
+        frame = next((m for m in (_FRAME_LINE.match(x) for x in reversed(lines[:index])) if m), None)
+        if frame is None:
+            return None  # a line that looks like an exception, outside any traceback: a log message
+        where = f"{Path(frame['file']).name}:{frame['line']} in {frame['func']}"
+        return _VOLATILE.sub("N", f"{where}: {line}")[:SIGNATURE_MAX_CHARS]
+    return None
+
+
+def exception_line(tail: str) -> str | None:
+    """The last exception line of the traceback in `tail` (`ValueError: loss is nan`), for an incident's
+    one-line detail."""
+    for line in reversed(tail.splitlines()):
+        if _EXCEPTION_LINE.match(line.strip()):
+            return line.strip()[:SIGNATURE_MAX_CHARS]
+    return None
