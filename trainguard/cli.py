@@ -101,6 +101,11 @@ async def _run_cmd(args: argparse.Namespace) -> int:
     if args.action == "start":
         run_id = await client.start_run(spec, workflow_id=args.id)
         print(run_id)
+        if not await client.controller_running():
+            from trainguard.errors import no_controller_hint
+
+            print(f"trainguard: warning: {no_controller_hint(client.client.service_client.config.target_host)}",
+                  file=sys.stderr)
         if args.wait:
             result = await client.result(run_id)
             _print_json(result.model_dump(mode="json"))
@@ -301,7 +306,9 @@ def entrypoint() -> None:
     except KeyboardInterrupt:
         code = 130
     except Exception as error:  # noqa: BLE001 - the CLI's last word: one readable line, not a traceback
-        print(f"trainguard: {error}", file=sys.stderr)
+        from trainguard.errors import describe_error
+
+        print(f"trainguard: {describe_error(error)}", file=sys.stderr)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -24,6 +24,7 @@ from temporalio.service import RPCError
 from activities.models import InjectFaultInput, InjectFaultResult
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
+from trainguard.errors import NoController, no_controller_hint
 from trainguard.models import (
     CheckpointNowResult,
     DrainRequest,
@@ -115,10 +116,25 @@ class TrainguardClient:
                              .fetch_history())
         return found
 
+    async def controller_running(self, max_idle_s: float = 90.0) -> bool:
+        """Whether a controller polled the `trainguard` task queue recently (as the server saw it): without
+        one, a started run waits in `reserving` and no query is answered."""
+        from temporalio.api.enums.v1 import TaskQueueType
+
+        from activities.nodes import has_pollers
+
+        return await has_pollers(self.client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, max_idle_s)
+
     async def status(self, workflow_id: str) -> RunView:
         handle = self.handle(workflow_id)
         description = await handle.describe()
-        status = await handle.query("status", result_type=RunStatus)
+        try:
+            status = await handle.query("status", result_type=RunStatus)
+        except RPCError as error:
+            # A query is answered by a worker: with none polling, the server times out and says only that.
+            if not await self.controller_running():
+                raise NoController(no_controller_hint(self.client.service_client.config.target_host)) from error
+            raise
         steps: dict[int, int | None] = {}
         live = status.phase in (Phase.RUNNING, Phase.FINISHING)
         # The watches run in the run's node-group children: their latest heartbeats hold each rank's step.
