@@ -21,6 +21,9 @@ continue-as-new, whose payloads Temporal warns about past 256 KB."""
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
 """`ValueError: bad shape`, `torch.OutOfMemoryError: ...`, `KeyboardInterrupt`: how Python ends a traceback."""
 _FRAME_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+"""torch prefixes what a rank prints after its process group is up with `[rank1]: ` (`[default1]:` under
+torchrun's log tee)."""
 _VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\b\d{4,}\b|\[[0-9a-fA-F:.]+\]:\d+")
 """Parts of a message that differ between attempts of the same failure: addresses, pids, ports."""
 SIGNATURE_MAX_CHARS = 300
@@ -50,7 +53,7 @@ def failure_signature(tail: str) -> str | None:
     with the innermost frame before it (`train.py:87 in main: ValueError: loss is nan`), addresses, pids and
     ports masked. None when the tail holds no Python exception (a signal, a silent exit): nothing shows that
     a relaunch would fail the same way."""
-    lines = [line.rstrip() for line in tail.splitlines()]
+    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in tail.splitlines()]
     for index in range(len(lines) - 1, -1, -1):
         line = lines[index].strip()
         if not _EXCEPTION_LINE.match(line):
@@ -67,6 +70,7 @@ def exception_line(tail: str) -> str | None:
     """The last exception line of the traceback in `tail` (`ValueError: loss is nan`), for an incident's
     one-line detail."""
     for line in reversed(tail.splitlines()):
-        if _EXCEPTION_LINE.match(line.strip()):
-            return line.strip()[:SIGNATURE_MAX_CHARS]
+        line = _RANK_PREFIX.sub("", line.strip())
+        if _EXCEPTION_LINE.match(line):
+            return line[:SIGNATURE_MAX_CHARS]
     return None

@@ -3,7 +3,8 @@
 ```python
 from trainguard.client import TrainguardClient
 
-tg = await TrainguardClient.connect()               # TRAINGUARD_TEMPORAL_ADDRESS, default 127.0.0.1:7233
+tg = await TrainguardClient.connect()               # the stack TRAINGUARD_TEMPORAL_ADDRESS, TRAINGUARD_PORT_BASE
+                                                     # or TRAINGUARD_HOME names (trainguard.settings)
 run_id = await tg.start_run(spec)                    # a RunSpec, a dict, or a path to a JSON file
 print(await tg.status(run_id))                       # phase, attempt, per-rank steps, incidents
 result = await tg.result(run_id)                     # waits; RunResult

@@ -47,7 +47,8 @@ def describe_error(error: BaseException, settings: Settings | None = None) -> st
         return f"refused: {cause_chain(error.cause)}"
     if isinstance(error, WorkflowQueryFailedError):
         return f"the query failed: {error.message}"
-    address = (settings or Settings.from_env()).temporal_address
+    settings = settings or Settings.from_env()
+    address = f"{settings.temporal_address} (from {settings.address_source})"
     if isinstance(error, RPCError):
         if error.status is RPCStatusCode.NOT_FOUND:
             return f"not found at {address}: {error.message}"

@@ -41,6 +41,8 @@ SIGNATURES = [
     pytest.param('Traceback (most recent call last):\n  File "t.py", line 3, in f\n'
                  "torch.distributed.DistBackendError: Connection reset by peer [127.0.0.1]:45678\n",
                  "t.py:3 in f: torch.distributed.DistBackendError: Connection reset by peer N", id="ports-masked"),
+    pytest.param("".join(f"[rank1]: {line}\n" for line in TRACEBACK.splitlines()),
+                 "train.py:142 in main: ValueError: loss is nan at step 10", id="torch-rank-prefix"),
     pytest.param("step 9 done\nRuntimeError: printed by the script, not raised\n", None, id="no-frame-no-signature"),
     pytest.param("step 9 done\n", None, id="silent-exit"),
     pytest.param("", None, id="empty-log"),
