@@ -4,6 +4,10 @@ what happened (issue 17)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -11,15 +15,16 @@ import pytest
 from temporalio.client import WorkflowFailureError
 
 from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack
 from trainguard.errors import describe_error
 from trainguard.models import Action, IncidentKind
 
-from .conftest import RUN_TIMEOUT_S, make_spec
+from .conftest import REPO, RUN_TIMEOUT_S, make_spec
 
 
 async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its_traceback(
         client: TrainguardClient, prefix: str) -> None:
-    spec = make_spec(prefix, steps=60, every=20)
+    spec = make_spec(prefix, steps=60, every=20, nodes=("node-0",))  # one rank: two attempts' imports only
     spec["entrypoint"] += ["--raise-at-step", "10"]
     rid = await client.start_run(spec, workflow_id=f"it-sameerr-{uuid.uuid4().hex[:6]}")
 
@@ -38,3 +43,30 @@ async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its
     assert "the same failure on 2 attempts in a row" in message
     assert "train.py" in message and "ValueError: deliberate failure at step 10" in message
     assert "Workflow execution failed" not in message
+
+
+def _cli(stack: DevStack, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user in another shell runs it: only TRAINGUARD_HOME says which stack."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    env["TRAINGUARD_HOME"] = str(stack.home)
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", *argv], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+async def test_the_cli_reaches_the_stack_its_home_names_and_prints_a_failed_runs_cause(
+        stack: DevStack, prefix: str, tmp_path: Path) -> None:
+    spec = make_spec(prefix)
+    spec["entrypoint"] = ["/bin/sh", "-c", "true"]  # not on the dev pool's --allow list
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    rid = f"it-cli-cause-{uuid.uuid4().hex[:6]}"
+
+    started = await asyncio.to_thread(_cli, stack, "run", "start", str(path), "--id", rid, "--wait")
+
+    assert started.returncode == 1, started
+    assert started.stdout.strip() == rid
+    assert "warning: no controller" not in started.stderr  # the stack's controller polls
+    assert started.stderr.startswith("trainguard: the run failed: "), started.stderr
+    assert "is not allowed on node node-" in started.stderr and "Workflow execution failed" not in started.stderr
+    listed = await asyncio.to_thread(_cli, stack, "run", "list")
+    assert rid in listed.stdout, listed
