@@ -240,6 +240,8 @@ class PoolNode(BaseModel):
     cordoned: str | None = None
     """Why the node may not be leased (a failure, or an operator); None when schedulable."""
     cordoned_at: float | None = None
+    cordoned_by: str | None = None
+    """The run (workflow id) whose incident cordoned the node; None for an operator's cordon."""
     draining: bool = False
     """Leaves the pool once its current run releases it."""
     peer_url: str = ""
@@ -294,3 +296,7 @@ class NodeRequest(BaseModel):
     node: str | None = None
     run_id: str | None = None
     reason: str = ""
+    lost_since: float | None = None
+    """A run's cordon for a node it lost: the workflow-clock time (unix seconds) it last heard from the node.
+    The cordon does not stand when the node's agent registered after that: it came back (a restarted agent,
+    a restarted stack), and the cause of the cordon no longer holds."""

@@ -74,6 +74,7 @@ with workflow.unsafe.imports_passed_through():
         NODE_SCHEDULE_TO_START,
         STOP_TIMEOUT,
         TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
+        WATCH_HEARTBEAT_TIMEOUT,
         WATCH_MAX_DURATION_S,
         GroupStarted,
         NodeCallKind,
@@ -103,6 +104,9 @@ PATCH_ABANDON_COMMITTER = "abandon-committer"
 PATCH_SAME_FAILURE = "same-failure-stops"
 """Histories before this patch relaunched a script that crashed the same way on every attempt until a restart
 budget ran out."""
+PATCH_STALE_CORDON = "stale-cordon"
+"""Histories before this patch told the cluster scheduler of every cordon, even one the pool did not apply
+(the lost node's agent had registered again since the run last heard from it)."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -193,6 +197,15 @@ def _cause_text(error: BaseException) -> str:
     while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
         cause = cause.__cause__
     return str(cause or error)
+
+
+def _lost_since(incident: Incident) -> float | None:
+    """For a lost node: the earliest time the run may last have heard from it (a watch's heartbeat times out
+    `WATCH_HEARTBEAT_TIMEOUT` after the last one; a stop its agent never picked up waited
+    `NODE_SCHEDULE_TO_START`). An agent that registered after that is back; None for any other incident."""
+    if incident.kind is not IncidentKind.NODE_UNRESPONSIVE or incident.detected_at <= 0:
+        return None
+    return incident.detected_at - max(WATCH_HEARTBEAT_TIMEOUT, NODE_SCHEDULE_TO_START).total_seconds()
 
 
 def _same_failure_reason(incident: Incident, why: str) -> str:
@@ -607,9 +620,14 @@ class TrainingRun:
             result_type=result_type, summary=summary,
         )
 
-    async def _cordon(self, node: str, reason: str) -> None:
-        await self._pool("cordon_node", NodeRequest(node=node, run_id=workflow.info().workflow_id, reason=reason),
-                         PoolNode, f"cordon {node}: {reason[:80]}")
+    async def _cordon(self, node: str, reason: str, lost_since: float | None = None) -> None:
+        result: PoolNode = await self._pool(
+            "cordon_node", NodeRequest(node=node, run_id=workflow.info().workflow_id, reason=reason,
+                                       lost_since=lost_since),
+            PoolNode, f"cordon {node}: {reason[:80]}")
+        if result.cordoned is None and workflow.patched(PATCH_STALE_CORDON):
+            workflow.logger.info("%s registered again since the run last heard from it: not cordoned", node)
+            return
         # The cluster's scheduler hears about it too (Slurm drain, Kubernetes cordon + taint; off by default),
         # in the background: recovery never waits on it.
         self._background.append(workflow.start_activity(
@@ -1074,13 +1092,14 @@ class TrainingRun:
             await self._recover(spec, attempt, self._node_lost(
                 unreachable[0], attempt, f"node agent did not answer the stop after {incident.kind.value}"))
             return
+        lost_since = _lost_since(incident)
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
-            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
+            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
             self._replaced.append(incident.node)
             self._spares.remove(decision.replacement)
             self._replace(incident.node, decision.replacement)
         if decision.action is Action.SHRINK and incident.node:
-            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
+            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
             self._lost.append(incident.node)
             self._status.nodes = [n for n in self._status.nodes if n != incident.node]
             self._status.cordoned = [*self._status.cordoned, incident.node]

@@ -668,6 +668,13 @@ async def test_node_fault_while_training_is_replaced_by_a_spare(env: WorkflowEnv
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [(r.node, r.node_rank) for r in relaunches] == [(nodes[0], 0), (spares[0], 1)]
     assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
+    # A lost node's cordon says when the run last heard from it, so the pool lets it stand only if the node's
+    # agent has not registered again since; a GPU fault's cordon stands whatever.
+    [cordon] = cluster.inputs("cordon_node")
+    if kind is IncidentKind.NODE_UNRESPONSIVE:
+        assert cordon.lost_since == pytest.approx(incident.detected_at - 10.0)
+    else:
+        assert cordon.lost_since is None
 
 
 async def test_persistent_straggler_is_reported_then_replaced_by_a_spare(env: WorkflowEnvironment) -> None:
