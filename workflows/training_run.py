@@ -107,6 +107,9 @@ budget ran out."""
 PATCH_STALE_CORDON = "stale-cordon"
 """Histories before this patch told the cluster scheduler of every cordon, even one the pool did not apply
 (the lost node's agent had registered again since the run last heard from it)."""
+PATCH_ONE_INCIDENT_PER_LOST_NODE = "one-incident-per-lost-node"
+"""Histories before this patch recorded a lost node's symptom (its peer's crash) as an incident of its own and
+counted two restarts for the one fault."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -1030,6 +1033,16 @@ class TrainingRun:
                         detection_s=detection, detected_at=event.detected_at, log_path=event.log_path,
                         log_tail=event.log_tail, signature=event.failure_signature)
 
+    def _symptom_of_lost_node(self, symptom: Incident, node: str, seen_as: str) -> Incident:
+        """One fault, one incident: a rank fault whose node then did not answer is taken back, and the lost
+        node is the incident, timed from the symptom (its first sign), with the symptom in its detail."""
+        self._status.incidents = [i for i in self._status.incidents if i is not symptom]
+        lost = self._node_lost(node, symptom.attempt, f"node agent did not answer the stop after "
+                                                      f"{symptom.kind.value} on {symptom.node} ({seen_as})")
+        lost.detected_at = symptom.detected_at
+        lost.detection_s = lost.detection_s if lost.detection_s is not None else symptom.detection_s
+        return lost
+
     def _node_lost(self, node: str, attempt: int, detail: str) -> Incident:
         """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
         (`node-down`); otherwise the time of the agent's last heartbeat is not known here, and it is left out."""
@@ -1087,6 +1100,9 @@ class TrainingRun:
                 and workflow.patched(PATCH_NODE_LOST_AT_STOP)):
             # The rank fault was a symptom: a node stopped answering and its peers failed in the collective.
             # Deal with the node now rather than after a relaunch that cannot reach it.
+            if workflow.patched(PATCH_ONE_INCIDENT_PER_LOST_NODE):
+                await self._recover(spec, attempt, self._symptom_of_lost_node(incident, unreachable[0], seen_as))
+                return
             self._restart_times.append(now)
             self._restarts_without_checkpoint += 1
             await self._recover(spec, attempt, self._node_lost(
