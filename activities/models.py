@@ -386,6 +386,12 @@ class WatchEvent(BaseModel):
     (`activities.rank_logs.failure_signature`); None when the tail shows no Python exception."""
 
 
+SLOW_DUTY_MIN = 0.05
+SLOW_DUTY_MAX = 0.95
+"""`slow` chaos: the fraction of time a rank is stopped. Below 0.05 it is not slowed measurably; at 1.0 it is a
+hang, which `hang` injects."""
+
+
 class InjectFaultInput(BaseModel):
     workflow_id: str
     node: str
@@ -396,7 +402,7 @@ class InjectFaultInput(BaseModel):
     `gpu` (the node's GPU check reports an XID error), `node-down` (the agent kills its ranks and itself),
     `corrupt` (a byte of the node's shard of the newest committed checkpoint flips, in S3 and on local disk)."""
     slow_duty: float = 0.5
-    """For `slow`: the fraction of time the rank is stopped (0..0.95)."""
+    """For `slow`: the fraction of time the rank is stopped (`SLOW_DUTY_MIN`..`SLOW_DUTY_MAX`); refused outside."""
     bucket: str | None = None
     """For `corrupt`: the run's checkpoint bucket (filled in by the workflow)."""
     manifest_key: str | None = None

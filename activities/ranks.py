@@ -26,6 +26,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.models import (
+    SLOW_DUTY_MAX,
+    SLOW_DUTY_MIN,
     NodeCheckpointRecord,
     WatchCheckpoints,
     InjectFaultInput,
@@ -695,7 +697,10 @@ class RankActivities:
         assert record is not None
         pid = live[rank].pid
         if request.fault == "slow":
-            duty = min(max(request.slow_duty, 0.05), 0.95)
+            duty = request.slow_duty
+            if not SLOW_DUTY_MIN <= duty <= SLOW_DUTY_MAX:
+                raise ApplicationError(f"slow_duty {duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}",
+                                       type="BadFault", non_retryable=True)
             self._slowdowns[pid] = asyncio.create_task(self._duty_cycle(live[rank], duty))
             log.info("chaos: slowing rank %d (pid %d) on %s, stopped %.0f%% of the time", rank, pid, self.node,
                      duty * 100)

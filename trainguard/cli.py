@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from activities.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN
 from trainguard.models import Incident, RunResult
 from trainguard.spec import RunSpec, SpecError
 
@@ -136,6 +137,10 @@ async def _chaos_cmd(args: argparse.Namespace) -> int:
     from trainguard.client import TrainguardClient
 
     args.fault = {"gpu-fault": "gpu", "corrupt-checkpoint": "corrupt"}.get(args.fault, args.fault)
+    if args.node is None and args.rank is None:
+        print("trainguard chaos: name the node (--node) or the rank (--rank), whose node is then looked up",
+              file=sys.stderr)
+        return 2
     client = await TrainguardClient.connect()
     result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty)
     if args.fault == "corrupt":
@@ -223,6 +228,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- main
+def _duty(text: str) -> float:
+    """`--duty`: refused out of range, never clamped (5 would silently mean 0.95)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not SLOW_DUTY_MIN <= value <= SLOW_DUTY_MAX:
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainguard", description="Keep distributed training running.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -273,9 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
     chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down", "corrupt-checkpoint"])
     chaos.add_argument("--run", required=True, help="workflow id")
-    chaos.add_argument("--node", required=True)
+    chaos.add_argument("--node", help="the node (default: the one that runs --rank)")
     chaos.add_argument("--rank", type=int, help="global rank (default: the node's first)")
-    chaos.add_argument("--duty", type=float, default=0.5, help="slow: fraction of time the rank is stopped")
+    chaos.add_argument("--duty", type=_duty, default=0.5,
+                       help=f"slow: fraction of time the rank is stopped, {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
     chaos.set_defaults(func=lambda a: asyncio.run(_chaos_cmd(a)))
 
     demo = sub.add_parser("demo", help="bring the stack up, run the quickstart, crash a rank, recover")

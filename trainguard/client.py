@@ -57,6 +57,14 @@ class RunView:
         return min(steps) if steps else self.status.step
 
 
+def node_of_rank(status: RunStatus, rank: int) -> str:
+    """The node of the current attempt that runs global rank `rank` (ranks are laid out node by node)."""
+    per_node = status.world_size // len(status.nodes) if status.nodes else 0
+    if not per_node or not 0 <= rank < status.world_size:
+        raise ValueError(f"rank {rank} is not in the run (world size {status.world_size})")
+    return status.nodes[rank // per_node]
+
+
 def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
     """Validate a spec, or a spec file (UTF-8 JSON, a byte-order mark allowed). Raises `SpecError`; for a file,
     its message starts with the file's name, whether the file cannot be read, is not JSON, or is a bad spec."""
@@ -160,11 +168,16 @@ class TrainguardClient:
     async def result(self, workflow_id: str) -> RunResult:
         return await self.client.get_workflow_handle(workflow_id, result_type=RunResult).result()
 
-    async def inject_fault(self, workflow_id: str, fault: str, node: str, rank: int | None = None,
+    async def inject_fault(self, workflow_id: str, fault: str, node: str | None = None, rank: int | None = None,
                            slow_duty: float = 0.5) -> InjectFaultResult:
         """Chaos through the run itself, carried out by the node's agent: `crash` or `hang` a rank, `slow` it
         down, report a `gpu` fault, take the whole node down (`node-down`), or flip a byte of the node's shard
-        of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before)."""
+        of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before).
+        Without `node`, the node that runs `rank` now."""
+        if node is None:
+            if rank is None:
+                raise ValueError("inject_fault: name the node or the rank")
+            node = node_of_rank((await self.status(workflow_id)).status, rank)
         return await self.handle(workflow_id).execute_update(
             "inject_fault",
             InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault, slow_duty=slow_duty),

@@ -22,6 +22,8 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
+        SLOW_DUTY_MAX,
+        SLOW_DUTY_MIN,
         CheckNodeInput,
         CheckNodeResult,
         CommitCheckpointsInput,
@@ -376,6 +378,8 @@ class TrainingRun:
             raise ValueError(f"run is {self._status.phase.value}, not running: nothing to inject into")
         if request.node not in self._status.nodes:
             raise ValueError(f"node {request.node!r} is not in the run (nodes: {', '.join(self._status.nodes)})")
+        if request.fault == "slow" and not SLOW_DUTY_MIN <= request.slow_duty <= SLOW_DUTY_MAX:
+            raise ValueError(f"slow_duty {request.slow_duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
         if request.fault == "corrupt" and self._status.latest_checkpoint is None:
             raise ValueError("no committed checkpoint yet to corrupt: wait for the first commit")
 

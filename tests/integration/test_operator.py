@@ -19,7 +19,7 @@ from trainguard.devstack import DevStack
 from trainguard.errors import describe_error
 from trainguard.models import Action, IncidentKind
 
-from .conftest import REPO, RUN_TIMEOUT_S, make_spec
+from .conftest import REPO, RUN_TIMEOUT_S, checkpointed, make_spec, wait_until
 
 
 async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its_traceback(
@@ -70,3 +70,21 @@ async def test_the_cli_reaches_the_stack_its_home_names_and_prints_a_failed_runs
     assert "is not allowed on node node-" in started.stderr and "Workflow execution failed" not in started.stderr
     listed = await asyncio.to_thread(_cli, stack, "run", "list")
     assert rid in listed.stdout, listed
+
+
+@pytest.mark.slow
+async def test_a_dev_stack_restarted_mid_run_completes_and_leaves_no_node_cordoned(
+        client: TrainguardClient, stack: DevStack, prefix: str) -> None:
+    """The whole stack stops and starts while a run trains: its agents register again healthy, so a
+    heartbeat timeout that fires afterwards must not cordon a node every later run then refuses."""
+    spec = make_spec(prefix, steps=100, every=10, step_time=0.1, spares=("node-2",))
+    rid = await client.start_run(spec, workflow_id=f"it-restack-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, rid, checkpointed)
+
+    await asyncio.to_thread(stack.down, lambda _line: None)
+    await asyncio.to_thread(stack.up, lambda _line: None)
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    assert result.steps_completed == 100, result.incidents
+    cordoned = {n.node: n.cordoned for n in await client.nodes() if n.cordoned}
+    assert cordoned == {}, result.incidents

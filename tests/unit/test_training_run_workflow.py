@@ -972,9 +972,9 @@ async def test_inject_fault_reaches_the_node_and_unknown_nodes_are_refused(env: 
     answers: list[Any] = []
 
     async def inject(handle: WorkflowHandle[Any, Any]) -> None:
-        for node in (nodes[1], "not-a-node"):
+        for node, fault, duty in ((nodes[1], "crash", 0.5), ("not-a-node", "crash", 0.5), (nodes[1], "slow", 5.0)):
             try:
-                request = InjectFaultInput(workflow_id="", node=node, fault="crash", rank=1)
+                request = InjectFaultInput(workflow_id="", node=node, fault=fault, rank=1, slow_duty=duty)
                 answers.append(await handle.execute_update(TrainingRun.inject_fault, request))
             except WorkflowUpdateFailedError as error:
                 answers.append(error.cause)
@@ -984,9 +984,10 @@ async def test_inject_fault_reaches_the_node_and_unknown_nodes_are_refused(env: 
     run = await _run(env, cluster, _spec(nodes))
 
     assert isinstance(run.outcome, RunResult)
-    accepted, refused = answers
+    accepted, refused, clamped = answers
     assert accepted == InjectFaultResult(node=nodes[1], rank=1, pid=1000, injected_at=123.0)
     assert "'not-a-node' is not in the run" in str(refused)
+    assert "slow_duty 5 is out of range: give 0.05 to 0.95" in str(clamped)  # refused, not clamped
     [request] = cluster.inputs("inject_fault")
     assert (request.workflow_id, request.node, request.fault) == (run.handle.id, nodes[1], "crash")
 
