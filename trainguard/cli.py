@@ -162,7 +162,8 @@ async def _nodes_cmd(args: argparse.Namespace) -> int:
     elif args.action == "drain":
         await client.drain_pool_node(args.node)
     for node in await client.nodes():
-        state = f"cordoned: {node.cordoned}" if node.cordoned else ("draining" if node.draining else "schedulable")
+        by = f" (by run {node.cordoned_by})" if node.cordoned_by else ""
+        state = f"cordoned{by}: {node.cordoned}" if node.cordoned else ("draining" if node.draining else "schedulable")
         lease = f"leased to {node.leased_to}" if node.leased_to else "free"
         print(f"{node.node:<16} {state:<40} {lease}")
     return 0
