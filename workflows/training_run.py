@@ -112,6 +112,8 @@ PATCH_STALE_CORDON = "stale-cordon"
 PATCH_ONE_INCIDENT_PER_LOST_NODE = "one-incident-per-lost-node"
 """Histories before this patch recorded a lost node's symptom (its peer's crash) as an incident of its own and
 counted two restarts for the one fault."""
+PATCH_RESUME_WHILE_PAUSING = "resume-while-pausing"
+"""Histories before this patch dropped any resume accepted before the run was PAUSED (none could be)."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -301,7 +303,8 @@ class TrainingRun:
 
     @resume.validator
     def _validate_resume(self, request: OperatorRequest) -> None:
-        if self._status.phase is not Phase.PAUSED:
+        # A pause on its way counts: `await pause(); await resume()` must not race the ranks' stop.
+        if self._status.phase is not Phase.PAUSED and not self._pause_requested:
             raise ValueError(f"run is {self._status.phase.value}, not paused: nothing to resume")
 
     @workflow.update
@@ -537,7 +540,9 @@ class TrainingRun:
     async def _wait_for_operator(self) -> None:
         """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails)."""
         self._set_phase(Phase.PAUSED)
-        self._pause_requested = self._resume_requested = False
+        # A resume accepted while the pause was on its way is kept: the run goes straight back.
+        keep_resume = self._resume_requested and workflow.patched(PATCH_RESUME_WHILE_PAUSING)
+        self._pause_requested, self._resume_requested = False, keep_resume
         await workflow.wait_condition(lambda: self._resume_requested or self._abort_reason is not None)
         if self._abort_reason is not None:
             self._status.reason = self._abort_reason

@@ -929,6 +929,27 @@ async def test_operator_pause_stops_the_ranks_and_resume_relaunches(env: Workflo
     assert [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
 
 
+async def test_a_resume_right_after_a_pause_is_accepted_and_the_run_goes_on(env: WorkflowEnvironment) -> None:
+    """`await tg.pause(id); await tg.resume(id)`, as a script writes it: the pause returns before the ranks are
+    stopped, and the resume must not be refused for it, leaving the run paused and holding its nodes."""
+    nodes = _node_ids(1)
+    answers: list[Phase] = []
+
+    async def pause_then_resume(handle: WorkflowHandle[Any, Any]) -> None:
+        for update in (TrainingRun.pause, TrainingRun.resume):
+            answers.append((await handle.execute_update(update, OperatorRequest())).phase)
+
+    cluster = Cluster(nodes=nodes, while_running=pause_then_resume,
+                      watch_script={(1, nodes[0]): [BLOCK], (2, nodes[0]): [_finished(30)]})
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert answers == [Phase.RUNNING, Phase.RUNNING]
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.attempts == 2 and [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
+
+
 async def test_corrupt_checkpoint_falls_back_to_the_one_before(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(1)
     cluster = Cluster(nodes=nodes, corrupt_steps={20}, watch_script={
