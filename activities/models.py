@@ -115,7 +115,7 @@ class NodeCheckpointRecord(BaseModel):
 class FindCheckpointInput(BaseModel):
     bucket: str
     run_prefix: str
-    """`<spec.checkpoint.prefix>/<workflow-id>`."""
+    """`<spec.checkpoint.prefix>/<spec.checkpoint.namespace or workflow-id>`."""
     world_size: int
     """Only checkpoints written by this many ranks can be restored into this run..."""
     max_world_size: int | None = None

@@ -100,7 +100,15 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         _warn_exec_env(args.spec, spec)
     client = await TrainguardClient.connect()
     if args.action == "start":
-        run_id = await client.start_run(spec, workflow_id=args.id)
+        earlier = await client.earlier_run(args.id) if args.id else None
+        if earlier and not args.resume and spec.checkpoint.namespace is None:
+            print(f"trainguard: run id {args.id} was used by an earlier run ({earlier.lower()}): this run starts "
+                  f"fresh in a checkpoint namespace of its own (`--resume` restores the earlier run's newest "
+                  f"checkpoint instead)", file=sys.stderr)
+        elif earlier:
+            print(f"trainguard: run id {args.id} was used by an earlier run ({earlier.lower()}): resuming from "
+                  f"its newest committed checkpoint", file=sys.stderr)
+        run_id = await client.start_run(spec, workflow_id=args.id, resume=args.resume)
         print(run_id)
         if not await client.controller_running():
             from trainguard.errors import no_controller_hint
@@ -262,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("spec")
     start.add_argument("--id", help="workflow id (default: run-<random>)")
     start.add_argument("--wait", action="store_true", help="wait for the result and print it")
+    start.add_argument("--resume", action="store_true",
+                       help="under an id an earlier run used: restore its newest checkpoint (default: start fresh)")
     for name in ("status", "result", "cancel"):
         run_sub.add_parser(name).add_argument("id")
     for name in ("pause", "resume", "abort"):

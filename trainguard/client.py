@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.models import InjectFaultInput, InjectFaultResult
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
@@ -55,6 +55,13 @@ class RunView:
     def live_step(self) -> int:
         steps = [s for s in self.rank_steps.values() if s is not None]
         return min(steps) if steps else self.status.step
+
+
+def fresh_namespace(workflow_id: str) -> str:
+    """A checkpoint namespace for a new run under a used id: the id made key-safe, and a random suffix."""
+    from activities.paths import safe_name
+
+    return f"{safe_name(workflow_id)[:180].lstrip('._-') or 'run'}.{uuid.uuid4().hex[:8]}"
 
 
 def node_of_rank(status: RunStatus, rank: int) -> str:
@@ -98,10 +105,30 @@ class TrainguardClient:
     async def connect(cls, settings: Settings | None = None) -> TrainguardClient:
         return cls(await connect(settings))
 
-    async def start_run(self, spec: RunSpec | dict[str, Any] | str | Path, workflow_id: str | None = None) -> str:
-        """Validate the spec here (errors name the field), start a `TrainingRun`, return its workflow id."""
+    async def earlier_run(self, workflow_id: str) -> str | None:
+        """How the latest earlier execution under `workflow_id` ended (`COMPLETED`, `FAILED`, ...), or None
+        when the id is new (or its execution still runs: starting it again is refused anyway)."""
+        try:
+            description = await self.handle(workflow_id).describe()
+        except RPCError as error:
+            if error.status is RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        status = description.status
+        return None if status in (None, WorkflowExecutionStatus.RUNNING) else status.name
+
+    async def start_run(self, spec: RunSpec | dict[str, Any] | str | Path, workflow_id: str | None = None,
+                        resume: bool = False) -> str:
+        """Validate the spec here (errors name the field), start a `TrainingRun`, return its workflow id.
+
+        Under an id an earlier run used, the run starts fresh in a checkpoint namespace of its own
+        (`<id>.<random>`), unless `resume` (or the spec's `checkpoint.namespace`) says where to restore from:
+        `resume` restores the earlier run's newest checkpoint."""
         parsed = load_spec(spec)
         workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
+        if not resume and parsed.checkpoint.namespace is None and await self.earlier_run(workflow_id):
+            parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
+                update={"namespace": fresh_namespace(workflow_id)})})
         await self.client.start_workflow(
             WORKFLOW_TYPE,
             parsed.model_dump(mode="json"),

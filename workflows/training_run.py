@@ -675,7 +675,7 @@ class TrainingRun:
 
     # ------------------------------------------------------------------------------------- attempt
     def _run_prefix(self, spec: RunSpec) -> str:
-        return f"{spec.checkpoint.prefix}/{workflow.info().workflow_id}"
+        return f"{spec.checkpoint.prefix}/{spec.checkpoint.namespace or workflow.info().workflow_id}"
 
     async def _run_attempt(self, spec: RunSpec, attempt: int) -> _Outcome:
         if self._warm is not None:

@@ -71,6 +71,16 @@ async def test_the_cli_reaches_the_stack_its_home_names_and_prints_a_failed_runs
     listed = await asyncio.to_thread(_cli, stack, "run", "list")
     assert rid in listed.stdout, listed
 
+    # The same id again: it says what it will do, and the new run's checkpoints are its own.
+    again = await asyncio.to_thread(_cli, stack, "run", "start", str(path), "--id", rid, "--wait")
+    assert f"run id {rid} was used by an earlier run (failed): this run starts fresh" in again.stderr, again
+    client = await TrainguardClient.connect()
+    [history] = (await client.histories(rid))[:1]
+    scheduled = [e.activity_task_scheduled_event_attributes for e in history.events
+                 if e.HasField("activity_task_scheduled_event_attributes")]
+    finds = [json.loads(a.input.payloads[0].data) for a in scheduled if a.activity_type.name == "find_checkpoint"]
+    assert finds and all(f["run_prefix"].startswith(f"{prefix}/{rid}.") for f in finds), finds
+
 
 @pytest.mark.slow
 async def test_a_dev_stack_restarted_mid_run_completes_and_leaves_no_node_cordoned(

@@ -950,6 +950,22 @@ async def test_a_resume_right_after_a_pause_is_accepted_and_the_run_goes_on(env:
     assert result.attempts == 2 and [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
 
 
+@pytest.mark.parametrize("namespace", [None, "my-run.3fa2c1d0"])
+async def test_checkpoints_live_in_the_runs_namespace(env: WorkflowEnvironment, namespace: str | None) -> None:
+    """A run under a reused id gets a namespace of its own (the client sets it): it restores and commits
+    there, never the earlier run's checkpoints; without one, the workflow id is the namespace."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [_ready(10), _finished(20)]})
+
+    run = await _run(env, cluster, _spec(nodes, checkpoint={"every_steps": 10, "prefix": "p",
+                                                            "namespace": namespace}))
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    expected = f"p/{namespace or run.handle.id}"
+    assert {f.run_prefix for f in cluster.inputs("find_checkpoint")} == {expected}
+    assert {c.run_prefix for c in cluster.inputs("commit_checkpoints")} == {expected}
+
+
 async def test_corrupt_checkpoint_falls_back_to_the_one_before(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(1)
     cluster = Cluster(nodes=nodes, corrupt_steps={20}, watch_script={
