@@ -25,7 +25,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.models import InjectFaultInput, InjectFaultResult
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
-from trainguard.errors import NoController, no_controller_hint
+from trainguard.errors import NO_POLLER, NoController, no_controller_hint
 from trainguard.models import (
     CheckpointNowResult,
     DrainRequest,
@@ -168,7 +168,7 @@ class TrainguardClient:
             status = await handle.query("status", result_type=RunStatus)
         except RPCError as error:
             # A query is answered by a worker: with none polling, the server times out and says only that.
-            if not await self.controller_running():
+            if NO_POLLER in error.message or not await self.controller_running():
                 raise NoController(no_controller_hint(self.client.service_client.config.target_host)) from error
             raise
         steps: dict[int, int | None] = {}

@@ -14,6 +14,10 @@ START_A_STACK = ("start one with `trainguard dev up`, or point TRAINGUARD_TEMPOR
                  "TRAINGUARD_HOME) at the one you mean")
 
 
+NO_POLLER = "no poller seen for task queue"
+"""What the Temporal server answers a query that no worker picked up (after about 30 s)."""
+
+
 class NoController(RuntimeError):
     """Nothing polls the `trainguard` task queue: no controller runs the workflows or answers their queries."""
 
@@ -54,7 +58,8 @@ def describe_error(error: BaseException, settings: Settings | None = None) -> st
             return f"not found at {address}: {error.message}"
         if error.status in (RPCStatusCode.UNAVAILABLE,):
             return f"cannot reach Temporal at {address} ({error.message}): {START_A_STACK}"
-        if error.status is RPCStatusCode.DEADLINE_EXCEEDED or "Timeout expired" in error.message:
+        if (error.status is RPCStatusCode.DEADLINE_EXCEEDED or "Timeout expired" in error.message
+                or NO_POLLER in error.message):
             return f"no answer from {address} in time ({error.message}): is a controller running? " \
                    f"{no_controller_hint(address)}"
         return f"Temporal at {address} refused: {error.message}"
