@@ -132,7 +132,8 @@ class RunResult(BaseModel):
     goodput: float = 0.0
     """Useful training time / wall time, 0..1: steps completed x mean step time over the run's wall time."""
     wall_s: float = 0.0
-    """Wall time of the run, seconds (from the workflow's own clock)."""
+    """Wall time of the run, seconds: from the start request (a wait for a controller included) to the end,
+    on the workflow clock, as `trainguard run report` counts it."""
     mean_step_s: float | None = None
     """Mean step time of the final attempt as reported by rank 0, seconds."""
 

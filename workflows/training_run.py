@@ -400,7 +400,9 @@ class TrainingRun:
             self._set_phase(Phase.FAILED)
             raise ApplicationError(str(error), type="InvalidSpec", non_retryable=True) from None
         self._spec = spec
-        started = workflow.now().timestamp()
+        # From the start request, not the first workflow task: a run that waited for a controller waited in
+        # its wall time too, as `trainguard run report` (which reads the history's own timestamps) counts it.
+        started = workflow.info().workflow_start_time.timestamp()
         self._status.nodes = list(spec.nodes)
         self._status.world_size = spec.world_size
         attempt = 0

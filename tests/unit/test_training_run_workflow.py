@@ -950,6 +950,24 @@ async def test_a_resume_right_after_a_pause_is_accepted_and_the_run_goes_on(env:
     assert result.attempts == 2 and [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
 
 
+async def test_wall_time_counts_from_the_start_request_as_the_report_does(env: WorkflowEnvironment) -> None:
+    """A run started while no controller polls waits for one; `run result` and `run report` must agree that
+    the wait was part of the run's wall time (the report reads the history's timestamps)."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [_finished(20)]})
+    cluster.client = env.client
+    task_queue = f"tq-{uuid4()}"
+    handle = await env.client.start_workflow(TrainingRun.run, _spec(nodes), id=f"run-{uuid4()}",
+                                             task_queue=task_queue, result_type=RunResult)
+    await asyncio.sleep(2.0)  # no controller yet (the test server skips no time while a task waits for a worker)
+    async with _workers(env.client, cluster, task_queue):
+        result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    history = await handle.fetch_history()
+    span = history.events[-1].event_time.ToDatetime() - history.events[0].event_time.ToDatetime()
+    assert result.wall_s >= 2.0
+    assert result.wall_s == pytest.approx(span.total_seconds(), abs=0.5)
+
+
 @pytest.mark.parametrize("namespace", [None, "my-run.3fa2c1d0"])
 async def test_checkpoints_live_in_the_runs_namespace(env: WorkflowEnvironment, namespace: str | None) -> None:
     """A run under a reused id gets a namespace of its own (the client sets it): it restores and commits
