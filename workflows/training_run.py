@@ -71,6 +71,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
                                  same_failure_streak)
+    from workflows.run_details import run_details
     from workflows.node_group import (
         NODE_CALL_RETRY,
         NODE_SCHEDULE_TO_START,
@@ -561,7 +562,9 @@ class TrainingRun:
             self._publish()
 
     def _publish(self) -> None:
-        """Phase, committed step and incident count as search attributes, for filtering runs."""
+        """Phase, committed step and incident count as search attributes, for filtering runs; and the run's
+        current details (phase, attempt, step, nodes, last incident) for the Web UI."""
+        workflow.set_current_details(run_details(self._status, self._spares))
         if not self._publish_search_attributes:
             return
         committed = self._status.latest_checkpoint.step if self._status.latest_checkpoint else 0
@@ -1138,6 +1141,7 @@ class TrainingRun:
     def _record_incident(self, incident: Incident) -> None:
         if incident not in self._status.incidents:
             self._status.incidents = [*self._status.incidents, incident]
+            workflow.set_current_details(run_details(self._status, self._spares))
             for older in self._status.incidents[:-INCIDENT_TAILS_KEPT]:
                 older.log_tail = ""
             meter = workflow.metric_meter()  # replay-safe: nothing is emitted while replaying

@@ -950,6 +950,26 @@ async def test_a_resume_right_after_a_pause_is_accepted_and_the_run_goes_on(env:
     assert result.attempts == 2 and [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
 
 
+async def test_the_web_ui_shows_the_runs_phase_and_step_in_its_current_details(env: WorkflowEnvironment) -> None:
+    from temporalio.api.sdk.v1 import WorkflowMetadata
+
+    nodes = _node_ids(1)
+    seen: list[str] = []
+
+    async def look(handle: WorkflowHandle[Any, Any]) -> None:
+        metadata = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+        seen.append(metadata.current_details)
+
+    cluster = Cluster(nodes=nodes, while_running=look, watch_script={(1, nodes[0]): [BLOCK]})
+    cluster.watch_script[(1, nodes[0])] = [Until(lambda: bool(seen)), _finished(20)]
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, RunResult)
+    assert seen and seen[0].startswith("**running**, attempt 1"), seen
+    assert f"nodes: {nodes[0]} (1 ranks)" in seen[0]
+
+
 async def test_wall_time_counts_from_the_start_request_as_the_report_does(env: WorkflowEnvironment) -> None:
     """A run started while no controller polls waits for one; `run result` and `run report` must agree that
     the wait was part of the run's wall time (the report reads the history's timestamps)."""
