@@ -119,6 +119,8 @@ async def _run_cmd(args: argparse.Namespace) -> int:
             result = await client.result(run_id)
             _print_json(result.model_dump(mode="json"))
         return 0
+    if args.action == "logs":
+        return await _logs(client, args)
     if args.action == "status":
         view = await client.status(args.id)
         _print_json({"execution": view.execution_status, "rank_steps": view.rank_steps,
@@ -138,6 +140,25 @@ async def _run_cmd(args: argparse.Namespace) -> int:
     elif args.action == "list":
         for run_id, status in await client.list_runs(args.query):
             print(f"{status:<12} {run_id}")
+    return 0
+
+
+LOG_TAIL_BYTES = 16 * 1024
+"""What `run logs` shows by default: the end of the log, where a traceback is."""
+FOLLOW_INTERVAL_S = 1.0
+
+
+async def _logs(client: Any, args: argparse.Namespace) -> int:
+    """`run logs`: the end of a rank's log from its node's agent; `--follow` keeps printing what is added."""
+    chunk = await client.rank_log(args.id, args.node, args.rank, args.attempt, tail_bytes=LOG_TAIL_BYTES)
+    print(f"==> rank {chunk.rank} on {chunk.node}, attempt {chunk.attempt}: {chunk.path} <==", file=sys.stderr)
+    sys.stdout.write(chunk.text)
+    sys.stdout.flush()
+    while args.follow:
+        await asyncio.sleep(FOLLOW_INTERVAL_S)
+        chunk = await client.rank_log(args.id, chunk.node, chunk.rank, chunk.attempt, offset=chunk.next_offset)
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
     return 0
 
 
@@ -283,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--node", required=True)
     drain.add_argument("--reason")
     run_sub.add_parser("checkpoint", help="checkpoint every rank now").add_argument("id")
+    logs = run_sub.add_parser("logs", help="a rank's stdout and stderr, read by its node's agent (like kubectl logs)")
+    logs.add_argument("id")
+    logs.add_argument("--node", help="default: the node that runs --rank")
+    logs.add_argument("--rank", type=int, help="global rank (default: the node's first, or rank 0)")
+    logs.add_argument("--attempt", type=int, help="launch attempt (default: the newest on that node)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing what the rank writes")
     report = run_sub.add_parser("report", help="where the run's wall time went: phases, time lost per incident, "
                                                "goodput (from its history)")
     report.add_argument("id")

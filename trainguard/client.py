@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, W
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.models import InjectFaultInput, InjectFaultResult
+from activities.rank_logs import ReadRankLogInput, ReadRankLogResult
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
 from trainguard.errors import NO_POLLER, NoController, no_controller_hint
@@ -210,6 +212,26 @@ class TrainguardClient:
             InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault, slow_duty=slow_duty),
             result_type=InjectFaultResult,
         )
+
+    async def rank_log(self, workflow_id: str, node: str | None = None, rank: int | None = None,
+                       attempt: int | None = None, offset: int = 0,
+                       tail_bytes: int | None = None) -> ReadRankLogResult:
+        """A chunk of a rank's log (its stdout and stderr), read by its node's agent: `rank` on `node`
+        (either one finds the other from the run's current nodes; default rank 0), the newest `attempt` there
+        unless given; from `offset`, or the last `tail_bytes`."""
+        from workflows.rank_log import READ_LOG_WORKFLOW_TYPE
+
+        if node is None or rank is None:
+            status = (await self.status(workflow_id)).status
+            if rank is None:
+                per_node = status.world_size // len(status.nodes) if status.nodes else 1
+                rank = status.nodes.index(node) * per_node if node in status.nodes else 0
+            node = node or node_of_rank(status, rank)
+        request = ReadRankLogInput(workflow_id=workflow_id, node=node, rank=rank, attempt=attempt, offset=offset,
+                                   tail_bytes=tail_bytes)
+        return await self.client.execute_workflow(
+            READ_LOG_WORKFLOW_TYPE, request, id=f"{workflow_id}/log-{uuid.uuid4().hex[:8]}", task_queue=TASK_QUEUE,
+            result_type=ReadRankLogResult, execution_timeout=timedelta(minutes=1))
 
     async def pause(self, workflow_id: str, reason: str = "") -> OperatorResult:
         """Stop the run's ranks and hold it PAUSED until `resume` (or `abort`)."""

@@ -23,7 +23,7 @@ from .conftest import REPO, RUN_TIMEOUT_S, checkpointed, make_spec, wait_until
 
 
 async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its_traceback(
-        client: TrainguardClient, prefix: str) -> None:
+        client: TrainguardClient, stack: DevStack, prefix: str) -> None:
     spec = make_spec(prefix, steps=60, every=20, nodes=("node-0",))  # one rank: two attempts' imports only
     spec["entrypoint"] += ["--raise-at-step", "10"]
     rid = await client.start_run(spec, workflow_id=f"it-sameerr-{uuid.uuid4().hex[:6]}")
@@ -39,6 +39,11 @@ async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its
     assert "ValueError: deliberate failure at step 10" in last.detail
     assert last.log_path and Path(last.log_path).is_file()  # the dev stack's nodes share this machine's disk
     assert "Traceback (most recent call last)" in last.log_tail
+    # `run logs`: the rank's own output, read by its node's agent.
+    log = await client.rank_log(rid, rank=last.rank, tail_bytes=4096)
+    assert (log.node, log.attempt) == (last.node, 2) and "ValueError: deliberate failure at step 10" in log.text
+    shown = await asyncio.to_thread(_cli, stack, "run", "logs", rid)
+    assert shown.returncode == 0 and "ValueError: deliberate failure at step 10" in shown.stdout, shown
     message = describe_error(failed.value)
     assert "the same failure on 2 attempts in a row" in message
     assert "train.py" in message and "ValueError: deliberate failure at step 10" in message

@@ -85,3 +85,28 @@ async def test_a_rank_that_raises_is_reported_with_its_traceback_log_and_signatu
     assert Path(event.log_path).is_file()
     assert "starting" in event.log_tail and "Traceback (most recent call last)" in event.log_tail
     assert event.failure_signature == "<string>:4 in main: ValueError: boom at step 10"
+
+
+async def test_the_agent_reads_a_ranks_log_newest_attempt_first_from_an_offset_or_its_tail(tmp_path: Path) -> None:
+    from activities.paths import RunLayout
+    from activities.rank_logs import RankLogActivities, ReadRankLogInput
+
+    layout = RunLayout.of(tmp_path, "wf")
+    for attempt, text in ((1, "first attempt\n"), (2, "second attempt\nline 2\n")):
+        path = layout.log_file(attempt, 3)
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    logs = RankLogActivities("node-a", tmp_path)
+    env = ActivityEnvironment()
+
+    newest = await env.run(logs.read_rank_log, ReadRankLogInput(workflow_id="wf", node="node-a", rank=3))
+    assert (newest.attempt, newest.text, newest.node, newest.rank) == (2, "second attempt\nline 2\n", "node-a", 3)
+    tail = await env.run(logs.read_rank_log, ReadRankLogInput(workflow_id="wf", node="node-a", rank=3, tail_bytes=7))
+    assert tail.text == "line 2\n" and tail.next_offset == tail.size
+    first = await env.run(logs.read_rank_log, ReadRankLogInput(workflow_id="wf", node="node-a", rank=3, attempt=1,
+                                                               offset=6))
+    assert first.text == "attempt\n"
+    from temporalio.exceptions import ApplicationError
+
+    with pytest.raises(ApplicationError, match="node node-a has no log of rank 9 of wf"):
+        await env.run(logs.read_rank_log, ReadRankLogInput(workflow_id="wf", node="node-a", rank=9))
