@@ -23,12 +23,13 @@ from typing import Any
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.models import InjectFaultInput, InjectFaultResult
+from activities.models import InjectFaultResult
 from activities.rank_logs import ReadRankLogInput, ReadRankLogResult
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
 from trainguard.errors import NO_POLLER, NoController, no_controller_hint
 from trainguard.models import (
+    ChaosRequest,
     CheckpointNowResult,
     DrainRequest,
     NodeRequest,
@@ -209,7 +210,7 @@ class TrainguardClient:
             node = node_of_rank((await self.status(workflow_id)).status, rank)
         return await self.handle(workflow_id).execute_update(
             "inject_fault",
-            InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault, slow_duty=slow_duty),
+            ChaosRequest(node=node, rank=rank, fault=fault, slow_duty=slow_duty),
             result_type=InjectFaultResult,
         )
 

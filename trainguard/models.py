@@ -171,6 +171,20 @@ class RunStatus(BaseModel):
     """Why the run failed or is paused."""
 
 
+class ChaosRequest(BaseModel):
+    """Input of the run's `inject_fault` update: which fault, where. The run fills in the rest itself (its
+    own workflow id; for `corrupt`, its newest checkpoint), so nothing here goes unused."""
+
+    node: str
+    """Node of the run's current attempt the fault hits."""
+    fault: str
+    """`crash`, `hang`, `slow`, `gpu`, `node-down` or `corrupt` (see `trainguard chaos --help`)."""
+    rank: int | None = None
+    """Global rank; None: the node's first."""
+    slow_duty: float = 0.5
+    """For `slow`: the fraction of time the rank is stopped, 0.05 to 0.95."""
+
+
 class OperatorRequest(BaseModel):
     """Input of the `pause`, `resume` and `abort` updates."""
 

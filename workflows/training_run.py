@@ -54,6 +54,7 @@ with workflow.unsafe.imports_passed_through():
         INCIDENT_TAILS_KEPT,
         Action,
         CarriedState,
+        ChaosRequest,
         CheckpointNowResult,
         CheckpointRef,
         DrainRequest,
@@ -265,7 +266,7 @@ class TrainingRun:
         return self._status.model_copy(update={"spares": list(self._spares)})
 
     @workflow.update
-    async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
+    async def inject_fault(self, request: ChaosRequest) -> InjectFaultResult:
         """Chaos: have a node agent crash or hang one rank of the current attempt."""
         newest = self._status.latest_checkpoint
         result: InjectFaultResult = await workflow.execute_activity(
@@ -377,7 +378,7 @@ class TrainingRun:
         return [outcome for result in results for outcome in result.outcomes]
 
     @inject_fault.validator
-    def _validate_fault(self, request: InjectFaultInput) -> None:
+    def _validate_fault(self, request: ChaosRequest) -> None:
         if self._status.phase is not Phase.RUNNING:
             raise ValueError(f"run is {self._status.phase.value}, not running: nothing to inject into")
         if request.node not in self._status.nodes:

@@ -60,6 +60,7 @@ from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
 from trainguard.models import (
     Action,
+    ChaosRequest,
     CheckpointRef,
     IncidentKind,
     OperatorRequest,
@@ -1049,7 +1050,7 @@ async def test_inject_fault_reaches_the_node_and_unknown_nodes_are_refused(env: 
     async def inject(handle: WorkflowHandle[Any, Any]) -> None:
         for node, fault, duty in ((nodes[1], "crash", 0.5), ("not-a-node", "crash", 0.5), (nodes[1], "slow", 5.0)):
             try:
-                request = InjectFaultInput(workflow_id="", node=node, fault=fault, rank=1, slow_duty=duty)
+                request = ChaosRequest(node=node, fault=fault, rank=1, slow_duty=duty)  # the run adds its own id
                 answers.append(await handle.execute_update(TrainingRun.inject_fault, request))
             except WorkflowUpdateFailedError as error:
                 answers.append(error.cause)
