@@ -118,7 +118,7 @@ class NodeCheckpointRecord(BaseModel):
 class FindCheckpointInput(BaseModel):
     bucket: str
     run_prefix: str
-    """`<spec.checkpoint.prefix>/<workflow-id>`."""
+    """`<spec.checkpoint.prefix>/<spec.checkpoint.namespace or workflow-id>`."""
     world_size: int
     """Only checkpoints written by this many ranks can be restored into this run..."""
     max_world_size: int | None = None
@@ -392,6 +392,19 @@ class WatchEvent(BaseModel):
     restore_tiers: list[str] = Field(default_factory=list)
     """Where this node's ranks of the attempt restored from, when its watch downloaded their shards: the run
     learns the tiers of nodes that launched from their watch from their events."""
+    log_path: str | None = None
+    """RANK_EXITED, HANG: the rank's log on its node (stdout and stderr of the attempt)."""
+    log_tail: str = ""
+    """RANK_EXITED, HANG: the last lines of that log (`activities.rank_logs.read_tail`), its traceback."""
+    failure_signature: str | None = None
+    """RANK_EXITED: the exception in the tail and the frame that raised it, addresses and ports masked
+    (`activities.rank_logs.failure_signature`); None when the tail shows no Python exception."""
+
+
+SLOW_DUTY_MIN = 0.05
+SLOW_DUTY_MAX = 0.95
+"""`slow` chaos: the fraction of time a rank is stopped. Below 0.05 it is not slowed measurably; at 1.0 it is a
+hang, which `hang` injects."""
 
 
 class InjectFaultInput(BaseModel):
@@ -404,7 +417,7 @@ class InjectFaultInput(BaseModel):
     `gpu` (the node's GPU check reports an XID error), `node-down` (the agent kills its ranks and itself),
     `corrupt` (a byte of the node's shard of the newest committed checkpoint flips, in S3 and on local disk)."""
     slow_duty: float = 0.5
-    """For `slow`: the fraction of time the rank is stopped (0..0.95)."""
+    """For `slow`: the fraction of time the rank is stopped (`SLOW_DUTY_MIN`..`SLOW_DUTY_MAX`); refused outside."""
     bucket: str | None = None
     """For `corrupt`: the run's checkpoint bucket (filled in by the workflow)."""
     manifest_key: str | None = None

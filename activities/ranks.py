@@ -28,6 +28,8 @@ from temporalio.exceptions import ApplicationError
 from activities.models import (
     DownloadShardsInput,
     DownloadShardsResult,
+    SLOW_DUTY_MAX,
+    SLOW_DUTY_MIN,
     NodeCheckpointRecord,
     WatchCheckpoints,
     InjectFaultInput,
@@ -49,6 +51,7 @@ from activities.checkpoints import corrupt_shard, step_of
 from activities.health import NodeHealth
 from activities.paths import RunLayout
 from activities.progress import RankReport, complete_steps, find_hung_rank
+from activities.rank_logs import exception_line, failure_signature, read_tail
 from trainguard.procs import start_time
 from trainguard.procs import state as process_state
 from trainguard.spec import exec_env_refused, exec_problems
@@ -93,6 +96,17 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _log_fields(log_path: Path, rank: int, exit_code: int | None) -> dict[str, object]:
+    """What a rank's exit event says about it from its log: the tail, and, for an exit the rank chose (a
+    positive code: an exception, `sys.exit`), the failure's signature and its exception in the detail."""
+    tail = read_tail(log_path)
+    chosen = exit_code is not None and exit_code > 0
+    exception = exception_line(tail) if chosen else None
+    detail = f"rank {rank} {describe_exit(exit_code)}" + (f": {exception}" if exception else "")
+    return {"detail": detail, "log_path": str(log_path), "log_tail": tail,
+            "failure_signature": failure_signature(tail) if chosen else None}
 
 
 @dataclass
@@ -699,7 +713,10 @@ class RankActivities:
         assert record is not None
         pid = live[rank].pid
         if request.fault == "slow":
-            duty = min(max(request.slow_duty, 0.05), 0.95)
+            duty = request.slow_duty
+            if not SLOW_DUTY_MIN <= duty <= SLOW_DUTY_MAX:
+                raise ApplicationError(f"slow_duty {duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}",
+                                       type="BadFault", non_retryable=True)
             self._slowdowns[pid] = asyncio.create_task(self._duty_cycle(live[rank], duty))
             log.info("chaos: slowing rank %d (pid %d) on %s, stopped %.0f%% of the time", rank, pid, self.node,
                      duty * 100)
@@ -805,8 +822,8 @@ class RankActivities:
                     report = reports[rank]
                     fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
                     return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=proc.exit_code,
-                                 detail=f"rank {rank} {describe_exit(proc.exit_code)}", fault_at=fault_at,
-                                 occurred_at=record.faults.get(rank) or proc.exited_at)
+                                 fault_at=fault_at, occurred_at=record.faults.get(rank) or proc.exited_at,
+                                 **_log_fields(layout.log_file(record.attempt, rank), rank, proc.exit_code))
 
             if all(record.ranks[r].poll() for r in local_ranks):
                 # Every rank here is done: nothing is left for a standby to replace.
@@ -833,8 +850,10 @@ class RankActivities:
                 state = {"T": "stopped", "t": "stopped", "D": "in uninterruptible I/O", "Z": "defunct"}.get(
                     states[rank], "alive")
                 fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
+                log_path = layout.log_file(record.attempt, rank)
                 return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at,
-                             occurred_at=record.faults.get(rank),
+                             occurred_at=record.faults.get(rank), log_path=str(log_path),
+                             log_tail=read_tail(log_path),
                              detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
                                     f"{report.step if report else 'none'}; process {state})")
 

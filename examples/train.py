@@ -65,6 +65,9 @@ def main() -> None:
                         help="simulated compute per step in seconds, on top of the real step (default 0.1)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--raise-at-step", type=int, default=None,
+                        help="raise ValueError when training reaches this step: a bug in the script, which "
+                             "fails the same way on every attempt")
     parser.add_argument("--no-rejoin", action="store_true",
                         help="exit when a peer dies, even with in-process restarts on (a trainer without rejoin)")
     plain = parser.add_argument_group("plain torchrun only (ignored under trainguard)")
@@ -133,6 +136,8 @@ def main() -> None:
     loss = torch.zeros(())
     step = start_step
     while step < args.steps:
+        if args.raise_at_step is not None and step == args.raise_at_step:
+            raise ValueError(f"deliberate failure at step {step} (--raise-at-step)")
         began = time.perf_counter()
         inputs, targets = batch_for(step, rank, args.batch_size, device)
         optimizer.zero_grad(set_to_none=True)

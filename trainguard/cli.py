@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from activities.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN
 from trainguard.models import Incident, RunResult
 from trainguard.spec import RunSpec, SpecError
 
@@ -115,12 +116,27 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         _warn_exec_env(args.spec, spec)
     client = await TrainguardClient.connect()
     if args.action == "start":
-        run_id = await client.start_run(spec, workflow_id=args.id)
+        earlier = await client.earlier_run(args.id) if args.id else None
+        if earlier and not args.resume and spec.checkpoint.namespace is None:
+            print(f"trainguard: run id {args.id} was used by an earlier run ({earlier.lower()}): this run starts "
+                  f"fresh in a checkpoint namespace of its own (`--resume` restores the earlier run's newest "
+                  f"checkpoint instead)", file=sys.stderr)
+        elif earlier:
+            print(f"trainguard: run id {args.id} was used by an earlier run ({earlier.lower()}): resuming from "
+                  f"its newest committed checkpoint", file=sys.stderr)
+        run_id = await client.start_run(spec, workflow_id=args.id, resume=args.resume)
         print(run_id)
+        if not await client.controller_running():
+            from trainguard.errors import no_controller_hint
+
+            print(f"trainguard: warning: {no_controller_hint(client.client.service_client.config.target_host)}",
+                  file=sys.stderr)
         if args.wait:
             result = await client.result(run_id)
             _print_json(result.model_dump(mode="json"))
         return 0
+    if args.action == "logs":
+        return await _logs(client, args)
     if args.action == "status":
         view = await client.status(args.id)
         _print_json({"execution": view.execution_status, "rank_steps": view.rank_steps,
@@ -143,10 +159,33 @@ async def _run_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+LOG_TAIL_BYTES = 16 * 1024
+"""What `run logs` shows by default: the end of the log, where a traceback is."""
+FOLLOW_INTERVAL_S = 1.0
+
+
+async def _logs(client: Any, args: argparse.Namespace) -> int:
+    """`run logs`: the end of a rank's log from its node's agent; `--follow` keeps printing what is added."""
+    chunk = await client.rank_log(args.id, args.node, args.rank, args.attempt, tail_bytes=LOG_TAIL_BYTES)
+    print(f"==> rank {chunk.rank} on {chunk.node}, attempt {chunk.attempt}: {chunk.path} <==", file=sys.stderr)
+    sys.stdout.write(chunk.text)
+    sys.stdout.flush()
+    while args.follow:
+        await asyncio.sleep(FOLLOW_INTERVAL_S)
+        chunk = await client.rank_log(args.id, chunk.node, chunk.rank, chunk.attempt, offset=chunk.next_offset)
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    return 0
+
+
 async def _chaos_cmd(args: argparse.Namespace) -> int:
     from trainguard.client import TrainguardClient
 
     args.fault = {"gpu-fault": "gpu", "corrupt-checkpoint": "corrupt"}.get(args.fault, args.fault)
+    if args.node is None and args.rank is None:
+        print("trainguard chaos: name the node (--node) or the rank (--rank), whose node is then looked up",
+              file=sys.stderr)
+        return 2
     client = await TrainguardClient.connect()
     result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty)
     if args.fault == "corrupt":
@@ -168,7 +207,8 @@ async def _nodes_cmd(args: argparse.Namespace) -> int:
     elif args.action == "drain":
         await client.drain_pool_node(args.node)
     for node in await client.nodes():
-        state = f"cordoned: {node.cordoned}" if node.cordoned else ("draining" if node.draining else "schedulable")
+        by = f" (by run {node.cordoned_by})" if node.cordoned_by else ""
+        state = f"cordoned{by}: {node.cordoned}" if node.cordoned else ("draining" if node.draining else "schedulable")
         lease = f"leased to {node.leased_to}" if node.leased_to else "free"
         print(f"{node.node:<16} {state:<40} {lease}")
     return 0
@@ -241,6 +281,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- main
+def _duty(text: str) -> float:
+    """`--duty`: refused out of range, never clamped (5 would silently mean 0.95)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not SLOW_DUTY_MIN <= value <= SLOW_DUTY_MAX:
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainguard", description="Keep distributed training running.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("spec")
     start.add_argument("--id", help="workflow id (default: run-<random>)")
     start.add_argument("--wait", action="store_true", help="wait for the result and print it")
+    start.add_argument("--resume", action="store_true",
+                       help="under an id an earlier run used: restore its newest checkpoint (default: start fresh)")
     for name in ("status", "result", "cancel"):
         run_sub.add_parser(name).add_argument("id")
     for name in ("pause", "resume", "abort"):
@@ -277,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--node", required=True)
     drain.add_argument("--reason")
     run_sub.add_parser("checkpoint", help="checkpoint every rank now").add_argument("id")
+    logs = run_sub.add_parser("logs", help="a rank's stdout and stderr, read by its node's agent (like kubectl logs)")
+    logs.add_argument("id")
+    logs.add_argument("--node", help="default: the node that runs --rank")
+    logs.add_argument("--rank", type=int, help="global rank (default: the node's first, or rank 0)")
+    logs.add_argument("--attempt", type=int, help="launch attempt (default: the newest on that node)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing what the rank writes")
     report = run_sub.add_parser("report", help="where the run's wall time went: phases, time lost per incident, "
                                                "goodput (from its history)")
     report.add_argument("id")
@@ -294,9 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
     chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down", "corrupt-checkpoint"])
     chaos.add_argument("--run", required=True, help="workflow id")
-    chaos.add_argument("--node", required=True)
+    chaos.add_argument("--node", help="the node (default: the one that runs --rank)")
     chaos.add_argument("--rank", type=int, help="global rank (default: the node's first)")
-    chaos.add_argument("--duty", type=float, default=0.5, help="slow: fraction of time the rank is stopped")
+    chaos.add_argument("--duty", type=_duty, default=0.5,
+                       help=f"slow: fraction of time the rank is stopped, {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
     chaos.set_defaults(func=lambda a: asyncio.run(_chaos_cmd(a)))
 
     demo = sub.add_parser("demo", help="bring the stack up, run the quickstart, crash a rank, recover")
@@ -327,7 +387,9 @@ def entrypoint() -> None:
     except KeyboardInterrupt:
         code = 130
     except Exception as error:  # noqa: BLE001 - the CLI's last word: one readable line, not a traceback
-        print(f"trainguard: {error}", file=sys.stderr)
+        from trainguard.errors import describe_error
+
+        print(f"trainguard: {describe_error(error)}", file=sys.stderr)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -3,7 +3,8 @@
 ```python
 from trainguard.client import TrainguardClient
 
-tg = await TrainguardClient.connect()               # TRAINGUARD_TEMPORAL_ADDRESS, default 127.0.0.1:7233
+tg = await TrainguardClient.connect()               # the stack TRAINGUARD_TEMPORAL_ADDRESS, TRAINGUARD_PORT_BASE
+                                                     # or TRAINGUARD_HOME names (trainguard.settings)
 run_id = await tg.start_run(spec)                    # a RunSpec, a dict, or a path to a JSON file
 print(await tg.status(run_id))                       # phase, attempt, per-rank steps, incidents
 result = await tg.result(run_id)                     # waits; RunResult
@@ -14,17 +15,21 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
-from activities.models import InjectFaultInput, InjectFaultResult
+from activities.models import InjectFaultResult
+from activities.rank_logs import ReadRankLogInput, ReadRankLogResult
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
+from trainguard.errors import NO_POLLER, NoController, no_controller_hint
 from trainguard.models import (
+    ChaosRequest,
     CheckpointNowResult,
     DrainRequest,
     NodeRequest,
@@ -53,6 +58,21 @@ class RunView:
     def live_step(self) -> int:
         steps = [s for s in self.rank_steps.values() if s is not None]
         return min(steps) if steps else self.status.step
+
+
+def fresh_namespace(workflow_id: str) -> str:
+    """A checkpoint namespace for a new run under a used id: the id made key-safe, and a random suffix."""
+    from activities.paths import safe_name
+
+    return f"{safe_name(workflow_id)[:180].lstrip('._-') or 'run'}.{uuid.uuid4().hex[:8]}"
+
+
+def node_of_rank(status: RunStatus, rank: int) -> str:
+    """The node of the current attempt that runs global rank `rank` (ranks are laid out node by node)."""
+    per_node = status.world_size // len(status.nodes) if status.nodes else 0
+    if not per_node or not 0 <= rank < status.world_size:
+        raise ValueError(f"rank {rank} is not in the run (world size {status.world_size})")
+    return status.nodes[rank // per_node]
 
 
 def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
@@ -88,10 +108,30 @@ class TrainguardClient:
     async def connect(cls, settings: Settings | None = None) -> TrainguardClient:
         return cls(await connect(settings))
 
-    async def start_run(self, spec: RunSpec | dict[str, Any] | str | Path, workflow_id: str | None = None) -> str:
-        """Validate the spec here (errors name the field), start a `TrainingRun`, return its workflow id."""
+    async def earlier_run(self, workflow_id: str) -> str | None:
+        """How the latest earlier execution under `workflow_id` ended (`COMPLETED`, `FAILED`, ...), or None
+        when the id is new (or its execution still runs: starting it again is refused anyway)."""
+        try:
+            description = await self.handle(workflow_id).describe()
+        except RPCError as error:
+            if error.status is RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        status = description.status
+        return None if status in (None, WorkflowExecutionStatus.RUNNING) else status.name
+
+    async def start_run(self, spec: RunSpec | dict[str, Any] | str | Path, workflow_id: str | None = None,
+                        resume: bool = False) -> str:
+        """Validate the spec here (errors name the field), start a `TrainingRun`, return its workflow id.
+
+        Under an id an earlier run used, the run starts fresh in a checkpoint namespace of its own
+        (`<id>.<random>`), unless `resume` (or the spec's `checkpoint.namespace`) says where to restore from:
+        `resume` restores the earlier run's newest checkpoint."""
         parsed = load_spec(spec)
         workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
+        if not resume and parsed.checkpoint.namespace is None and await self.earlier_run(workflow_id):
+            parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
+                update={"namespace": fresh_namespace(workflow_id)})})
         await self.client.start_workflow(
             WORKFLOW_TYPE,
             parsed.model_dump(mode="json"),
@@ -115,10 +155,25 @@ class TrainguardClient:
                              .fetch_history())
         return found
 
+    async def controller_running(self, max_idle_s: float = 90.0) -> bool:
+        """Whether a controller polled the `trainguard` task queue recently (as the server saw it): without
+        one, a started run waits in `reserving` and no query is answered."""
+        from temporalio.api.enums.v1 import TaskQueueType
+
+        from activities.nodes import has_pollers
+
+        return await has_pollers(self.client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, max_idle_s)
+
     async def status(self, workflow_id: str) -> RunView:
         handle = self.handle(workflow_id)
         description = await handle.describe()
-        status = await handle.query("status", result_type=RunStatus)
+        try:
+            status = await handle.query("status", result_type=RunStatus)
+        except RPCError as error:
+            # A query is answered by a worker: with none polling, the server times out and says only that.
+            if NO_POLLER in error.message or not await self.controller_running():
+                raise NoController(no_controller_hint(self.client.service_client.config.target_host)) from error
+            raise
         steps: dict[int, int | None] = {}
         live = status.phase in (Phase.RUNNING, Phase.FINISHING)
         # The watches run in the run's node-group children: their latest heartbeats hold each rank's step.
@@ -143,16 +198,41 @@ class TrainguardClient:
     async def result(self, workflow_id: str) -> RunResult:
         return await self.client.get_workflow_handle(workflow_id, result_type=RunResult).result()
 
-    async def inject_fault(self, workflow_id: str, fault: str, node: str, rank: int | None = None,
+    async def inject_fault(self, workflow_id: str, fault: str, node: str | None = None, rank: int | None = None,
                            slow_duty: float = 0.5) -> InjectFaultResult:
         """Chaos through the run itself, carried out by the node's agent: `crash` or `hang` a rank, `slow` it
         down, report a `gpu` fault, take the whole node down (`node-down`), or flip a byte of the node's shard
-        of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before)."""
+        of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before).
+        Without `node`, the node that runs `rank` now."""
+        if node is None:
+            if rank is None:
+                raise ValueError("inject_fault: name the node or the rank")
+            node = node_of_rank((await self.status(workflow_id)).status, rank)
         return await self.handle(workflow_id).execute_update(
             "inject_fault",
-            InjectFaultInput(workflow_id=workflow_id, node=node, rank=rank, fault=fault, slow_duty=slow_duty),
+            ChaosRequest(node=node, rank=rank, fault=fault, slow_duty=slow_duty),
             result_type=InjectFaultResult,
         )
+
+    async def rank_log(self, workflow_id: str, node: str | None = None, rank: int | None = None,
+                       attempt: int | None = None, offset: int = 0,
+                       tail_bytes: int | None = None) -> ReadRankLogResult:
+        """A chunk of a rank's log (its stdout and stderr), read by its node's agent: `rank` on `node`
+        (either one finds the other from the run's current nodes; default rank 0), the newest `attempt` there
+        unless given; from `offset`, or the last `tail_bytes`."""
+        from workflows.rank_log import READ_LOG_WORKFLOW_TYPE
+
+        if node is None or rank is None:
+            status = (await self.status(workflow_id)).status
+            if rank is None:
+                per_node = status.world_size // len(status.nodes) if status.nodes else 1
+                rank = status.nodes.index(node) * per_node if node in status.nodes else 0
+            node = node or node_of_rank(status, rank)
+        request = ReadRankLogInput(workflow_id=workflow_id, node=node, rank=rank, attempt=attempt, offset=offset,
+                                   tail_bytes=tail_bytes)
+        return await self.client.execute_workflow(
+            READ_LOG_WORKFLOW_TYPE, request, id=f"{workflow_id}/log-{uuid.uuid4().hex[:8]}", task_queue=TASK_QUEUE,
+            result_type=ReadRankLogResult, execution_timeout=timedelta(minutes=1))
 
     async def pause(self, workflow_id: str, reason: str = "") -> OperatorResult:
         """Stop the run's ranks and hold it PAUSED until `resume` (or `abort`)."""

@@ -37,6 +37,10 @@ STOP_GRACE_S = 10.0
 POLLER_IDLE_S = 90.0
 
 
+ADMIN_GRPC_OFFSET = 10_000
+"""SeaweedFS's gRPC-port convention (HTTP port + 10000), which its admin's plugin worker assumes."""
+
+
 @dataclass(frozen=True, slots=True)
 class Ports:
     temporal: int = 7233
@@ -64,7 +68,14 @@ class Ports:
         if base is None:
             return cls()
         names = [f for f in cls.__dataclass_fields__]
-        return cls(**{name: base + index for index, name in enumerate(names)})
+        ports = {name: base + index for index, name in enumerate(names)}
+        # `weed mini`'s plugin worker dials the admin server at its HTTP port + 10000 whatever
+        # `-admin.port.grpc` says: anywhere else, it logs "connection refused" every few seconds.
+        ports["admin_grpc"] = ports["admin"] + ADMIN_GRPC_OFFSET
+        if ports["admin_grpc"] > 65_535:
+            raise ValueError(f"TRAINGUARD_PORT_BASE={base} is too high: the stack needs ports up to "
+                             f"{ports['admin_grpc']} (at most {65_535 - ADMIN_GRPC_OFFSET - names.index('admin')})")
+        return cls(**ports)
 
     def weed_grpc_ports(self) -> list[int]:
         return [self.s3_grpc, self.master_grpc, self.volume_grpc, self.filer_grpc, self.admin_grpc]
@@ -75,7 +86,7 @@ def _port_free(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def free_port_base(start: int, num_nodes: int = len(DEFAULT_NODES), step: int = 50, stop: int = 60_000) -> int:
+def free_port_base(start: int, num_nodes: int = len(DEFAULT_NODES), step: int = 50, stop: int = 55_000) -> int:
     """The first base from `start` whose stack would find every port free, the node agents' metrics ports
     included, and no SeaweedFS socket left in /tmp on its ports: a private stack (tests, benchmarks, the
     soak) that never meets a developer's `trainguard dev up` or another private stack.
@@ -147,6 +158,24 @@ class StackConfig:
     @property
     def s3_endpoint(self) -> str:
         return f"http://{self.service_host}:{self.ports.s3}"
+
+
+STACK_FILE = "stack.json"
+"""Written under the stack's home by `up`, removed by `down`: where its Temporal listens, for the CLI, the
+Python client and the examples (`stack_address`), so a stack moved by `TRAINGUARD_PORT_BASE` is reached from
+any shell whose `TRAINGUARD_HOME` (or working directory) names it."""
+
+
+def stack_address(environ: dict[str, str]) -> tuple[str, str] | None:
+    """(Temporal address, where it came from) of the dev stack the environment names: `TRAINGUARD_PORT_BASE`,
+    else the stack file `dev up` left under `TRAINGUARD_HOME` (default `.trainguard`); None when neither does."""
+    if environ.get("TRAINGUARD_PORT_BASE"):
+        return StackConfig.from_env(environ).temporal_address, f"TRAINGUARD_PORT_BASE={environ['TRAINGUARD_PORT_BASE']}"
+    path = Path(environ.get("TRAINGUARD_HOME", ".trainguard")) / STACK_FILE
+    try:
+        return str(json.loads(path.read_text())["temporal_address"]), f"{path} (written by `trainguard dev up`)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _bin(name: str) -> str:
@@ -318,6 +347,8 @@ class DevStack:
                 "--allow", str(Path(sys.executable).parent),
             ], env=agent_env, cwd=cfg.code_dir)
         self._wait_workers()
+        (self.home / STACK_FILE).write_text(json.dumps({
+            "temporal_address": cfg.temporal_address, "ui_url": cfg.ui_url, "s3_endpoint": cfg.s3_endpoint}))
         echo(f"Temporal Web UI: {cfg.ui_url}   (Temporal at {cfg.temporal_address}, S3 at {cfg.s3_endpoint})")
         if cfg.hosts:
             echo(f"clients need TRAINGUARD_TEMPORAL_ADDRESS={cfg.temporal_address} "
@@ -500,6 +531,7 @@ class DevStack:
         # Agents stop their ranks on SIGTERM; stop them first and together.
         for group in ([f"agent-{n}" for n in self.config.nodes], ["controller"], ["s3"], ["temporal-tls", "temporal"]):
             self.stop(group, echo)
+        (self.home / STACK_FILE).unlink(missing_ok=True)
         killed = self._kill_orphan_ranks()
         if killed:
             echo(f"killed {killed} orphaned rank processes")

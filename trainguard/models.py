@@ -53,6 +53,10 @@ class Phase(str, Enum):
     FAILED = "failed"
 
 
+INCIDENT_TAILS_KEPT = 10
+"""Incidents that keep their `log_tail`: the newest ones, which an operator reads first."""
+
+
 class Incident(BaseModel):
     """One failure and what was done about it."""
 
@@ -84,6 +88,15 @@ class Incident(BaseModel):
     """How training came back: `relaunch` (every rank started again from a checkpoint), `in-process`
     (live ranks kept their state and formed a new process group with restarted ranks), or `relaunch after
     failed in-process: <why>`. None until the next attempt starts."""
+    log_path: str | None = None
+    """A rank incident's log on its node: the rank's stdout and stderr for that attempt
+    (`$TRAINGUARD_HOME/nodes/<node>/runs/<run>/attempt-NNNN/logs/rank-NNNNN.log`)."""
+    log_tail: str = ""
+    """The last lines of that log when the incident was seen (its traceback). Kept on the newest
+    `INCIDENT_TAILS_KEPT` incidents only, so a long run's status stays small."""
+    signature: str | None = None
+    """What identifies a crash across attempts: the exception and the frame that raised it. The same one on
+    consecutive attempts is a script that fails the same way each time (`restarts.max_same_failure`)."""
 
 
 class CheckpointRef(BaseModel):
@@ -119,7 +132,8 @@ class RunResult(BaseModel):
     goodput: float = 0.0
     """Useful training time / wall time, 0..1: steps completed x mean step time over the run's wall time."""
     wall_s: float = 0.0
-    """Wall time of the run, seconds (from the workflow's own clock)."""
+    """Wall time of the run, seconds: from the start request (a wait for a controller included) to the end,
+    on the workflow clock, as `trainguard run report` counts it."""
     mean_step_s: float | None = None
     """Mean step time of the final attempt as reported by rank 0, seconds."""
 
@@ -155,6 +169,20 @@ class RunStatus(BaseModel):
     latest_checkpoint: CheckpointRef | None = None
     reason: str | None = None
     """Why the run failed or is paused."""
+
+
+class ChaosRequest(BaseModel):
+    """Input of the run's `inject_fault` update: which fault, where. The run fills in the rest itself (its
+    own workflow id; for `corrupt`, its newest checkpoint), so nothing here goes unused."""
+
+    node: str
+    """Node of the run's current attempt the fault hits."""
+    fault: str
+    """`crash`, `hang`, `slow`, `gpu`, `node-down` or `corrupt` (see `trainguard chaos --help`)."""
+    rank: int | None = None
+    """Global rank; None: the node's first."""
+    slow_duty: float = 0.5
+    """For `slow`: the fraction of time the rank is stopped, 0.05 to 0.95."""
 
 
 class OperatorRequest(BaseModel):
@@ -227,6 +255,8 @@ class PoolNode(BaseModel):
     cordoned: str | None = None
     """Why the node may not be leased (a failure, or an operator); None when schedulable."""
     cordoned_at: float | None = None
+    cordoned_by: str | None = None
+    """The run (workflow id) whose incident cordoned the node; None for an operator's cordon."""
     draining: bool = False
     """Leaves the pool once its current run releases it."""
     peer_url: str = ""
@@ -281,3 +311,7 @@ class NodeRequest(BaseModel):
     node: str | None = None
     run_id: str | None = None
     reason: str = ""
+    lost_since: float | None = None
+    """A run's cordon for a node it lost: the workflow-clock time (unix seconds) it last heard from the node.
+    The cordon does not stand when the node's agent registered after that: it came back (a restarted agent,
+    a restarted stack), and the cause of the cordon no longer holds."""

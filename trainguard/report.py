@@ -138,6 +138,10 @@ class IncidentLoss:
     lost_s: float
     """detection + recovery + redone work (unknown parts count as 0; see `note`)."""
     note: str = ""
+    log_path: str | None = None
+    """A rank incident's log on its node."""
+    log_tail: str = ""
+    """The last lines of that log when the incident was seen (its traceback)."""
 
 
 @dataclass
@@ -462,7 +466,7 @@ def _incident_loss(incident: Incident, spans: Sequence[Span], points: list[StepP
         action=incident.action.value, at_s=at, detection_s=incident.detection_s,
         recovery_s=incident.recovery_s,
         step_at_detection=step, resumed_step=incident.resumed_step, redone_steps=redone, redone_s=redone_s,
-        lost_s=lost, note="; ".join(notes),
+        lost_s=lost, note="; ".join(notes), log_path=incident.log_path, log_tail=incident.log_tail,
     )
 
 
@@ -604,6 +608,10 @@ def _f(value: float | None, pattern: str = "{:.2f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+LOG_LINES_SHOWN = 8
+"""Lines of a rank incident's log tail the table shows: a traceback's last frames and its exception."""
+
+
 def render_table(report: RunReport) -> str:
     wall = report.wall_s or 1e-9
     lines = [
@@ -647,6 +655,11 @@ def render_table(report: RunReport) -> str:
                 f"{loss.action:<12} {_f(loss.at_s, '{:.1f}'):>7} {_f(loss.detection_s):>8} "
                 f"{_f(loss.recovery_s):>9} {steps_text:>11} {_f(loss.redone_s):>8} {loss.lost_s:>7.2f}  "
                 f"{loss.note}")
+    for index, loss in enumerate(report.incidents, 1):
+        if loss.log_path or loss.log_tail:
+            lines += ["", f"#{index} {loss.kind} rank {_f(loss.rank, '{}')} on {loss.node or '-'}: "
+                          f"log {loss.log_path or '-'}"]
+            lines += [f"   | {line}" for line in loss.log_tail.splitlines()[-LOG_LINES_SHOWN:]]
     for note in report.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -13,10 +13,14 @@ from functools import lru_cache
 from typing import Any
 
 
+DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     temporal_address: str
-    """`TRAINGUARD_TEMPORAL_ADDRESS`, default `127.0.0.1:7233`."""
+    """`TRAINGUARD_TEMPORAL_ADDRESS`; unset, the dev stack's that `TRAINGUARD_PORT_BASE` or the stack file of
+    `TRAINGUARD_HOME` (default `.trainguard`) names (`trainguard.devstack.stack_address`); else `127.0.0.1:7233`."""
     namespace: str
     """`TRAINGUARD_NAMESPACE`, default `default`."""
     s3_endpoint: str | None
@@ -43,12 +47,20 @@ class Settings:
     history on code that cannot replay it. Default unset: one unversioned controller."""
     deployment: str = "trainguard-controller"
     """`TRAINGUARD_DEPLOYMENT`: the worker deployment the controller's builds belong to."""
+    address_source: str = "TRAINGUARD_TEMPORAL_ADDRESS"
+    """Where `temporal_address` came from, for errors that name it."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if environ is None else environ)
+        address, source = env.get("TRAINGUARD_TEMPORAL_ADDRESS", ""), "TRAINGUARD_TEMPORAL_ADDRESS"
+        if not address:
+            from trainguard.devstack import stack_address
+
+            address, source = stack_address(env) or (DEFAULT_TEMPORAL_ADDRESS, "the default (no stack named)")
         return cls(
-            temporal_address=env.get("TRAINGUARD_TEMPORAL_ADDRESS", "127.0.0.1:7233"),
+            temporal_address=address,
+            address_source=source,
             namespace=env.get("TRAINGUARD_NAMESPACE", "default"),
             s3_endpoint=env.get("TRAINGUARD_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None,
             s3_region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),

@@ -15,6 +15,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -179,7 +180,12 @@ class CheckpointSpec(_Strict):
     """S3 bucket the shards and manifests go to. Default `trainguard` (created by `trainguard dev up`)."""
 
     prefix: str = Field("runs", pattern=PREFIX_PATTERN)
-    """Key prefix; a run's checkpoints live under `<prefix>/<workflow-id>/`. Default `runs`."""
+    """Key prefix; a run's checkpoints live under `<prefix>/<namespace>/`. Default `runs`."""
+
+    namespace: str | None = Field(None, pattern=NAMESPACE_PATTERN)
+    """The folder under `prefix` the run's checkpoints go to and are restored from. Default: the workflow id,
+    so a run restarted under its id resumes. `trainguard run start` (and the client's `start_run`) sets a fresh
+    one when the id was used by an earlier run, unless asked to `--resume` it."""
 
     every_steps: int = Field(50, ge=1, le=10_000_000)
     """Ranks checkpoint every this many steps (the rank helper asks `should_save(step)`). Default 50."""
@@ -253,6 +259,11 @@ class RestartSpec(_Strict):
 
     max_restarts_without_checkpoint: int = Field(3, ge=1, le=10_000)
     """Consecutive relaunches that commit no new checkpoint before the run stops. Default 3."""
+
+    max_same_failure: int = Field(2, ge=0, le=10_000)
+    """Consecutive attempts whose crash is the same Python exception raised at the same place (the rank's
+    log says so) before the run stops with that traceback as its reason: a script that fails the same way
+    every time, which no relaunch fixes. 0: never stop for it. Default 2."""
 
     in_process: bool = False
     """After a rank crash, keep the ranks that are still alive: they leave the broken process group and

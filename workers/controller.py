@@ -21,6 +21,7 @@ from trainguard.settings import Settings
 from workers.common import GRACEFUL_SHUTDOWN, STICKY_SCHEDULE_TO_START, setup_logging, stop_event
 from workflows.node_pool import NodePool
 from workflows.node_group import NodeCalls, NodeGroupWatch
+from workflows.rank_log import ReadRankLog
 from workflows.training_run import TrainingRun
 
 log = logging.getLogger("trainguard.controller")
@@ -50,7 +51,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untype
     return Worker(
         client,
         task_queue=task_queue,
-        workflows=[TrainingRun, NodePool, NodeCalls, NodeGroupWatch],
+        workflows=[TrainingRun, NodePool, NodeCalls, NodeGroupWatch, ReadRankLog],
         activities=[
             store.find_checkpoint,
             store.commit_checkpoint,

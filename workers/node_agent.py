@@ -23,6 +23,7 @@ from activities.checkpoints import NodeCheckpointActivities
 from activities.health import HealthActivities, NodeHealth
 from activities.nodes import peer_urls, register_node
 from activities.peers import PEER_TOKEN_ENV, ShardServer, peer_token
+from activities.rank_logs import RankLogActivities
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
@@ -48,6 +49,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
                            allowed_env=allowed_env, uploader=checkpoints.upload_step,
                            downloader=checkpoints.download_shards)
     health = HealthActivities(node, host, node_health)
+    logs = RankLogActivities(node, workdir)
     worker = Worker(
         client,
         task_queue=node_task_queue(node),
@@ -61,6 +63,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
             checkpoints.upload_shards,
             checkpoints.download_shards,
             health.check_node,
+            logs.read_rank_log,
         ],
         max_concurrent_activities=64,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,

@@ -58,7 +58,7 @@ def register(nodes: dict[str, PoolNode], request: RegisterNodeRequest, now: floa
     current.host, current.registered_at, current.healthy = request.host, now, request.healthy
     current.peer_url = request.peer_url
     if current.cordoned is not None and request.healthy and current.leased_to is None:
-        current.cordoned = current.cordoned_at = None
+        current.cordoned = current.cordoned_at = current.cordoned_by = None
     if not request.healthy and current.cordoned is None:
         current.cordoned, current.cordoned_at = "GPU checks failed at registration", now
     current.draining = False
@@ -91,15 +91,23 @@ def release(nodes: dict[str, PoolNode], run_id: str, node: str | None = None) ->
     return freed
 
 
-def cordon(nodes: dict[str, PoolNode], node: str, reason: str, now: float) -> None:
+def cordon(nodes: dict[str, PoolNode], node: str, reason: str, now: float, lost_since: float | None = None,
+           by: str | None = None) -> bool:
+    """Keep `node` out of leases with `reason`; True when the cordon stands. A run's cordon for a node it
+    lost (`lost_since`: when it last heard from it) does not stand if the node's agent has registered, healthy,
+    since then: the node came back before the run noticed it gone, and a stale heartbeat timeout must not keep
+    it out of every later run."""
     state = nodes.setdefault(node, PoolNode(node=node))
-    state.cordoned, state.cordoned_at = reason or "cordoned", now
+    if lost_since is not None and state.healthy and state.registered_at > lost_since:
+        return False
+    state.cordoned, state.cordoned_at, state.cordoned_by = reason or "cordoned", now, by
+    return True
 
 
 def uncordon(nodes: dict[str, PoolNode], node: str) -> None:
     if node not in nodes:
         raise ValueError(f"node {node!r} is not in the pool")
-    nodes[node].cordoned = nodes[node].cordoned_at = None
+    nodes[node].cordoned = nodes[node].cordoned_at = nodes[node].cordoned_by = None
 
 
 def drain(nodes: dict[str, PoolNode], node: str) -> None:
@@ -170,7 +178,8 @@ class NodePool:
     def cordon(self, request: NodeRequest) -> PoolNode:
         self._counted()
         assert request.node is not None
-        cordon(self._nodes, request.node, request.reason, self._now())
+        cordon(self._nodes, request.node, request.reason, self._now(), request.lost_since,
+               request.run_id)
         if request.run_id is not None:
             release(self._nodes, request.run_id, request.node)
         return self._nodes[request.node]
@@ -204,8 +213,7 @@ class NodePool:
 
     @cordon.validator
     def _validate_cordon(self, request: NodeRequest) -> None:
-        if not request.node:
-            raise ValueError("cordon needs node")
+        self._validate_known(request)  # a typo must not make a phantom node
 
     @uncordon.validator
     def _validate_uncordon(self, request: NodeRequest) -> None:

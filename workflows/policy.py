@@ -5,9 +5,10 @@ No I/O, no clock reads: the time is an argument. Tested with tables in tests/wor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainguard.models import Action, IncidentKind, Phase
+from trainguard.models import Action, Incident, IncidentKind, Phase
 from trainguard.rank import EXIT_NO_RETRY
 from trainguard.spec import RunSpec
 
@@ -52,6 +53,8 @@ class RecoveryBudget:
     """Workflow-clock times (unix seconds) of earlier relaunches."""
     restarts_without_checkpoint: int = 0
     """Relaunches since the last newly committed checkpoint."""
+    same_failure_attempts: int = 0
+    """Consecutive attempts, this one included, whose crash had the incident's signature (`same_failure_streak`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,22 @@ class Decision:
     reason: str
     replacement: str | None = None
     """The spare taking the failed node's place (REPLACE_NODE)."""
+
+
+def same_failure_streak(incident: Incident, earlier: Sequence[Incident]) -> int:
+    """How many consecutive attempts, ending with `incident`'s, crashed with `incident`'s signature: 0 when
+    it has none (a signal, a hang, a node fault). Incidents the run only reported (stragglers) ended no
+    attempt and are skipped; any other incident in between breaks the streak."""
+    if incident.kind is not IncidentKind.CRASH or incident.signature is None:
+        return 0
+    streak, expected = 1, incident.attempt - 1
+    for before in reversed(earlier):
+        if before.action is Action.REPORT or before.attempt > expected:
+            continue
+        if before.attempt != expected or before.kind is not IncidentKind.CRASH or before.signature != incident.signature:
+            break
+        streak, expected = streak + 1, expected - 1
+    return streak
 
 
 def classify_exit(exit_code: int | None) -> IncidentKind:
@@ -85,6 +104,11 @@ def decide(
     """
     if kind is IncidentKind.USER_ERROR:
         return Decision(Action.STOP, f"a rank exited with code {EXIT_NO_RETRY} (do not retry): fix the script")
+    if (kind is IncidentKind.CRASH and spec.restarts.max_same_failure
+            and budget.same_failure_attempts >= spec.restarts.max_same_failure):
+        return Decision(Action.STOP, f"the same failure on {budget.same_failure_attempts} attempts in a row: "
+                                     f"a relaunch will not fix it, fix the script "
+                                     f"(restarts.max_same_failure={spec.restarts.max_same_failure})")
     if kind is IncidentKind.STORAGE_UNAVAILABLE:
         return Decision(Action.PAUSE, "checkpoint store unreachable at restore: paused for an operator "
                                       "(`resume` once the store is back, or `abort`)")

@@ -22,6 +22,8 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
+        SLOW_DUTY_MAX,
+        SLOW_DUTY_MIN,
         CheckNodeInput,
         CheckNodeResult,
         CommitCheckpointsInput,
@@ -49,8 +51,10 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
     from trainguard import WORKFLOW_TYPE, node_task_queue
     from trainguard.models import (
+        INCIDENT_TAILS_KEPT,
         Action,
         CarriedState,
+        ChaosRequest,
         CheckpointNowResult,
         CheckpointRef,
         DrainRequest,
@@ -66,13 +70,16 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
-    from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
+    from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
+                                 same_failure_streak)
+    from workflows.run_details import run_details
     from workflows.node_group import (
         NODES_PER_GROUP,
         NODE_CALL_RETRY,
         NODE_SCHEDULE_TO_START,
         STOP_TIMEOUT,
         TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
+        WATCH_HEARTBEAT_TIMEOUT,
         WATCH_MAX_DURATION_S,
         GroupStarted,
         NodeCallKind,
@@ -105,6 +112,17 @@ PATCH_FAN_OUT_SLOTS = "fan-out-slots"
 PATCH_LAUNCH_IN_WATCH = "launch-in-watch"
 """Histories before this patch downloaded and launched on every node with activities of their own, then
 watched; now only the master node does, and every other node's first watch downloads and launches."""
+PATCH_SAME_FAILURE = "same-failure-stops"
+"""Histories before this patch relaunched a script that crashed the same way on every attempt until a restart
+budget ran out."""
+PATCH_STALE_CORDON = "stale-cordon"
+"""Histories before this patch told the cluster scheduler of every cordon, even one the pool did not apply
+(the lost node's agent had registered again since the run last heard from it)."""
+PATCH_ONE_INCIDENT_PER_LOST_NODE = "one-incident-per-lost-node"
+"""Histories before this patch recorded a lost node's symptom (its peer's crash) as an incident of its own and
+counted two restarts for the one fault."""
+PATCH_RESUME_WHILE_PAUSING = "resume-while-pausing"
+"""Histories before this patch dropped any resume accepted before the run was PAUSED (none could be)."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -206,6 +224,24 @@ def _cause_text(error: BaseException) -> str:
     return str(cause or error)
 
 
+def _lost_since(incident: Incident) -> float | None:
+    """For a lost node: the earliest time the run may last have heard from it (a watch's heartbeat times out
+    `WATCH_HEARTBEAT_TIMEOUT` after the last one; a stop its agent never picked up waited
+    `NODE_SCHEDULE_TO_START`). An agent that registered after that is back; None for any other incident."""
+    if incident.kind is not IncidentKind.NODE_UNRESPONSIVE or incident.detected_at <= 0:
+        return None
+    return incident.detected_at - max(WATCH_HEARTBEAT_TIMEOUT, NODE_SCHEDULE_TO_START).total_seconds()
+
+
+def _same_failure_reason(incident: Incident, why: str) -> str:
+    """A run stopped for a script that fails the same way every time: the reason names the failure, where
+    the rank's log is, and ends with the traceback, so `run result`, `status` and the CLI show the cause."""
+    where = f"rank {incident.rank} on {incident.node}" if incident.rank is not None else f"{incident.node}"
+    log = f" (log: {incident.log_path} on {incident.node})" if incident.log_path else ""
+    tail = f"\n{incident.log_tail}" if incident.log_tail else ""
+    return f"{where}: {incident.signature}: {why}{log}{tail}"
+
+
 def _error_type(error: BaseException) -> str | None:
     cause = error.__cause__
     return cause.type if isinstance(cause, ApplicationError) else None
@@ -251,7 +287,7 @@ class TrainingRun:
         return self._status.model_copy(update={"spares": list(self._spares)})
 
     @workflow.update
-    async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
+    async def inject_fault(self, request: ChaosRequest) -> InjectFaultResult:
         """Chaos: have a node agent crash or hang one rank of the current attempt."""
         newest = self._status.latest_checkpoint
         result: InjectFaultResult = await workflow.execute_activity(
@@ -290,7 +326,8 @@ class TrainingRun:
 
     @resume.validator
     def _validate_resume(self, request: OperatorRequest) -> None:
-        if self._status.phase is not Phase.PAUSED:
+        # A pause on its way counts: `await pause(); await resume()` must not race the ranks' stop.
+        if self._status.phase is not Phase.PAUSED and not self._pause_requested:
             raise ValueError(f"run is {self._status.phase.value}, not paused: nothing to resume")
 
     @workflow.update
@@ -370,11 +407,13 @@ class TrainingRun:
         return [outcome for result in results for outcome in result.outcomes]
 
     @inject_fault.validator
-    def _validate_fault(self, request: InjectFaultInput) -> None:
+    def _validate_fault(self, request: ChaosRequest) -> None:
         if self._status.phase is not Phase.RUNNING:
             raise ValueError(f"run is {self._status.phase.value}, not running: nothing to inject into")
         if request.node not in self._status.nodes:
             raise ValueError(f"node {request.node!r} is not in the run (nodes: {', '.join(self._status.nodes)})")
+        if request.fault == "slow" and not SLOW_DUTY_MIN <= request.slow_duty <= SLOW_DUTY_MAX:
+            raise ValueError(f"slow_duty {request.slow_duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
         if request.fault == "corrupt" and self._status.latest_checkpoint is None:
             raise ValueError("no committed checkpoint yet to corrupt: wait for the first commit")
 
@@ -392,7 +431,9 @@ class TrainingRun:
             self._set_phase(Phase.FAILED)
             raise ApplicationError(str(error), type="InvalidSpec", non_retryable=True) from None
         self._spec = spec
-        started = workflow.now().timestamp()
+        # From the start request, not the first workflow task: a run that waited for a controller waited in
+        # its wall time too, as `trainguard run report` (which reads the history's own timestamps) counts it.
+        started = workflow.info().workflow_start_time.timestamp()
         self._status.nodes = list(spec.nodes)
         self._status.world_size = spec.world_size
         attempt = 0
@@ -532,7 +573,9 @@ class TrainingRun:
     async def _wait_for_operator(self) -> None:
         """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails)."""
         self._set_phase(Phase.PAUSED)
-        self._pause_requested = self._resume_requested = False
+        # A resume accepted while the pause was on its way is kept: the run goes straight back.
+        keep_resume = self._resume_requested and workflow.patched(PATCH_RESUME_WHILE_PAUSING)
+        self._pause_requested, self._resume_requested = False, keep_resume
         await workflow.wait_condition(lambda: self._resume_requested or self._abort_reason is not None)
         if self._abort_reason is not None:
             self._status.reason = self._abort_reason
@@ -549,7 +592,9 @@ class TrainingRun:
             self._publish()
 
     def _publish(self) -> None:
-        """Phase, committed step and incident count as search attributes, for filtering runs."""
+        """Phase, committed step and incident count as search attributes, for filtering runs; and the run's
+        current details (phase, attempt, step, nodes, last incident) for the Web UI."""
+        workflow.set_current_details(run_details(self._status, self._spares))
         if not self._publish_search_attributes:
             return
         committed = self._status.latest_checkpoint.step if self._status.latest_checkpoint else 0
@@ -622,9 +667,14 @@ class TrainingRun:
             result_type=result_type, summary=summary,
         )
 
-    async def _cordon(self, node: str, reason: str) -> None:
-        await self._pool("cordon_node", NodeRequest(node=node, run_id=workflow.info().workflow_id, reason=reason),
-                         PoolNode, f"cordon {node}: {reason[:80]}")
+    async def _cordon(self, node: str, reason: str, lost_since: float | None = None) -> None:
+        result: PoolNode = await self._pool(
+            "cordon_node", NodeRequest(node=node, run_id=workflow.info().workflow_id, reason=reason,
+                                       lost_since=lost_since),
+            PoolNode, f"cordon {node}: {reason[:80]}")
+        if result.cordoned is None and workflow.patched(PATCH_STALE_CORDON):
+            workflow.logger.info("%s registered again since the run last heard from it: not cordoned", node)
+            return
         # The cluster's scheduler hears about it too (Slurm drain, Kubernetes cordon + taint; off by default),
         # in the background: recovery never waits on it.
         self._background.append(workflow.start_activity(
@@ -660,7 +710,7 @@ class TrainingRun:
 
     # ------------------------------------------------------------------------------------- attempt
     def _run_prefix(self, spec: RunSpec) -> str:
-        return f"{spec.checkpoint.prefix}/{workflow.info().workflow_id}"
+        return f"{spec.checkpoint.prefix}/{spec.checkpoint.namespace or workflow.info().workflow_id}"
 
     async def _run_attempt(self, spec: RunSpec, attempt: int) -> _Outcome:
         if self._warm is not None:
@@ -1086,7 +1136,18 @@ class TrainingRun:
         kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
         detection = None if event.fault_at is None else round(max(0.0, event.detected_at - event.fault_at), 3)
         return Incident(kind=kind, node=event.node, rank=event.rank, attempt=attempt, detail=event.detail,
-                        detection_s=detection, detected_at=event.detected_at)
+                        detection_s=detection, detected_at=event.detected_at, log_path=event.log_path,
+                        log_tail=event.log_tail, signature=event.failure_signature)
+
+    def _symptom_of_lost_node(self, symptom: Incident, node: str, seen_as: str) -> Incident:
+        """One fault, one incident: a rank fault whose node then did not answer is taken back, and the lost
+        node is the incident, timed from the symptom (its first sign), with the symptom in its detail."""
+        self._status.incidents = [i for i in self._status.incidents if i is not symptom]
+        lost = self._node_lost(node, symptom.attempt, f"node agent did not answer the stop after "
+                                                      f"{symptom.kind.value} on {symptom.node} ({seen_as})")
+        lost.detected_at = symptom.detected_at
+        lost.detection_s = lost.detection_s if lost.detection_s is not None else symptom.detection_s
+        return lost
 
     def _node_lost(self, node: str, attempt: int, detail: str) -> Incident:
         """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
@@ -1101,13 +1162,24 @@ class TrainingRun:
     async def _recover(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
         self._set_phase(Phase.RECOVERING)
         now = workflow.now().timestamp()
+        same = same_failure_streak(incident, self._status.incidents)
+        if (spec.restarts.max_same_failure and same >= spec.restarts.max_same_failure
+                and not workflow.patched(PATCH_SAME_FAILURE)):
+            same = 0
         decision: Decision = decide(
             incident.kind, incident.node, spec, self._status.nodes, self._spares,
-            RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint), now,
+            RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint, same), now,
             persisted=incident.kind is IncidentKind.STRAGGLER,
         )
+        seen_as = incident.detail
         incident.action = decision.action
         incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
+        if decision.action is Action.STOP and spec.restarts.max_same_failure and same >= spec.restarts.max_same_failure:
+            decision = Decision(Action.STOP, _same_failure_reason(incident, decision.reason))
+        elif decision.action is Action.STOP and seen_as and incident.kind in RANK_FAULTS:
+            # A spent budget names the fault that spent it, and where its rank's log is.
+            where = f" (log: {incident.log_path} on {incident.node})" if incident.log_path else ""
+            decision = Decision(Action.STOP, f"{decision.reason}; the last incident: {seen_as}{where}")
         self._record_incident(incident)
         workflow.logger.info("incident %s on %s rank %s: %s", incident.kind.value, incident.node, incident.rank,
                              decision.reason)
@@ -1134,18 +1206,22 @@ class TrainingRun:
                 and workflow.patched(PATCH_NODE_LOST_AT_STOP)):
             # The rank fault was a symptom: a node stopped answering and its peers failed in the collective.
             # Deal with the node now rather than after a relaunch that cannot reach it.
+            if workflow.patched(PATCH_ONE_INCIDENT_PER_LOST_NODE):
+                await self._recover(spec, attempt, self._symptom_of_lost_node(incident, unreachable[0], seen_as))
+                return
             self._restart_times.append(now)
             self._restarts_without_checkpoint += 1
             await self._recover(spec, attempt, self._node_lost(
                 unreachable[0], attempt, f"node agent did not answer the stop after {incident.kind.value}"))
             return
+        lost_since = _lost_since(incident)
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
-            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
+            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
             self._replaced.append(incident.node)
             self._spares.remove(decision.replacement)
             self._replace(incident.node, decision.replacement)
         if decision.action is Action.SHRINK and incident.node:
-            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}")
+            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
             self._lost.append(incident.node)
             self._status.nodes = [n for n in self._status.nodes if n != incident.node]
             self._status.cordoned = [*self._status.cordoned, incident.node]
@@ -1157,6 +1233,9 @@ class TrainingRun:
     def _record_incident(self, incident: Incident) -> None:
         if incident not in self._status.incidents:
             self._status.incidents = [*self._status.incidents, incident]
+            workflow.set_current_details(run_details(self._status, self._spares))
+            for older in self._status.incidents[:-INCIDENT_TAILS_KEPT]:
+                older.log_tail = ""
             meter = workflow.metric_meter()  # replay-safe: nothing is emitted while replaying
             labels = {"kind": incident.kind.value, "action": incident.action.value}
             meter.create_counter("trainguard_incidents", "Incidents by kind and action").add(1, labels)

@@ -80,8 +80,9 @@ def spec_for(prefix: str, keep_last: int = 2) -> dict[str, Any]:
     return spec
 
 
-async def run_to_end(client: TrainguardClient, spec: dict[str, Any], workflow_id: str) -> RunResult:
-    await client.start_run(spec, workflow_id=workflow_id)
+async def run_to_end(client: TrainguardClient, spec: dict[str, Any], workflow_id: str,
+                     resume: bool = False) -> RunResult:
+    await client.start_run(spec, workflow_id=workflow_id, resume=resume)
     return await asyncio.wait_for(client.result(workflow_id), RUN_TIMEOUT_S)
 
 
@@ -333,7 +334,7 @@ async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     for local in (stack.home / "nodes").glob(f"*/runs/{workflow_id}/checkpoints"):
         shutil.rmtree(local)
 
-    second = await run_to_end(client, spec_for(prefix), workflow_id)
+    second = await run_to_end(client, spec_for(prefix), workflow_id, resume=True)  # the earlier run's checkpoints
 
     await assert_resumed_cleanly(client, stack, source, workflow_id, run_prefix, second,
                                  Case(_no_damage, 30, num_corrupt_incidents=1), genuine)

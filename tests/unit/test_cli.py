@@ -83,3 +83,30 @@ def test_run_start_refuses_a_bad_file_before_connecting(tmp_path: Path, capsys: 
 
     assert code == 2
     assert capsys.readouterr().err.startswith(f"{path}: not valid JSON")
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["chaos", "slow", "--run", "r", "--node", "node-0", "--duty", "5"], "5 is out of range: give 0.05 to 0.95"),
+    (["chaos", "slow", "--run", "r", "--node", "node-0", "--duty", "0"], "0 is out of range"),
+])
+def test_out_of_range_chaos_arguments_are_refused_not_clamped(argv: list[str], fragment: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_chaos_needs_a_node_or_a_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["chaos", "crash", "--run", "r"]) == 2
+    assert "name the node (--node) or the rank (--rank)" in capsys.readouterr().err
+
+
+def test_a_rank_names_its_node() -> None:
+    from trainguard.client import node_of_rank
+    from trainguard.models import RunStatus
+
+    status = RunStatus(nodes=["node-0", "node-2"], world_size=4)  # node-1 was replaced by node-2
+    assert [node_of_rank(status, r) for r in range(4)] == ["node-0", "node-0", "node-2", "node-2"]
+    with pytest.raises(ValueError, match="rank 4 is not in the run"):
+        node_of_rank(status, 4)

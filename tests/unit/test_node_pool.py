@@ -78,6 +78,28 @@ def test_cordon_persists_until_uncordon_or_a_healthy_reregistration() -> None:
     assert grant(nodes, AcquireNodesRequest(run_id="r", nodes=["a"])).granted
 
 
+@pytest.mark.parametrize(
+    ("registered_at", "healthy", "lost_since", "stands"),
+    [
+        pytest.param(5.0, True, 10.0, True, id="registered-before-it-was-lost"),
+        pytest.param(15.0, True, 10.0, False, id="registered-again-since-the-run-last-heard-from-it"),
+        pytest.param(15.0, False, 10.0, True, id="back-but-unhealthy"),
+        pytest.param(15.0, True, None, True, id="not-a-lost-node-cordon"),
+    ],
+)
+def test_a_lost_nodes_cordon_stands_only_if_its_agent_did_not_come_back(
+        registered_at: float, healthy: bool, lost_since: float | None, stands: bool) -> None:
+    nodes = pool("a")
+    register(nodes, RegisterNodeRequest(node="a", healthy=True), now=1.0)
+    register(nodes, RegisterNodeRequest(node="a", healthy=healthy), now=registered_at)
+    nodes["a"].cordoned = None  # whatever the registration decided: only the cordon is under test
+
+    assert cordon(nodes, "a", "node_unresponsive: lost", now=20.0, lost_since=lost_since, by="run-1") is stands
+    assert (nodes["a"].cordoned, nodes["a"].cordoned_by) == (
+        ("node_unresponsive: lost", "run-1") if stands else (None, None))
+    assert grant(nodes, AcquireNodesRequest(run_id="r2", nodes=["a"])).granted is not stands
+
+
 def test_unhealthy_registration_cordons_and_unknown_nodes_are_refused() -> None:
     nodes: dict[str, PoolNode] = {}
     register(nodes, RegisterNodeRequest(node="a", healthy=False), now=1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.models import Action, IncidentKind, Phase
+from trainguard.models import Action, Incident, IncidentKind, Phase
 from trainguard.spec import RunSpec, parse_spec
 from workflows.policy import (
     ALLOWED_TRANSITIONS,
@@ -13,6 +13,7 @@ from workflows.policy import (
     classify_exit,
     decide,
     next_phase,
+    same_failure_streak,
 )
 
 NOW = 1_000_000.0
@@ -188,3 +189,50 @@ def test_every_phase_has_a_row_and_only_terminal_phases_are_dead_ends() -> None:
     dead_ends = {phase for phase, allowed in ALLOWED_TRANSITIONS.items() if not allowed}
     assert dead_ends == {Phase.COMPLETED, Phase.FAILED}
     assert all(Phase.FAILED in allowed for phase, allowed in ALLOWED_TRANSITIONS.items() if allowed)
+
+
+SIG = "train.py:142 in main: ValueError: loss is nan"
+
+
+def _crash(attempt: int, signature: str | None = SIG, kind: IncidentKind = IncidentKind.CRASH,
+           action: Action = Action.RESTART) -> Incident:
+    return Incident(kind=kind, attempt=attempt, signature=signature, action=action)
+
+
+@pytest.mark.parametrize(
+    ("earlier", "incident", "streak"),
+    [
+        pytest.param([], _crash(1), 1, id="first-crash-with-a-traceback"),
+        pytest.param([_crash(1)], _crash(2), 2, id="same-failure-next-attempt"),
+        pytest.param([_crash(1), _crash(2)], _crash(3), 3, id="three-in-a-row"),
+        pytest.param([_crash(1, "other.py:1 in f: KeyError: 'x'")], _crash(2), 1, id="another-failure"),
+        pytest.param([_crash(1), _crash(2, kind=IncidentKind.HANG, signature=None)], _crash(3), 1,
+                     id="a-hang-in-between-breaks-it"),
+        pytest.param([_crash(1)], _crash(3), 1, id="not-consecutive-attempts"),
+        pytest.param([_crash(1), _crash(1, kind=IncidentKind.STRAGGLER, signature=None, action=Action.REPORT)],
+                     _crash(2), 2, id="a-reported-straggler-is-skipped"),
+        pytest.param([_crash(1)], _crash(2, signature=None), 0, id="killed-by-a-signal-has-no-signature"),
+        pytest.param([_crash(1)], _crash(2, kind=IncidentKind.HANG), 0, id="only-crashes-count"),
+    ],
+)
+def test_same_failure_streak(earlier: list[Incident], incident: Incident, streak: int) -> None:
+    assert same_failure_streak(incident, earlier) == streak
+
+
+@pytest.mark.parametrize(
+    ("limit", "attempts", "action"),
+    [
+        pytest.param(2, 1, Action.RESTART, id="first-time-relaunches"),
+        pytest.param(2, 2, Action.STOP, id="second-time-stops"),
+        pytest.param(0, 5, Action.RESTART, id="zero-never-stops-for-it"),
+    ],
+)
+def test_the_same_failure_again_stops_the_run_before_the_budget_is_spent(limit: int, attempts: int,
+                                                                          action: Action) -> None:
+    spec = parse_spec({"entrypoint": ["python", "train.py"], "nodes": NODES,
+                       "restarts": {"max_same_failure": limit}})
+    decision = decide(IncidentKind.CRASH, "node-0", spec, NODES, [], RecoveryBudget(same_failure_attempts=attempts),
+                      NOW)
+    assert decision.action is action
+    if action is Action.STOP:
+        assert f"the same failure on {attempts} attempts in a row" in decision.reason

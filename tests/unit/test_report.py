@@ -476,3 +476,12 @@ async def test_encrypted_payloads_are_decoded_with_the_codec() -> None:
     assert await decode_events(events, codec) == 0
     report = report_from_histories("r", [spans_from_events(events)])
     assert report.lost_s == pytest.approx(8.6) and report.phases["running"] == pytest.approx(13.0)
+
+
+def test_a_rank_incident_shows_its_log_and_traceback() -> None:
+    report = compute_report([], start=T0, end=T0 + 30.0, incidents=[CRASH.model_copy(update={
+        "log_path": "/n/runs/r/attempt-0001/logs/rank-00001.log",
+        "log_tail": "Traceback (most recent call last):\nValueError: nan"})])
+    text = render_table(report)
+    assert "log /n/runs/r/attempt-0001/logs/rank-00001.log" in text
+    assert "   | ValueError: nan" in text

@@ -9,8 +9,8 @@ import pytest
 from trainguard.settings import Settings
 
 
-def test_defaults_reach_the_dev_stack() -> None:
-    settings = Settings.from_env({})
+def test_defaults_reach_the_dev_stack(tmp_path: Path) -> None:
+    settings = Settings.from_env({"TRAINGUARD_HOME": str(tmp_path)})  # no stack file there
     assert settings.temporal_address == "127.0.0.1:7233" and settings.namespace == "default"
     assert settings.s3_endpoint is None and settings.s3_path_style
     assert settings.tls_config() is False and settings.api_key is None
@@ -83,3 +83,27 @@ def test_a_build_id_pins_runs_to_the_controller_build_that_started_them() -> Non
     assert config is not None and config.use_worker_versioning
     assert (config.version.deployment_name, config.version.build_id) == ("trainguard-controller", "2026.12.1")
     assert config.default_versioning_behavior is VersioningBehavior.PINNED
+
+
+def test_the_stack_a_port_base_or_a_home_names_is_the_one_reached(tmp_path: Path) -> None:
+    """One way to address a stack: what moved `trainguard dev up` moves every command, the client and the
+    examples with it; an explicit address wins; nothing else falls back to 127.0.0.1:7233 silently."""
+    assert Settings.from_env({"TRAINGUARD_PORT_BASE": "20000"}).temporal_address == "127.0.0.1:20000"
+    assert Settings.from_env({"TRAINGUARD_PORT_BASE": "20000", "TRAINGUARD_DEV_TLS": "1"}).temporal_address \
+        == "127.0.0.1:20004"
+    (tmp_path / "stack.json").write_text('{"temporal_address": "127.0.0.1:31000"}')
+    from_home = Settings.from_env({"TRAINGUARD_HOME": str(tmp_path)})
+    assert from_home.temporal_address == "127.0.0.1:31000" and str(tmp_path) in from_home.address_source
+    explicit = Settings.from_env({"TRAINGUARD_HOME": str(tmp_path), "TRAINGUARD_PORT_BASE": "20000",
+                                  "TRAINGUARD_TEMPORAL_ADDRESS": "temporal.internal:7233"})
+    assert explicit.temporal_address == "temporal.internal:7233"
+
+
+def test_seaweedfs_admin_grpc_port_follows_its_http_port_convention() -> None:
+    from trainguard.devstack import Ports
+
+    for base in (None, 20000, 36100):
+        ports = Ports.from_base(base)
+        assert ports.admin_grpc == ports.admin + 10_000
+    with pytest.raises(ValueError, match="TRAINGUARD_PORT_BASE=60000 is too high"):
+        Ports.from_base(60000)

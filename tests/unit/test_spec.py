@@ -198,3 +198,20 @@ def test_a_large_but_bounded_spec_loads() -> None:
     spec = parse_spec(_with(nodes=[f"node-{i}" for i in range(4096)], env={"A": "x" * MAX_ENV_VALUE_BYTES}))
 
     assert len(spec.model_dump_json()) < MAX_SPEC_BYTES
+
+
+def test_a_checkpoint_namespace_is_one_key_safe_folder() -> None:
+    base = {"entrypoint": ["python", "train.py"], "nodes": ["node-0"]}
+    assert parse_spec(base).checkpoint.namespace is None  # default: the workflow id
+    assert parse_spec({**base, "checkpoint": {"namespace": "my-run.3fa2c1d0"}}).checkpoint.namespace == "my-run.3fa2c1d0"
+    with pytest.raises(SpecError, match="checkpoint.namespace"):
+        parse_spec({**base, "checkpoint": {"namespace": "a/b"}})
+
+
+def test_a_fresh_namespace_for_a_used_id_is_valid_and_new_each_time() -> None:
+    from trainguard.client import fresh_namespace
+
+    spaces = {fresh_namespace(w) for w in ("my-run", "my-run", "a/b c", ".hidden")}
+    assert len(spaces) == 4
+    for space in spaces:
+        parse_spec({"entrypoint": ["python", "train.py"], "nodes": ["node-0"], "checkpoint": {"namespace": space}})

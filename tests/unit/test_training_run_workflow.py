@@ -60,6 +60,7 @@ from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
 from trainguard.models import (
     Action,
+    ChaosRequest,
     CheckpointRef,
     IncidentKind,
     OperatorRequest,
@@ -682,6 +683,13 @@ async def test_node_fault_while_training_is_replaced_by_a_spare(env: WorkflowEnv
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [(r.node, r.node_rank) for r in relaunches] == [(nodes[0], 0), (spares[0], 1)]
     assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
+    # A lost node's cordon says when the run last heard from it, so the pool lets it stand only if the node's
+    # agent has not registered again since; a GPU fault's cordon stands whatever.
+    [cordon] = cluster.inputs("cordon_node")
+    if kind is IncidentKind.NODE_UNRESPONSIVE:
+        assert cordon.lost_since == pytest.approx(incident.detected_at - 10.0)
+    else:
+        assert cordon.lost_since is None
 
 
 async def test_persistent_straggler_is_reported_then_replaced_by_a_spare(env: WorkflowEnvironment) -> None:
@@ -847,11 +855,11 @@ async def test_a_crash_whose_node_then_does_not_answer_replaces_that_node(env: W
 
     result = run.outcome
     assert isinstance(result, RunResult), result
-    assert [(i.kind, i.node, i.action) for i in result.incidents] == [
-        (IncidentKind.CRASH, nodes[0], Action.RESTART),
-        (IncidentKind.NODE_UNRESPONSIVE, nodes[1], Action.REPLACE_NODE),
-    ]
-    assert "did not answer the stop after crash" in result.incidents[1].detail
+    # One fault, one incident: the peer's crash was the lost node's symptom, and the incident names the node.
+    [incident] = result.incidents
+    assert (incident.kind, incident.node, incident.action) == (
+        IncidentKind.NODE_UNRESPONSIVE, nodes[1], Action.REPLACE_NODE)
+    assert f"did not answer the stop after crash on {nodes[0]} (rank 0 exit code 1)" in incident.detail
     assert result.attempts == 2
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [r.node for r in relaunches] == [nodes[0], spares[0]]
@@ -936,6 +944,81 @@ async def test_operator_pause_stops_the_ranks_and_resume_relaunches(env: Workflo
     assert [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
 
 
+async def test_a_resume_right_after_a_pause_is_accepted_and_the_run_goes_on(env: WorkflowEnvironment) -> None:
+    """`await tg.pause(id); await tg.resume(id)`, as a script writes it: the pause returns before the ranks are
+    stopped, and the resume must not be refused for it, leaving the run paused and holding its nodes."""
+    nodes = _node_ids(1)
+    answers: list[Phase] = []
+
+    async def pause_then_resume(handle: WorkflowHandle[Any, Any]) -> None:
+        for update in (TrainingRun.pause, TrainingRun.resume):
+            answers.append((await handle.execute_update(update, OperatorRequest())).phase)
+
+    cluster = Cluster(nodes=nodes, while_running=pause_then_resume,
+                      watch_script={(1, nodes[0]): [BLOCK], (2, nodes[0]): [_finished(30)]})
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert answers == [Phase.RUNNING, Phase.RUNNING]
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.attempts == 2 and [(s.node, s.attempt) for s in cluster.inputs("stop_ranks")] == [(nodes[0], 1)]
+
+
+async def test_the_web_ui_shows_the_runs_phase_and_step_in_its_current_details(env: WorkflowEnvironment) -> None:
+    from temporalio.api.sdk.v1 import WorkflowMetadata
+
+    nodes = _node_ids(1)
+    seen: list[str] = []
+
+    async def look(handle: WorkflowHandle[Any, Any]) -> None:
+        metadata = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+        seen.append(metadata.current_details)
+
+    cluster = Cluster(nodes=nodes, while_running=look, watch_script={(1, nodes[0]): [BLOCK]})
+    cluster.watch_script[(1, nodes[0])] = [Until(lambda: bool(seen)), _finished(20)]
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, RunResult)
+    assert seen and seen[0].startswith("**running**, attempt 1"), seen
+    assert f"nodes: {nodes[0]} (1 ranks)" in seen[0]
+
+
+async def test_wall_time_counts_from_the_start_request_as_the_report_does(env: WorkflowEnvironment) -> None:
+    """A run started while no controller polls waits for one; `run result` and `run report` must agree that
+    the wait was part of the run's wall time (the report reads the history's timestamps)."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [_finished(20)]})
+    cluster.client = env.client
+    task_queue = f"tq-{uuid4()}"
+    handle = await env.client.start_workflow(TrainingRun.run, _spec(nodes), id=f"run-{uuid4()}",
+                                             task_queue=task_queue, result_type=RunResult)
+    await asyncio.sleep(2.0)  # no controller yet (the test server skips no time while a task waits for a worker)
+    async with _workers(env.client, cluster, task_queue):
+        result = await asyncio.wait_for(handle.result(), RUN_TIMEOUT_S)
+    history = await handle.fetch_history()
+    span = history.events[-1].event_time.ToDatetime() - history.events[0].event_time.ToDatetime()
+    assert result.wall_s >= 2.0
+    assert result.wall_s == pytest.approx(span.total_seconds(), abs=0.5)
+
+
+@pytest.mark.parametrize("namespace", [None, "my-run.3fa2c1d0"])
+async def test_checkpoints_live_in_the_runs_namespace(env: WorkflowEnvironment, namespace: str | None) -> None:
+    """A run under a reused id gets a namespace of its own (the client sets it): it restores and commits
+    there, never the earlier run's checkpoints; without one, the workflow id is the namespace."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [_ready(10), _finished(20)]})
+
+    run = await _run(env, cluster, _spec(nodes, checkpoint={"every_steps": 10, "prefix": "p",
+                                                            "namespace": namespace}))
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    expected = f"p/{namespace or run.handle.id}"
+    assert {f.run_prefix for f in cluster.inputs("find_checkpoint")} == {expected}
+    assert {c.run_prefix for c in cluster.inputs("commit_checkpoints")} == {expected}
+
+
 async def test_corrupt_checkpoint_falls_back_to_the_one_before(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(1)
     cluster = Cluster(nodes=nodes, corrupt_steps={20}, watch_script={
@@ -1017,9 +1100,9 @@ async def test_inject_fault_reaches_the_node_and_unknown_nodes_are_refused(env: 
     answers: list[Any] = []
 
     async def inject(handle: WorkflowHandle[Any, Any]) -> None:
-        for node in (nodes[1], "not-a-node"):
+        for node, fault, duty in ((nodes[1], "crash", 0.5), ("not-a-node", "crash", 0.5), (nodes[1], "slow", 5.0)):
             try:
-                request = InjectFaultInput(workflow_id="", node=node, fault="crash", rank=1)
+                request = ChaosRequest(node=node, fault=fault, rank=1, slow_duty=duty)  # the run adds its own id
                 answers.append(await handle.execute_update(TrainingRun.inject_fault, request))
             except WorkflowUpdateFailedError as error:
                 answers.append(error.cause)
@@ -1029,9 +1112,10 @@ async def test_inject_fault_reaches_the_node_and_unknown_nodes_are_refused(env: 
     run = await _run(env, cluster, _spec(nodes))
 
     assert isinstance(run.outcome, RunResult)
-    accepted, refused = answers
+    accepted, refused, clamped = answers
     assert accepted == InjectFaultResult(node=nodes[1], rank=1, pid=1000, injected_at=123.0)
     assert "'not-a-node' is not in the run" in str(refused)
+    assert "slow_duty 5 is out of range: give 0.05 to 0.95" in str(clamped)  # refused, not clamped
     [request] = cluster.inputs("inject_fault")
     assert (request.workflow_id, request.node, request.fault) == (run.handle.id, nodes[1], "crash")
 
@@ -1057,6 +1141,44 @@ async def test_a_run_that_keeps_crashing_stops_with_a_reason(env: WorkflowEnviro
     assert [r.attempt for r in cluster.inputs("launch_ranks")] == [1, 2, 3]
     assert run.status.phase is Phase.FAILED
     assert [i.action for i in run.status.incidents] == [Action.RESTART, Action.RESTART, Action.STOP]
+
+
+TRACE = 'Traceback (most recent call last):\n  File "train.py", line 9, in main\nValueError: loss is nan'
+SAME = "train.py:9 in main: ValueError: loss is nan"
+
+
+def _raised(signature: str | None) -> WatchEvent:
+    return _event(WatchEventKind.RANK_EXITED, rank=0, exit_code=1, detail="rank 0 exited with code 1",
+                  log_path="/agent/runs/r/attempt-0001/logs/rank-00000.log", log_tail=TRACE,
+                  failure_signature=signature)
+
+
+@pytest.mark.parametrize(
+    ("signatures", "launches"),
+    [
+        pytest.param([SAME, SAME], 2, id="same-failure-twice-stops-after-two-attempts"),
+        pytest.param([SAME, "train.py:9 in main: KeyError: 'x'", None], 3, id="different-failures-spend-the-budget"),
+    ],
+)
+async def test_a_script_that_fails_the_same_way_stops_with_its_traceback(
+        env: WorkflowEnvironment, signatures: list[str | None], launches: int) -> None:
+    nodes = _node_ids(1)
+    script = {(a, nodes[0]): [_raised(signatures[min(a, len(signatures)) - 1])] for a in range(1, 10)}
+    cluster = Cluster(nodes=nodes, watch_script=script)
+
+    run = await _run(env, cluster, _spec(nodes, restarts={"max_restarts_without_checkpoint": 2}))
+
+    message = _failure_message(run.outcome)
+    assert len(cluster.inputs("launch_ranks")) == launches
+    first = run.status.incidents[0]
+    assert first.log_tail == TRACE and first.log_path and first.signature == signatures[0]
+    if launches == 2:
+        assert message.startswith(f"rank 0 on {nodes[0]}: {SAME}: the same failure on 2 attempts in a row")
+        assert "ValueError: loss is nan" in message.splitlines()[-1], "the traceback ends the reason"
+        assert "rank-00000.log" in message
+    else:
+        assert "committed no new checkpoint" in message and "the last incident: rank 0 exited" in message
+    assert run.status.reason == message
 
 
 async def test_with_tracing_one_trace_covers_the_run_its_workflow_tasks_and_every_activity(
