@@ -100,17 +100,11 @@ def main() -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
         return {"model": model_state, "optim": optim_state}
 
-    if args.parallel == "fsdp":
-        # DCP loads in place into the sharded state dict of this world size: it reshards.
-        restored = run.restore(state())
-        if restored is not None:
-            set_state_dict(model, optimizer, model_state_dict=restored["model"],
-                           optim_state_dict=restored["optim"])
-    else:
-        restored = run.restore()
-        if restored is not None:
-            model.load_state_dict(restored["model"])
-            optimizer.load_state_dict(restored["optim"])
+    # FSDP2 state is DTensors, which trainguard saves with DCP: the load goes in place into this world's
+    # sharded state dict (it reshards). DDP state is plain tensors, one torch.save per rank (or rank 0's).
+    restored = run.restore(state()) if args.parallel == "fsdp" else run.restore()
+    if restored is not None:
+        set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
     if restored is not None:
         log_digest(args.digest_log, "restore", run.start_step, model)
 
