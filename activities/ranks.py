@@ -206,6 +206,7 @@ def _read_report(path: Path) -> RankReport | None:
         saving=bool(data.get("saving")),
         finished=bool(data.get("finished")),
         compute_s=data.get("compute_s"),
+        error=data.get("error"),
     )
 
 
@@ -785,7 +786,9 @@ class RankActivities:
                     report = reports[rank]
                     fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
                     return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=proc.exit_code,
-                                 detail=f"rank {rank} {describe_exit(proc.exit_code)}", fault_at=fault_at,
+                                 detail=f"rank {rank} {describe_exit(proc.exit_code)}"
+                                        + (f": {report.error}" if report and report.error else ""),
+                                 fault_at=fault_at,
                                  occurred_at=record.faults.get(rank) or proc.exited_at)
 
             if all(record.ranks[r].poll() for r in local_ranks):

@@ -50,7 +50,7 @@ def digests(path: Path) -> dict[tuple[str, int, int], str]:
     """(save|restore, step, world size) -> the full model's digest at that point, as the trainer logged it."""
     found = {}
     for line in path.read_text().splitlines():
-        kind, step, world, digest = line.split()
+        kind, step, world, digest = line.split(maxsplit=3)  # a digest cut off by the fault: "unavailable: ..."
         found[(kind, int(step), int(world))] = digest
     return found
 
