@@ -71,7 +71,7 @@ def download_dcp(stack: DevStack, manifest_key: str, into: Path) -> Any:
 async def test_fsdp_run_loses_a_node_shrinks_resharded_and_its_checkpoint_loads_with_plain_torch(
         client: TrainguardClient, prefix: str, stack: DevStack, tmp_path: Path) -> None:
     log = tmp_path / "digests.txt"
-    rid = await client.start_run(lm_spec(prefix, "fsdp", log, steps=20, step_time=0.1, min_nodes=1),
+    rid = await client.start_run(lm_spec(prefix, "fsdp", log, steps=30, step_time=0.1, min_nodes=1),
                                  workflow_id=run_id("lm-shrink"))
     try:
         await wait_until(client, rid, lambda v: checkpointed(v, min_step=11), timeout_s=150)
@@ -82,7 +82,7 @@ async def test_fsdp_run_loses_a_node_shrinks_resharded_and_its_checkpoint_loads_
         await client.uncordon("node-1")
     lost = [i for i in result.incidents if i.kind is IncidentKind.NODE_UNRESPONSIVE]
     assert [(i.node, i.action) for i in lost] == [("node-1", Action.SHRINK)], result.incidents
-    assert result.steps_completed == 20 and result.final_checkpoint is not None
+    assert result.steps_completed == 30 and result.final_checkpoint is not None
     assert not (result.final_state_digest or "").startswith("unavailable"), result.final_state_digest
     # The one rank restored the two-rank checkpoint resharded: the full model equal to the one saved.
     logged = digests(log)
