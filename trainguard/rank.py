@@ -201,6 +201,7 @@ class RankRun:
         self._step = self.start_step
         self._saved: set[int] = set()
         self._dcp_group: Any = None
+        self._dcp_stager: Any = None
         self._dcp_future: Any = None
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
             self._write_progress(force=True)
@@ -361,9 +362,16 @@ class RankRun:
         helper = pickle.dumps({"step": step, "rank": self.rank, "rng": _rng_state()})
         writer = dcp.FileSystemWriter(str(step_dir / DCP_DIR), single_file_per_rank=True, sync_files=True,
                                       thread_count=1)
-        # async_save stages a CPU copy here (the stall), then plans and writes in a thread of its own.
+        if self._dcp_stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # One stager for the rank's life: it keeps its CPU copy of each tensor and copies into it again at
+            # the next save, so the host holds one staged copy (the bound) and later saves allocate nothing.
+            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+        # async_save stages the CPU copy here (the stall), then plans and writes in a thread of its own.
         future = dcp.async_save({**state, _helper_key(self.rank): helper}, storage_writer=writer,
-                                process_group=self._group())
+                                process_group=self._group(), async_stager=self._dcp_stager)
         self._writer = threading.Thread(target=self._finish_dcp_save, args=(step, step_dir, future),
                                         name=f"trainguard-save-{step}", daemon=True)
         self._writer.start()
@@ -537,6 +545,9 @@ class RankRun:
     def finish(self, digest: str | None = None) -> None:
         """Wait for pending checkpoint writes and report the rank finished (with the model digest)."""
         self._wait_for_writer()
+        if self._dcp_stager is not None:
+            self._dcp_stager.close()  # frees the staged copy
+            self._dcp_stager = None
         mean = self._sum_step_s / self._num_timed_steps if self._num_timed_steps else None
         self._write_progress(force=True, finished=True, digest=digest, mean_step_s=mean)
 
