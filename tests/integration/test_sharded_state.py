@@ -1,9 +1,11 @@
 """Sharded training state on the real stack: a Hugging Face Llama trained with FSDP2 (DCP checkpoints that
 reshard) and with DDP (replicated state saved once), through faults.
 
-The short one (in `make test`): node-1 is lost, the run shrinks to one node, the one rank restores the
-two-rank checkpoint resharded (its full state equal to the state at the checkpoint), completes, and its final
-checkpoint loads from the store with plain `dcp_to_torch_save`. The longer ones are marked slow.
+The first: node-1 is lost, the run shrinks to one node, the one rank restores the two-rank checkpoint
+resharded (its full state equal to the state at the checkpoint), completes, and its final checkpoint loads
+from the store with plain `dcp_to_torch_save`. Every one takes over a minute here (each launch imports
+transformers), more than `make test` allows a new test: all are marked slow (`make test-slow`). `make test`
+keeps a real DCP save and restore through the rank helper in tests/unit/test_rank_helper.py.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def download_dcp(stack: DevStack, manifest_key: str, into: Path) -> Any:
     return manifest
 
 
+@pytest.mark.slow  # 70-120 s here under load (two launches importing transformers, a 10 s loss detection)
 async def test_fsdp_run_loses_a_node_shrinks_resharded_and_its_checkpoint_loads_with_plain_torch(
         client: TrainguardClient, prefix: str, stack: DevStack, tmp_path: Path) -> None:
     log = tmp_path / "digests.txt"
