@@ -15,7 +15,9 @@ run.finish(digest=tg.state_digest(model))
 ```
 
 `save` holds training up only for an in-memory copy of the state; the file is written and checksummed by a
-background thread, then the node agent uploads it. Torch, Python and NumPy RNG states are saved and restored
+background thread, then the node agent uploads it. Sharded state (DTensor: FSDP2, tensor parallel) is saved
+with `torch.distributed.checkpoint` and restored into the caller's state dict, resharded:
+`run.restore({"model": model_sd, "optim": optim_sd})` with the dicts `get_state_dict(model, optim)` returns. Torch, Python and NumPy RNG states are saved and restored
 with every checkpoint, so a script whose data depends only on the step resumes bit-exactly.
 
 Outside trainguard (no `TRAINGUARD_*` environment) every call is a no-op apart from `restore`, which returns
@@ -202,7 +204,6 @@ class RankRun:
         self._saved: set[int] = set()
         self._dcp_group: Any = None
         self._dcp_stager: Any = None
-        self._dcp_future: Any = None
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
             self._write_progress(force=True)
 
@@ -343,8 +344,8 @@ class RankRun:
     def _group(self) -> Any:
         """A gloo group of every rank for DCP's planning collectives, which run in the writer thread beside
         training's own (a group of their own, so the two never interleave; CPU, as DCP's async save needs).
-        Its timeout bounds a save whose peer died while it was being planned: the writer fails, the training
-        thread never waits on it, and the agent has relaunched the attempt long before."""
+        Its timeout bounds a save whose peer died while it was being planned: the writer fails within it, the
+        training thread waits on it only at its next save, and the agent has relaunched the attempt long before."""
         import torch.distributed as dist
 
         if self._dcp_group is None:
