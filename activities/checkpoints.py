@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import queue
+import re
 import shutil
 import threading
 import time
@@ -54,6 +55,7 @@ from activities.models import (
     Manifest,
     PruneCheckpointsInput,
     PruneCheckpointsResult,
+    ShardFile,
     ShardInfo,
     UploadShardsInput,
     UploadShardsResult,
@@ -63,7 +65,7 @@ from activities.paths import RunLayout, shard_meta_name, shard_name, step_dir_na
 from activities.peers import fetch_from_peer
 from activities.progress import find_stragglers
 from trainguard.models import CheckpointRef
-from trainguard.rank import sha256_file
+from trainguard.rank import DCP_DIR, DCP_METADATA, FORMAT_DCP, FORMAT_TORCH, files_digest, sha256_file
 from trainguard.settings import s3_client
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,41 @@ def _transfer_config() -> Any:
     )
 
 
+_DCP_FILE = re.compile(rf"^{DCP_DIR}/(__\d+_\d+\.distcp|\.metadata)$")
+"""What a DCP shard's file may be called: DCP's own names, in the step's `dcp/` folder and nowhere else."""
+
+
+def shard_objects(shard: ShardInfo) -> list[tuple[str, ShardInfo]]:
+    """The store objects a shard is made of, each with its path under the step's folder: one file of a
+    `torch.save` shard, each file of a DCP shard, none of a replica (it is another rank's shard)."""
+    if shard.replica_of is not None:
+        return []
+    if shard.files is None:
+        return [(shard_name(shard.rank), shard)]
+    prefix = shard.key.removesuffix(f"{DCP_DIR}/")
+    return [(f.name, ShardInfo(rank=shard.rank, key=f"{prefix}{f.name}", size_bytes=f.size_bytes,
+                               sha256=f.sha256, node=shard.node)) for f in shard.files]
+
+
+def state_format_of(shards: list[ShardInfo]) -> str:
+    return FORMAT_DCP if any(s.files is not None for s in shards) else FORMAT_TORCH
+
+
+def restore_sources(manifest: Manifest, ranks: list[int]) -> dict[int, ShardInfo]:
+    """Rank -> the shard it restores from: of a DCP checkpoint every shard (each rank may need any part
+    once resharded); else rank r's is shard r mod the checkpoint's world size, or the shard it replicates."""
+    by_rank = {s.rank: s for s in manifest.shards}
+    if manifest.state_format == FORMAT_DCP:
+        return by_rank
+    sources: dict[int, ShardInfo] = {}
+    for rank in ranks:
+        source = by_rank[rank % manifest.world_size]
+        if source.replica_of is not None:
+            source = by_rank[source.replica_of]
+        sources[rank] = source
+    return sources
+
+
 def list_steps(client: Any, bucket: str, run_prefix: str) -> list[int]:
     """Every `step-*` folder under the run prefix, newest first (committed or not)."""
     steps: list[int] = []
@@ -174,10 +211,23 @@ def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = 
     manifest = Manifest.model_validate_json(body)
     if not manifest.pages:
         return manifest
+    # A DCP checkpoint restores from every shard; else rank r from shard r mod the world size.
+    needed = (None if ranks is None or manifest.state_format == FORMAT_DCP
+              else {r % manifest.world_size for r in ranks})
+    shards = _read_pages(client, bucket, manifest.pages, needed)
+    if needed is not None:  # a replica restores its original's shard: read that page too
+        read = {s.rank for s in shards}
+        originals = {s.replica_of for s in shards if s.replica_of is not None} - read
+        if originals:
+            shards.extend(s for s in _read_pages(client, bucket, manifest.pages, originals) if s.rank not in read)
+    return manifest.model_copy(update={"shards": shards})
+
+
+def _read_pages(client: Any, bucket: str, pages: list[ManifestPage], ranks: set[int] | None) -> list[ShardInfo]:
+    """The shards on the pages that hold `ranks` (None: every page), each page checked against its sha256."""
     shards: list[ShardInfo] = []
-    needed = None if ranks is None else {r % manifest.world_size for r in ranks}
-    for page in manifest.pages:
-        if needed is not None and not any(page.first_rank <= r < page.first_rank + page.num_ranks for r in needed):
+    for page in pages:
+        if ranks is not None and not any(page.first_rank <= r < page.first_rank + page.num_ranks for r in ranks):
             continue
         try:
             data = client.get_object(Bucket=bucket, Key=page.key)["Body"].read()
@@ -188,7 +238,7 @@ def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = 
         if hashlib.sha256(data).hexdigest() != page.sha256:
             raise ValueError(f"manifest page {page.key} does not match its sha256")
         shards.extend(ShardInfo.model_validate(s) for s in json.loads(data))
-    return manifest.model_copy(update={"shards": shards})
+    return shards
 
 
 def manifest_header(manifest: Manifest) -> Manifest:
@@ -226,10 +276,29 @@ def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | No
     ranks = sorted(s.rank for s in manifest.shards)
     if ranks != list(range(manifest.world_size)):
         return f"manifest names shards of ranks {ranks}, not one per rank of world size {manifest.world_size}"
+    if manifest.state_format not in (FORMAT_TORCH, FORMAT_DCP):
+        return f"manifest state format {manifest.state_format!r} is not one this release reads"
+    if manifest.state_format != state_format_of(manifest.shards):
+        return f"manifest says state format {manifest.state_format!r}, its shards another"
+    originals = {s.rank for s in manifest.shards if s.replica_of is None}
     for shard in manifest.shards:
-        expected = f"{step_prefix(run_prefix, step)}{shard_name(shard.rank)}"
+        if shard.replica_of is not None:
+            if shard.replica_of not in originals or manifest.state_format == FORMAT_DCP:
+                return f"the shard of rank {shard.rank} replicates rank {shard.replica_of}, which wrote none"
+            continue
+        name = f"{DCP_DIR}/" if shard.files is not None else shard_name(shard.rank)
+        expected = f"{step_prefix(run_prefix, step)}{name}"
         if shard.key != expected:
             return f"manifest puts the shard of rank {shard.rank} at {shard.key}, not {expected}"
+        bad = [f.name for f in shard.files or [] if not _DCP_FILE.match(f.name)]
+        if bad:
+            return f"the shard of rank {shard.rank} names a file outside the DCP layout: {bad[0]!r}"
+    if manifest.state_format == FORMAT_DCP:
+        if any(s.files is None for s in manifest.shards):
+            return "a DCP checkpoint with a torch.save shard in it"
+        metadata = [s.rank for s in manifest.shards for f in s.files or [] if f.name == DCP_METADATA]
+        if len(metadata) != 1:
+            return f"a DCP checkpoint needs one {DCP_METADATA}, the manifest names {len(metadata)}"
     return None
 
 
@@ -260,7 +329,10 @@ def abort_orphaned_uploads(
 
 
 def check_shard_in_store(client: Any, bucket: str, shard: ShardInfo) -> str | None:
-    """None when the object exists with the recorded size and sha256; else what is wrong with it."""
+    """None when every object of the shard exists with its recorded size and sha256; else what is wrong."""
+    objects = shard_objects(shard)
+    if objects != [(shard_name(shard.rank), shard)]:
+        return next((p for _, obj in objects if (p := check_shard_in_store(client, bucket, obj))), None)
     try:
         head = client.head_object(Bucket=bucket, Key=shard.key)
     except ClientError as error:
@@ -275,9 +347,33 @@ def check_shard_in_store(client: Any, bucket: str, shard: ShardInfo) -> str | No
     return None
 
 
+def shard_from_meta(meta: dict[str, Any], prefix: str, node: str) -> ShardInfo:
+    """The shard a rank's meta file (written by `trainguard.rank`) describes, keyed under `prefix`."""
+    rank = int(meta["rank"])
+    if meta.get("replica_of") is not None:
+        return ShardInfo(rank=rank, size_bytes=0, sha256="", node=node, replica_of=int(meta["replica_of"]))
+    if meta.get("format") == FORMAT_DCP:
+        files = [ShardFile.model_validate(f) for f in meta["files"]]
+        sha = files_digest([f.model_dump() for f in files])
+        if sha != meta["sha256"]:
+            raise ApplicationError(f"the meta file of rank {rank} does not add up ({sha[:12]}...)",
+                                   type="CorruptLocalShard", non_retryable=True)
+        return ShardInfo(rank=rank, key=f"{prefix}{DCP_DIR}/", size_bytes=sum(f.size_bytes for f in files),
+                         sha256=sha, node=node, files=files)
+    return ShardInfo(rank=rank, key=f"{prefix}{shard_name(rank)}", size_bytes=meta["size_bytes"],
+                     sha256=meta["sha256"], node=node)
+
+
+def object_name(key: str) -> str:
+    """An object's path under its step's folder (`.../step-00000100/dcp/__0_0.distcp` -> `dcp/__0_0.distcp`),
+    which is also its path under the step's folder on a node."""
+    return key.rsplit("/step-", 1)[1].split("/", 1)[1]
+
+
 def step_of(key: str) -> int:
-    """The step of a shard or manifest key (`.../step-00000100/rank-00000.pt` -> 100)."""
-    return int(key.rsplit("/", 2)[-2].removeprefix("step-"))
+    """The step of any object under a step's folder (`.../step-00000100/rank-00000.pt`,
+    `.../step-00000100/dcp/.metadata` -> 100)."""
+    return int(key.rsplit("/step-", 1)[1].split("/", 1)[0])
 
 
 def local_digests(path: Path) -> tuple[str, str]:
@@ -410,7 +506,8 @@ def corrupt_shard(bucket: str, manifest_key: str, node: str, rank: int | None, l
     manifest = read_manifest(client, bucket, manifest_key)
     if manifest is None:
         raise ApplicationError(f"no manifest at {manifest_key}", type="NoSuchCheckpoint", non_retryable=True)
-    mine = [s for s in manifest.shards if s.node == node and rank in (None, s.rank)]
+    mine = [obj for s in manifest.shards if s.node == node and rank in (None, s.rank)
+            for _, obj in shard_objects(s)]
     if not mine:
         raise ApplicationError(f"step {manifest.step} has no shard {'' if rank is None else f'of rank {rank} '}"
                                f"written by node {node}", type="NoSuchRank", non_retryable=True)
@@ -419,7 +516,7 @@ def corrupt_shard(bucket: str, manifest_key: str, node: str, rank: int | None, l
     body = bytearray(client.get_object(Bucket=bucket, Key=shard.key)["Body"].read())
     body[len(body) // 2] ^= 0xFF
     client.put_object(Bucket=bucket, Key=shard.key, Body=bytes(body), Metadata=head.get("Metadata", {}))
-    local = local_step_dir / shard_name(shard.rank)
+    local = local_step_dir / object_name(shard.key)
     if local.exists():
         with local.open("r+b") as handle:
             handle.seek(local.stat().st_size // 2)
@@ -477,8 +574,8 @@ class StoreActivities:
             if not smallest <= manifest.world_size <= largest:
                 skipped.append(f"step {step}: written by {manifest.world_size} ranks, run has {request.world_size}")
                 continue
-            sources = {rank % manifest.world_size for rank in range(request.world_size)}
-            needed = [s for s in manifest.shards if s.rank in sources]
+            sources = restore_sources(manifest, list(range(request.world_size)))
+            needed = list({s.rank: s for s in sources.values()}.values())
             with ThreadPoolExecutor(max_workers=STORE_CHECK_THREADS) as pool:
                 problems = [p for p in pool.map(lambda s: check_shard_in_store(client, request.bucket, s), needed)
                             if p]
@@ -521,6 +618,7 @@ class StoreActivities:
             shards=sorted(request.shards, key=lambda s: s.rank),
             total_bytes=sum(s.size_bytes for s in request.shards),
             created_at=time.time(),
+            state_format=state_format_of(request.shards),
         )
         return self._put_manifest(client, request.bucket, request.run_prefix, manifest)
 
@@ -655,9 +753,15 @@ class StoreActivities:
         if sorted(by_rank) != list(range(request.world_size)):
             return None
         shards = [by_rank[r] for r in range(request.world_size)]
+        if state_format_of(shards) == FORMAT_DCP and (
+                any(s.files is None for s in shards)
+                or sum(f.name == DCP_METADATA for s in shards for f in s.files or []) != 1):
+            log.warning("step %d: not one DCP checkpoint of every rank (mixed formats, or no metadata); "
+                        "not committing it", step)
+            return None
         manifest = Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
                             attempt=request.attempt, shards=shards, total_bytes=sum(s.size_bytes for s in shards),
-                            created_at=time.time())
+                            created_at=time.time(), state_format=state_format_of(shards))
         ref = self._put_manifest(client, request.bucket, request.run_prefix, manifest)
         compute = {r: c for record in records for r, c in record.rank_compute_s.items()}
         return CommittedCheckpoint(ref=ref, slow_ranks=find_stragglers(compute, request.straggler_ratio),
@@ -735,15 +839,9 @@ class NodeCheckpointActivities:
         started = time.monotonic()
         shards: list[ShardInfo] = []
         for meta_path in metas:
-            meta = json.loads(meta_path.read_text())
-            shard = ShardInfo(
-                rank=meta["rank"],
-                key=f"{step_prefix(request.run_prefix, request.step)}{shard_name(meta['rank'])}",
-                size_bytes=meta["size_bytes"],
-                sha256=meta["sha256"],
-                node=self.node,
-            )
-            await asyncio.to_thread(self._upload_one, request.bucket, step_dir / shard_name(shard.rank), shard,
+            shard = shard_from_meta(json.loads(meta_path.read_text()),
+                                    step_prefix(request.run_prefix, request.step), self.node)
+            await asyncio.to_thread(self._upload_shard, request.bucket, step_dir, shard,
                                     manifest_key(request.run_prefix, request.step))
             activity.heartbeat({"uploaded_rank": shard.rank})
             shards.append(shard)
@@ -756,10 +854,34 @@ class NodeCheckpointActivities:
             shards=shards, num_bytes=sum(s.size_bytes for s in shards), seconds=time.monotonic() - started
         )
 
-    def _upload_one(self, bucket: str, path: Path, shard: ShardInfo, manifest: str) -> None:
-        client = s3_client()
+    def _upload_shard(self, bucket: str, step_dir: Path, shard: ShardInfo, manifest: str) -> None:
+        """Every object of the shard (none for a replica), once the step's manifest, if any, agrees."""
+        if shard.files is None and shard.replica_of is None:
+            self._upload_one(bucket, step_dir / shard_name(shard.rank), shard, manifest)
+            return
+        self._check_not_committed_otherwise(s3_client(), bucket, shard, manifest)
+        for name, obj in shard_objects(shard):
+            self._upload_one(bucket, step_dir / name, obj, None)
+
+    @staticmethod
+    def _check_not_committed_otherwise(client: Any, bucket: str, shard: ShardInfo, manifest: str) -> None:
         try:
             committed = committed_shard(client, bucket, manifest, shard.rank)
+        except ClientError as error:
+            raise _bucket_missing(error, bucket) or error
+        if committed is not None and committed.sha256 != shard.sha256:
+            # Overwriting would leave the committed manifest naming bytes that are gone: a checkpoint
+            # that was whole would stop being so, and this step could not be committed anyway.
+            raise ApplicationError(
+                f"step {step_of(manifest)} is already committed with another shard of rank {shard.rank} "
+                f"(sha256 {committed.sha256[:12]}..., this one {shard.sha256[:12]}...): not overwriting it",
+                type="ConflictingCommit", non_retryable=True)
+
+    def _upload_one(self, bucket: str, path: Path, shard: ShardInfo, manifest: str | None) -> None:
+        """One object; `manifest` None: its shard was checked against the step's manifest already."""
+        client = s3_client()
+        try:
+            committed = committed_shard(client, bucket, manifest, shard.rank) if manifest else None
             if committed is not None and committed.sha256 != shard.sha256:
                 # Overwriting would leave the committed manifest naming bytes that are gone: a checkpoint
                 # that was whole would stop being so, and this step could not be committed anyway.
@@ -822,10 +944,19 @@ class NodeCheckpointActivities:
         tiers: dict[int, str] = {}
         peers = await self._peers(request)
         for shard in request.shards:
-            tiers[shard.rank] = await asyncio.to_thread(
-                self._download_one, request.bucket, restore_dir, shard,
-                layout.local_step_dir(step) if request.local_tier else None, peers.get(shard.node or ""),
-                layout.root.name)
+            if shard.files is not None:  # a DCP shard: its files, by name; the peer tier serves only .pt
+                found = set()
+                for name, obj in shard_objects(shard):
+                    found.add(await asyncio.to_thread(
+                        self._download_one, request.bucket, restore_dir, obj,
+                        layout.local_step_dir(step) if request.local_tier else None, None, "", name))
+                # One tier per rank: the farthest any of its files came from.
+                tiers[shard.rank] = next((t for t in ("s3", "peer", "local") if t in found), "local")
+            else:
+                tiers[shard.rank] = await asyncio.to_thread(
+                    self._download_one, request.bucket, restore_dir, shard,
+                    layout.local_step_dir(step) if request.local_tier else None, peers.get(shard.node or ""),
+                    layout.root.name)
             activity.heartbeat({"downloaded_rank": shard.rank})
         for old in restore_dir.parent.glob("step-*"):
             if old != restore_dir:
@@ -850,8 +981,10 @@ class NodeCheckpointActivities:
         if manifest is None:
             raise ApplicationError(f"manifest {request.manifest_key} is gone", type="CorruptCheckpoint",
                                    non_retryable=True)
-        by_rank = {s.rank: s for s in manifest.shards}
-        return [by_rank[r % manifest.world_size].model_copy(update={"rank": r}) for r in request.ranks]
+        sources = restore_sources(manifest, request.ranks)
+        if manifest.state_format == FORMAT_DCP:
+            return sorted(sources.values(), key=lambda s: s.rank)
+        return [sources[r].model_copy(update={"rank": r}) for r in request.ranks]
 
     async def upload_step(self, workflow_id: str, attempt: int, target: WatchCheckpoints, step: int,
                           rank_compute_s: dict[int, float], node_step: int,
@@ -882,14 +1015,18 @@ class NodeCheckpointActivities:
         return -1
 
     def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None,
-                      peer_url: str | None = None, run_dir_name: str = "") -> str:
+                      peer_url: str | None = None, run_dir_name: str = "", name: str | None = None) -> str:
         """Put a verified copy of `shard` in `restore_dir`; returns the tier it came from: `local` (this
         node's own copy of a shard it wrote, checked against the manifest's sha256), `peer` (the copy on the
         node that wrote it, from its agent's shard server at `peer_url`, checked the same way) or `s3`.
         Without a `local_step_dir` (the local tier is off) it always comes from the store."""
-        final = restore_dir / shard_name(shard.rank)
-        meta = restore_dir / shard_meta_name(shard.rank)
-        partial = restore_dir / f".{shard_name(shard.rank)}.part"
+        name = name or shard_name(shard.rank)
+        final = restore_dir / name
+        # A DCP file's record of its check stays out of the DCP folder, which a reader lists.
+        meta = (restore_dir / shard_meta_name(shard.rank) if name == shard_name(shard.rank)
+                else restore_dir / f".{name.replace('/', '_')}.verified.json")
+        partial = final.with_name(f".{final.name}.part")
+        partial.parent.mkdir(parents=True, exist_ok=True)
 
         def keep(tier: str) -> str:
             """`partial` holds exactly the manifest's bytes: make it the restored shard."""
@@ -900,7 +1037,7 @@ class NodeCheckpointActivities:
         if (local_step_dir is not None and final.exists() and meta.exists()
                 and json.loads(meta.read_text()).get("sha256") == shard.sha256):
             return "local"
-        local = local_step_dir / shard_name(shard.rank) if local_step_dir is not None else None
+        local = local_step_dir / name if local_step_dir is not None else None
         if (local is not None and local.exists() and local.stat().st_size == shard.size_bytes
                 and sha256_file(local) == shard.sha256):
             shutil.copyfile(local, partial)  # a copy: the rank's next save must not write through a link

@@ -52,16 +52,30 @@ class CheckNodeResult(BaseModel):
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
+class ShardFile(BaseModel):
+    """One file of a shard made of several (a DCP checkpoint's part of one rank)."""
+
+    name: str
+    """Path under the step's folder, the same on a node and in the store (`dcp/__0_0.distcp`)."""
+    size_bytes: int
+    sha256: str
+
+
 class ShardInfo(BaseModel):
     """One rank's shard of one checkpoint."""
 
     rank: int
     key: str = ""
-    """S3 key once uploaded."""
+    """S3 key once uploaded (a DCP shard: the folder its files are in, `.../step-N/dcp/`)."""
     size_bytes: int
     sha256: str
+    """Of the file; of a DCP shard, `trainguard.rank.files_digest` over its files."""
     node: str = ""
     """Node that wrote it."""
+    files: list[ShardFile] | None = None
+    """A DCP shard's files, each an object of its own under the step's folder; None: one `torch.save`."""
+    replica_of: int | None = None
+    """Replicated state (`tg.init(replicated=True)`): this rank wrote nothing and restores that rank's shard."""
 
 
 class ManifestPage(BaseModel):
@@ -93,6 +107,10 @@ class Manifest(BaseModel):
     """Sum of shard sizes, bytes."""
     created_at: float = 0.0
     """Unix time the controller wrote the manifest."""
+    state_format: str = "torch"
+    """`torch`: one `torch.save` per rank, rank r restores shard r mod `world_size`. `dcp`: a
+    `torch.distributed.checkpoint` under `step-N/dcp/` that every node downloads whole and loads resharded
+    (`dcp_to_torch_save` reads it without trainguard)."""
 
 
 class NodeCheckpointRecord(BaseModel):

@@ -28,6 +28,8 @@ class RankReport:
     finished: bool = False
     compute_s: float | None = None
     """Moving average of the rank's own compute per step, outside collectives, when the script reports it."""
+    error: str | None = None
+    """Why the rank stopped itself (the rank helper's own checks, e.g. a checkpoint step it did not save)."""
 
 
 def silence_bound_s(report: RankReport | None, start_step: int, health: HealthSpec) -> float:

@@ -98,12 +98,13 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _log_fields(log_path: Path, rank: int, exit_code: int | None) -> dict[str, object]:
+def _log_fields(log_path: Path, rank: int, exit_code: int | None, reported: str | None = None) -> dict[str, object]:
     """What a rank's exit event says about it from its log: the tail, and, for an exit the rank chose (a
-    positive code: an exception, `sys.exit`), the failure's signature and its exception in the detail."""
+    positive code: an exception, `sys.exit`), the failure's signature and its exception in the detail. An
+    error the rank helper itself reported (`reported`, e.g. a checkpoint step it skipped) is named first."""
     tail = read_tail(log_path)
     chosen = exit_code is not None and exit_code > 0
-    exception = exception_line(tail) if chosen else None
+    exception = reported or (exception_line(tail) if chosen else None)
     detail = f"rank {rank} {describe_exit(exit_code)}" + (f": {exception}" if exception else "")
     return {"detail": detail, "log_path": str(log_path), "log_tail": tail,
             "failure_signature": failure_signature(tail) if chosen else None}
@@ -233,6 +234,7 @@ def _read_report(path: Path) -> RankReport | None:
         saving=bool(data.get("saving")),
         finished=bool(data.get("finished")),
         compute_s=data.get("compute_s"),
+        error=data.get("error"),
     )
 
 
@@ -823,7 +825,8 @@ class RankActivities:
                     fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
                     return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=proc.exit_code,
                                  fault_at=fault_at, occurred_at=record.faults.get(rank) or proc.exited_at,
-                                 **_log_fields(layout.log_file(record.attempt, rank), rank, proc.exit_code))
+                                 **_log_fields(layout.log_file(record.attempt, rank), rank, proc.exit_code,
+                                               report.error if report else None))
 
             if all(record.ranks[r].poll() for r in local_ranks):
                 # Every rank here is done: nothing is left for a standby to replace.

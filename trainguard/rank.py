@@ -15,7 +15,9 @@ run.finish(digest=tg.state_digest(model))
 ```
 
 `save` holds training up only for an in-memory copy of the state; the file is written and checksummed by a
-background thread, then the node agent uploads it. Torch, Python and NumPy RNG states are saved and restored
+background thread, then the node agent uploads it. Sharded state (DTensor: FSDP2, tensor parallel) is saved
+with `torch.distributed.checkpoint` and restored into the caller's state dict, resharded:
+`run.restore({"model": model_sd, "optim": optim_sd})` with the dicts `get_state_dict(model, optim)` returns. Torch, Python and NumPy RNG states are saved and restored
 with every checkpoint, so a script whose data depends only on the step resumes bit-exactly.
 
 Outside trainguard (no `TRAINGUARD_*` environment) every call is a no-op apart from `restore`, which returns
@@ -40,7 +42,33 @@ EXIT_NO_RETRY = 78
 instead of spending its restart budget."""
 
 _PROGRESS_MIN_INTERVAL_S = 0.05
+DCP_GROUP_TIMEOUT_S = 120.0
+"""Bound of one DCP save's collectives (planning, metadata): a peer that died mid-save fails the writer
+thread within it, never the training thread, which is stopped and relaunched by the agent much sooner."""
 _HELPER_KEY = "_trainguard"
+
+DCP_DIR = "dcp"
+"""The folder of a step that holds its `torch.distributed.checkpoint` files (on a node and in the store):
+`dcp/__<rank>_0.distcp` per rank and `dcp/.metadata` from rank 0. The node agent imports the name."""
+DCP_METADATA = f"{DCP_DIR}/.metadata"
+FORMAT_TORCH = "torch"
+"""One `torch.save` per rank (`rank-NNNNN.pt`): rank r restores shard r mod the checkpoint's world size."""
+FORMAT_DCP = "dcp"
+"""`torch.distributed.checkpoint`: every rank writes its part, the load reshards to any world size."""
+FORMATS = ("auto", FORMAT_TORCH, FORMAT_DCP)
+
+
+def files_digest(files: list[dict[str, Any]]) -> str:
+    """One sha256 standing for a shard made of several files: over each file's name and sha256, in name
+    order. The node agent computes the same from the manifest, so a shard's identity is one string."""
+    lines = "".join(f"{f['name']} {f['sha256']}\n" for f in sorted(files, key=lambda f: f["name"]))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _helper_key(rank: int) -> str:
+    """This rank's own entry in a DCP checkpoint (its step and RNG): per rank, since DCP saves one copy of
+    what every rank holds under the same key."""
+    return f"{_HELPER_KEY}.rank-{rank:05d}"
 
 
 def _atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -57,19 +85,43 @@ def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
-def state_digest(module_or_state: Any) -> str:
-    """sha256 over parameter names and raw bytes, in name order: equal only for bit-identical states."""
-    import torch
+def _is_dtensor(value: Any) -> bool:
+    """A `torch.distributed.tensor.DTensor` (FSDP2, tensor parallel), told without importing it eagerly."""
+    return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
 
-    state = module_or_state.state_dict() if hasattr(module_or_state, "state_dict") else module_or_state
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name]
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_dtensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(item) for item in value)
+    return _is_dtensor(value)
+
+
+def state_digest(module_or_state: Any) -> str:
+    """sha256 over parameter names and raw bytes, in name order: equal only for bit-identical states.
+
+    Sharded tensors (DTensor: FSDP2, tensor parallel) are gathered whole first (`full_tensor()`, a
+    collective: call it on every rank), and a DDP wrapper's `module.` prefix is dropped, so the same full
+    model gives the same digest whatever the world size. Never raises: a digest that cannot be computed
+    comes back as `unavailable: <why>`, which the run reports in its result instead of failing after the
+    last step."""
+    try:
+        import torch
+
+        state = module_or_state.state_dict() if hasattr(module_or_state, "state_dict") else module_or_state
+        digest = hashlib.sha256()
+        for name in sorted(state, key=lambda n: n.removeprefix("module.")):
+            tensor = state[name]
+            if _is_dtensor(tensor):
+                tensor = tensor.full_tensor()
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            digest.update(name.removeprefix("module.").encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+    except Exception as error:  # noqa: BLE001 - a digest is a report; it must never fail a finished run
+        return f"unavailable: {type(error).__name__}: {error}"[:500]
 
 
 def _snapshot(value: Any) -> Any:
@@ -112,7 +164,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class RankRun:
     """This rank's view of the run. Create it with `init()`."""
 
-    def __init__(self, environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    def __init__(self, environ: dict[str, str] | os._Environ[str] = os.environ, *, replicated: bool = False,
+                 checkpoint_format: str = "auto") -> None:
+        if checkpoint_format not in FORMATS:
+            raise ValueError(f"checkpoint_format {checkpoint_format!r}: choose one of {', '.join(FORMATS)}")
+        self.replicated = replicated
+        """Every rank holds the same state (DDP): rank 0 alone writes the shard, every rank restores it."""
+        self.checkpoint_format = checkpoint_format
         self.managed = "TRAINGUARD_PROGRESS_FILE" in environ
         self.rank = int(environ.get("RANK", "0"))
         self.world_size = int(environ.get("WORLD_SIZE", "1"))
@@ -143,6 +201,9 @@ class RankRun:
         self._num_timed_steps = 0
         self._sum_step_s = 0.0
         self._step = self.start_step
+        self._saved: set[int] = set()
+        self._dcp_group: Any = None
+        self._dcp_stager: Any = None
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
             self._write_progress(force=True)
 
@@ -186,7 +247,39 @@ class RankRun:
             self._step_time_ema = elapsed if ema is None else 0.8 * ema + 0.2 * elapsed
         self._last_step_at = now
         self._step = step
+        self._check_saves(step)
         self._write_progress()
+
+    def _check_saves(self, step: int) -> None:
+        """At a checkpoint step: a replica (`replicated`, rank > 0) records that rank 0's shard is its own.
+        Just after one: a rank that did not save it stops the run with a reason, the first time, instead of
+        leaving a checkpoint that can never commit (a script that saves on rank 0 only)."""
+        if not self.managed or self.checkpoint_every <= 0 or self._checkpoint_dir is None:
+            return
+        if self.replicated and self.rank != 0:
+            if step % self.checkpoint_every == 0 or step == self._checkpoint_requested():
+                self._write_replica(step)
+            return
+        due = (step - 1) // self.checkpoint_every * self.checkpoint_every
+        if due <= self.start_step or due in self._saved or step - 1 != due:
+            return
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized() or self.world_size < 2:
+            return  # a script with no peers (a stand-in, a single process) may simply not checkpoint
+        message = (f"trainguard: rank {self.rank} passed checkpoint step {due} (checkpoint.every_steps "
+                   f"{self.checkpoint_every}) without run.save({due}, ...): the step can never commit without "
+                   f"its shard. Call run.save on every rank, or tg.init(replicated=True) when every rank holds "
+                   f"rank 0's state (DDP) and only rank 0 saves.")
+        print(message, file=sys.stderr, flush=True)
+        self._write_progress(force=True, error=message)
+        raise SystemExit(EXIT_NO_RETRY)
+
+    def _write_replica(self, step: int) -> None:
+        step_dir = self._checkpoint_dir / f"step-{step:08d}"  # type: ignore[operator]
+        step_dir.mkdir(parents=True, exist_ok=True)
+        self._saved.add(step)
+        _atomic_write_json(step_dir / f"rank-{self.rank:05d}.json",
+                           {"rank": self.rank, "step": step, "size_bytes": 0, "sha256": "", "replica_of": 0})
 
     # ------------------------------------------------------------------------------------ checkpoints
     def should_save(self, step: int) -> bool:
@@ -214,22 +307,94 @@ class RankRun:
         return self._requested_step
 
     def save(self, step: int, state: dict[str, Any]) -> float:
-        """Snapshot `state` into memory and write it in the background. Returns the stall in seconds."""
+        """Snapshot `state` into memory and write it in the background. Returns the stall in seconds.
+
+        State holding DTensors (FSDP2 `fully_shard`, tensor parallel; `get_state_dict(model, optim)`) is
+        written with `torch.distributed.checkpoint` (DCP): a collective, so every rank calls `save` at the
+        same step. Other state is one `torch.save` per rank, unless `init(checkpoint_format="dcp")`. At most
+        one staged copy is held in host memory: a save waits for the previous one to be written."""
         if not self.managed or self._checkpoint_dir is None:
             return 0.0
         started = time.monotonic()
         self._wait_for_writer()
+        self._saved.add(step)
+        if self.replicated and self.rank != 0:
+            self._write_replica(step)  # rank 0's shard is this rank's too
+            return time.monotonic() - started
         self._write_progress(force=True, saving=True)
-        payload = {**_snapshot(state), _HELPER_KEY: {"step": step, "rank": self.rank, "rng": _rng_state()}}
-        self._writer = threading.Thread(
-            target=self._write_shard, args=(step, payload), name=f"trainguard-save-{step}", daemon=True
-        )
-        self._writer.start()
+        if self._format_of(state) == FORMAT_DCP:
+            self._start_dcp_save(step, state)
+        else:
+            payload = {**_snapshot(state), _HELPER_KEY: {"step": step, "rank": self.rank, "rng": _rng_state()}}
+            self._writer = threading.Thread(
+                target=self._write_shard, args=(step, payload), name=f"trainguard-save-{step}", daemon=True
+            )
+            self._writer.start()
         stall = time.monotonic() - started
         self._write_progress(force=True)
         # A save is not a training step: do not let it inflate the next step time.
         self._last_step_at = time.monotonic()
         return stall
+
+    def _format_of(self, state: dict[str, Any]) -> str:
+        if self.checkpoint_format != "auto":
+            return self.checkpoint_format
+        return FORMAT_DCP if _holds_dtensor(state) else FORMAT_TORCH
+
+    def _group(self) -> Any:
+        """A gloo group of every rank for DCP's planning collectives, which run in the writer thread beside
+        training's own (a group of their own, so the two never interleave; CPU, as DCP's async save needs).
+        Its timeout bounds a save whose peer died while it was being planned: the writer fails within it, the
+        training thread waits on it only at its next save, and the agent has relaunched the attempt long before."""
+        import torch.distributed as dist
+
+        if self._dcp_group is None:
+            self._dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DCP_GROUP_TIMEOUT_S))
+        return self._dcp_group
+
+    def _start_dcp_save(self, step: int, state: dict[str, Any]) -> None:
+        import pickle
+
+        import torch.distributed.checkpoint as dcp
+
+        assert self._checkpoint_dir is not None
+        step_dir = self._checkpoint_dir / f"step-{step:08d}"
+        (step_dir / DCP_DIR).mkdir(parents=True, exist_ok=True)
+        helper = pickle.dumps({"step": step, "rank": self.rank, "rng": _rng_state()})
+        writer = dcp.FileSystemWriter(str(step_dir / DCP_DIR), single_file_per_rank=True, sync_files=True,
+                                      thread_count=1)
+        if self._dcp_stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # One stager for the rank's life: it keeps its CPU copy of each tensor and copies into it again at
+            # the next save, so the host holds one staged copy (the bound) and later saves allocate nothing.
+            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+        # async_save stages the CPU copy here (the stall), then plans and writes in a thread of its own.
+        future = dcp.async_save({**state, _helper_key(self.rank): helper}, storage_writer=writer,
+                                process_group=self._group(), async_stager=self._dcp_stager)
+        self._writer = threading.Thread(target=self._finish_dcp_save, args=(step, step_dir, future),
+                                        name=f"trainguard-save-{step}", daemon=True)
+        self._writer.start()
+
+    def _finish_dcp_save(self, step: int, step_dir: Path, future: Any) -> None:
+        """Wait for DCP's write, then checksum this rank's files (rank 0's include `.metadata`) and write
+        the meta file the agent uploads from."""
+        try:
+            future.result()
+            names = sorted(p.name for p in (step_dir / DCP_DIR).glob(f"__{self.rank}_*.distcp"))
+            if self.rank == 0:
+                names.append(Path(DCP_METADATA).name)
+            files = []
+            for name in names:
+                path = step_dir / DCP_DIR / name
+                files.append({"name": f"{DCP_DIR}/{name}", "size_bytes": path.stat().st_size,
+                              "sha256": sha256_file(path)})
+            meta = {"rank": self.rank, "step": step, "format": FORMAT_DCP, "files": files,
+                    "size_bytes": sum(f["size_bytes"] for f in files), "sha256": files_digest(files)}
+            _atomic_write_json(step_dir / f"rank-{self.rank:05d}.json", meta)
+        except BaseException as error:  # surfaced on the next save or at finish
+            self._writer_error = error
 
     def _write_shard(self, step: int, payload: dict[str, Any]) -> None:
         import torch
@@ -260,8 +425,12 @@ class RankRun:
             error, self._writer_error = self._writer_error, None
             raise RuntimeError(f"trainguard: writing a checkpoint shard failed: {error}") from error
 
-    def restore(self) -> dict[str, Any] | None:
+    def restore(self, state: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """The restored checkpoint's state for this rank (checksum verified), or None for a fresh start.
+
+        A DCP checkpoint loads into `state`, the caller's state dict (`get_state_dict(model, optim)` for
+        FSDP2), in place and resharded to this run's world size, and returns it: a collective, so call it on
+        every rank. A `torch.save` checkpoint returns the rank's dict (rank r: shard r mod its world size).
 
         A rank restarted in process (`joining`) gets the state a live peer holds instead, and `start_step`
         becomes that peer's step. Call it after `init_process_group`, before wrapping the model in DDP: the
@@ -272,16 +441,41 @@ class RankRun:
             return state
         if self._restore_dir is None:
             return None
+        if (self._restore_dir / DCP_METADATA).exists():
+            return self._restore_dcp(state)
         import torch
 
         shard = self._restore_dir / f"rank-{self.rank:05d}.pt"
         meta = json.loads((self._restore_dir / f"rank-{self.rank:05d}.json").read_text())
         if sha256_file(shard) != meta["sha256"]:
             raise RuntimeError(f"trainguard: restored shard {shard} does not match its checksum")
-        state = torch.load(shard, map_location="cpu", weights_only=False)
-        helper = state.pop(_HELPER_KEY, None)
+        loaded = torch.load(shard, map_location="cpu", weights_only=False)
+        helper = loaded.pop(_HELPER_KEY, None)
         if helper is not None:
             _set_rng_state(helper["rng"])
+        return loaded
+
+    def _restore_dcp(self, state: dict[str, Any] | None) -> dict[str, Any]:
+        """Load a DCP checkpoint into `state`. The node agent verified every file against the manifest's
+        sha256 before the rank started."""
+        import pickle
+
+        import torch.distributed.checkpoint as dcp
+
+        assert self._restore_dir is not None
+        if state is None:
+            raise RuntimeError("trainguard: the restored checkpoint is a torch.distributed.checkpoint: pass the "
+                               "state dict to load into, run.restore({'model': ..., 'optim': ...}) "
+                               "(get_state_dict(model, optim) for FSDP)")
+        reader = dcp.FileSystemReader(str(self._restore_dir / DCP_DIR))
+        key = _helper_key(self.rank)
+        # A rank the checkpoint's world did not have (the run grew) has no RNG of its own there.
+        has_helper = key in reader.read_metadata().state_dict_metadata
+        target = {**state, key: b""} if has_helper else dict(state)
+        dcp.load(target, storage_reader=reader)
+        if has_helper:
+            _set_rng_state(pickle.loads(target.pop(key))["rng"])  # noqa: S301 - written by this rank's helper
+        state.update({k: v for k, v in target.items() if k in state})
         return state
 
     # ------------------------------------------------------------------------------ in-process restart
@@ -352,6 +546,9 @@ class RankRun:
     def finish(self, digest: str | None = None) -> None:
         """Wait for pending checkpoint writes and report the rank finished (with the model digest)."""
         self._wait_for_writer()
+        if self._dcp_stager is not None:
+            self._dcp_stager.close()  # frees the staged copy
+            self._dcp_stager = None
         mean = self._sum_step_s / self._num_timed_steps if self._num_timed_steps else None
         self._write_progress(force=True, finished=True, digest=digest, mean_step_s=mean)
 
@@ -377,6 +574,10 @@ def standby(poll_s: float = 0.02) -> None:
     del os.environ["TRAINGUARD_STANDBY_FILE"]
 
 
-def init() -> RankRun:
-    """This rank's handle on the run, from the environment the node agent set."""
-    return RankRun()
+def init(*, replicated: bool = False, checkpoint_format: str = "auto") -> RankRun:
+    """This rank's handle on the run, from the environment the node agent set.
+
+    `replicated=True`: every rank holds the same state (DDP), so rank 0 alone writes the checkpoint's one
+    shard and every rank restores from it; a script that saves on rank 0 only needs it. `checkpoint_format`:
+    `auto` (DCP for state holding DTensors, else `torch.save` per rank), `torch` or `dcp`."""
+    return RankRun(replicated=replicated, checkpoint_format=checkpoint_format)

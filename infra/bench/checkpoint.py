@@ -100,6 +100,10 @@ class StallSamples:
     idle_step_s: list[float] = field(default_factory=list)
     shard: Path | None = None
     shard_meta: dict[str, Any] = field(default_factory=dict)
+    dcp_s: list[float] = field(default_factory=list)
+    """`RankRun.save` of the same state in DCP (`checkpoint_format="dcp"`, a one-rank gloo group)."""
+    dcp_write_s: list[float] = field(default_factory=list)
+    """DCP's background plan and write, hashing and meta file, after `save` returned."""
 
 
 @dataclass(slots=True)
@@ -263,15 +267,40 @@ def measure_stall(state: dict[str, Any], work: Path, repeats: int) -> StallSampl
     def floor(_index: int) -> None:
         samples.floor_s.append(_floor_copy(state))
 
-    kinds: list[Callable[[int], None]] = [floor, async_save, sync_save]
+    dcp_run = RankRun(environ={**environ, "TRAINGUARD_CHECKPOINT_DIR": str(work / "dcp-checkpoints")},
+                      checkpoint_format="dcp")
+    _one_rank_group(work)
+    dcp_run.save(0, state)  # untimed: the group, DCP's first plan
+    dcp_run._wait_for_writer()
+
+    def dcp_save(index: int) -> None:
+        started = time.perf_counter()
+        dcp_run.save(index + 1, state)
+        samples.dcp_s.append(time.perf_counter() - started)
+        dcp_run._wait_for_writer()
+        samples.dcp_write_s.append(time.perf_counter() - started - samples.dcp_s[-1])
+        shutil.rmtree(work / "dcp-checkpoints" / f"step-{index + 1:08d}")
+
+    kinds: list[Callable[[int], None]] = [floor, async_save, sync_save, dcp_save]
     for index in range(repeats):
         for offset in range(len(kinds)):
             kind = kinds[(index + offset) % len(kinds)]
             kind(index)
-        log.info("stall repeat %d/%d: copy %.3fs, async %.3fs, sync %.3fs", index + 1, repeats,
-                 samples.floor_s[-1], samples.async_s[-1], samples.sync_s[-1])
+        log.info("stall repeat %d/%d: copy %.3fs, async %.3fs, sync %.3fs, dcp %.3fs", index + 1, repeats,
+                 samples.floor_s[-1], samples.async_s[-1], samples.sync_s[-1], samples.dcp_s[-1])
     run.finish()
+    dcp_run.finish()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
     return samples
+
+
+def _one_rank_group(work: Path) -> None:
+    """DCP's collectives need a process group: this process alone, on gloo, through a file store."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{work / 'pg-store'}", rank=0, world_size=1)
 
 
 # ------------------------------------------------------------------------------------ part 2: transfer
@@ -440,6 +469,15 @@ def stall_figures(s: StallSamples, size_mib: int) -> list[Figure]:
                "time RankRun.save blocks the caller"),
         Figure("stall vs synchronous save", "s", stall, sync, None, stall / sync, "baseline", "", None,
                {"trainguard": s.async_s, "baseline": s.sync_s}),
+        Figure(f"DCP checkpoint stall, {size_mib} MiB", "s", _median(s.dcp_s), stall, floor,
+               _median(s.dcp_s) / floor, "floor", f"<= {STALL_TARGET}x floor",
+               _median(s.dcp_s) / floor <= STALL_TARGET, {"trainguard": s.dcp_s, "baseline": s.async_s,
+                                                          "floor": s.floor_s},
+               "RankRun.save in DCP (async_save: staged CPU copy, then plan and write in a thread); "
+               "baseline: the torch.save format's stall"),
+        Figure("DCP background write (overlapped)", "s", _median(s.dcp_write_s), _median(s.write_s), None, None,
+               "", "", None, {"trainguard": s.dcp_write_s, "baseline": s.write_s},
+               "DCP plan + write + fsync + sha256 of every file + meta file; baseline: torch.save format's"),
         Figure("background write (overlapped)", "s", _median(s.write_s), None, None, None, "", "", None,
                {"trainguard": s.write_s},
                "torch.save + fsync + sha256 + meta file, from save() returning, while training steps run"),

@@ -237,3 +237,88 @@ class ManifestStore:
 def test_committed_shard(body: bytes | None, rank: int, sha: str | None) -> None:
     shard = committed_shard(ManifestStore(body), "b", f"{RUN}/step-00000100/manifest.json", rank)
     assert (shard.sha256 if shard else None) == sha
+
+
+# ------------------------------------------------------------------------ DCP shards and replicas
+
+
+def _dcp_manifest(world_size: int = 2, step: int = 100) -> Manifest:
+    from activities.models import ShardFile
+    from trainguard.rank import files_digest
+
+    shards = []
+    for r in range(world_size):
+        files = [ShardFile(name=f"dcp/__{r}_0.distcp", size_bytes=10, sha256=f"{r:02d}" * 32)]
+        if r == 0:
+            files.append(ShardFile(name="dcp/.metadata", size_bytes=5, sha256="ee" * 32))
+        shards.append(ShardInfo(rank=r, key=f"{RUN}/step-{step:08d}/dcp/", files=files, node=f"node-{r}",
+                                size_bytes=sum(f.size_bytes for f in files),
+                                sha256=files_digest([f.model_dump() for f in files])))
+    return Manifest(workflow_id="wf-1", step=step, world_size=world_size, attempt=1, shards=shards,
+                    state_format="dcp")
+
+
+def _with_files(manifest: Manifest, rank: int, names: list[str]) -> Manifest:
+    from activities.models import ShardFile
+
+    shards = [s.model_copy(update={"files": [ShardFile(name=n, size_bytes=1, sha256="aa" * 32) for n in names]})
+              if s.rank == rank else s for s in manifest.shards]
+    return manifest.model_copy(update={"shards": shards})
+
+
+@pytest.mark.parametrize(
+    ("manifest", "problem"),
+    [
+        pytest.param(_dcp_manifest(), None, id="whole"),
+        pytest.param(_with_files(_dcp_manifest(), 0, ["dcp/__0_0.distcp"]), "needs one dcp/.metadata",
+                     id="no-metadata"),
+        pytest.param(_with_files(_dcp_manifest(), 1, ["dcp/__1_0.distcp", "dcp/.metadata"]),
+                     "names 2", id="two-metadata"),
+        pytest.param(_with_files(_dcp_manifest(), 1, ["../../other-run/x.distcp"]), "outside the DCP layout",
+                     id="a-file-outside-its-folder"),
+        pytest.param(_dcp_manifest().model_copy(update={"state_format": "torch"}), "its shards another",
+                     id="format-that-lies"),
+        pytest.param(_manifest().model_copy(update={"state_format": "zarr"}), "not one this release reads",
+                     id="unknown-state-format"),
+        pytest.param(_manifest().model_copy(update={"shards": [
+            _manifest().shards[0], ShardInfo(rank=1, size_bytes=0, sha256="", replica_of=0)]}), None,
+            id="a-replica-of-rank-0"),
+        pytest.param(_manifest().model_copy(update={"shards": [
+            _manifest().shards[0], ShardInfo(rank=1, size_bytes=0, sha256="", replica_of=1)]}),
+            "replicates rank 1, which wrote none", id="a-replica-of-nothing"),
+    ],
+)
+def test_manifest_problem_of_dcp_and_replicated_checkpoints(manifest: Manifest, problem: str | None) -> None:
+    found = manifest_problem(manifest, RUN, 100)
+    assert found == problem if problem is None else problem in (found or "")
+
+
+def test_a_dcp_checkpoint_restores_from_every_shard_a_replica_from_its_original() -> None:
+    from activities.checkpoints import restore_sources
+
+    dcp = _dcp_manifest(world_size=2)
+    assert sorted(restore_sources(dcp, [0]).keys()) == [0, 1], "one rank after a shrink reads both shards"
+    replicated = _manifest().model_copy(update={"shards": [
+        _manifest().shards[0], ShardInfo(rank=1, size_bytes=0, sha256="", replica_of=0)]})
+    assert {r: s.rank for r, s in restore_sources(replicated, [0, 1, 2, 3]).items()} == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert {r: s.rank for r, s in restore_sources(_manifest(), [0, 1, 2]).items()} == {0: 0, 1: 1, 2: 0}
+
+
+def test_a_dcp_shard_is_its_files_in_the_store_and_a_replica_is_none() -> None:
+    from activities.checkpoints import shard_from_meta, shard_objects
+
+    shard = _dcp_manifest().shards[0]
+    meta = {"rank": 0, "format": "dcp", "sha256": shard.sha256,
+            "files": [f.model_dump() for f in shard.files or []]}
+    assert shard_from_meta(meta, f"{RUN}/step-00000100/", "node-0") == shard
+    assert [(name, obj.key) for name, obj in shard_objects(shard)] == [
+        ("dcp/__0_0.distcp", f"{RUN}/step-00000100/dcp/__0_0.distcp"),
+        ("dcp/.metadata", f"{RUN}/step-00000100/dcp/.metadata")]
+    assert shard_objects(ShardInfo(rank=3, size_bytes=0, sha256="", replica_of=0)) == []
+    with pytest.raises(Exception, match="does not add up"):
+        shard_from_meta({**meta, "sha256": "00" * 32}, f"{RUN}/step-00000100/", "node-0")
+
+
+def test_step_of_any_object_of_a_step() -> None:
+    assert step_of(f"{RUN}/step-00000100/dcp/__1_0.distcp") == 100
+    assert step_of(f"{RUN}/step-00000100/dcp/") == 100

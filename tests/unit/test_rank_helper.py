@@ -350,3 +350,94 @@ def test_state_digest_of_a_module_matches_its_state_dict() -> None:
 
 def test_no_retry_exit_code_is_ex_config() -> None:
     assert EXIT_NO_RETRY == 78
+
+
+# ------------------------------------------------------------------------ DCP, replicas, digests
+
+
+@pytest.fixture
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo group of this process alone: what DCP's collectives need, with no peer to wait for."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_dcp_save_hashes_every_file_and_restores_in_place(tmp_path: Path, one_process_group: None) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    env = {**_environ(tmp_path, rank=0), "WORLD_SIZE": "1"}
+    run = RankRun(env, checkpoint_format="dcp")
+    weights = torch.arange(6.0)
+    run.save(10, {"model": {"w": weights}})
+    weights.add_(100.0)  # training goes on: the checkpoint holds the value at the save
+    run.finish()
+
+    step_dir = _step_dir(tmp_path, 10)
+    meta = json.loads((step_dir / "rank-00000.json").read_text())
+    assert meta["format"] == "dcp"
+    assert sorted(f["name"] for f in meta["files"]) == ["dcp/.metadata", "dcp/__0_0.distcp"]
+    for entry in meta["files"]:
+        assert entry["sha256"] == hashlib.sha256((step_dir / entry["name"]).read_bytes()).hexdigest()
+    assert meta["sha256"] == rank_module.files_digest(meta["files"])
+
+    restored = RankRun({**env, "TRAINGUARD_RESTORE_DIR": str(step_dir), "TRAINGUARD_RESTORE_STEP": "10"})
+    into = {"model": {"w": torch.zeros(6)}}
+    assert restored.restore(into) is into
+    assert torch.equal(into["model"]["w"], torch.arange(6.0))
+    with pytest.raises(RuntimeError, match="pass the state dict to load into"):
+        restored.restore()
+    dcp_to_torch_save(step_dir / "dcp", tmp_path / "plain.pt")  # plain PyTorch reads it, no trainguard
+    assert torch.equal(torch.load(tmp_path / "plain.pt")["model"]["w"], torch.arange(6.0))
+
+
+def test_a_replica_records_rank_0s_shard_at_each_checkpoint_step_and_writes_none(tmp_path: Path) -> None:
+    run = RankRun(_environ(tmp_path, rank=2, every=10), replicated=True)
+    for step in range(1, 21):
+        run.step_done(step)  # a script that saves on rank 0 only: this rank never calls save
+    for step in (10, 20):
+        meta = json.loads((_step_dir(tmp_path, step) / "rank-00002.json").read_text())
+        assert meta == {"rank": 2, "step": step, "size_bytes": 0, "sha256": "", "replica_of": 0}
+        assert sorted(p.name for p in _step_dir(tmp_path, step).iterdir()) == ["rank-00002.json"]
+
+
+def test_a_rank_that_skips_a_checkpoint_step_stops_the_run_naming_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    env = _environ(tmp_path, rank=1, every=10)
+    run = RankRun(env)
+    for step in range(1, 11):
+        run.step_done(step)
+    with pytest.raises(SystemExit) as stopped:
+        run.step_done(11)
+    assert stopped.value.code == EXIT_NO_RETRY
+    assert "rank 1 passed checkpoint step 10" in capsys.readouterr().err
+    assert "replicated=True" in _progress(env)["error"]
+
+
+def test_a_rank_without_peers_may_skip_checkpoints(tmp_path: Path) -> None:
+    run = RankRun(_environ(tmp_path, rank=1, every=10))  # no process group: a stand-in, a single process
+    for step in range(1, 31):
+        run.step_done(step)
+
+
+def test_state_digest_reports_a_failure_instead_of_raising() -> None:
+    class Broken:
+        def state_dict(self) -> dict[str, Any]:
+            raise RuntimeError(".numpy() is not supported for tensor subclasses")
+
+    assert state_digest(Broken()).startswith("unavailable: RuntimeError: .numpy() is not supported")
+
+
+def test_state_digest_ignores_a_ddp_wrappers_prefix() -> None:
+    weights = {"layer.weight": torch.arange(4.0)}
+    assert state_digest({f"module.{k}": v for k, v in weights.items()}) == state_digest(weights)
+
+
+def test_an_unknown_checkpoint_format_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="checkpoint_format 'zip'"):
+        RankRun(_environ(tmp_path), checkpoint_format="zip")
