@@ -23,6 +23,7 @@ from activities.checkpoints import NodeCheckpointActivities
 from activities.health import HealthActivities, NodeHealth
 from activities.nodes import peer_urls, register_node
 from activities.peers import PEER_TOKEN_ENV, ShardServer, peer_token
+from activities.evidence import EvidenceActivities
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
@@ -47,6 +48,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
                            allowed_env=allowed_env, uploader=checkpoints.upload_step)
     health = HealthActivities(node, host, node_health)
+    evidence = EvidenceActivities(ranks)
     worker = Worker(
         client,
         task_queue=node_task_queue(node),
@@ -60,6 +62,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
             checkpoints.upload_shards,
             checkpoints.download_shards,
             health.check_node,
+            evidence.collect_evidence,
         ],
         max_concurrent_activities=64,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
