@@ -84,6 +84,8 @@ class Incident(BaseModel):
     """For a hang: why `rank` is the culprit, one or two lines: its innermost frames, and where its peers
     wait. Its full stacks and every rank's are stored with the run (`<prefix>/<run>/incidents/<attempt>/`),
     and `trainguard run report` prints them."""
+    evidence_key: str | None = None
+    """For a hang: `s3://bucket/<prefix>/<run>/incidents/<attempt>/`, where every rank's full stacks are."""
     attribution_s: float | None = None
     """For a hang: seconds from detection until the culprit was named from every rank's evidence."""
     recovery_path: str | None = None

@@ -24,6 +24,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import (
         CheckNodeInput,
         CheckNodeResult,
+        CollectEvidenceInput,
+        CollectEvidenceResult,
         CommitCheckpointsInput,
         CommitCheckpointsResult,
         DownloadShardsInput,
@@ -66,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
+    from workflows.culprit import pick_culprit
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
     from workflows.node_group import (
         NODE_CALL_RETRY,
@@ -96,6 +99,9 @@ PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
 """Histories before this patch relaunched onto a node that had not answered the stop of its ranks."""
 PATCH_IN_PROCESS = "in-process-restart"
 """Histories before this patch relaunched every rank after a crash whatever `restarts.in_process` said."""
+PATCH_HANG_EVIDENCE = "hang-evidence"
+"""Histories before this patch named the rank a watch found silent longest as a hang's culprit, and asked no
+node for evidence; their watches kept the collective-wait grace."""
 PATCH_ABANDON_COMMITTER = "abandon-committer"
 """Histories before this patch cancelled a committer they no longer needed (a cancel request in history)."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
@@ -803,6 +809,7 @@ class TrainingRun:
             workflow_id=wid, attempt=attempt, node="", health=spec.health,
             # Steps up to the newest commit need no upload again (after continue-as-new too).
             reported_step=max(self._status.resumed_step, self._last_committed_step),
+            evidence=workflow.patched(PATCH_HANG_EVIDENCE),
             max_duration_s=WATCH_MAX_DURATION_S,
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
@@ -1009,6 +1016,8 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------- recover
     async def _recover(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
         self._set_phase(Phase.RECOVERING)
+        if incident.kind is IncidentKind.HANG and workflow.patched(PATCH_HANG_EVIDENCE):
+            await self._attribute_hang(spec, attempt, incident)
         now = workflow.now().timestamp()
         decision: Decision = decide(
             incident.kind, incident.node, spec, self._status.nodes, self._spares,
@@ -1062,6 +1071,31 @@ class TrainingRun:
         self._restart_times.append(now)
         self._restarts_without_checkpoint += 1
         self._set_phase(Phase.RESTORING)
+
+    async def _attribute_hang(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
+        """Before anything is stopped: every node's evidence (its ranks' stacks and collective positions),
+        and the culprit it names (`workflows.culprit`). The full stacks go to the store with the run."""
+        wid = workflow.info().workflow_id
+        outcomes = await self._fan_out(
+            NodeCallKind.COLLECT_EVIDENCE,
+            [(n, CollectEvidenceInput(workflow_id=wid, attempt=attempt, node=n, bucket=spec.checkpoint.bucket,
+                                      run_prefix=self._run_prefix(spec))) for n in self._status.nodes],
+            f"collect hang evidence on {{node}} (attempt {attempt})")
+        evidence = [item for o in outcomes if o.result is not None
+                    for item in CollectEvidenceResult.model_validate(o.result).ranks]
+        culprit = pick_culprit(evidence, incident.rank, incident.node)
+        if culprit.rank != incident.rank and culprit.rank is not None:
+            incident.detail = (f"rank {culprit.rank} hung ({culprit.rule}); the watch first saw rank "
+                               f"{incident.rank} silent: {incident.detail}")
+        incident.rank, incident.node = culprit.rank, culprit.node
+        incident.evidence = culprit.evidence
+        if any(item.stacks_key for item in evidence):
+            incident.evidence_key = f"s3://{spec.checkpoint.bucket}/{self._run_prefix(spec)}/incidents/{attempt}/"
+        incident.attribution_s = round(max(0.0, workflow.now().timestamp() - incident.detected_at), 3)
+        injected = [at for (fault, node), at in self._injected_at.items()
+                    if node == culprit.node and fault.startswith("hang")]
+        if injected:
+            incident.detection_s = round(max(0.0, incident.detected_at - max(injected)), 3)
 
     def _record_incident(self, incident: Incident) -> None:
         if incident not in self._status.incidents:
