@@ -651,7 +651,7 @@ class RankActivities:
                                    type="ChaosDisabled", non_retryable=True)
         now = time.time()
         if request.fault == "gpu":
-            self.health.inject("XID 79: GPU has fallen off the bus (injected by trainguard chaos)", now)
+            self.health.inject("GPU has fallen off the bus (injected by trainguard chaos)", now)
             return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
         if request.fault == "corrupt":
             if not request.bucket or not request.manifest_key:

@@ -44,6 +44,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
                  peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> tuple[Worker, RankActivities]:
     node_health = NodeHealth()
+    node_health.xid.start()  # XID events as they happen; without NVML it starts nothing
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
                            allowed_env=allowed_env, uploader=checkpoints.upload_step)
