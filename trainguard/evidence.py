@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,12 +134,14 @@ def write_atomic(path: Path, text: str) -> None:
 
 def flight_recorder_position() -> tuple[int | None, int | None, str, str]:
     """(enqueued, completed, newest collective's name, source) from torch's Flight Recorder, in this process."""
+    if os.environ.get(FR_BUFFER_ENV) in (None, "", "0"):
+        return None, None, "", f"Flight Recorder off ({FR_BUFFER_ENV} unset)"
+    if "torch" not in sys.modules:
+        return None, None, "", "no torch in this rank"
     try:
         import torch._C._distributed_c10d as c10d
     except ImportError:
         return None, None, "", "no torch.distributed"
-    if os.environ.get(FR_BUFFER_ENV) in (None, "", "0"):
-        return None, None, "", f"Flight Recorder off ({FR_BUFFER_ENV} unset)"
     dump = getattr(c10d, "_dump_fr_trace_json", None)
     if dump is None:
         return None, None, "", "this torch has no Flight Recorder dump"

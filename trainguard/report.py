@@ -533,11 +533,12 @@ def render_stacks(hangs: Sequence[tuple[int, Incident]], read: Any) -> str:
     return "\n".join(lines)
 
 
-def read_store_texts(url: str) -> list[tuple[str, str]]:
+def read_store_texts(url: str, client: Any = None) -> list[tuple[str, str]]:
+    """Every object under an `s3://bucket/prefix/` URL, as text (the store's client from the environment)."""
     from trainguard.settings import s3_client
 
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
-    client = s3_client()
+    client = client or s3_client()
     keys = sorted(o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
                   for o in page.get("Contents", []))
     return [(key, client.get_object(Bucket=bucket, Key=key)["Body"].read().decode(errors="replace")) for key in keys]

@@ -916,6 +916,8 @@ class TrainingRun:
                     info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
                 committer = self._committer(spec, attempt)
 
+        if incident is not None and incident.kind is IncidentKind.HANG and workflow.patched(PATCH_HANG_EVIDENCE):
+            await self._attribute_hang(spec, attempt, incident)  # first: the ranks are still where they hung
         control.cancel()
         committer.cancel()
         await asyncio.gather(committer, control, return_exceptions=True)  # a cancel is not waited on
@@ -1016,8 +1018,6 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------- recover
     async def _recover(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
         self._set_phase(Phase.RECOVERING)
-        if incident.kind is IncidentKind.HANG and workflow.patched(PATCH_HANG_EVIDENCE):
-            await self._attribute_hang(spec, attempt, incident)
         now = workflow.now().timestamp()
         decision: Decision = decide(
             incident.kind, incident.node, spec, self._status.nodes, self._spares,

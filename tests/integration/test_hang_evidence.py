@@ -20,7 +20,7 @@ async def test_python_hang_on_node_1_names_its_rank_with_evidence_and_stores_its
 ) -> None:
     # The quickstart's shape: 2 nodes x 2 ranks, default hang bounds. Rank 3 is node-1's second rank: the
     # watch cannot tell it from its blocked peers by progress or by process state (all sleep).
-    spec = make_spec(prefix, steps=60, every=20, ranks_per_node=2, health={})
+    spec = make_spec(prefix, steps=200, every=20, ranks_per_node=2, health={})
     rid = await client.start_run(spec, workflow_id=f"it-hangev-{uuid.uuid4().hex[:6]}")
     await wait_until(client, rid, lambda v: checkpointed(v, min_step=22))
     fault = await client.inject_fault(rid, fault_name("python"), "node-1", rank=3)
@@ -34,9 +34,13 @@ async def test_python_hang_on_node_1_names_its_rank_with_evidence_and_stores_its
     assert hang.attribution_s is not None and hang.detection_s is not None and hang.detection_s < 10
     assert hang.evidence_key and hang.evidence_key.endswith(f"/incidents/{hang.attempt}/")
 
+    print(hang)
+    s3 = stack.s3()
+
     async def stacks() -> dict[str, str]:
+        found: dict[str, str] = {}
         for _ in range(50):  # uploaded beside the recovery: give it a moment
-            found = dict(await asyncio.to_thread(read_store_texts, hang.evidence_key))
+            found = dict(await asyncio.to_thread(read_store_texts, hang.evidence_key, s3))
             if len(found) == 4:
                 return found
             await asyncio.sleep(0.2)
