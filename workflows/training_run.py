@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         InjectFaultResult,
         LaunchRanksInput,
         LaunchRanksResult,
+        RankEvidence,
         RejoinRanksInput,
         RejoinRanksResult,
         RequestCheckpointInput,
@@ -71,7 +72,10 @@ with workflow.unsafe.imports_passed_through():
     from workflows.culprit import pick_culprit
     from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase
     from workflows.node_group import (
+        EVIDENCE_RETRY,
+        EVIDENCE_TIMEOUT,
         NODE_CALL_RETRY,
+        NODES_PER_GROUP,
         NODE_SCHEDULE_TO_START,
         STOP_TIMEOUT,
         TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
@@ -1076,13 +1080,24 @@ class TrainingRun:
         """Before anything is stopped: every node's evidence (its ranks' stacks and collective positions),
         and the culprit it names (`workflows.culprit`). The full stacks go to the store with the run."""
         wid = workflow.info().workflow_id
-        outcomes = await self._fan_out(
-            NodeCallKind.COLLECT_EVIDENCE,
-            [(n, CollectEvidenceInput(workflow_id=wid, attempt=attempt, node=n, bucket=spec.checkpoint.bucket,
-                                      run_prefix=self._run_prefix(spec))) for n in self._status.nodes],
-            f"collect hang evidence on {{node}} (attempt {attempt})")
-        evidence = [item for o in outcomes if o.result is not None
-                    for item in CollectEvidenceResult.model_validate(o.result).ranks]
+        calls = [(n, CollectEvidenceInput(workflow_id=wid, attempt=attempt, node=n, bucket=spec.checkpoint.bucket,
+                                          run_prefix=self._run_prefix(spec))) for n in self._status.nodes]
+        summary = f"collect hang evidence on {{node}} (attempt {attempt})"
+        evidence: list[RankEvidence] = []
+        if len(calls) <= NODES_PER_GROUP:
+            # One group's worth of activities from the run itself: the recovery waits on this, and a child
+            # workflow's start and end cost it two more workflow tasks.
+            answers = await asyncio.gather(*(workflow.execute_activity(
+                "collect_evidence", request, task_queue=node_task_queue(node),
+                start_to_close_timeout=EVIDENCE_TIMEOUT, schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+                retry_policy=EVIDENCE_RETRY, result_type=CollectEvidenceResult,
+                summary=summary.replace("{node}", node)) for node, request in calls), return_exceptions=True)
+            evidence = [item for answer in answers if isinstance(answer, CollectEvidenceResult)
+                        for item in answer.ranks]
+        else:
+            outcomes = await self._fan_out(NodeCallKind.COLLECT_EVIDENCE, calls, summary)
+            evidence = [item for o in outcomes if o.result is not None
+                        for item in CollectEvidenceResult.model_validate(o.result).ranks]
         culprit = pick_culprit(evidence, incident.rank, incident.node)
         if culprit.rank != incident.rank and culprit.rank is not None:
             incident.detail = (f"rank {culprit.rank} hung ({culprit.rule}); the watch first saw rank "
