@@ -92,3 +92,28 @@ def test_without_the_collective_grace_a_sleeping_rank_is_hung_at_its_bound() -> 
     reports = {0: RankReport(rank=0, step=10, time=100.0, step_time_s=0.1)}
     assert find_hung_rank(reports, {0}, 0, 0.0, 102.5, health, {0: "S"}) is None  # grace: 3 s
     assert find_hung_rank(reports, {0}, 0, 0.0, 102.5, health, {0: "S"}, grace_s=0.0) == (0, 2.5)
+
+
+def test_run_report_prints_each_hangs_evidence_and_every_ranks_stored_stacks() -> None:
+    from trainguard.models import Incident, IncidentKind
+    from trainguard.report import render_stacks
+
+    hang = Incident(kind=IncidentKind.HANG, node="node-1", rank=3, attempt=2,
+                    evidence="rank 3 is not inside a collective\n3 of 3 peers wait inside gloo:all_reduce #9",
+                    evidence_key="s3://trainguard/runs/r/incidents/2/")
+    asked: list[str] = []
+
+    def read(url: str) -> list[tuple[str, str]]:
+        asked.append(url)
+        return [("runs/r/incidents/2/rank-00003.txt", "rank 3 on node-1\n  File \"train.py\", line 9 in main\n")]
+
+    text = render_stacks([(4, hang)], read)
+    assert asked == ["s3://trainguard/runs/r/incidents/2/"]
+    assert "incident 4: hang, culprit rank 3 on node-1" in text
+    assert "  3 of 3 peers wait inside gloo:all_reduce #9" in text
+    assert "--- runs/r/incidents/2/rank-00003.txt" in text and 'line 9 in main' in text
+
+    def down(url: str) -> list[tuple[str, str]]:
+        raise OSError("store unreachable")
+
+    assert "stacks not readable: store unreachable" in render_stacks([(1, hang)], down)
