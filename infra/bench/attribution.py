@@ -54,6 +54,13 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))], 3)
 
 
+def trained(view: Any, steps: int) -> bool:
+    """Every rank of the current attempt has reported `steps` steps past its restore (a rank hung before its
+    first step would be judged by the start-up grace, minutes)."""
+    found = [s for s in view.rank_steps.values() if s is not None]
+    return len(found) == len(NODES) * RANKS_PER_NODE and min(found) > view.status.resumed_step + steps
+
+
 async def _wait(client: Any, rid: str, predicate: Any, timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -61,7 +68,9 @@ async def _wait(client: Any, rid: str, predicate: Any, timeout_s: float) -> Any:
         if predicate(view):
             return view
         await asyncio.sleep(0.2)
-    raise TimeoutError(f"{rid}: condition not met in {timeout_s:.0f} s")
+    raise TimeoutError(f"{rid}: condition not met in {timeout_s:.0f} s: phase {view.status.phase.value}, attempt "
+                       f"{view.status.attempt}, steps {view.rank_steps}, {len(view.status.incidents)} incidents, "
+                       f"reason {view.status.reason!r}")
 
 
 async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say: Any) -> dict[str, Any]:
@@ -74,8 +83,7 @@ async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say:
     try:
         for trial in range(trials):
             # Train a few steps of this attempt first: hang bounds are learned from step times.
-            view = await _wait(client, rid, lambda v: v.status.phase is Phase.RUNNING
-                               and v.live_step > v.status.resumed_step + 10, TRIAL_TIMEOUT_S)
+            view = await _wait(client, rid, lambda v: v.status.phase is Phase.RUNNING and trained(v, 10), TRIAL_TIMEOUT_S)
             seen = len(view.status.incidents)
             rank = rng.randrange(len(NODES) * RANKS_PER_NODE)
             node = NODES[rank // RANKS_PER_NODE]
