@@ -33,7 +33,9 @@ DEFAULT_JSON = BENCH_DIR / "attribution.json"
 MODES = ("stop", "python", "skip-collective", "io")
 NODES = ("node-0", "node-1")
 RANKS_PER_NODE = 2
-PORT_SEARCH_START = 29300
+PORT_SEARCH_START = 21500
+"""Below the kernel's ephemeral range (32768+), even with a checkout's TRAINGUARD_PORT_SEARCH_OFFSET: a port a client
+connection holds there looks free to the search but cannot be bound."""
 TRIAL_TIMEOUT_S = 120.0
 
 
@@ -52,6 +54,19 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))], 3)
+
+
+async def _closed(client: Any, rid: str, say: Any, timeout_s: float = 180.0) -> None:
+    """Wait for a cancelled run to end: it gives its nodes back to the pool on the way out, and the next
+    mode's run leases the same nodes."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        description = await client.handle(rid).describe()
+        if description.status is not None and description.status.name != "RUNNING":
+            say(f"  {rid} ended ({description.status.name}) {time.monotonic() - began:.1f} s after its cancel")
+            return
+        await asyncio.sleep(0.5)
+    say(f"  {rid} still running {timeout_s:.0f} s after its cancel")
 
 
 def trained(view: Any, steps: int) -> bool:
@@ -103,6 +118,7 @@ async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say:
             await _wait(client, rid, lambda v, a=incident.attempt: v.status.attempt > a, TRIAL_TIMEOUT_S)
     finally:
         await client.cancel(rid)
+        await _closed(client, rid, say)
     return {"mode": mode, "trials": trials, "correct": correct,
             "detection_p50_s": percentile(detections, 0.5), "detection_p95_s": percentile(detections, 0.95),
             "culprit_extra_s": percentile(extras, 0.95)}
@@ -148,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return [{**row, "false_hangs": false_hangs} for row in rows]
 
     began = time.monotonic()
-    with private_stack("attribution", (*NODES,), PORT_SEARCH_START, echo=lambda line: say(f"  stack: {line}")):
+    with private_stack("attribution", (*NODES,), PORT_SEARCH_START, echo=lambda line: say(f"  stack: {line}"),
+                       keep_logs=BENCH_DIR / "attribution-logs"):
         rows = asyncio.run(measure())
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(rows, indent=2) + "\n")
