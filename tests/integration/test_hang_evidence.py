@@ -20,7 +20,7 @@ async def test_python_hang_on_node_1_names_its_rank_with_evidence_and_stores_its
 ) -> None:
     # The quickstart's shape: 2 nodes x 2 ranks, default hang bounds. Rank 3 is node-1's second rank: the
     # watch cannot tell it from its blocked peers by progress or by process state (all sleep).
-    spec = make_spec(prefix, steps=200, every=20, ranks_per_node=2, health={})
+    spec = make_spec(prefix, steps=120, every=20, ranks_per_node=2, health={})
     rid = await client.start_run(spec, workflow_id=f"it-hangev-{uuid.uuid4().hex[:6]}")
     await wait_until(client, rid, lambda v: checkpointed(v, min_step=22))
     fault = await client.inject_fault(rid, fault_name("python"), "node-1", rank=3)
