@@ -44,13 +44,13 @@ from activities.models import (
     WatchRanksInput,
 )
 from activities.checkpoints import corrupt_shard, step_of
-from activities.health import NodeHealth
 from activities.evidence import evidence_env, inject_hang
+from activities.health import NodeHealth
 from activities.paths import RunLayout
 from activities.progress import COLLECTIVE_WAIT_GRACE_S, RankReport, complete_steps, find_hung_rank
+from trainguard.evidence import mode_of as hang_mode_of
 from trainguard.procs import start_time
 from trainguard.procs import state as process_state
-from trainguard.evidence import mode_of as hang_mode_of
 from trainguard.spec import exec_env_refused, exec_problems
 
 log = logging.getLogger(__name__)

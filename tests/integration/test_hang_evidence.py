@@ -34,7 +34,6 @@ async def test_python_hang_on_node_1_names_its_rank_with_evidence_and_stores_its
     assert hang.attribution_s is not None and hang.detection_s is not None and hang.detection_s < 10
     assert hang.evidence_key and hang.evidence_key.endswith(f"/incidents/{hang.attempt}/")
 
-    print(hang)
     s3 = stack.s3()
 
     async def stacks() -> dict[str, str]:
