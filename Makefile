@@ -57,6 +57,12 @@ bench-scale: $(STAMP)
 bench-nodes: $(STAMP)
 	$(BIN)/python -m infra.bench.nodes $(BENCH_ARGS)
 
+# Hang attribution: 2 nodes x 2 ranks, 20 hangs per mode (stop, python, skip-collective, io) on random ranks
+# and 10 fault-free runs: right culprits, detection, time to name the culprit; .bench/attribution.json.
+.PHONY: bench-attribution
+bench-attribution: $(STAMP)
+	$(BIN)/python -m infra.bench.attribution $(BENCH_ARGS)
+
 .PHONY: bench-paths
 bench-paths: $(STAMP)
 	$(BIN)/python -m infra.bench.paths $(BENCH_ARGS)

@@ -133,21 +133,112 @@ def read_gpu_health() -> GpuHealth:
             pass
 
 
-class NodeHealth:
-    """This node's GPU health as its agent sees it, including a fault injected by chaos (`gpu`), which
-    stands in for an XID error on machines without GPUs so the whole remediation path can be rehearsed."""
+CRITICAL_XIDS = frozenset({13, 31, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 119, 120, 121, 140})
+"""XIDs after which the GPU (or the job on it) cannot go on: graphics/memory faults, ECC, fallen off the bus,
+NVLink, GSP errors. NVML's critical-XID event reports any XID; these are the ones a node is cordoned for."""
 
-    def __init__(self) -> None:
-        self.injected: str | None = None
-        self.injected_at: float | None = None
+XID_WAIT_MS = 1000
+"""How long one NVML event wait blocks: the thread checks for shutdown this often."""
+
+
+class XidEvents:
+    """Waits on NVML's XID events in a thread and keeps the first critical one: a fault is seen as it
+    happens, not at the next periodic check. Chaos (`gpu-fault`) hands the same `on_xid` an event as NVML would.
+
+    Without NVML (no driver, no GPU: every machine this project is tested on) the thread is not started and
+    the NVML path is exercised only against a stand-in `pynvml` in tests/unit/test_health.py."""
+
+    def __init__(self, nvml: Any | None = None) -> None:
+        self.nvml = nvml
+        self.fault: str | None = None
+        self.fault_at: float | None = None
+        self.available = False
+        self._stop = False
+
+    def on_xid(self, gpu: int, xid: int, at: float, note: str = "") -> None:
+        """One XID event, from NVML or from chaos. Thread-safe enough: one writer wins, both are faults."""
+        if xid not in CRITICAL_XIDS:
+            log.warning("GPU %d: XID %d%s (not one a node is cordoned for)", gpu, xid, note)
+            return
+        if self.fault is not None:
+            return
+        self.fault, self.fault_at = f"GPU {gpu}: XID {xid}{note}", at
+
+    def start(self) -> bool:
+        """Subscribe every GPU to critical-XID events and wait on them in a daemon thread. False (and no
+        thread) without NVML."""
+        import threading
+
+        nvml = self.nvml
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError:
+                return False
+        try:
+            nvml.nvmlInit()
+            events = nvml.nvmlEventSetCreate()
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            for handle in handles:
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
+        except nvml.NVMLError as error:
+            log.info("GPU XID events unavailable: %s", error)
+            return False
+        self.nvml, self.available = nvml, True
+        indexes = {self._key(h): i for i, h in enumerate(handles)}
+        threading.Thread(target=self._wait, args=(events, indexes), name="trainguard-xid-events", daemon=True).start()
+        return True
+
+    @staticmethod
+    def _key(handle: Any) -> Any:
+        return getattr(handle, "value", None) or id(handle)
+
+    def _wait(self, events: Any, indexes: dict[Any, int]) -> None:
+        import time
+
+        nvml = self.nvml
+        wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
+        while not self._stop:
+            try:
+                data = wait(events, XID_WAIT_MS)
+            except nvml.NVMLError as error:
+                if isinstance(error, getattr(nvml, "NVMLError_Timeout", ())) or "Timeout" in type(error).__name__:
+                    continue
+                log.warning("GPU XID event wait failed: %s", error)
+                time.sleep(1.0)
+                continue
+            if data.eventType & nvml.nvmlEventTypeXidCriticalError:
+                gpu = indexes.get(self._key(data.device), -1)
+                self.on_xid(gpu, int(data.eventData), time.time())
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+class NodeHealth:
+    """This node's GPU health as its agent sees it: NVML's periodic counters (`check`) and its XID events as
+    they happen (`xid`). A chaos `gpu` fault enters as an XID event through `xid.on_xid`, the path a real
+    event takes, so the whole remediation path can be rehearsed on machines without GPUs."""
+
+    def __init__(self, xid: XidEvents | None = None) -> None:
+        self.xid = xid or XidEvents()
+
+    @property
+    def injected(self) -> str | None:
+        """The XID fault seen (by NVML's event or chaos), for the watch to report at its next poll."""
+        return self.xid.fault
+
+    @property
+    def injected_at(self) -> float | None:
+        return self.xid.fault_at
 
     def inject(self, detail: str, at: float) -> None:
-        self.injected = detail
-        self.injected_at = at
+        """chaos gpu-fault: an XID 79 event, as NVML would raise it."""
+        self.xid.on_xid(0, 79, at, f": {detail}")
 
     def check(self) -> GpuHealth:
-        if self.injected is not None:
-            return GpuHealth(available=True, healthy=False, detail=self.injected)
+        if self.xid.fault is not None:
+            return GpuHealth(available=True, healthy=False, detail=self.xid.fault)
         return read_gpu_health()
 
 

@@ -382,6 +382,10 @@ class WatchRanksInput(BaseModel):
     """With `launch`: download the shards its ranks restore from first, and launch them from there."""
     download_timeout_s: float = 7200.0
     """How long the watch retries a download the store fails (an outage), before it fails as the node's."""
+    evidence: bool = False
+    """The run names a hang's culprit from every rank's evidence (`collect_evidence`): no rank's report is
+    held back to let the stopped one go first (`COLLECTIVE_WAIT_GRACE_S`), so a hang is seen that much sooner.
+    False (histories before the evidence patch): the grace applies."""
 
 
 class WatchEvent(BaseModel):
@@ -465,3 +469,42 @@ class RequestCheckpointResult(BaseModel):
     """Newest step any local rank reported."""
     step_time_s: float | None = None
     """Slowest local rank's recent step time."""
+
+
+class RankEvidence(BaseModel):
+    """What a rank showed when its node was asked, before anything was stopped (see `trainguard.evidence`)."""
+
+    node: str
+    rank: int
+    state: str = ""
+    """Its process state from /proc (`S` sleeping, `R` running, `T` stopped, `D` uninterruptible I/O, `Z`
+    defunct), `exited` once it is gone."""
+    answered: bool = False
+    """Its helper answered the position request (a stopped rank, or one holding the GIL in C, cannot)."""
+    step: int | None = None
+    """Steps it had reported done."""
+    collectives_enqueued: int | None = None
+    """Collectives it has entered (torch's Flight Recorder), None when not known."""
+    collectives_completed: int | None = None
+    in_collective: bool | None = None
+    """Inside a collective now (entered, not completed); None when not known."""
+    collective: str = ""
+    """The newest collective it entered, e.g. `gloo:all_reduce`."""
+    innermost: str = ""
+    """Its main thread's innermost frames, one line (`file:line in function < ...`)."""
+    stacks_key: str | None = None
+    """Where its full stacks (every thread) are in the store, when they were taken."""
+
+
+class CollectEvidenceInput(BaseModel):
+    workflow_id: str
+    attempt: int
+    node: str
+    bucket: str | None = None
+    """Where the full stacks go (`<run_prefix>/incidents/<attempt>/rank-<r>.txt`); None keeps them local."""
+    run_prefix: str = ""
+
+
+class CollectEvidenceResult(BaseModel):
+    node: str
+    ranks: list[RankEvidence] = Field(default_factory=list)

@@ -73,10 +73,12 @@ def find_hung_rank(
     now: float,
     health: HealthSpec,
     states: dict[int, str] | None = None,
+    grace_s: float = COLLECTIVE_WAIT_GRACE_S,
 ) -> tuple[int, float] | None:
     """The running rank silent the longest past its bound, with its silence in seconds; None if none.
 
-    `states` holds each rank's process state letter from /proc (`S` sleeping, `T` stopped, ...).
+    `states` holds each rank's process state letter from /proc (`S` sleeping, `T` stopped, ...). `grace_s` is
+    added to the bound of a rank that is not stuck by its state (0 where the run names the culprit from evidence).
     """
     worst: tuple[int, float] | None = None
     for rank in sorted(running_ranks):
@@ -86,7 +88,7 @@ def find_hung_rank(
         silent = silent_for_s(report, launched_at, now)
         bound = silence_bound_s(report, start_step, health)
         if (states or {}).get(rank, "S") not in STUCK_STATES and report is not None and report.step > start_step:
-            bound += COLLECTIVE_WAIT_GRACE_S
+            bound += grace_s
         if silent > bound and (worst is None or silent > worst[1]):
             worst = (rank, silent)
     return worst

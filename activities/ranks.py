@@ -48,10 +48,12 @@ from activities.models import (
     WatchRanksInput,
 )
 from activities.checkpoints import corrupt_shard, step_of
+from activities.evidence import evidence_env, inject_hang
 from activities.health import NodeHealth
 from activities.paths import RunLayout
-from activities.progress import RankReport, complete_steps, find_hung_rank
+from activities.progress import COLLECTIVE_WAIT_GRACE_S, RankReport, complete_steps, find_hung_rank
 from activities.rank_logs import exception_line, failure_signature, read_tail
+from trainguard.evidence import mode_of as hang_mode_of
 from trainguard.procs import start_time
 from trainguard.procs import state as process_state
 from trainguard.spec import exec_env_refused, exec_problems
@@ -468,6 +470,7 @@ class RankActivities:
             "TRAINGUARD_CHECKPOINT_EVERY": str(request.checkpoint_every),
             "TRAINGUARD_CHECKPOINT_REQUEST_FILE": str(layout.checkpoint_request_file(record.attempt)),
             "TRAINGUARD_REJOIN_FILE": str(layout.rejoin_file(rank)),
+            **evidence_env(layout, record.attempt, rank, request.env),
             **extra,
         }
 
@@ -680,7 +683,7 @@ class RankActivities:
                                    type="ChaosDisabled", non_retryable=True)
         now = time.time()
         if request.fault == "gpu":
-            self.health.inject("XID 79: GPU has fallen off the bus (injected by trainguard chaos)", now)
+            self.health.inject("GPU has fallen off the bus (injected by trainguard chaos)", now)
             return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
         if request.fault == "corrupt":
             if not request.bucket or not request.manifest_key:
@@ -723,10 +726,19 @@ class RankActivities:
             log.info("chaos: slowing rank %d (pid %d) on %s, stopped %.0f%% of the time", rank, pid, self.node,
                      duty * 100)
             return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=now)
+        mode = hang_mode_of(request.fault)
+        if mode is not None and mode != "stop":  # carried out by the rank's own helper
+            await asyncio.to_thread(inject_hang, RunLayout.of(self.workdir, request.workflow_id), record, rank,
+                                    mode)
+            injected_at = record.faults.setdefault(rank, now)
+            log.info("chaos: hang --mode %s rank %d (pid %d) of %s on %s", mode, rank, pid, request.workflow_id,
+                     self.node)
+            return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=injected_at)
         signals = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP, "exit": signal.SIGTERM}
         if request.fault not in signals:
             raise ApplicationError(
-                f"unknown fault {request.fault!r}; expected one of crash, hang, slow, gpu, node-down, corrupt",
+                f"unknown fault {request.fault!r}; expected one of crash, hang, hang-python, "
+                f"hang-skip-collective, hang-io, slow, gpu, node-down, corrupt",
                 type="BadFault", non_retryable=True,
             )
         injected_at = record.faults.setdefault(rank, now)
@@ -846,7 +858,8 @@ class RankActivities:
                 activity.metric_meter().create_gauge("trainguard_ranks_alive", "Rank processes alive").set(
                     alive_reported, {"node": self.node})
             states = {r: process_state(record.ranks[r].pid) for r in running}
-            hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states)
+            hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states,
+                                  grace_s=0.0 if request.evidence else COLLECTIVE_WAIT_GRACE_S)
             if hung is not None:
                 rank, silent = hung
                 report = reports[rank]

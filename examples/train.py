@@ -125,6 +125,7 @@ def main() -> None:
     # resumed run would not end bit-identical.
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
                                   find_unused_parameters=True)
+    run.hook_ddp(ddp)  # the all-reduce goes through trainguard's hook (torch's own): chaos can skip it
 
     heartbeat = None
     if args.ft_heartbeat and not run.managed:
@@ -151,8 +152,8 @@ def main() -> None:
             # In-process restart (restarts.in_process): keep this rank's state, join the new process group
             # with the restarted peer(s), hand them the state. Re-raises (the rank exits) when it cannot.
             step = run.rejoin(error, {"model": model.state_dict(), "optim": optimizer.state_dict()}, step)
-            ddp = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
-                                          find_unused_parameters=True)
+            ddp = run.hook_ddp(DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
+                                                       find_unused_parameters=True))
             continue
         optimizer.step()
         began = time.perf_counter()

@@ -91,7 +91,10 @@ def format_incident(incident: Incident) -> str:
         timing.append(f"recovered in {incident.recovery_s:.2f}s")
     if incident.resumed_step is not None:
         timing.append(f"resumed from step {incident.resumed_step}")
-    return f"{incident.kind.value} on {where}: {incident.action.value}; {', '.join(timing)}"
+    line = f"{incident.kind.value} on {where}: {incident.action.value}; {', '.join(timing)}"
+    if incident.evidence:
+        line += "".join(f"\n    {part}" for part in incident.evidence.splitlines())
+    return line
 
 
 def summary_line(result: RunResult) -> str:
@@ -185,6 +188,13 @@ async def _chaos_cmd(args: argparse.Namespace) -> int:
     if args.node is None and args.rank is None:
         print("trainguard chaos: name the node (--node) or the rank (--rank), whose node is then looked up",
               file=sys.stderr)
+        return 2
+    if args.fault == "hang":
+        from trainguard.evidence import fault_name
+
+        args.fault = fault_name(args.mode)
+    elif args.mode != "stop":
+        print(f"--mode is for hang only, not {args.fault}", file=sys.stderr)
         return 2
     client = await TrainguardClient.connect()
     result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty)
@@ -357,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--rank", type=int, help="global rank (default: the node's first)")
     chaos.add_argument("--duty", type=_duty, default=0.5,
                        help=f"slow: fraction of time the rank is stopped, {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
+    chaos.add_argument("--mode", choices=["stop", "python", "skip-collective", "io"], default="stop",
+                       help="hang: stop (SIGSTOP, the default), python (blocks forever in Python, process alive), "
+                            "skip-collective (skips the all-reduce its peers wait in), io (a read that never "
+                            "returns); all but stop are carried out by the rank helper")
     chaos.set_defaults(func=lambda a: asyncio.run(_chaos_cmd(a)))
 
     demo = sub.add_parser("demo", help="bring the stack up, run the quickstart, crash a rank, recover")

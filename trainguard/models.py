@@ -84,6 +84,14 @@ class Incident(BaseModel):
     started from scratch."""
     detected_at: float = 0.0
     """Unix time of detection, on the detecting node agent's clock."""
+    evidence: str = ""
+    """For a hang: why `rank` is the culprit, one or two lines: its innermost frames, and where its peers
+    wait. Its full stacks and every rank's are stored with the run (`<prefix>/<run>/incidents/<attempt>/`),
+    and `trainguard run report` prints them."""
+    evidence_key: str | None = None
+    """For a hang: `s3://bucket/<prefix>/<run>/incidents/<attempt>/`, where every rank's full stacks are."""
+    attribution_s: float | None = None
+    """For a hang: seconds from detection until the culprit was named from every rank's evidence."""
     recovery_path: str | None = None
     """How training came back: `relaunch` (every rank started again from a checkpoint), `in-process`
     (live ranks kept their state and formed a new process group with restarted ranks), or `relaunch after

@@ -37,6 +37,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainguard import evidence as _evidence
+
 EXIT_NO_RETRY = 78
 """Exit with this code (EX_CONFIG) for an error a restart cannot fix: the run stops with your message
 instead of spending its restart budget."""
@@ -204,6 +206,9 @@ class RankRun:
         self._saved: set[int] = set()
         self._dcp_group: Any = None
         self._dcp_stager: Any = None
+        base = environ.get(_evidence.BASE_ENV)
+        self._evidence = _evidence.RankChannel(Path(base)).start() if base and self.managed else None
+        """Answers the agent's requests for stacks and collective position (see `trainguard.evidence`)."""
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
             self._write_progress(force=True)
 
@@ -223,6 +228,7 @@ class RankRun:
             "step_time_s": self._step_time_ema,
             "compute_s": self._compute_ema,
             "timed_steps": self._num_timed_steps,
+            **({"evidence": str(self._evidence.paths.base)} if self._evidence is not None else {}),
             **extra,
         }
         _atomic_write_json(self._progress_path, payload)
@@ -249,6 +255,17 @@ class RankRun:
         self._step = step
         self._check_saves(step)
         self._write_progress()
+        if self._evidence is not None:
+            self._evidence.on_step(step)  # where a chaos hang asked for takes hold
+
+    def hook_ddp(self, ddp: Any) -> Any:
+        """Route a DDP model's gradient all-reduce through trainguard's comm hook: torch's own all-reduce,
+        bit for bit, which `trainguard chaos hang --mode skip-collective` can make this rank skip. Call it once,
+        right after wrapping the model, before the first backward. Returns `ddp`. A no-op outside trainguard."""
+        if self._evidence is not None:
+            ddp.register_comm_hook(None, self._evidence.allreduce_hook)
+            self._evidence.ddp_hooked = True
+        return ddp
 
     def _check_saves(self, step: int) -> None:
         """At a checkpoint step: a replica (`replicated`, rank > 0) records that rank 0's shard is its own.

@@ -178,6 +178,8 @@ class RunReport:
     result_wall_s: float | None = None
     """The run's own wall time (RunResult.wall_s, workflow clock), when it completed."""
     notes: list[str] = field(default_factory=list)
+    hangs: list[tuple[int, Incident]] = field(default_factory=list)
+    """Hang incidents (numbered as in the table) whose evidence is stored with the run."""
 
     @property
     def overhead_s(self) -> float | None:
@@ -509,9 +511,41 @@ def report_from_histories(workflow_id: str, histories: Sequence[RunHistory], *, 
     if latest.failure:
         notes.append(f"run {latest.status.lower()}: {latest.failure}")
     end = latest.end if latest.end is not None else (now if now is not None else time.time())
-    return compute_report(spans, start=start, end=end, workflow_id=workflow_id, status=latest.status,
-                          result=result, incidents=incidents, runs=len(histories), first_phase=first_phase,
-                          history_start=history_start, notes=notes)
+    report = compute_report(spans, start=start, end=end, workflow_id=workflow_id, status=latest.status,
+                            result=result, incidents=incidents, runs=len(histories), first_phase=first_phase,
+                            history_start=history_start, notes=notes)
+    report.hangs = [(i, inc) for i, inc in enumerate(incidents or (result.incidents if result else []), 1)
+                    if inc.evidence_key]
+    return report
+
+
+def render_stacks(hangs: Sequence[tuple[int, Incident]], read: Any) -> str:
+    """Each hang's evidence and every rank's full stacks, stored with the run. `read(url)` lists and reads
+    the texts under an `s3://bucket/prefix/` URL: (key, text) pairs."""
+    lines: list[str] = []
+    for index, incident in hangs:
+        lines += ["", f"incident {index}: hang, culprit rank {incident.rank} on {incident.node} "
+                      f"(stacks: {incident.evidence_key})"]
+        lines += [f"  {part}" for part in incident.evidence.splitlines()]
+        try:
+            texts = read(incident.evidence_key)
+        except Exception as error:  # noqa: BLE001 - the store's any failure: say so, the table stands
+            lines.append(f"  stacks not readable: {error}")
+            continue
+        for key, text in texts:
+            lines += ["", f"--- {key}", text.rstrip()]
+    return "\n".join(lines)
+
+
+def read_store_texts(url: str, client: Any = None) -> list[tuple[str, str]]:
+    """Every object under an `s3://bucket/prefix/` URL, as text (the store's client from the environment)."""
+    from trainguard.settings import s3_client
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = client or s3_client()
+    keys = sorted(o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                  for o in page.get("Contents", []))
+    return [(key, client.get_object(Bucket=bucket, Key=key)["Body"].read().decode(errors="replace")) for key in keys]
 
 
 # ------------------------------------------------------------------------------------- fetching
@@ -762,6 +796,8 @@ async def main_report(workflow_id: str, png: str | None) -> int:
         print(f"report: {workflow_id}: {error.message}", file=sys.stderr)
         return 1
     print(render_table(report))
+    if report.hangs:
+        print(render_stacks(report.hangs, read_store_texts))
     if png:
         try:
             render_png(report, png)

@@ -24,6 +24,7 @@ from activities.health import HealthActivities, NodeHealth
 from activities.nodes import peer_urls, register_node
 from activities.peers import PEER_TOKEN_ENV, ShardServer, peer_token
 from activities.rank_logs import RankLogActivities
+from activities.evidence import EvidenceActivities
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
@@ -44,12 +45,14 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
                  peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> tuple[Worker, RankActivities]:
     node_health = NodeHealth()
+    node_health.xid.start()  # XID events as they happen; without NVML it starts nothing
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
                            allowed_env=allowed_env, uploader=checkpoints.upload_step,
                            downloader=checkpoints.download_shards)
     health = HealthActivities(node, host, node_health)
     logs = RankLogActivities(node, workdir)
+    evidence = EvidenceActivities(ranks)
     worker = Worker(
         client,
         task_queue=node_task_queue(node),
@@ -64,6 +67,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
             checkpoints.download_shards,
             health.check_node,
             logs.read_rank_log,
+            evidence.collect_evidence,
         ],
         max_concurrent_activities=64,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,

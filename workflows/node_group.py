@@ -83,6 +83,12 @@ TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
 TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
 """Download retries stop after this: long enough to ride out a store outage."""
 
+EVIDENCE_TIMEOUT = timedelta(seconds=5)
+"""Asking a node's ranks for their stacks and position takes half a second at most (`ANSWER_TIMEOUT_S`)."""
+
+EVIDENCE_RETRY = RetryPolicy(maximum_attempts=1)
+"""Evidence is asked once: the recovery waits on it, and a node that cannot answer is evidence too."""
+
 NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
                               maximum_attempts=3)
 """A node call that fails three times is a node problem; more retries would only delay the remedy."""
@@ -113,6 +119,7 @@ _CALL_OPTIONS: dict[NodeCallKind, _CallOptions] = {
     NodeCallKind.REJOIN: _CallOptions(LAUNCH_TIMEOUT, NODE_CALL_RETRY),
     NodeCallKind.STOP: _CallOptions(STOP_TIMEOUT, NODE_CALL_RETRY),
     NodeCallKind.REQUEST_CHECKPOINT: _CallOptions(CHECK_NODE_TIMEOUT, NODE_CALL_RETRY),
+    NodeCallKind.COLLECT_EVIDENCE: _CallOptions(EVIDENCE_TIMEOUT, EVIDENCE_RETRY),
 }
 
 

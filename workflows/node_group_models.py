@@ -23,6 +23,7 @@ class NodeCallKind(str, Enum):
     REJOIN = "rejoin_ranks"
     STOP = "stop_ranks"
     REQUEST_CHECKPOINT = "request_checkpoint"
+    COLLECT_EVIDENCE = "collect_evidence"
 
 
 class NodeCall(BaseModel):

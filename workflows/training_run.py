@@ -26,6 +26,8 @@ with workflow.unsafe.imports_passed_through():
         SLOW_DUTY_MIN,
         CheckNodeInput,
         CheckNodeResult,
+        CollectEvidenceInput,
+        CollectEvidenceResult,
         CommitCheckpointsInput,
         CommitCheckpointsResult,
         DownloadShardsInput,
@@ -38,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
         InjectFaultResult,
         LaunchRanksInput,
         LaunchRanksResult,
+        RankEvidence,
         RejoinRanksInput,
         RejoinRanksResult,
         RequestCheckpointInput,
@@ -70,12 +73,15 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
+    from workflows.culprit import pick_culprit
     from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
                                  same_failure_streak)
     from workflows.run_details import run_details
     from workflows.node_group import (
-        NODES_PER_GROUP,
+        EVIDENCE_RETRY,
+        EVIDENCE_TIMEOUT,
         NODE_CALL_RETRY,
+        NODES_PER_GROUP,
         NODE_SCHEDULE_TO_START,
         STOP_TIMEOUT,
         TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
@@ -105,6 +111,9 @@ PATCH_NODE_LOST_AT_STOP = "node-lost-at-stop"
 """Histories before this patch relaunched onto a node that had not answered the stop of its ranks."""
 PATCH_IN_PROCESS = "in-process-restart"
 """Histories before this patch relaunched every rank after a crash whatever `restarts.in_process` said."""
+PATCH_HANG_EVIDENCE = "hang-evidence"
+"""Histories before this patch named the rank a watch found silent longest as a hang's culprit, and asked no
+node for evidence; their watches kept the collective-wait grace."""
 PATCH_ABANDON_COMMITTER = "abandon-committer"
 """Histories before this patch cancelled a committer they no longer needed (a cancel request in history)."""
 PATCH_FAN_OUT_SLOTS = "fan-out-slots"
@@ -906,6 +915,7 @@ class TrainingRun:
             workflow_id=wid, attempt=attempt, node="", health=spec.health,
             # Steps up to the newest commit need no upload again (after continue-as-new too).
             reported_step=max(self._status.resumed_step, self._last_committed_step),
+            evidence=workflow.patched(PATCH_HANG_EVIDENCE),
             max_duration_s=WATCH_MAX_DURATION_S,
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
@@ -1027,6 +1037,8 @@ class TrainingRun:
                     info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
                 committer = self._committer(spec, attempt)
 
+        if incident is not None and incident.kind is IncidentKind.HANG and workflow.patched(PATCH_HANG_EVIDENCE):
+            await self._attribute_hang(spec, attempt, incident)  # first: the ranks are still where they hung
         control.cancel()
         committer.cancel()
         await asyncio.gather(committer, control, return_exceptions=True)  # a cancel is not waited on
@@ -1229,6 +1241,42 @@ class TrainingRun:
         self._restart_times.append(now)
         self._restarts_without_checkpoint += 1
         self._set_phase(Phase.RESTORING)
+
+    async def _attribute_hang(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
+        """Before anything is stopped: every node's evidence (its ranks' stacks and collective positions),
+        and the culprit it names (`workflows.culprit`). The full stacks go to the store with the run."""
+        wid = workflow.info().workflow_id
+        calls = [(n, CollectEvidenceInput(workflow_id=wid, attempt=attempt, node=n, bucket=spec.checkpoint.bucket,
+                                          run_prefix=self._run_prefix(spec))) for n in self._status.nodes]
+        summary = f"collect hang evidence on {{node}} (attempt {attempt})"
+        evidence: list[RankEvidence] = []
+        if len(calls) <= NODES_PER_GROUP:
+            # One group's worth of activities from the run itself: the recovery waits on this, and a child
+            # workflow's start and end cost it two more workflow tasks.
+            answers = await asyncio.gather(*(workflow.execute_activity(
+                "collect_evidence", request, task_queue=node_task_queue(node),
+                start_to_close_timeout=EVIDENCE_TIMEOUT, schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+                retry_policy=EVIDENCE_RETRY, result_type=CollectEvidenceResult,
+                summary=summary.replace("{node}", node)) for node, request in calls), return_exceptions=True)
+            evidence = [item for answer in answers if isinstance(answer, CollectEvidenceResult)
+                        for item in answer.ranks]
+        else:
+            outcomes = await self._fan_out(NodeCallKind.COLLECT_EVIDENCE, calls, summary)
+            evidence = [item for o in outcomes if o.result is not None
+                        for item in CollectEvidenceResult.model_validate(o.result).ranks]
+        culprit = pick_culprit(evidence, incident.rank, incident.node)
+        if culprit.rank != incident.rank and culprit.rank is not None:
+            incident.detail = (f"rank {culprit.rank} hung ({culprit.rule}); the watch first saw rank "
+                               f"{incident.rank} silent: {incident.detail}")
+        incident.rank, incident.node = culprit.rank, culprit.node
+        incident.evidence = culprit.evidence
+        if any(item.stacks_key for item in evidence):
+            incident.evidence_key = f"s3://{spec.checkpoint.bucket}/{self._run_prefix(spec)}/incidents/{attempt}/"
+        incident.attribution_s = round(max(0.0, workflow.now().timestamp() - incident.detected_at), 3)
+        injected = [at for (fault, node), at in self._injected_at.items()
+                    if node == culprit.node and fault.startswith("hang")]
+        if injected:
+            incident.detection_s = round(max(0.0, incident.detected_at - max(injected)), 3)
 
     def _record_incident(self, incident: Incident) -> None:
         if incident not in self._status.incidents:

@@ -287,3 +287,95 @@ def test_read_gpu_health_on_a_machine_without_gpus() -> None:
     assert health.healthy is True
     assert "unavailable" in health.detail
     assert health.num_gpus == 0
+
+
+# ------------------------------------------------------------------- XID events (a stand-in pynvml)
+class _FakeNvml:
+    """The slice of pynvml the XID watcher uses: an event set that raises what NVML raises. No GPU here."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_Timeout(NVMLError):  # noqa: N801 - pynvml's name
+        pass
+
+    nvmlEventTypeXidCriticalError = 0x8
+
+    def __init__(self, gpus: int = 2) -> None:
+        import queue
+
+        self.gpus = [object() for _ in range(gpus)]
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.registered: list[Any] = []
+
+    def nvmlInit(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int: return len(self.gpus)
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any: return self.gpus[index]
+    def nvmlEventSetCreate(self) -> str: return "set"
+    def nvmlDeviceRegisterEvents(self, handle: Any, types: int, events: str) -> None:
+        self.registered.append((handle, types))
+
+    def nvmlEventSetWait_v2(self, events: str, timeout_ms: int) -> Any:
+        import queue
+        from types import SimpleNamespace
+
+        try:
+            gpu, xid = self.events.get(timeout=timeout_ms / 1000)
+        except queue.Empty:
+            raise self.NVMLError_Timeout() from None
+        return SimpleNamespace(device=self.gpus[gpu], eventType=self.nvmlEventTypeXidCriticalError, eventData=xid)
+
+    def raise_xid(self, gpu: int, xid: int) -> None:
+        self.events.put((gpu, xid))
+
+
+def _until(predicate: Any, timeout_s: float = 2.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_a_critical_xid_event_is_seen_as_it_happens_on_the_path_chaos_takes_too() -> None:
+    import time
+
+    from activities.health import NodeHealth, XidEvents
+
+    nvml = _FakeNvml()
+    xid = XidEvents(nvml)
+    assert xid.start() and len(nvml.registered) == 2
+    health = NodeHealth(xid)
+    nvml.raise_xid(1, 31)  # a GPU memory page fault on GPU 1
+    raised = time.time()
+    assert _until(lambda: health.injected is not None)
+    assert health.injected == "GPU 1: XID 31" and health.injected_at is not None
+    assert health.injected_at >= raised  # stamped as the event arrives, not at the next periodic check
+    assert not health.check().healthy and "XID 31" in health.check().detail
+    xid.stop()
+
+
+def test_a_non_critical_xid_is_logged_not_a_fault_and_chaos_enters_as_an_xid_event() -> None:
+    from activities.health import NodeHealth, XidEvents
+
+    nvml = _FakeNvml(gpus=1)
+    xid = XidEvents(nvml)
+    assert xid.start()
+    nvml.raise_xid(0, 999)
+    assert not _until(lambda: xid.fault is not None, timeout_s=0.3)
+    health = NodeHealth(xid)
+    health.inject("injected by chaos", 123.0)
+    assert (health.injected, health.injected_at) == ("GPU 0: XID 79: injected by chaos", 123.0)
+    xid.stop()
+
+
+def test_without_nvml_no_xid_thread_starts() -> None:
+    from activities.health import XidEvents
+
+    class Broken(_FakeNvml):
+        def nvmlInit(self) -> None:
+            raise self.NVMLError("NVML Shared Library Not Found")
+
+    xid = XidEvents(Broken())
+    assert xid.start() is False and not xid.available

@@ -26,6 +26,8 @@ from temporalio.worker import Worker
 from activities.models import (
     CheckNodeInput,
     CheckNodeResult,
+    CollectEvidenceInput,
+    CollectEvidenceResult,
     CommitCheckpointInput,
     CommitCheckpointsInput,
     CommitCheckpointsResult,
@@ -44,6 +46,7 @@ from activities.models import (
     Manifest,
     NodeCheckpointRecord,
     PruneCheckpointsInput,
+    RankEvidence,
     RejoinRanksInput,
     RejoinRanksResult,
     ShardInfo,
@@ -156,6 +159,8 @@ class Cluster:
     """Called once, from the first watch, while the ranks train: to query or update the run."""
     client: Any = None
     """The test's client (set by `_run`), for `while_running`."""
+    evidence: dict[str, list[RankEvidence]] = field(default_factory=dict)
+    """Node -> what its ranks show when `collect_evidence` asks (a hang)."""
 
     def inputs(self, name: str) -> list[Any]:
         return self.calls[name]
@@ -352,8 +357,16 @@ class Cluster:
                 raise ApplicationError(f"no agent on {request.node}", type="Unreachable", non_retryable=True)
             return StopRanksResult(stopped=self.ranks_per_node)
 
+        @activity.defn(name="collect_evidence")
+        async def collect_evidence(request: CollectEvidenceInput) -> CollectEvidenceResult:
+            self.calls["collect_evidence"].append(request)
+            self.calls["stops_before_evidence"].append(len(self.calls["stop_ranks"]))
+            ranks = [e.model_copy(update={"stacks_key": f"{request.run_prefix}/incidents/{request.attempt}/rank-{e.rank:05d}.txt"})
+                     for e in self.evidence.get(request.node, [])]
+            return CollectEvidenceResult(node=request.node, ranks=ranks)
+
         return [check_node, download_shards, launch_ranks, rejoin_ranks, watch_ranks, inject_fault,
-                stop_ranks]
+                stop_ranks, collect_evidence]
 
 
 def _manifest_key(run_prefix: str, step: int) -> str:
@@ -481,6 +494,43 @@ async def test_happy_path_commits_a_checkpoint_and_completes(env: WorkflowEnviro
     assert (status.phase, status.attempt, status.nodes, status.world_size) == (Phase.RUNNING, 1, nodes, 2)
     assert run.status.phase is Phase.COMPLETED
     assert run.status.latest_checkpoint == result.final_checkpoint
+
+
+async def test_a_hang_is_blamed_on_the_rank_its_evidence_names_asked_before_any_rank_is_stopped(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    # node-0's rank is the one the watch saw silent first; node-1's rank is outside the collective node-0's
+    # rank waits in: the culprit.
+    hang = _event(WatchEventKind.HANG, rank=0, detail="rank 0 made no progress for 2.0s").model_copy(
+        update={"detected_at": 1_000.0, "fault_at": 998.0})
+    cluster = Cluster(nodes=nodes, evidence={
+        nodes[0]: [RankEvidence(node=nodes[0], rank=0, state="S", answered=True, collectives_enqueued=21,
+                                collectives_completed=20, in_collective=True, collective="gloo:all_reduce",
+                                innermost="graph.py:979 in _engine_run_backward < train.py:143 in main")],
+        nodes[1]: [RankEvidence(node=nodes[1], rank=1, state="S", answered=True, collectives_enqueued=20,
+                                collectives_completed=20, in_collective=False,
+                                innermost="loader.py:12 in next_batch < train.py:120 in main")]})
+    cluster.watch_script = {(1, nodes[0]): [_ready(10), hang], (1, nodes[1]): [_ready(10), BLOCK],
+                            (2, nodes[0]): [_finished(25)], (2, nodes[1]): [_finished(25)]}
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, RunResult)
+    [incident] = run.outcome.incidents
+    assert (incident.kind, incident.node, incident.rank) == (IncidentKind.HANG, nodes[1], 1)
+    assert incident.evidence.splitlines() == [
+        "rank 1 is not inside a collective (entered 20) while its peers are, at loader.py:12 in next_batch < "
+        "train.py:120 in main",
+        "1 of 1 peers wait inside gloo:all_reduce #21 (rank 0: graph.py:979 in _engine_run_backward < "
+        "train.py:143 in main)"]
+    assert "the watch first saw rank 0 silent" in incident.detail
+    assert incident.evidence_key == f"s3://trainguard/runs/{run.handle.id}/incidents/1/"
+    assert incident.attribution_s is not None
+    assert sorted(c.node for c in cluster.inputs("collect_evidence")) == nodes
+    # Evidence first, from the attempt that hung; its ranks were stopped only after.
+    assert all(c.attempt == 1 for c in cluster.inputs("collect_evidence"))
+    assert cluster.inputs("stops_before_evidence") == [0, 0]
+    assert _by_attempt(cluster.inputs("watch_ranks"), 1)[0].evidence
 
 
 async def test_crash_stops_every_rank_and_relaunches_from_the_committed_checkpoint(

@@ -1,0 +1,268 @@
+"""Node-agent side of hang evidence: ask every local rank for its stacks and collective position before
+anything is stopped, keep the full stacks with the run in the store, and carry out chaos hangs through the
+rank helper. The channel itself (files, signal, shapes) is `trainguard.evidence`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence
+from activities.paths import RunLayout
+from trainguard import evidence as channel
+from trainguard.procs import state as process_state
+
+if TYPE_CHECKING:
+    from activities.ranks import AttemptRecord, RankActivities
+
+log = logging.getLogger(__name__)
+
+ANSWER_TIMEOUT_S = 0.5
+"""How long the agent waits for its ranks' answers and stack dumps. A helper answers within
+`channel.REQUEST_POLL_S`; one that has not by then is stopped, or holds the GIL in C (its state and its stacks,
+written by a C-level handler, still tell)."""
+
+STACKS_SETTLE_S = 0.05
+"""A stack dump is complete once its file has not grown for this long."""
+
+STACKS_UPLOAD_RETRY_S = 30.0
+"""The full stacks are uploaded beside the recovery, never in its way: a store that is out is tried again
+for this long, then the stacks stay on the node (its log says where)."""
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def stacks_key(run_prefix: str, attempt: int, rank: int) -> str:
+    """The store key of one rank's stacks for the hang that ended `attempt`: `<run>/incidents/<attempt>/`."""
+    return f"{run_prefix.rstrip('/')}/incidents/{attempt}/rank-{rank:05d}.txt"
+
+
+def innermost_frames(stacks: str) -> str:
+    """One line from a faulthandler dump: the main thread's innermost frame and, when that is library code,
+    the innermost frame of the script that called it (`train.py:171 in main`).
+
+    faulthandler lists threads newest first, so the main thread is the last block."""
+    blocks = [b for b in re.split(r"\n\s*\n|\n(?=(?:Current thread|Thread) 0x)", stacks.strip()) if b.strip()]
+    blocks = [b for b in blocks if _FRAME.search(b) or "thread 0x" in b.lower()]
+    if not blocks:
+        return ""
+    frames = [m for m in (_FRAME.match(line) for line in blocks[-1].splitlines()) if m]
+    if not frames:
+        return ""
+    shown = [frames[0]]
+    own = next((m for m in frames if not _library(m["file"])), None)
+    if own is not None and own is not frames[0]:
+        shown.append(own)
+    return " < ".join(f"{Path(m['file']).name}:{m['line']} in {m['func']}" for m in shown)
+
+
+def _library(path: str) -> bool:
+    parts = Path(path).parts
+    return "site-packages" in parts or "trainguard" in parts or path.startswith("<") or "/lib/python" in path
+
+
+def _evidence_base(layout: RunLayout, attempt: int, rank: int) -> Path | None:
+    """Where a rank's helper keeps its evidence files: it says so in its progress report (a rank carried
+    over by an in-process restart keeps those of the attempt it was launched in)."""
+    try:
+        base = json.loads(layout.progress_file(attempt, rank).read_text()).get("evidence")
+    except (OSError, ValueError):
+        base = None
+    return Path(base) if base else None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
+                  clock: Callable[[], float] = time.monotonic) -> tuple[list[RankEvidence], dict[int, str]]:
+    """Every local rank's evidence, and its full stacks text (rank -> text). Blocking: run it in a thread."""
+    request = uuid.uuid4().hex
+    asked: dict[int, tuple[channel.Paths, int]] = {}
+    states: dict[int, str] = {}
+    for rank, proc in sorted(record.ranks.items()):
+        states[rank] = "exited" if proc.poll() else (process_state(proc.pid) or "?")
+        base = _evidence_base(layout, record.attempt, rank)
+        if base is None:
+            continue
+        paths = channel.Paths(base)
+        offset = _size(paths.stacks)
+        try:
+            channel.write_atomic(paths.request, request)
+        except OSError:
+            continue
+        asked[rank] = (paths, offset)
+        ready = paths.ready.is_file() and paths.ready.read_text().strip() == str(proc.pid)
+        if ready and states[rank] not in ("exited", "Z", "T", "t"):
+            try:
+                os.kill(proc.pid, channel.EVIDENCE_SIGNAL)  # its own process only: the helper's handler
+            except ProcessLookupError:
+                pass
+    deadline = clock() + ANSWER_TIMEOUT_S
+    answers: dict[int, channel.Position] = {}
+    sizes = {rank: -1 for rank in asked}
+    settled_at: dict[int, float] = {}
+    while clock() < deadline:
+        for rank, (paths, offset) in asked.items():
+            if rank not in answers:
+                try:
+                    found = channel.Position.from_json(paths.answer.read_text())
+                    if found.request == request:
+                        answers[rank] = found
+                except (OSError, ValueError, TypeError):
+                    pass
+            size = _size(paths.stacks)
+            if size != sizes[rank]:
+                sizes[rank], settled_at[rank] = size, clock()
+        dumped = all(sizes[r] > asked[r][1] and clock() - settled_at[r] >= STACKS_SETTLE_S for r in asked
+                     if states[r] not in ("exited", "Z", "T", "t"))
+        if dumped and all(r in answers for r in asked if states[r] not in ("exited", "Z", "T", "t")):
+            break
+        time.sleep(0.01)
+    evidence: list[RankEvidence] = []
+    texts: dict[int, str] = {}
+    for rank in sorted(record.ranks):
+        stacks = _read_from(asked[rank][0].stacks, asked[rank][1]) if rank in asked else ""
+        position = answers.get(rank)
+        texts[rank] = _stacks_text(node, rank, states[rank], position, stacks)
+        evidence.append(RankEvidence(
+            node=node, rank=rank, state=states[rank], answered=position is not None,
+            step=position.step if position else None,
+            collectives_enqueued=position.collectives_enqueued if position else None,
+            collectives_completed=position.collectives_completed if position else None,
+            in_collective=position.in_collective if position else None,
+            collective=position.collective if position else "",
+            innermost=innermost_frames(stacks)))
+    return evidence, texts
+
+
+def _stacks_text(node: str, rank: int, state: str, position: channel.Position | None, stacks: str) -> str:
+    head = [f"rank {rank} on {node}, process state {state}"]
+    if position is None:
+        head.append("no answer to the position request (stopped, exited, or holding the GIL in C)")
+    else:
+        head.append(f"step {position.step}; collectives entered {position.collectives_enqueued}, completed "
+                    f"{position.collectives_completed}, inside one: {position.in_collective} "
+                    f"({position.collective or '-'}; {position.source})")
+    return "\n".join(head) + "\n\n" + (stacks.strip() or "(no stacks: the rank could not run its handler)") + "\n"
+
+
+class EvidenceActivities:
+    """Hang evidence on one node; reads the attempts its `RankActivities` runs."""
+
+    def __init__(self, ranks: RankActivities, uploader: Callable[[str, str, str], None] | None = None) -> None:
+        self.ranks = ranks
+        self.uploader = uploader or _put_text
+        """(bucket, key, text): a PUT to the store."""
+        self._uploads: set[asyncio.Task[None]] = set()
+
+    @activity.defn(name="collect_evidence")
+    async def collect_evidence(self, request: CollectEvidenceInput) -> CollectEvidenceResult:
+        """Every local rank's stacks and collective position, before anything is stopped. Idempotent: a
+        retry asks again (the ranks are still where they were, or gone)."""
+        record = self.ranks._record(request.workflow_id)
+        if record is None or record.attempt != request.attempt:
+            return CollectEvidenceResult(node=self.ranks.node)
+        layout = RunLayout.of(self.ranks.workdir, request.workflow_id)
+        found, texts = await asyncio.to_thread(collect_local, self.ranks.node, layout, record)
+        local_dir = layout.attempt_dir(record.attempt) / "evidence"
+        for item in found:
+            text = texts[item.rank]
+            local = local_dir / f"incident-rank-{item.rank:05d}.txt"
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(text)
+            if request.bucket:
+                item.stacks_key = stacks_key(request.run_prefix, record.attempt, item.rank)
+                task = asyncio.ensure_future(self._upload(request.bucket, item.stacks_key, text, local))
+                self._uploads.add(task)
+                task.add_done_callback(self._uploads.discard)
+        return CollectEvidenceResult(node=self.ranks.node, ranks=found)
+
+    async def _upload(self, bucket: str, key: str, text: str, local: Path) -> None:
+        until = time.monotonic() + STACKS_UPLOAD_RETRY_S
+        while True:
+            try:
+                await asyncio.to_thread(self.uploader, bucket, key, text)
+                return
+            except Exception as error:  # noqa: BLE001 - the store's any failure: retry, then keep it local
+                if time.monotonic() > until:
+                    log.warning("stacks for s3://%s/%s not uploaded (%s); kept at %s", bucket, key, error, local)
+                    return
+                await asyncio.sleep(2.0)
+
+
+def _put_text(bucket: str, key: str, text: str) -> None:
+    from trainguard.settings import s3_client
+
+    s3_client().put_object(Bucket=bucket, Key=key, Body=text.encode(), ContentType="text/plain; charset=utf-8")
+
+
+# ------------------------------------------------------------------------------------------- chaos
+
+
+def inject_hang(layout: RunLayout, record: AttemptRecord, rank: int, mode: str) -> None:
+    """Have the rank's helper carry out a hang (`python`, `io`, `skip-collective`). `stop` is SIGSTOP, sent
+    by the agent itself."""
+    base = _evidence_base(layout, record.attempt, rank)
+    if base is None:
+        raise ApplicationError(
+            f"rank {rank} has no trainguard rank helper evidence channel (its script does not call "
+            f"trainguard.rank.init(), or has not reported a step yet): hang --mode {mode} needs it; --mode stop "
+            f"works on any rank", type="BadFault", non_retryable=True)
+    paths = channel.Paths(base)
+    if mode == "skip-collective" and not _hooked(paths, record.ranks[rank].pid):
+        raise ApplicationError(
+            f"rank {rank}'s script does not route its all-reduce through the helper (call run.hook_ddp(ddp) "
+            f"after wrapping the model in DDP): hang --mode skip-collective needs it",
+            type="BadFault", non_retryable=True)
+    channel.write_atomic(paths.chaos, json.dumps({"mode": mode, "at": time.time()}))
+
+
+def _hooked(paths: channel.Paths, pid: int, timeout_s: float = 1.0) -> bool:
+    """Ask the rank's helper whether its DDP all-reduce goes through `hook_ddp`."""
+    request = uuid.uuid4().hex
+    channel.write_atomic(paths.request, request)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            found = channel.Position.from_json(paths.answer.read_text())
+            if found.request == request:
+                return bool(found.extra.get("ddp_hooked"))
+        except (OSError, ValueError, TypeError):
+            pass
+        time.sleep(0.02)
+    return False
+
+
+def evidence_env(layout: RunLayout, attempt: int, rank: int, spec_env: dict[str, Any]) -> dict[str, str]:
+    """What a rank's environment gets for the evidence channel: its base path, and the Flight Recorder on
+    unless the spec set its size itself."""
+    env = {channel.BASE_ENV: str(layout.attempt_dir(attempt) / "evidence" / f"rank-{rank:05d}")}
+    if channel.FR_BUFFER_ENV not in spec_env:
+        env[channel.FR_BUFFER_ENV] = channel.FR_BUFFER_DEFAULT
+    return env
