@@ -78,6 +78,11 @@ SERVER_ARGS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchr
 is measured, and the disk's commit rate would otherwise be what limits 4,096 nodes here, not trainguard (a
 production Temporal cluster runs on Cassandra or PostgreSQL, sharded)."""
 
+STANDIN_HEARTBEAT_INTERVAL = timedelta(seconds=4)
+"""How often a stand-in watch's heartbeat reaches Temporal, as an agent's `TRAINGUARD_HEARTBEAT_INTERVAL_S`
+would at thousands of nodes (the README says 5 s there). Left to the SDK it is 0.8 x the 10 s heartbeat
+timeout, 2 s of slack: at 4,096 nodes sharing two cores with the server, late heartbeats read as lost nodes."""
+
 MAX_POLLS_PER_QUEUE = 20
 """Activity polls a shared queue's worker keeps open: as many as its nodes' agents would (5 each, the SDK's
 default), up to this. A burst of one activity per node (a watch each after a checkpoint) must start well within
@@ -491,6 +496,8 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
                     client, task_queue=queue, activities=nodes.activities(),
                     max_concurrent_activities=max(200, 8 * per_queue),
                     max_concurrent_activity_task_polls=min(MAX_POLLS_PER_QUEUE, 5 * per_queue),
+                    max_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
+                    default_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
                     graceful_shutdown_timeout=timedelta(seconds=1)))
             await wait_for_standins(client, shared_queues(num_queues))
             cpu_before, began = (controller.cpu_s(), cpu_s(server_pid), cpu_s(os.getpid())), time.monotonic()

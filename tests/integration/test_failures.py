@@ -12,6 +12,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import Action, IncidentKind, Phase, RunResult
@@ -83,6 +85,9 @@ async def test_lost_node_without_spare_pauses_for_an_operator_then_resumes(
     assert result.final_state_digest == baseline.final_state_digest
 
 
+# About a minute: `make test-slow` (the shrink and grow-back decisions have workflow unit tests, and the
+# sharded-state runs shrink and grow back real FSDP2 ranks).
+@pytest.mark.slow
 async def test_lost_node_without_spare_shrinks_to_min_nodes_then_grows_back_when_it_returns(
     client: TrainguardClient, prefix: str, stack: DevStack
 ) -> None:
@@ -111,6 +116,8 @@ async def test_lost_node_without_spare_shrinks_to_min_nodes_then_grows_back_when
     assert live_rank_pids(stack) == []
 
 
+# `make test-slow`: tests/integration/test_checkpoints.py keeps every kind of damage in `make test`.
+@pytest.mark.slow
 async def test_chaos_corrupt_checkpoint_from_the_cli_makes_the_restore_fall_back(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
