@@ -25,6 +25,8 @@ def run_id(kind: str) -> str:
     return f"it-{kind}-{uuid.uuid4().hex[:6]}"
 
 
+# `make test-slow`; the workflow unit test of a persistent straggler keeps the decision in `make test`.
+@pytest.mark.slow
 async def test_straggler_is_reported_then_replaced_by_a_spare_when_it_persists(
     client: TrainguardClient, baseline: RunResult, prefix: str
 ) -> None:
@@ -45,6 +47,8 @@ async def test_straggler_is_reported_then_replaced_by_a_spare_when_it_persists(
     assert result.final_state_digest == baseline.final_state_digest
 
 
+# `make test-slow`; the workflow unit tests of node faults (gpu among them) keep the decision in `make test`.
+@pytest.mark.slow
 async def test_gpu_fault_cordons_the_node_and_a_spare_takes_over(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
@@ -66,6 +70,8 @@ async def test_gpu_fault_cordons_the_node_and_a_spare_takes_over(
     assert result.final_state_digest == baseline.final_state_digest
 
 
+# `make test-slow`; the workflow unit test of a lost node without a spare keeps the pause in `make test`.
+@pytest.mark.slow
 async def test_lost_node_without_spare_pauses_for_an_operator_then_resumes(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
@@ -141,6 +147,8 @@ async def test_chaos_corrupt_checkpoint_from_the_cli_makes_the_restore_fall_back
     assert result.final_state_digest == baseline.final_state_digest
 
 
+# `make test-slow`: a timing case on top of the crash recoveries `make test` runs on the real stack.
+@pytest.mark.slow
 async def test_second_crash_while_recovering_from_the_first(
     client: TrainguardClient, baseline: RunResult, prefix: str
 ) -> None:
