@@ -8,8 +8,9 @@ For each N, a private Temporal dev server (`infra/bench/stack.py`, Temporal only
   (`TrainingRun`, `NodePool`) and the real controller activities as `workers.controller.build_worker` registers
   them, except the store's, which are stand-ins over manifests kept in memory (`infra/bench/standins.py`);
 - simulated nodes: stand-ins for every node-pinned activity, all served from this process, with per-node state
-  in memory (0.05 s steps, a checkpoint every `--every-steps`). The node pool is started with the N nodes and two
-  spares already registered.
+  in memory (0.05 s steps, a checkpoint every `--every-steps`), their watches heartbeating every 4 s (what an
+  operator sets at thousands of nodes). A relaunch's watches launch their nodes, as the real agents' do. The
+  node pool is started with the N nodes and two spares already registered.
 
 QUEUES: the stand-ins do not poll one `trainguard-node-<node>` queue per node (4,096 Workers is too heavy).
 In both processes, before any worker starts, `trainguard.node_task_queue` (and every module's reference to it)
