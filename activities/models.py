@@ -377,7 +377,7 @@ class WatchRanksInput(BaseModel):
     """Return STARTED once the attempt's first step is seen here."""
     launch: LaunchRanksInput | None = None
     """Launch this node's ranks of `attempt` first, unless the node already runs it (or a newer one): a
-    relaunch then costs each node one activity, its watch, not a launch and a watch (and a download)."""
+    relaunch then launches each node from its watch, with no launch (and download) activity of its own."""
     download: DownloadShardsInput | None = None
     """With `launch`: download the shards its ranks restore from first, and launch them from there."""
     download_timeout_s: float = 7200.0

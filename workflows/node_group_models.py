@@ -85,7 +85,7 @@ class NodeGroupWatchInput(BaseModel):
     signalled: bool = False
     launch: LaunchRanksInput | None = None
     """The attempt's launch, as every node of the group but `launched` runs it: each node's first watch
-    launches its ranks (its `node`, `node_rank` filled in), so a relaunch costs a node one activity. None: the
+    launches its ranks (its `node`, `node_rank` filled in): no launch or download activity of its own. None: the
     ranks run already (a watch after continue-as-new, or the launches were their own activities)."""
     download: DownloadShardsInput | None = None
     """With `launch`: what each node downloads first (its `node` and `ranks` filled in)."""

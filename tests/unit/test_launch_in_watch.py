@@ -1,5 +1,5 @@
 """A relaunch's first watch launches the node's ranks itself (downloading their shards first), so a relaunch
-costs each node one activity. The launch is the agent's real one (real processes), idempotent by attempt, and a
+needs no launch or download activity per node. The launch is the agent's real one (real processes), idempotent by attempt, and a
 download the store fails is retried inside the watch while bad bytes fail it at once."""
 
 from __future__ import annotations
