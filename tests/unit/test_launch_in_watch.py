@@ -1,6 +1,7 @@
 """A relaunch's first watch launches the node's ranks itself (downloading their shards first), so a relaunch
-needs no launch or download activity per node. The launch is the agent's real one (real processes), idempotent by attempt, and a
-download the store fails is retried inside the watch while bad bytes fail it at once."""
+needs no launch or download activity per node. The launch is the agent's real one (real processes),
+idempotent by attempt, and a download the store fails is retried inside the watch while bad bytes fail it at
+once."""
 
 from __future__ import annotations
 
