@@ -31,7 +31,8 @@ from trainguard.hosts import Direction, unavailable_reason
 from trainguard.models import Action, IncidentKind, Phase, RunResult
 from trainguard.settings import Settings
 
-from .conftest import REPO, RUN_TIMEOUT_S, activity_failures, checkpointed, live_rank_pids, make_spec, wait_until
+from .conftest import (REPO, RUN_TIMEOUT_S, activity_failures, checkpointed, live_rank_pids, make_spec,
+                       restart_agent, wait_until)
 
 NODES = ("node-0", "node-1", "node-2")
 REASON = unavailable_reason()
@@ -185,7 +186,7 @@ async def test_the_peer_tier_fetches_a_shard_from_another_host(
     try:
         result = await asyncio.wait_for(hosts_client.result(rid), RUN_TIMEOUT_S)
     finally:
-        await asyncio.to_thread(hosts_stack.restart, "agent-node-1", lambda _line: None)  # the XID is gone
+        await restart_agent(hosts_stack, "node-1")  # a repaired node: the injected XID is gone
     gpu = [i for i in result.incidents if i.kind is IncidentKind.GPU_UNHEALTHY]
     assert [(i.node, i.action) for i in gpu] == [("node-1", Action.REPLACE_NODE)], result.incidents
     # node-2 (10.x.x.12) read rank 1's shard from node-1 (10.x.x.11) over the bridge; node-0 its own copy.
