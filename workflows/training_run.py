@@ -80,6 +80,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_group import (
         EVIDENCE_RETRY,
         EVIDENCE_TIMEOUT,
+        LAUNCH_BURST_NODES,
         NODE_CALL_RETRY,
         NODES_PER_GROUP,
         NODE_SCHEDULE_TO_START,
@@ -132,6 +133,10 @@ PATCH_ONE_INCIDENT_PER_LOST_NODE = "one-incident-per-lost-node"
 counted two restarts for the one fault."""
 PATCH_RESUME_WHILE_PAUSING = "resume-while-pausing"
 """Histories before this patch dropped any resume accepted before the run was PAUSED (none could be)."""
+PATCH_FENCED_RELAUNCH = "fenced-relaunch"
+"""Histories before this patch stopped every node's ranks (an activity per node) before relaunching them; now
+each node's launch of the next attempt stops the old ranks itself (the agent fences by attempt), and only
+nodes that leave the run are stopped. A node that does not take up the relaunch is found there instead."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -140,6 +145,9 @@ FAN_OUT_GROUPS = 8
 """Node-call groups a run keeps open at once: 512 node activities, which a dev server on two cores matches to
 their agents within seconds; the 64 groups of a 4,096-node check all at once left 1,309 checks waiting past
 their schedule-to-start timeout, and the run took those nodes for dead."""
+
+RELAUNCHES = frozenset({Action.RESTART, Action.REPLACE_NODE, Action.SHRINK})
+"""Decisions after which every node of the run launches the next attempt."""
 
 SPEC_FAULTS = ("BadSpec", "StaleAttempt", "EntrypointNotAllowed")
 """Launch failures that are the spec's (or its operator's) fault: the run fails with InvalidSpec, no node is
@@ -289,6 +297,9 @@ class TrainingRun:
         restore tiers to them as their events come."""
         self._corrupt_steps: list[int] = []
         """Checkpoints a node's launching watch found corrupt: later restores pass them over."""
+        self._symptom: tuple[Incident, str] | None = None
+        """The rank fault this relaunch recovers from, with what it was first seen as, while no node has been
+        stopped to prove its node reachable: a node lost before the next attempt's first step was its cause."""
 
     # ------------------------------------------------------------------------------ queries/updates
     @workflow.query
@@ -728,7 +739,7 @@ class TrainingRun:
         try:
             found, restore_dirs = await self._restore(spec, attempt, master_only=in_watch)
         except _NodeFailed as failed:
-            return _Outcome(False, self._node_lost(failed.node, attempt, str(failed)))
+            return _Outcome(False, self._lost_at_launch(failed.node, attempt, str(failed)))
         except _StoreUnavailable as unavailable:
             return _Outcome(False, Incident(kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt,
                                             detail=str(unavailable), detected_at=workflow.now().timestamp()))
@@ -774,7 +785,7 @@ class TrainingRun:
             if outcome.error_type in SPEC_FAULTS:
                 self._status.reason = outcome.error
                 raise ApplicationError(self._status.reason or "bad spec", type="InvalidSpec", non_retryable=True)
-            return _Outcome(False, self._node_lost(outcome.node, attempt, f"launch failed: {outcome.error}"))
+            return _Outcome(False, self._lost_at_launch(outcome.node, attempt, f"launch failed: {outcome.error}"))
         self._set_phase(Phase.RUNNING)
         if not in_watch or len(nodes) == 1:
             return await self._supervise(spec, attempt)
@@ -920,12 +931,15 @@ class TrainingRun:
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
         master = self._status.nodes[:1]
+        launch_wait = (NODE_SCHEDULE_TO_START.total_seconds() if launch is not None and len(self._status.nodes) <=
+                       LAUNCH_BURST_NODES and workflow.patched(PATCH_FENCED_RELAUNCH) else None)
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
             NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
                                                     starters=[n for n in group if n in master],
                                                     launch=launch, download=download,
                                                     first_node_rank=index * NODES_PER_GROUP,
-                                                    launched=[n for n in group if n in master] if launch else []),
+                                                    launched=[n for n in group if n in master] if launch else [],
+                                                    launch_wait_s=launch_wait),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
         )) for index, group in enumerate(groups_of(self._status.nodes))}
@@ -1000,7 +1014,7 @@ class TrainingRun:
                     if lost.error_type == "CorruptCheckpoint":
                         corrupt = corrupt or lost
                         continue
-                    found = self._node_lost(lost.node, attempt, lost.detail)
+                    found = self._lost_at_launch(lost.node, attempt, lost.detail)
                     seen.append((found.detected_at, found))
                 for event in result.incidents:
                     self._status.step = max(self._status.step, event.step)
@@ -1151,15 +1165,26 @@ class TrainingRun:
                         detection_s=detection, detected_at=event.detected_at, log_path=event.log_path,
                         log_tail=event.log_tail, signature=event.failure_signature)
 
-    def _symptom_of_lost_node(self, symptom: Incident, node: str, seen_as: str) -> Incident:
+    def _symptom_of_lost_node(self, symptom: Incident, node: str, seen_as: str, missed: str = "the stop") -> Incident:
         """One fault, one incident: a rank fault whose node then did not answer is taken back, and the lost
         node is the incident, timed from the symptom (its first sign), with the symptom in its detail."""
         self._status.incidents = [i for i in self._status.incidents if i is not symptom]
-        lost = self._node_lost(node, symptom.attempt, f"node agent did not answer the stop after "
+        lost = self._node_lost(node, symptom.attempt, f"node agent did not answer {missed} after "
                                                       f"{symptom.kind.value} on {symptom.node} ({seen_as})")
         lost.detected_at = symptom.detected_at
         lost.detection_s = lost.detection_s if lost.detection_s is not None else symptom.detection_s
         return lost
+
+    def _lost_at_launch(self, node: str, attempt: int, detail: str) -> Incident:
+        """A node lost while attempt `attempt` restores, launches or runs. Before its first step, and after a
+        rank fault that no stop proved harmless to its node (a fenced relaunch), the fault was this node's
+        symptom: one incident, the lost node, and the relaunch it cost is not counted twice."""
+        symptom, self._symptom = self._symptom, None
+        if symptom is None or symptom[0].attempt != attempt - 1 or symptom[0].recovery_s is not None:
+            return self._node_lost(node, attempt, detail)
+        self._restart_times = self._restart_times[:-1]
+        self._restarts_without_checkpoint = max(0, self._restarts_without_checkpoint - 1)
+        return self._symptom_of_lost_node(symptom[0], node, symptom[1], missed=f"the relaunch ({detail})")
 
     def _node_lost(self, node: str, attempt: int, detail: str) -> Incident:
         """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
@@ -1173,6 +1198,7 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------- recover
     async def _recover(self, spec: RunSpec, attempt: int, incident: Incident) -> None:
         self._set_phase(Phase.RECOVERING)
+        self._symptom = None
         now = workflow.now().timestamp()
         same = same_failure_streak(incident, self._status.incidents)
         if (spec.restarts.max_same_failure and same >= spec.restarts.max_same_failure
@@ -1205,8 +1231,9 @@ class TrainingRun:
             return
         reachable = [n for n in self._status.nodes if
                      not (incident.kind is IncidentKind.NODE_UNRESPONSIVE and n == incident.node)]
-        unreachable = await self._stop_everywhere(reachable, attempt,
-                                                  f"{incident.kind.value}: {decision.action.value}")
+        fenced = decision.action in RELAUNCHES and workflow.patched(PATCH_FENCED_RELAUNCH)
+        unreachable = [] if fenced else await self._stop_everywhere(
+            reachable, attempt, f"{incident.kind.value}: {decision.action.value}")
         if decision.action is Action.STOP:
             self._status.reason = decision.reason
             raise ApplicationError(decision.reason, type="RunStopped", non_retryable=True)
@@ -1238,6 +1265,14 @@ class TrainingRun:
             self._status.nodes = [n for n in self._status.nodes if n != incident.node]
             self._status.cordoned = [*self._status.cordoned, incident.node]
             self._status.world_size = len(self._status.nodes) * spec.ranks_per_node
+        if fenced:
+            # Every node staying in the run stops this attempt's ranks as it launches the next one; those
+            # leaving it (a straggler or a sick GPU replaced) are stopped here.
+            leaving = [n for n in reachable if n not in self._status.nodes]
+            if leaving:
+                await self._stop_everywhere(leaving, attempt, f"{incident.kind.value}: {decision.action.value}")
+            if decision.action is Action.RESTART and incident.kind in RANK_FAULTS:
+                self._symptom = (incident, seen_as)
         self._restart_times.append(now)
         self._restarts_without_checkpoint += 1
         self._set_phase(Phase.RESTORING)

@@ -106,3 +106,25 @@ async def test_a_watch_never_launches_an_older_attempt_than_the_node_runs(agent:
         await ActivityEnvironment().run(agent.watch_ranks, _watch(attempt=2, download=False))
     assert stale.value.type == "NoSuchAttempt"
     assert agent._record("wf").attempt == 3
+
+
+async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launching(agent: RankActivities,
+                                                                                    tmp_path: Path) -> None:
+    """A relaunch sends no stop to a node that stays in the run: its launching watch fences the old attempt.
+    Its ranks (alive, blocked in a sleep) must be gone before the new ones start, never beside them."""
+    agent.downloader = Store(tmp_path)
+    old = _watch(attempt=1, download=False).launch
+    assert old is not None
+    await agent.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
+    before = agent._record("wf")
+    assert before is not None and before.attempt == 1
+    old_ranks = list(before.ranks.values())
+    assert not any(p.poll() for p in old_ranks), "attempt 1 runs"
+
+    event = await ActivityEnvironment().run(agent.watch_ranks, _watch(attempt=2, download=False))
+
+    assert event.kind is WatchEventKind.FINISHED
+    assert all(p.poll() for p in old_ranks), "attempt 1's ranks were stopped"
+    after = agent._record("wf")
+    assert after is not None and after.attempt == 2
+    assert not {p.pid for p in old_ranks} & {p.pid for p in after.ranks.values()}

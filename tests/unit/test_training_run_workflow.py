@@ -140,7 +140,8 @@ class Cluster:
     unhealthy: dict[str, str] = field(default_factory=dict)
     """Node -> GPU problem `check_node` reports."""
     unreachable: set[str] = field(default_factory=set)
-    """Nodes whose agent never answers `stop_ranks` (as a dead agent never starts it)."""
+    """Nodes whose agent is gone once their first attempt's ranks fail: they never answer `stop_ranks`, nor
+    take up a relaunch (as a dead agent never starts either)."""
     store_down: bool = False
     returned: set[str] = field(default_factory=set)
     """Nodes the pool has back (repaired) when a shrunk run asks to reclaim them."""
@@ -288,6 +289,8 @@ class Cluster:
         @activity.defn(name="launch_ranks")
         async def launch_ranks(request: LaunchRanksInput) -> LaunchRanksResult:
             self.calls["launch_ranks"].append(request)
+            if request.node in self.unreachable and request.attempt > 1:
+                raise ApplicationError(f"no agent on {request.node}", type="Unreachable", non_retryable=True)
             if request.node in self.refuse_launch:
                 raise ApplicationError(f"entrypoint not allowed on {request.node}",
                                        type=self.refuse_launch[request.node], non_retryable=True)
@@ -533,7 +536,7 @@ async def test_a_hang_is_blamed_on_the_rank_its_evidence_names_asked_before_any_
     assert _by_attempt(cluster.inputs("watch_ranks"), 1)[0].evidence
 
 
-async def test_crash_stops_every_rank_and_relaunches_from_the_committed_checkpoint(
+async def test_crash_relaunches_every_rank_from_the_committed_checkpoint_without_a_stop(
         env: WorkflowEnvironment) -> None:
     nodes = _node_ids(2)
     crash = _exited(-9).model_copy(update={"detected_at": 1_000.0, "fault_at": 999.75})
@@ -557,8 +560,9 @@ async def test_crash_stops_every_rank_and_relaunches_from_the_committed_checkpoi
     assert incident.resumed_step == 10
     assert (incident.detection_s, incident.recovery_s) == (0.25, 6.5)
     assert "exit code -9" in incident.detail
-    # Every rank of attempt 1 was stopped before the relaunch.
-    assert sorted((s.node, s.attempt) for s in cluster.inputs("stop_ranks")) == [(nodes[0], 1), (nodes[1], 1)]
+    # No node was sent a stop: each stays in the run, and its launch of attempt 2 stops attempt 1's ranks
+    # first (the agent's fence: tests/unit/test_launch_in_watch.py), one activity per node, not two.
+    assert cluster.inputs("stop_ranks") == []
     # Attempt 2 found the committed step 10, downloaded each node's shard and launched from it.
     assert len(cluster.inputs("find_checkpoint")) == 2
     downloads = sorted(_by_attempt(cluster.inputs("download_shards"), 2), key=lambda d: d.node)
@@ -707,10 +711,10 @@ async def test_unhealthy_gpu_without_a_spare_fails_before_launch(env: WorkflowEn
     ("fault", "kind", "detail", "stopped"),
     [
         pytest.param(ApplicationError("agent lost its ranks", type="AgentLost"),
-                     IncidentKind.NODE_UNRESPONSIVE, "agent lost its ranks", [0],
+                     IncidentKind.NODE_UNRESPONSIVE, "agent lost its ranks", [],
                      id="agent-lost-not-asked-to-stop"),
         pytest.param(_event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79 (fallen off the bus)"),
-                     IncidentKind.GPU_UNHEALTHY, "XID 79", [0, 1], id="gpu-fails-while-training"),
+                     IncidentKind.GPU_UNHEALTHY, "XID 79", [1], id="gpu-fails-while-training"),
     ],
 )
 async def test_node_fault_while_training_is_replaced_by_a_spare(env: WorkflowEnvironment, fault: Any,
@@ -892,16 +896,19 @@ async def test_a_replaced_node_that_returns_becomes_a_spare(env: WorkflowEnviron
     assert (run.status.nodes, run.status.spares, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]], [])
 
 
-async def test_a_crash_whose_node_then_does_not_answer_replaces_that_node(env: WorkflowEnvironment) -> None:
-    """A node that died takes its ranks with it; its peers fail in the collective and are seen first. The
-    node's silence at the stop makes it the incident: no relaunch onto a node that cannot answer."""
+async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_that_node(
+        env: WorkflowEnvironment) -> None:
+    """A node that died takes its ranks with it; its peers fail in the collective and are seen first. A relaunch
+    sends no stop, so the node is found when it does not take up the relaunch: it becomes the incident, and
+    the relaunch it cost is not counted against the restart budget twice."""
     nodes, spares = _node_ids(2), _node_ids(1)
     cluster = Cluster(nodes=nodes, spares=spares, unreachable={nodes[1]}, watch_script={
         (1, nodes[0]): [_exited(1)],
         (1, nodes[1]): [BLOCK],
     })
 
-    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+    # One restart allowed: the one fault may cost only one.
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares, restarts={"max_restarts": 1}))
 
     result = run.outcome
     assert isinstance(result, RunResult), result
@@ -909,10 +916,14 @@ async def test_a_crash_whose_node_then_does_not_answer_replaces_that_node(env: W
     [incident] = result.incidents
     assert (incident.kind, incident.node, incident.action) == (
         IncidentKind.NODE_UNRESPONSIVE, nodes[1], Action.REPLACE_NODE)
-    assert f"did not answer the stop after crash on {nodes[0]} (rank 0 exit code 1)" in incident.detail
-    assert result.attempts == 2
-    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert "did not answer the relaunch" in incident.detail
+    assert f"after crash on {nodes[0]} (rank 0 exit code 1)" in incident.detail
+    assert cluster.inputs("stop_ranks") == []
+    # Attempt 2 never ran a step (its second node never launched); attempt 3 runs on the spare.
+    assert result.attempts == 3
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 3), key=lambda r: r.node_rank)
     assert [r.node for r in relaunches] == [nodes[0], spares[0]]
+    assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
 
 
 async def test_store_down_at_restore_pauses_with_an_incident_until_resumed(env: WorkflowEnvironment) -> None:
