@@ -52,11 +52,6 @@ NODE_SCHEDULE_TO_START = timedelta(seconds=10)
 """Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever. A live agent
 polls all the time and starts one in milliseconds; 10 s, like the watch's heartbeat timeout, means it is gone."""
 
-LAUNCH_BURST_NODES = 512
-"""A relaunch of up to this many nodes gives its launching watches `NODE_SCHEDULE_TO_START`: the burst is no
-bigger than the stop bursts that timeout was measured on (`FAN_OUT_GROUPS` groups of 64), and a node lost with
-its ranks, whose peers' crash is seen first, is found that fast. Past it, `BURST_SCHEDULE_TO_START`."""
-
 BURST_SCHEDULE_TO_START = timedelta(seconds=30)
 """...but where a call reaches every node of a run at once and nothing waits on a dead node being noticed
 fast (the check at reservation, a relaunch's launching watches, just after every node answered the stop),
@@ -128,10 +123,6 @@ _CALL_OPTIONS: dict[NodeCallKind, _CallOptions] = {
 }
 
 
-def _launch_wait(request: NodeGroupWatchInput) -> timedelta:
-    return BURST_SCHEDULE_TO_START if request.launch_wait_s is None else timedelta(seconds=request.launch_wait_s)
-
-
 def groups_of(nodes: list[str], size: int = NODES_PER_GROUP) -> list[list[str]]:
     """Consecutive groups of at most `size` nodes, in order."""
     return [nodes[start : start + size] for start in range(0, len(nodes), size)]
@@ -155,26 +146,32 @@ class NodeCalls:
 
     @workflow.run
     async def run(self, request: NodeCallsInput) -> NodeCallsResult:
-        options = _CALL_OPTIONS[request.kind]
+        return await call_nodes(request)
 
-        async def call(one: NodeCall) -> NodeOutcome:
-            try:
-                result = await workflow.execute_activity(
-                    request.kind.value, one.input,
-                    task_queue=node_task_queue(one.node),
-                    start_to_close_timeout=options.start_to_close,
-                    schedule_to_close_timeout=options.schedule_to_close,
-                    schedule_to_start_timeout=options.schedule_to_start,
-                    heartbeat_timeout=options.heartbeat,
-                    retry_policy=options.retry,
-                    result_type=dict,
-                    summary=request.summary.replace("{node}", one.node),
-                )
-            except ActivityError as error:
-                return _failure(one.node, error)
-            return NodeOutcome(node=one.node, result=result)
 
-        return NodeCallsResult(outcomes=list(await asyncio.gather(*(call(c) for c in request.calls))))
+async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
+    """Each call's activity, in parallel, from the calling workflow (a `NodeCalls` child, or a run whose
+    calls fit in one group); every node's result or failure, in the calls' order."""
+    options = _CALL_OPTIONS[request.kind]
+
+    async def call(one: NodeCall) -> NodeOutcome:
+        try:
+            result = await workflow.execute_activity(
+                request.kind.value, one.input,
+                task_queue=node_task_queue(one.node),
+                start_to_close_timeout=options.start_to_close,
+                schedule_to_close_timeout=options.schedule_to_close,
+                schedule_to_start_timeout=options.schedule_to_start,
+                heartbeat_timeout=options.heartbeat,
+                retry_policy=options.retry,
+                result_type=dict,
+                summary=request.summary.replace("{node}", one.node),
+            )
+        except ActivityError as error:
+            return _failure(one.node, error)
+        return NodeOutcome(node=one.node, result=result)
+
+    return NodeCallsResult(outcomes=list(await asyncio.gather(*(call(c) for c in request.calls))))
 
 
 @workflow.defn(name=NODE_GROUP_WATCH_WORKFLOW)
@@ -264,7 +261,7 @@ class NodeGroupWatch:
             task_queue=node_task_queue(node),
             # A launching watch may first download for as long as a download activity would.
             start_to_close_timeout=WATCH_TIMEOUT + TRANSFER_TIMEOUT if launches else WATCH_TIMEOUT,
-            schedule_to_start_timeout=_launch_wait(request) if launches else NODE_SCHEDULE_TO_START,
+            schedule_to_start_timeout=BURST_SCHEDULE_TO_START if launches else NODE_SCHEDULE_TO_START,
             heartbeat_timeout=WATCH_HEARTBEAT_TIMEOUT,
             retry_policy=WATCH_RETRY,
             result_type=WatchEvent,

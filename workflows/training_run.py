@@ -80,7 +80,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_group import (
         EVIDENCE_RETRY,
         EVIDENCE_TIMEOUT,
-        LAUNCH_BURST_NODES,
         NODE_CALL_RETRY,
         NODES_PER_GROUP,
         NODE_SCHEDULE_TO_START,
@@ -99,6 +98,7 @@ with workflow.unsafe.imports_passed_through():
         NodeGroupWatchResult,
         NodeOutcome,
         LostNode,
+        call_nodes,
         groups_of,
     )
 
@@ -133,6 +133,8 @@ PATCH_ONE_INCIDENT_PER_LOST_NODE = "one-incident-per-lost-node"
 counted two restarts for the one fault."""
 PATCH_RESUME_WHILE_PAUSING = "resume-while-pausing"
 """Histories before this patch dropped any resume accepted before the run was PAUSED (none could be)."""
+PATCH_DIRECT_NODE_CALLS = "direct-node-calls"
+"""Histories before this patch made every node call through a `NodeCalls` child, even a single one."""
 PATCH_FENCED_RELAUNCH = "fenced-relaunch"
 """Histories before this patch stopped every node's ranks (an activity per node) before relaunching them; now
 each node's launch of the next attempt stops the old ranks itself (the agent fences by attempt), and only
@@ -140,6 +142,11 @@ nodes that leave the run are stopped. A node that does not take up the relaunch 
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
+
+DIRECT_NODE_CALLS = 4
+"""Node calls this few the run makes itself, not through a `NodeCalls` child: a relaunch's master download and
+launch, a small run's every call. A child's start and end cost the run two workflow tasks more than the
+activities do, on the path every recovery waits on; four activities are nothing to the run's pending count."""
 
 FAN_OUT_GROUPS = 8
 """Node-call groups a run keeps open at once: 512 node activities, which a dev server on two cores matches to
@@ -409,6 +416,10 @@ class TrainingRun:
         """One activity of `kind` per node, through a `NodeCalls` child per group of nodes, so no execution
         holds more than a group's activities; every node's outcome, in the calls' order."""
         wid = workflow.info().workflow_id
+        if len(calls) <= DIRECT_NODE_CALLS and workflow.patched(PATCH_DIRECT_NODE_CALLS):
+            direct = NodeCallsInput(kind=kind, summary=summary, calls=[
+                NodeCall(node=node, input=request.model_dump(mode="json")) for node, request in calls])
+            return (await call_nodes(direct)).outcomes
         tag = str(workflow.uuid4())[:8]
         chunks = groups_of([NodeCall(node=node, input=request.model_dump(mode="json")) for node, request in calls])
         # Past FAN_OUT_GROUPS groups, the rest wait for a free slot: thousands of node activities queued at once
@@ -931,15 +942,12 @@ class TrainingRun:
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
         master = self._status.nodes[:1]
-        launch_wait = (NODE_SCHEDULE_TO_START.total_seconds() if launch is not None and len(self._status.nodes) <=
-                       LAUNCH_BURST_NODES and workflow.patched(PATCH_FENCED_RELAUNCH) else None)
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
             NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
                                                     starters=[n for n in group if n in master],
                                                     launch=launch, download=download,
                                                     first_node_rank=index * NODES_PER_GROUP,
-                                                    launched=[n for n in group if n in master] if launch else [],
-                                                    launch_wait_s=launch_wait),
+                                                    launched=[n for n in group if n in master] if launch else []),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
         )) for index, group in enumerate(groups_of(self._status.nodes))}

@@ -73,7 +73,7 @@ from trainguard.models import (
     RunStatus,
 )
 from workflows.node_group import NodeCalls, NodeGroupWatch
-from workflows.training_run import TrainingRun
+from workflows.training_run import DIRECT_NODE_CALLS, TrainingRun
 
 RUN_TIMEOUT_S = 20.0
 """Real seconds a single run may take before the test gives up (they take well under one)."""
@@ -1253,7 +1253,7 @@ async def test_with_tracing_one_trace_covers_the_run_its_workflow_tasks_and_ever
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     traced = Client(**{**env.client.config(), "interceptors": [TracingInterceptor(provider.get_tracer("test"))]})
-    nodes = _node_ids(2)
+    nodes = _node_ids(DIRECT_NODE_CALLS + 1)  # enough that the check at reservation goes through node groups
     cluster = Cluster(nodes=nodes, watch_script={(1, n): [_ready(10), _finished(20)] for n in nodes})
 
     run = await _run(env, cluster, _spec(nodes), client=traced)
