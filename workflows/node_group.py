@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     # Passed through, not imported again in every workflow's sandbox: a 4,096-node relaunch starts hundreds of
@@ -188,6 +188,8 @@ class NodeGroupWatch:
         starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
         watches = {n: self._watch(request, n, report_start=n in starters and n not in started, launch=True)
                    for n in request.nodes if n not in finished}
+        launching = set(watches) if request.launch is not None else set()
+        """Nodes whose current watch is their launching one: none has come back yet."""
         # Watches still running when the group closes are left, not cancelled: a cancel that races a watch
         # just returned is refused (ACTIVITY_UNKNOWN) and fails the workflow task. Once the group has closed,
         # each watch's next heartbeat (a second) is refused and its agent stops it; the ranks keep running,
@@ -205,11 +207,19 @@ class NodeGroupWatch:
                 try:
                     event = task.result()
                 except ActivityError as error:
+                    if (node in launching and request.launch_second_chance and isinstance(error.cause, TimeoutError)
+                            and error.cause.type is TimeoutType.SCHEDULE_TO_START):
+                        launching.discard(node)  # once: a second miss is a lost node
+                        workflow.logger.warning("%s did not start its launching watch in time: scheduled again", node)
+                        watches[node] = self._watch(request, node, report_start=node in starters
+                                                    and node not in started, launch=True)
+                        continue
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
                     result.lost.append(LostNode(node=node, detail=f"node agent {how}: {failure.error}",
                                                 error_type=failure.error_type))
                     continue
+                launching.discard(node)
                 if event.kind is WatchEventKind.STARTED:
                     started[node] = event.first_step_at or event.detected_at
                     watches[node] = self._watch(request, node, report_start=False)

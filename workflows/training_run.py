@@ -942,12 +942,14 @@ class TrainingRun:
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
         master = self._status.nodes[:1]
+        second_chance = len(self._status.nodes) > FAN_OUT_GROUPS * NODES_PER_GROUP
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
             NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
                                                     starters=[n for n in group if n in master],
                                                     launch=launch, download=download,
                                                     first_node_rank=index * NODES_PER_GROUP,
-                                                    launched=[n for n in group if n in master] if launch else []),
+                                                    launched=[n for n in group if n in master] if launch else [],
+                                                    launch_second_chance=second_chance),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
         )) for index, group in enumerate(groups_of(self._status.nodes))}

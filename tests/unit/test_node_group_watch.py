@@ -1,0 +1,88 @@
+"""A node group's launching watches at the size of thousands of nodes: a live node whose agent a busy Temporal
+matches to its launching watch only after the schedule-to-start timeout gets one more chance when the run asks
+for it, and is taken for lost when it does not (a small run: the node is gone)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from uuid import uuid4
+
+import pytest
+from temporalio import activity, workflow
+from temporalio.api.enums.v1 import EventType
+from temporalio.service import RPCError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from workflows import node_group
+
+from activities.models import HealthSpec, LaunchRanksInput, WatchEvent, WatchEventKind, WatchRanksInput
+from trainguard import node_task_queue
+from workflows.node_group import NodeGroupWatch
+from workflows.node_group_models import GroupStarted, NodeGroupWatchInput, NodeGroupWatchResult
+
+NODES = ["a-0", "a-1"]
+"""a-0 is the master (launched by an activity of its own); a-1 launches from its watch."""
+
+
+@activity.defn(name="watch_ranks")
+async def finished_watch(request: WatchRanksInput) -> WatchEvent:
+    return WatchEvent(kind=WatchEventKind.FINISHED, node=request.node, detected_at=time.time(), step=10)
+
+
+@workflow.defn(name="GroupParent")
+class GroupParent:
+    """Stands in for the run: receives the group's `group_started` signal."""
+
+    @workflow.run
+    async def run(self, request: NodeGroupWatchInput) -> NodeGroupWatchResult:
+        return await workflow.execute_child_workflow(NodeGroupWatch.run, request, id=f"{workflow.info().workflow_id}/g")
+
+    @workflow.signal
+    def group_started(self, started: GroupStarted) -> None:
+        pass
+
+
+def _request(parent: str, second_chance: bool) -> NodeGroupWatchInput:
+    launch = LaunchRanksInput(workflow_id="wf", attempt=2, node="", node_rank=0, num_nodes=2, ranks_per_node=1,
+                              master_addr="a-0", master_port=29500, entrypoint=["python", "train.py"])
+    return NodeGroupWatchInput(run_workflow_id=parent, group=0, nodes=NODES, starters=[], launch=launch,
+                               launched=[NODES[0]], launch_second_chance=second_chance,
+                               watch=WatchRanksInput(workflow_id="wf", attempt=2, node="", health=HealthSpec()))
+
+
+@pytest.mark.parametrize("second_chance", [True, False], ids=["thousands-of-nodes", "small-run"])
+async def test_a_node_matched_late_to_its_launching_watch_gets_a_second_chance_only_when_asked(
+        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, second_chance: bool) -> None:
+    # Real time, not skipped (the test never waits on a result until the late agent polls): a 2 s wait to be
+    # matched, and the workflows unsandboxed so they see it.
+    monkeypatch.setattr(node_group, "BURST_SCHEDULE_TO_START", timedelta(seconds=2))
+    queue = f"tq-{uuid4()}"
+    parent = f"group-{uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[GroupParent, NodeGroupWatch],
+                      workflow_runner=UnsandboxedWorkflowRunner()), \
+            Worker(env.client, task_queue=node_task_queue(NODES[0]), activities=[finished_watch]):
+        handle = await env.client.start_workflow(GroupParent.run, _request(parent, second_chance), id=parent,
+                                                 task_queue=queue, result_type=NodeGroupWatchResult)
+        # a-1's agent polls only once its launching watch has timed out waiting to be matched (a server busy
+        # with a burst of thousands of them).
+        group = env.client.get_workflow_handle(f"{parent}/g")
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            try:
+                events = [e.event_type async for e in group.fetch_history_events()]
+            except RPCError:  # the group has not started yet
+                continue
+            if EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT in events:
+                break
+        else:
+            pytest.fail("a-1's launching watch never timed out")
+        async with Worker(env.client, task_queue=node_task_queue(NODES[1]), activities=[finished_watch]):
+            result = await handle.result()
+    if second_chance:
+        assert result.lost == []
+        assert sorted(e.node for e in result.finished) == NODES
+    else:
+        assert [lost.node for lost in result.lost] == [NODES[1]] and result.finished == []
