@@ -128,6 +128,11 @@ def groups_of(nodes: list[str], size: int = NODES_PER_GROUP) -> list[list[str]]:
     return [nodes[start : start + size] for start in range(0, len(nodes), size)]
 
 
+def _not_started(error: ActivityError) -> bool:
+    """The activity timed out before any agent started it."""
+    return isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.SCHEDULE_TO_START
+
+
 def _failure(node: str, error: ActivityError) -> NodeOutcome:
     cause: BaseException | None = error.cause
     while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
@@ -154,7 +159,7 @@ async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
     calls fit in one group); every node's result or failure, in the calls' order."""
     options = _CALL_OPTIONS[request.kind]
 
-    async def call(one: NodeCall) -> NodeOutcome:
+    async def call(one: NodeCall, chances: int) -> NodeOutcome:
         try:
             result = await workflow.execute_activity(
                 request.kind.value, one.input,
@@ -168,10 +173,15 @@ async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
                 summary=request.summary.replace("{node}", one.node),
             )
         except ActivityError as error:
+            if chances > 1 and _not_started(error):
+                workflow.logger.warning("%s did not start %s in time: scheduled again", one.node, request.kind.value)
+                return await call(one, chances - 1)
             return _failure(one.node, error)
         return NodeOutcome(node=one.node, result=result)
 
-    return NodeCallsResult(outcomes=list(await asyncio.gather(*(call(c) for c in request.calls))))
+    chances = 2 if request.second_chance else 1
+    return NodeCallsResult(outcomes=list(await asyncio.gather(*(call(c, chances) for c in request.calls))))
+
 
 
 @workflow.defn(name=NODE_GROUP_WATCH_WORKFLOW)
@@ -207,8 +217,7 @@ class NodeGroupWatch:
                 try:
                     event = task.result()
                 except ActivityError as error:
-                    if (node in launching and request.launch_second_chance and isinstance(error.cause, TimeoutError)
-                            and error.cause.type is TimeoutType.SCHEDULE_TO_START):
+                    if node in launching and request.launch_second_chance and _not_started(error):
                         launching.discard(node)  # once: a second miss is a lost node
                         workflow.logger.warning("%s did not start its launching watch in time: scheduled again", node)
                         watches[node] = self._watch(request, node, report_start=node in starters

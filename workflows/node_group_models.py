@@ -37,6 +37,10 @@ class NodeCallsInput(BaseModel):
     calls: list[NodeCall]
     summary: str
     """What the calls do, for the UI; `{node}` is replaced by each call's node."""
+    second_chance: bool = False
+    """A call no agent started within its schedule-to-start timeout is made once more before it counts as the
+    node's failure: a burst of thousands (the check at reservation) reaches its last agents late on a small
+    Temporal, and a live node must not fail a run for the server's pace."""
 
 
 class NodeOutcome(BaseModel):

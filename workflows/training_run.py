@@ -427,10 +427,14 @@ class TrainingRun:
         limit = asyncio.Semaphore(FAN_OUT_GROUPS if len(chunks) > FAN_OUT_GROUPS and workflow.patched(
             PATCH_FAN_OUT_SLOTS) else len(chunks) or 1)
 
+        # A check reaches every node at once: past one window of slots, its last calls are matched late.
+        second_chance = kind is NodeCallKind.CHECK and len(chunks) > FAN_OUT_GROUPS
+
         async def one(index: int, chunk: list[NodeCall]) -> NodeCallsResult:
             async with limit:
                 return await workflow.execute_child_workflow(
-                    NodeCalls.run, NodeCallsInput(kind=kind, calls=chunk, summary=summary),
+                    NodeCalls.run, NodeCallsInput(kind=kind, calls=chunk, summary=summary,
+                                                  second_chance=second_chance),
                     id=f"{wid}/{kind.value}-{tag}-{index}", result_type=NodeCallsResult,
                     static_summary=f"{kind.value} on {chunk[0].node}..{chunk[-1].node} ({len(chunk)} nodes)")
 

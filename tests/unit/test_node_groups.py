@@ -1,10 +1,11 @@
-"""A node group's launching watches at the size of thousands of nodes: a live node whose agent a busy Temporal
-matches to its launching watch only after the schedule-to-start timeout gets one more chance when the run asks
-for it, and is taken for lost when it does not (a small run: the node is gone)."""
+"""Node groups at the size of thousands of nodes: a live node whose agent a busy Temporal matches to its
+launching watch, or its check at reservation, only after the schedule-to-start timeout gets one more chance
+when the run asks for it, and fails when it does not (a small run: the node is gone)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from datetime import timedelta
 from uuid import uuid4
@@ -16,12 +17,28 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from workflows import node_group
-
-from activities.models import HealthSpec, LaunchRanksInput, WatchEvent, WatchEventKind, WatchRanksInput
+from activities.models import (
+    CheckNodeInput,
+    CheckNodeResult,
+    GpuHealth,
+    HealthSpec,
+    LaunchRanksInput,
+    WatchEvent,
+    WatchEventKind,
+    WatchRanksInput,
+)
 from trainguard import node_task_queue
-from workflows.node_group import NodeGroupWatch
-from workflows.node_group_models import GroupStarted, NodeGroupWatchInput, NodeGroupWatchResult
+from workflows import node_group
+from workflows.node_group import NodeCalls, NodeGroupWatch
+from workflows.node_group_models import (
+    GroupStarted,
+    NodeCall,
+    NodeCallKind,
+    NodeCallsInput,
+    NodeCallsResult,
+    NodeGroupWatchInput,
+    NodeGroupWatchResult,
+)
 
 NODES = ["a-0", "a-1"]
 """a-0 is the master (launched by an activity of its own); a-1 launches from its watch."""
@@ -30,6 +47,26 @@ NODES = ["a-0", "a-1"]
 @activity.defn(name="watch_ranks")
 async def finished_watch(request: WatchRanksInput) -> WatchEvent:
     return WatchEvent(kind=WatchEventKind.FINISHED, node=request.node, detected_at=time.time(), step=10)
+
+
+@activity.defn(name="check_node")
+async def healthy_check(request: CheckNodeInput) -> CheckNodeResult:
+    return CheckNodeResult(node=request.node, host=f"{request.node}.test", gpu=GpuHealth())
+
+
+async def _until_a_call_timed_out(env: WorkflowEnvironment, workflow_id: str) -> None:
+    """Real time passes (polling history unlocks no time skipping) until one of the workflow's activities timed
+    out waiting for an agent."""
+    handle = env.client.get_workflow_handle(workflow_id)
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        try:
+            events = [e.event_type async for e in handle.fetch_history_events()]
+        except RPCError:  # not started yet
+            continue
+        if EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT in events:
+            return
+    pytest.fail(f"no activity of {workflow_id} timed out")
 
 
 @workflow.defn(name="GroupParent")
@@ -68,17 +105,7 @@ async def test_a_node_matched_late_to_its_launching_watch_gets_a_second_chance_o
                                                  task_queue=queue, result_type=NodeGroupWatchResult)
         # a-1's agent polls only once its launching watch has timed out waiting to be matched (a server busy
         # with a burst of thousands of them).
-        group = env.client.get_workflow_handle(f"{parent}/g")
-        for _ in range(200):
-            await asyncio.sleep(0.05)
-            try:
-                events = [e.event_type async for e in group.fetch_history_events()]
-            except RPCError:  # the group has not started yet
-                continue
-            if EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT in events:
-                break
-        else:
-            pytest.fail("a-1's launching watch never timed out")
+        await _until_a_call_timed_out(env, f"{parent}/g")
         async with Worker(env.client, task_queue=node_task_queue(NODES[1]), activities=[finished_watch]):
             result = await handle.result()
     if second_chance:
@@ -86,3 +113,24 @@ async def test_a_node_matched_late_to_its_launching_watch_gets_a_second_chance_o
         assert sorted(e.node for e in result.finished) == NODES
     else:
         assert [lost.node for lost in result.lost] == [NODES[1]] and result.finished == []
+
+
+@pytest.mark.parametrize("second_chance", [True, False], ids=["thousands-of-nodes", "small-run"])
+async def test_a_check_matched_late_gets_a_second_chance_only_when_asked(
+        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, second_chance: bool) -> None:
+    options = node_group._CALL_OPTIONS[NodeCallKind.CHECK]
+    monkeypatch.setitem(node_group._CALL_OPTIONS, NodeCallKind.CHECK,
+                        dataclasses.replace(options, schedule_to_start=timedelta(seconds=2)))
+    queue, calls_id = f"tq-{uuid4()}", f"calls-{uuid4()}"
+    request = NodeCallsInput(kind=NodeCallKind.CHECK, summary="check {node}", second_chance=second_chance,
+                             calls=[NodeCall(node=n, input=CheckNodeInput(workflow_id="wf", node=n).model_dump(mode="json"))
+                                    for n in NODES])
+    async with Worker(env.client, task_queue=queue, workflows=[NodeCalls], workflow_runner=UnsandboxedWorkflowRunner()), \
+            Worker(env.client, task_queue=node_task_queue(NODES[0]), activities=[healthy_check]):
+        handle = await env.client.start_workflow(NodeCalls.run, request, id=calls_id, task_queue=queue,
+                                                 result_type=NodeCallsResult)
+        await _until_a_call_timed_out(env, calls_id)  # a-1's agent polls late
+        async with Worker(env.client, task_queue=node_task_queue(NODES[1]), activities=[healthy_check]):
+            result = await handle.result()
+    answered = [o.node for o in result.outcomes if o.result is not None]
+    assert answered == (NODES if second_chance else NODES[:1])
