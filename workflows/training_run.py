@@ -525,7 +525,10 @@ class TrainingRun:
     async def _move_off_drained(self, attempt: int) -> None:
         """At a checkpoint boundary: stop the attempt, put spares in the drained nodes' places, relaunch."""
         self._set_phase(Phase.RECOVERING)
-        await self._stop_everywhere(self._status.nodes, attempt, f"drain {', '.join(self._draining)}")
+        # The nodes that stay are stopped by their own launch of the next attempt (fenced by attempt).
+        leaving = ([n for n in self._status.nodes if n in self._draining] if workflow.patched(PATCH_FENCED_RELAUNCH)
+                   else self._status.nodes)
+        await self._stop_everywhere(leaving, attempt, f"drain {', '.join(self._draining)}")
         for node in [n for n in self._draining if n in self._status.nodes]:
             self._replace(node, self._spares.pop(0))
             await self._release(node)
@@ -536,7 +539,8 @@ class TrainingRun:
         """At a checkpoint boundary: stop the shrunk attempt and relaunch with the returned nodes in their
         places; the restore maps the smaller world's shards onto the larger one."""
         self._set_phase(Phase.RECOVERING)
-        await self._stop_everywhere(self._status.nodes, attempt, f"grow back onto {', '.join(returned)}")
+        if not workflow.patched(PATCH_FENCED_RELAUNCH):  # every node stays: each one's launch stops its ranks
+            await self._stop_everywhere(self._status.nodes, attempt, f"grow back onto {', '.join(returned)}")
         self._status.nodes = [n for n in spec.nodes if n in self._status.nodes or n in returned]
         self._lost = [n for n in self._lost if n not in returned]
         self._status.cordoned = [n for n in self._status.cordoned if n not in returned]

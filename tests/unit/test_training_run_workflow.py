@@ -869,6 +869,8 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 3), key=lambda r: r.node_rank)
     assert [(r.node, r.num_nodes) for r in relaunches] == [(nodes[0], 2), (nodes[1], 2)]
     assert (run.status.nodes, run.status.world_size, run.status.cordoned) == (nodes, 2, [])
+    # Neither the shrink nor the grow sent a stop: each node's launch stopped the attempt before it.
+    assert cluster.inputs("stop_ranks") == []
     assert result.attempts == 3
 
 
