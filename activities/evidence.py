@@ -23,6 +23,7 @@ from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankE
 from activities.paths import RunLayout
 from trainguard import evidence as channel
 from trainguard.procs import state as process_state
+from trainguard.protocol import read_progress
 
 if TYPE_CHECKING:
     from activities.ranks import AttemptRecord, RankActivities
@@ -76,10 +77,8 @@ def _library(path: str) -> bool:
 def _evidence_base(layout: RunLayout, attempt: int, rank: int) -> Path | None:
     """Where a rank's helper keeps its evidence files: it says so in its progress report (a rank carried
     over by an in-process restart keeps those of the attempt it was launched in)."""
-    try:
-        base = json.loads(layout.progress_file(attempt, rank).read_text()).get("evidence")
-    except (OSError, ValueError):
-        base = None
+    progress = read_progress(layout.progress_file(attempt, rank))
+    base = progress.evidence if progress is not None else None
     return Path(base) if base else None
 
 

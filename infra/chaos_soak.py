@@ -63,7 +63,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.procs import stat_fields
+from infra import harness
+from infra.harness import RankProc, scan_ranks
+from infra.harness import alive as _alive
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / ".bench"
@@ -232,69 +234,7 @@ class Duplicate:
 
 
 # ----------------------------------------------------------------------------------------- /proc reading
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a pid, None once gone."""
-    fields = stat_fields(pid)
-    return (fields[0], fields[19]) if fields else None
-
-
-def _alive(pid: int, start_time: str | None) -> bool:
-    """The process `pid` started at `start_time` still runs (a zombie has exited)."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z" and (start_time is None or stat[1] == start_time)
-
-
-@dataclass(frozen=True, slots=True)
-class RankProc:
-    pid: int
-    start_time: str
-    workflow_id: str
-    node: str
-    attempt: int
-    rank: int
-
-
-def scan_ranks(home: Path) -> list[RankProc]:
-    """Live rank processes of this stack, from /proc: the agent gives every rank its workflow id, node and
-    attempt in the environment, and a checkpoint directory under the stack's home."""
-    marker = b"TRAINGUARD_CHECKPOINT_DIR=" + f"{home}{os.sep}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if marker not in raw:
-            continue
-        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        stat = _stat(pid)
-        if stat is None or stat[0] == "Z":
-            continue
-        try:
-            found.append(RankProc(pid, stat[1], env[b"TRAINGUARD_WORKFLOW_ID"].decode(),
-                                  env[b"TRAINGUARD_NODE"].decode(), int(env[b"TRAINGUARD_ATTEMPT"]),
-                                  int(env.get(b"RANK", b"-1"))))
-        except (KeyError, ValueError):
-            continue
-    return found
-
-
-def read_agent_records(home: Path) -> list[dict[str, Any]]:
-    """The agents' records: `nodes/<node>/runs/<run>/ranks.json` (workflow id, attempt, pid + start time)."""
-    records = []
-    for ranks_file in (home / "nodes").glob("*/runs/*/ranks.json"):
-        try:
-            record = json.loads(ranks_file.read_text())
-        except (OSError, ValueError):
-            continue
-        record["node"] = ranks_file.parents[2].name
-        records.append(record)
-    return records
+# Rank processes are found by `infra.harness` (the agents' records and /proc).
 
 
 class RankSampler:
@@ -358,23 +298,23 @@ class RankSampler:
 
         # The agents' own records: while the ranks a record names are alive, every live process of that run
         # on that node belongs to the recorded attempt.
-        for record in read_agent_records(self.home):
+        for node, record in harness.agent_records(self.home):
             self.record_samples += 1
-            ranks = record.get("ranks", [])
-            if not any(_alive(i["pid"], i.get("start_time")) for i in ranks):
+            ranks = record.ranks
+            if not any(_alive(i.pid, i.start_time) for i in ranks):
                 continue
-            strays = [p for p in by_run_node.get((record["workflow_id"], record["node"]), [])
-                      if p.attempt != record["attempt"] and _alive(p.pid, p.start_time)]
+            strays = [p for p in by_run_node.get((record.workflow_id, node), [])
+                      if p.attempt != record.attempt and _alive(p.pid, p.start_time)]
             # Re-read: the recorded ranks may have been fenced (and the record moved on) meanwhile.
-            if not strays or not any(_alive(i["pid"], i.get("start_time")) for i in ranks):
+            if not strays or not any(_alive(i.pid, i.start_time) for i in ranks):
                 continue
-            key = ("record", record["workflow_id"], record["node"], record["attempt"],
+            key = ("record", record.workflow_id, node, record.attempt,
                    tuple(sorted({p.attempt for p in strays})))
             if key not in self._seen:
                 self._seen.add(key)
                 self.record_mismatches.append({
-                    "workflow_id": record["workflow_id"], "node": record["node"],
-                    "recorded_attempt": record["attempt"],
+                    "workflow_id": record.workflow_id, "node": node,
+                    "recorded_attempt": record.attempt,
                     "stray_attempts": sorted({p.attempt for p in strays}),
                     "stray_pids": sorted(p.pid for p in strays), "at_s": round(self.clock(), 1)})
 

@@ -27,6 +27,7 @@ from activities.models import InjectFaultResult
 from activities.rank_logs import ReadRankLogInput, ReadRankLogResult
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
+from trainguard.protocol import WatchHeartbeat, safe_name
 from trainguard.errors import NO_POLLER, NoController, no_controller_hint
 from trainguard.models import (
     ChaosRequest,
@@ -62,8 +63,6 @@ class RunView:
 
 def fresh_namespace(workflow_id: str) -> str:
     """A checkpoint namespace for a new run under a used id: the id made key-safe, and a random suffix."""
-    from activities.paths import safe_name
-
     return f"{safe_name(workflow_id)[:180].lstrip('._-') or 'run'}.{uuid.uuid4().hex[:8]}"
 
 
@@ -188,10 +187,10 @@ class TrainguardClient:
                 if pending.activity_type.name != "watch_ranks" or not pending.heartbeat_details.payloads:
                     continue
                 details = (await self.client.data_converter.decode(pending.heartbeat_details.payloads))[0]
-                if not isinstance(details, dict) or details.get("attempt") != status.attempt:
+                beat = WatchHeartbeat.from_json(details)
+                if beat is None or beat.attempt != status.attempt:
                     continue  # a cancelled watch of an earlier attempt, not yet acknowledged
-                for rank, step in (details.get("steps") or {}).items():
-                    steps[int(rank)] = step
+                steps.update(beat.steps or {})
         execution = description.status.name if description.status else "UNKNOWN"
         return RunView(workflow_id, execution, status, dict(sorted(steps.items())))
 

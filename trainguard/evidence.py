@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-BASE_ENV = "TRAINGUARD_EVIDENCE_BASE"
+from trainguard.protocol import ENV_EVIDENCE_BASE
+
+BASE_ENV = ENV_EVIDENCE_BASE
 """Set by the agent for each rank: the path prefix of the rank's evidence files."""
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"

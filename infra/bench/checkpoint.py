@@ -203,15 +203,16 @@ def _floor_copy(state: dict[str, Any]) -> float:
 
 def measure_stall(state: dict[str, Any], work: Path, repeats: int) -> StallSamples:
     """Floor, async and sync saves of `state`, `repeats` times each in a rotating order."""
+    from trainguard import protocol
     from trainguard.rank import RankRun
 
     checkpoint_dir = work / "checkpoints"
     progress = work / "progress" / "rank-00000.json"
     progress.parent.mkdir(parents=True, exist_ok=True)
     environ = {
-        "TRAINGUARD_PROGRESS_FILE": str(progress),
-        "TRAINGUARD_CHECKPOINT_DIR": str(checkpoint_dir),
-        "TRAINGUARD_CHECKPOINT_EVERY": "1",
+        protocol.ENV_PROGRESS_FILE: str(progress),
+        protocol.ENV_CHECKPOINT_DIR: str(checkpoint_dir),
+        protocol.ENV_CHECKPOINT_EVERY: "1",
         "RANK": "0",
         "WORLD_SIZE": "1",
     }
@@ -267,7 +268,7 @@ def measure_stall(state: dict[str, Any], work: Path, repeats: int) -> StallSampl
     def floor(_index: int) -> None:
         samples.floor_s.append(_floor_copy(state))
 
-    dcp_run = RankRun(environ={**environ, "TRAINGUARD_CHECKPOINT_DIR": str(work / "dcp-checkpoints")},
+    dcp_run = RankRun(environ={**environ, protocol.ENV_CHECKPOINT_DIR: str(work / "dcp-checkpoints")},
                       checkpoint_format="dcp")
     _one_rank_group(work)
     dcp_run.save(0, state)  # untimed: the group, DCP's first plan

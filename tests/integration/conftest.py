@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from infra import harness
 from trainguard.client import RunView, TrainguardClient
 from trainguard.models import RunResult
 from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
@@ -124,13 +125,7 @@ def prefix() -> str:
 
 def live_rank_pids(stack: DevStack) -> list[int]:
     """Rank processes the node agents recorded that are still alive."""
-    alive = []
-    for ranks_file in (stack.home / "nodes").glob("*/runs/*/ranks.json"):
-        record = json.loads(ranks_file.read_text())
-        for item in [*record["ranks"], *([record["standby"]] if record.get("standby") else [])]:
-            if item["start_time"] and _start_time(item["pid"]) == item["start_time"]:
-                alive.append(item["pid"])
-    return alive
+    return harness.live_rank_pids(stack.home)
 
 
 async def wait_until(client: TrainguardClient, run_id: str, predicate: Callable[[RunView], bool],
