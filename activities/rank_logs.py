@@ -12,9 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, Field
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
+
+# The read's models are the client's too: defined in trainguard.models, re-exported here.
+from trainguard.models import LOG_CHUNK_MAX_BYTES, ReadRankLogInput, ReadRankLogResult  # noqa: F401
 
 TAIL_MAX_LINES = 20
 """Lines of a rank's log an incident carries: a Python traceback of a few frames and its exception."""
@@ -81,37 +83,6 @@ def exception_line(tail: str) -> str | None:
 
 
 # ------------------------------------------------------------------------- reading a log from its node
-
-LOG_CHUNK_MAX_BYTES = 256 * 1024
-"""One read of a rank's log: well under Temporal's 2 MB payload limit (and its 256 KB warning)."""
-
-
-class ReadRankLogInput(BaseModel):
-    workflow_id: str
-    """The run whose rank's log to read."""
-    node: str
-    rank: int
-    attempt: int | None = None
-    """Launch attempt (1-based); None: the newest one this node has a log of the rank for."""
-    offset: int = Field(0, ge=0)
-    """Byte offset to read from (ignored with `tail_bytes`)."""
-    tail_bytes: int | None = Field(None, ge=0, le=LOG_CHUNK_MAX_BYTES)
-    """Read only the last this many bytes (the default view); None: from `offset`."""
-    max_bytes: int = Field(LOG_CHUNK_MAX_BYTES, ge=1, le=LOG_CHUNK_MAX_BYTES)
-
-
-class ReadRankLogResult(BaseModel):
-    node: str
-    rank: int
-    path: str
-    """The log file on the node."""
-    attempt: int
-    text: str = ""
-    next_offset: int = 0
-    """Where the next read (`--follow`) goes on from."""
-    size: int = 0
-    """The file's size when read, bytes."""
-
 
 class RankLogActivities:
     """Reads a rank's log on its node for `trainguard run logs` (the files never leave the node otherwise)."""

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from activities.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN
-from trainguard.models import Incident, RunResult
+from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, Incident, RunResult
 from trainguard.spec import RunSpec, SpecError
 
 

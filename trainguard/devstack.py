@@ -493,7 +493,7 @@ class DevStack:
         import asyncio
 
         from temporalio.api.enums.v1 import TaskQueueType
-        from activities.nodes import has_pollers, missing_agents, pool_nodes
+        from trainguard.pool import has_pollers, missing_agents, pool_nodes
         from trainguard import TASK_QUEUE
 
         async def wait() -> None:

@@ -16,7 +16,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+    from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from trainguard.models import (
         AcquireNodesRequest,
         AcquireNodesResult,
@@ -26,8 +26,8 @@ with workflow.unsafe.imports_passed_through():
         RegisterNodeRequest,
     )
 
-POOL_WORKFLOW_ID = "trainguard-node-pool"
-POOL_WORKFLOW_TYPE = "NodePool"
+from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE  # noqa: E402,F401 - the names clients use too
+
 # Each request adds a handful of events; continue as new long before Temporal's limits.
 POOL_HISTORY_EVENTS = 5_000
 POOL_UPDATES_PER_HISTORY = 1_500

@@ -12,10 +12,9 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.rank_logs import ReadRankLogInput, ReadRankLogResult
-    from trainguard import node_task_queue
+    from trainguard import READ_LOG_WORKFLOW_TYPE, node_task_queue
+    from trainguard.models import ReadRankLogInput, ReadRankLogResult
 
-READ_LOG_WORKFLOW_TYPE = "ReadRankLog"
 READ_LOG_TIMEOUT = timedelta(seconds=30)
 """Reading at most 256 KB of a local file."""
 READ_LOG_SCHEDULE_TO_START = timedelta(seconds=10)

@@ -71,7 +71,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from trainguard import search_attributes
     from trainguard.spec import RunSpec, SpecError, parse_spec
-    from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+    from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.culprit import pick_culprit
     from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
