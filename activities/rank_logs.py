@@ -15,6 +15,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from trainguard.error_types import ErrorType
 # The read's models are the client's too: defined in trainguard.models, re-exported here.
 from trainguard.models import LOG_CHUNK_MAX_BYTES, ReadRankLogInput, ReadRankLogResult  # noqa: F401
 
@@ -103,7 +104,7 @@ class RankLogActivities:
                            for p in layout.root.glob(f"attempt-*/logs/{layout.log_file(1, request.rank).name}"))
             if not found:
                 raise ApplicationError(f"node {self.node} has no log of rank {request.rank} of {request.workflow_id}",
-                                       type="NoSuchLog", non_retryable=True)
+                                       type=ErrorType.NO_SUCH_LOG, non_retryable=True)
             attempt = found[-1]
         path = layout.log_file(attempt, request.rank)
         try:
@@ -114,6 +115,7 @@ class RankLogActivities:
                 data = handle.read(request.max_bytes)
         except FileNotFoundError:
             raise ApplicationError(f"node {self.node} has no log of rank {request.rank} of {request.workflow_id} "
-                                   f"attempt {attempt} ({path})", type="NoSuchLog", non_retryable=True) from None
+                                   f"attempt {attempt} ({path})",
+                                   type=ErrorType.NO_SUCH_LOG, non_retryable=True) from None
         return ReadRankLogResult(node=self.node, rank=request.rank, path=str(path), attempt=attempt, text=data.decode("utf-8", errors="replace"),
                                  next_offset=start + len(data), size=size)

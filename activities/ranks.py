@@ -55,6 +55,8 @@ from activities.progress import COLLECTIVE_WAIT_GRACE_S, RankReport, complete_st
 from activities.rank_logs import exception_line, failure_signature, read_tail
 from trainguard.evidence import mode_of as hang_mode_of
 from trainguard import protocol
+from trainguard.error_types import ErrorType
+from trainguard.faults import SIGNALLED, FaultKind, choices as fault_choices
 from trainguard.procs import start_time
 from trainguard.procs import state as process_state
 from trainguard.spec import exec_env_refused, exec_problems
@@ -370,7 +372,7 @@ class RankActivities:
             raise ApplicationError(
                 f"node {self.node} already runs attempt {current.attempt} of {request.workflow_id}; "
                 f"refusing stale attempt {request.attempt}",
-                type="StaleAttempt",
+                type=ErrorType.STALE_ATTEMPT,
                 non_retryable=True,
             )
         if (current is not None and same_run and current.attempt == request.attempt
@@ -434,7 +436,7 @@ class RankActivities:
         if not exists:
             raise ApplicationError(
                 f"working_dir {working_dir!r} does not exist on node {self.node}: name a directory every node "
-                f"of the run has", type="BadSpec", non_retryable=True)
+                f"of the run has", type=ErrorType.BAD_SPEC, non_retryable=True)
         return cwd
 
     def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
@@ -489,7 +491,7 @@ class RankActivities:
                 field = "entrypoint, env or working_dir"
             raise ApplicationError(
                 f"{field}: cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
-                type="BadSpec",
+                type=ErrorType.BAD_SPEC,
                 non_retryable=True,
             ) from None
         finally:
@@ -543,7 +545,7 @@ class RankActivities:
             raise ApplicationError(
                 f"node {self.node} does not run attempt {request.from_attempt} of {request.workflow_id} "
                 f"(it runs {current.attempt if current else 'nothing'}): nothing to keep, relaunch instead",
-                type="NoSuchAttempt", non_retryable=True)
+                type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
         cwd = self._working_dir(request.working_dir)
         request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
         layout = RunLayout.of(self.workdir, request.workflow_id)
@@ -605,7 +607,7 @@ class RankActivities:
         program checked is the program executed. Env names that would change what runs or what it loads
         (`EXEC_ENV_PATTERNS`) need this node's operator's `--allow-env`."""
         def bad_spec(message: str) -> ApplicationError:
-            return ApplicationError(f"{message} (node {self.node})", type="BadSpec", non_retryable=True)
+            return ApplicationError(f"{message} (node {self.node})", type=ErrorType.BAD_SPEC, non_retryable=True)
 
         problems = exec_problems(request.entrypoint, request.env, request.working_dir)
         if problems:
@@ -632,7 +634,7 @@ class RankActivities:
                 raise ApplicationError(
                     f"entrypoint {name!r} is not allowed on node {self.node} (allowed: {', '.join(self.allowed)}); "
                     f"ask the node's operator to add it with --allow",
-                    type="EntrypointNotAllowed",
+                    type=ErrorType.ENTRYPOINT_NOT_ALLOWED,
                     non_retryable=True,
                 )
         return [str(program), *request.entrypoint[1:]]
@@ -651,7 +653,7 @@ class RankActivities:
         record = self._record(request.workflow_id)
         if record is None or record.attempt != request.attempt:
             raise ApplicationError(f"node {self.node} runs no attempt {request.attempt} of {request.workflow_id}",
-                                   type="NoSuchAttempt", non_retryable=True)
+                                   type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
         layout = RunLayout.of(self.workdir, request.workflow_id)
         reports = [r for r in (_read_report(layout.progress_file(record.attempt, rank)) for rank in record.ranks) if r]
         if request.step is not None:
@@ -665,21 +667,22 @@ class RankActivities:
         """Chaos, carried out by the agent itself: the faults of the field, on demand."""
         if not self.chaos:
             raise ApplicationError(f"chaos is switched off on node {self.node} (agent started with --no-chaos)",
-                                   type="ChaosDisabled", non_retryable=True)
+                                   type=ErrorType.CHAOS_DISABLED, non_retryable=True)
         now = time.time()
-        if request.fault == "gpu":
+        if request.fault == FaultKind.GPU:
             self.health.inject("GPU has fallen off the bus (injected by trainguard chaos)", now)
             return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
-        if request.fault == "corrupt":
+        if request.fault == FaultKind.CORRUPT:
             if not request.bucket or not request.manifest_key:
-                raise ApplicationError("corrupt needs the checkpoint's bucket and manifest key", type="BadFault",
+                raise ApplicationError("corrupt needs the checkpoint's bucket and manifest key",
+                                       type=ErrorType.BAD_FAULT,
                                        non_retryable=True)
             layout = RunLayout.of(self.workdir, request.workflow_id)
             shard = await asyncio.to_thread(corrupt_shard, request.bucket, request.manifest_key, self.node,
                                             request.rank, layout.local_step_dir(step_of(request.manifest_key)))
             return InjectFaultResult(node=self.node, rank=shard.rank, pid=-1, injected_at=now,
                                      step=step_of(shard.key))
-        if request.fault == "node-down":
+        if request.fault == FaultKind.NODE_DOWN:
             # Reply first, then die with every rank: the machine is gone as far as the run can tell.
             asyncio.get_running_loop().call_later(0.3, self._die)
             record = self._record(request.workflow_id)
@@ -691,22 +694,23 @@ class RankActivities:
         live = {r: p for r, p in (record.ranks.items() if record else []) if not p.poll()}
         if not live:
             raise ApplicationError(
-                f"no live rank of {request.workflow_id} on node {self.node}", type="NoSuchRank", non_retryable=True
+                f"no live rank of {request.workflow_id} on node {self.node}",
+                type=ErrorType.NO_SUCH_RANK, non_retryable=True
             )
         rank = request.rank if request.rank is not None else min(live)
         if rank not in live:
             raise ApplicationError(
                 f"rank {rank} is not running on node {self.node} (running: {sorted(live)})",
-                type="NoSuchRank",
+                type=ErrorType.NO_SUCH_RANK,
                 non_retryable=True,
             )
         assert record is not None
         pid = live[rank].pid
-        if request.fault == "slow":
+        if request.fault == FaultKind.SLOW:
             duty = request.slow_duty
             if not SLOW_DUTY_MIN <= duty <= SLOW_DUTY_MAX:
                 raise ApplicationError(f"slow_duty {duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}",
-                                       type="BadFault", non_retryable=True)
+                                       type=ErrorType.BAD_FAULT, non_retryable=True)
             self._slowdowns[pid] = asyncio.create_task(self._duty_cycle(live[rank], duty))
             log.info("chaos: slowing rank %d (pid %d) on %s, stopped %.0f%% of the time", rank, pid, self.node,
                      duty * 100)
@@ -719,12 +723,11 @@ class RankActivities:
             log.info("chaos: hang --mode %s rank %d (pid %d) of %s on %s", mode, rank, pid, request.workflow_id,
                      self.node)
             return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=injected_at)
-        signals = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP, "exit": signal.SIGTERM}
-        if request.fault not in signals:
+        signals = {FaultKind.CRASH: signal.SIGKILL, FaultKind.HANG: signal.SIGSTOP}
+        if request.fault not in SIGNALLED:
             raise ApplicationError(
-                f"unknown fault {request.fault!r}; expected one of crash, hang, hang-python, "
-                f"hang-skip-collective, hang-io, slow, gpu, node-down, corrupt",
-                type="BadFault", non_retryable=True,
+                f"unknown fault {request.fault!r}; expected one of {fault_choices()}",
+                type=ErrorType.BAD_FAULT, non_retryable=True,
             )
         injected_at = record.faults.setdefault(rank, now)
         # Signal the rank's own process only: a real fault hits one process, not its group.
@@ -771,7 +774,7 @@ class RankActivities:
         if record is None or record.attempt != request.attempt:
             raise ApplicationError(
                 f"node {self.node} has no ranks of {request.workflow_id} attempt {request.attempt}",
-                type="NoSuchAttempt",
+                type=ErrorType.NO_SUCH_ATTEMPT,
                 non_retryable=True,
             )
         layout = RunLayout.of(self.workdir, request.workflow_id)
@@ -885,7 +888,7 @@ class RankActivities:
         than the watch's heartbeat timeout), retrying what the store fails until `timeout_s`."""
         if self.downloader is None:
             raise ApplicationError(f"node {self.node} has no checkpoint tier to restore from",
-                                   type="NoLocalShards", non_retryable=True)
+                                   type=ErrorType.NO_LOCAL_SHARDS, non_retryable=True)
         deadline, delay = time.monotonic() + timeout_s, DOWNLOAD_RETRY_INITIAL_S
         while True:
             task = asyncio.ensure_future(self.downloader(request))

@@ -25,6 +25,7 @@ from typing import Protocol
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from trainguard.error_types import ErrorType
 from activities.models import HOOK_OFF, NotifySchedulerInput, NotifySchedulerResult, SchedulerAction  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -220,9 +221,9 @@ class SchedulerActivities:
             else:
                 commands = await asyncio.to_thread(self.scheduler.uncordon, request.node)
         except SchedulerConfigError as error:
-            raise ApplicationError(str(error), type="SchedulerConfigError", non_retryable=True) from error
+            raise ApplicationError(str(error), type=ErrorType.SCHEDULER_CONFIG_ERROR, non_retryable=True) from error
         except SchedulerCommandFailed as error:
-            raise ApplicationError(str(error), type="SchedulerCommandFailed") from error
+            raise ApplicationError(str(error), type=ErrorType.SCHEDULER_COMMAND_FAILED) from error
         detail = f"{self.scheduler.name}: {request.action.value} {request.node}"
         log.info("%s (run %s): %s", detail, request.run_id or "-", "; ".join(" ".join(c) for c in commands))
         return NotifySchedulerResult(scheduler=self.scheduler.name, commands=commands, detail=detail)

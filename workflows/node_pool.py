@@ -17,6 +17,7 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+    from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import (
         AcquireNodesRequest,
         AcquireNodesResult,
@@ -45,7 +46,7 @@ SCHEDULER_SCHEDULE_TO_CLOSE = timedelta(minutes=5)
 
 SCHEDULER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
                               maximum_interval=timedelta(seconds=30), maximum_attempts=6,
-                              non_retryable_error_types=["SchedulerConfigError"])
+                              non_retryable_error_types=non_retryable(ErrorType.SCHEDULER_CONFIG_ERROR))
 """slurmctld or the API server may be restarting: about two minutes of retries. The hook is advisory (the pool's
 cordon already keeps trainguard's runs off the node), so a failure is logged, never fatal to the run."""
 
