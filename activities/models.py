@@ -368,7 +368,6 @@ class WatchRanksInput(BaseModel):
     health: HealthSpec = Field(default_factory=HealthSpec)
     reported_step: int = -1
     """Newest checkpoint step already reported by an earlier watch; only newer ones are reported."""
-    first_step_reported: bool = False
     max_duration_s: float = 600.0
     """Return KEEPALIVE after this long so no single activity runs forever."""
     checkpoints: WatchCheckpoints | None = None

@@ -146,17 +146,6 @@ class RunResult(BaseModel):
     """Mean step time of the final attempt as reported by rank 0, seconds."""
 
 
-class RankProgress(BaseModel):
-    """One rank's latest progress, as its node agent last saw it."""
-
-    rank: int
-    step: int = -1
-    step_time_s: float | None = None
-    age_s: float = 0.0
-    """Seconds since the rank last reported progress."""
-    alive: bool = True
-
-
 class RunStatus(BaseModel):
     """Answer to the `status` query."""
 
