@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from trainguard.models import CheckpointRef
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, InjectFaultResult  # noqa: F401 - the client's too
+from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.spec import NODE_ID_PATTERN, HealthSpec
 
 # ---------------------------------------------------------------------------------------------- nodes
@@ -288,7 +289,8 @@ class RankGroupInput(BaseModel):
     entrypoint: list[str]
     env: dict[str, str] = Field(default_factory=dict)
     working_dir: str | None = None
-    checkpoint_every: int = 50
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY_STEPS
+    """The spec's `checkpoint.every_steps`, given to the ranks as `TRAINGUARD_CHECKPOINT_EVERY`."""
 
 
 class LaunchRanksInput(RankGroupInput):

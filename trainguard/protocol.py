@@ -44,6 +44,9 @@ ENV_CHECKPOINT_DIR = "TRAINGUARD_CHECKPOINT_DIR"
 """The node-local folder the rank saves checkpoint shards under (`step-NNNNNNNN/`)."""
 ENV_CHECKPOINT_EVERY = "TRAINGUARD_CHECKPOINT_EVERY"
 """The spec's `checkpoint.every_steps` (0: never)."""
+DEFAULT_CHECKPOINT_EVERY_STEPS = 50
+"""`checkpoint.every_steps` when a spec does not say: the spec's default and the launch input's, one number.
+A rank started without `ENV_CHECKPOINT_EVERY` (plain torchrun) checkpoints never (0)."""
 ENV_CHECKPOINT_REQUEST_FILE = "TRAINGUARD_CHECKPOINT_REQUEST_FILE"
 """Where the agent writes a `CheckpointRequest`."""
 ENV_RESTORE_STEP = "TRAINGUARD_RESTORE_STEP"
