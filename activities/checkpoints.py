@@ -65,6 +65,7 @@ from activities.paths import RunLayout, shard_meta_name, shard_name, step_dir_na
 from activities.peers import fetch_from_peer
 from activities.progress import find_stragglers
 from trainguard.models import CheckpointRef
+from trainguard.error_types import ErrorType
 from trainguard.rank import DCP_DIR, DCP_METADATA, FORMAT_DCP, FORMAT_TORCH, files_digest, sha256_file
 from trainguard.settings import s3_client
 
@@ -124,7 +125,7 @@ def _is_missing(error: ClientError) -> bool:
 def _bucket_missing(error: ClientError, bucket: str) -> ApplicationError | None:
     if _error_code(error) == "NoSuchBucket":
         return ApplicationError(
-            f"checkpoint.bucket {bucket!r} does not exist in the S3 store", type="BadSpec", non_retryable=True
+            f"checkpoint.bucket {bucket!r} does not exist in the S3 store", type=ErrorType.BAD_SPEC, non_retryable=True
         )
     return None
 
@@ -357,7 +358,7 @@ def shard_from_meta(meta: dict[str, Any], prefix: str, node: str) -> ShardInfo:
         sha = files_digest([f.model_dump() for f in files])
         if sha != meta["sha256"]:
             raise ApplicationError(f"the meta file of rank {rank} does not add up ({sha[:12]}...)",
-                                   type="CorruptLocalShard", non_retryable=True)
+                                   type=ErrorType.CORRUPT_LOCAL_SHARD, non_retryable=True)
         return ShardInfo(rank=rank, key=f"{prefix}{DCP_DIR}/", size_bytes=sum(f.size_bytes for f in files),
                          sha256=sha, node=node, files=files)
     return ShardInfo(rank=rank, key=f"{prefix}{shard_name(rank)}", size_bytes=meta["size_bytes"],
@@ -505,12 +506,12 @@ def corrupt_shard(bucket: str, manifest_key: str, node: str, rank: int | None, l
     client = s3_client()
     manifest = read_manifest(client, bucket, manifest_key)
     if manifest is None:
-        raise ApplicationError(f"no manifest at {manifest_key}", type="NoSuchCheckpoint", non_retryable=True)
+        raise ApplicationError(f"no manifest at {manifest_key}", type=ErrorType.NO_SUCH_CHECKPOINT, non_retryable=True)
     mine = [obj for s in manifest.shards if s.node == node and rank in (None, s.rank)
             for _, obj in shard_objects(s)]
     if not mine:
         raise ApplicationError(f"step {manifest.step} has no shard {'' if rank is None else f'of rank {rank} '}"
-                               f"written by node {node}", type="NoSuchRank", non_retryable=True)
+                               f"written by node {node}", type=ErrorType.NO_SUCH_RANK, non_retryable=True)
     shard = mine[0]
     head = client.head_object(Bucket=bucket, Key=shard.key)
     body = bytearray(client.get_object(Bucket=bucket, Key=shard.key)["Body"].read())
@@ -596,7 +597,7 @@ class StoreActivities:
         if ranks != list(range(request.world_size)):
             raise ApplicationError(
                 f"step {request.step}: shards for ranks {ranks} do not cover world size {request.world_size}",
-                type="IncompleteCheckpoint",
+                type=ErrorType.INCOMPLETE_CHECKPOINT,
                 non_retryable=True,
             )
         for shard in request.shards:
@@ -607,9 +608,9 @@ class StoreActivities:
                 if newer and (request.keep_last is None or len(newer) >= request.keep_last):
                     # Newer checkpoints committed meanwhile and retention let this one go: nothing to retry.
                     raise ApplicationError(f"step {request.step}: {problem}; superseded by committed step "
-                                           f"{max(newer)}", type="CheckpointSuperseded", non_retryable=True)
+                                           f"{max(newer)}", type=ErrorType.CHECKPOINT_SUPERSEDED, non_retryable=True)
                 # Retryable: a store that lists lazily may not show a just-finished upload yet.
-                raise ApplicationError(f"step {request.step}: {problem}", type="ShardNotVerified")
+                raise ApplicationError(f"step {request.step}: {problem}", type=ErrorType.SHARD_NOT_VERIFIED)
         manifest = Manifest(
             workflow_id=request.workflow_id,
             step=request.step,
@@ -637,7 +638,7 @@ class StoreActivities:
             if code == "ConditionalRequestConflict":
                 # Another conditional write of this key is in flight: retry and compare with what it wrote.
                 raise ApplicationError(f"step {manifest.step}: concurrent manifest write, retrying",
-                                       type="ManifestWriteConflict") from None
+                                       type=ErrorType.MANIFEST_WRITE_CONFLICT) from None
             if code not in ("PreconditionFailed", "412"):
                 raise
             try:
@@ -647,7 +648,7 @@ class StoreActivities:
             if existing is None or [s.sha256 for s in existing.shards] != [s.sha256 for s in manifest.shards]:
                 raise ApplicationError(
                     f"step {manifest.step} was already committed with different shards (two writers?)",
-                    type="ConflictingCommit",
+                    type=ErrorType.CONFLICTING_COMMIT,
                     non_retryable=True,
                 ) from None
             manifest = existing  # our own earlier commit, retried
@@ -701,7 +702,7 @@ class StoreActivities:
             try:
                 done = self._commit_step(client, request, step, found)
             except ApplicationError as error:
-                if error.type != "ConflictingCommit":
+                if error.type != ErrorType.CONFLICTING_COMMIT:
                     raise
                 # A manifest of another writer (or an unreadable one) holds the step: leave it, go on with
                 # the steps after it. Restores pass over it if it is not whole.
@@ -834,7 +835,8 @@ class NodeCheckpointActivities:
         metas = sorted(step_dir.glob("rank-*.json"))
         if not metas:
             raise ApplicationError(
-                f"node {self.node} has no shards of step {request.step}", type="NoLocalShards", non_retryable=True
+                f"node {self.node} has no shards of step {request.step}",
+                type=ErrorType.NO_LOCAL_SHARDS, non_retryable=True
             )
         started = time.monotonic()
         shards: list[ShardInfo] = []
@@ -875,7 +877,7 @@ class NodeCheckpointActivities:
             raise ApplicationError(
                 f"step {step_of(manifest)} is already committed with another shard of rank {shard.rank} "
                 f"(sha256 {committed.sha256[:12]}..., this one {shard.sha256[:12]}...): not overwriting it",
-                type="ConflictingCommit", non_retryable=True)
+                type=ErrorType.CONFLICTING_COMMIT, non_retryable=True)
 
     def _upload_one(self, bucket: str, path: Path, shard: ShardInfo, manifest: str | None) -> None:
         """One object; `manifest` None: its shard was checked against the step's manifest already."""
@@ -889,7 +891,7 @@ class NodeCheckpointActivities:
                     f"step {step_of(shard.key)} is already committed with another shard of rank {shard.rank} "
                     f"(sha256 {committed.sha256[:12]}..., this one {shard.sha256[:12]}...): "
                     "not overwriting it",
-                    type="ConflictingCommit",
+                    type=ErrorType.CONFLICTING_COMMIT,
                     non_retryable=True,
                 )
             try:
@@ -905,7 +907,7 @@ class NodeCheckpointActivities:
             if sha256 != shard.sha256:
                 raise ApplicationError(
                     f"local shard {path} no longer matches the checksum its rank recorded",
-                    type="CorruptLocalShard", non_retryable=True,
+                    type=ErrorType.CORRUPT_LOCAL_SHARD, non_retryable=True,
                 )
             if stored_intact(client, bucket, shard, etag):
                 return  # already uploaded by an earlier attempt of this activity
@@ -925,7 +927,8 @@ class NodeCheckpointActivities:
         if reader.sha256.hexdigest() != shard.sha256:
             client.delete_object(Bucket=bucket, Key=shard.key)
             raise ApplicationError(
-                f"local shard {path} no longer matches the checksum its rank recorded", type="CorruptLocalShard",
+                f"local shard {path} no longer matches the checksum its rank recorded",
+                type=ErrorType.CORRUPT_LOCAL_SHARD,
                 non_retryable=True,
             )
 
@@ -935,7 +938,7 @@ class NodeCheckpointActivities:
         if not request.shards and request.manifest_key:
             request = request.model_copy(update={"shards": await asyncio.to_thread(self._shards_of, request)})
         if not request.shards:
-            raise ApplicationError("no shards to download", type="NoShards", non_retryable=True)
+            raise ApplicationError("no shards to download", type=ErrorType.NO_SHARDS, non_retryable=True)
         layout = RunLayout.of(self.workdir, request.workflow_id)
         step = step_of(request.shards[0].key)
         restore_dir = layout.restore_dir(step)
@@ -977,9 +980,9 @@ class NodeCheckpointActivities:
             manifest = read_manifest(s3_client(), request.bucket, request.manifest_key, request.ranks)
         except ValueError as error:
             raise ApplicationError(f"manifest {request.manifest_key} unreadable: {error}",
-                                   type="CorruptCheckpoint", non_retryable=True) from None
+                                   type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True) from None
         if manifest is None:
-            raise ApplicationError(f"manifest {request.manifest_key} is gone", type="CorruptCheckpoint",
+            raise ApplicationError(f"manifest {request.manifest_key} is gone", type=ErrorType.CORRUPT_CHECKPOINT,
                                    non_retryable=True)
         sources = restore_sources(manifest, request.ranks)
         if manifest.state_format == FORMAT_DCP:
@@ -1056,7 +1059,7 @@ class NodeCheckpointActivities:
                 partial.unlink(missing_ok=True)
                 if _is_missing(error):
                     raise ApplicationError(f"shard {shard.key} is missing from the store",
-                                           type="CorruptCheckpoint", non_retryable=True) from None
+                                           type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True) from None
                 raise
             except BaseException:
                 writer.hexdigest()
@@ -1066,7 +1069,7 @@ class NodeCheckpointActivities:
             partial.unlink(missing_ok=True)
             raise ApplicationError(
                 f"shard {shard.key} has sha256 {actual[:12]}..., manifest says {shard.sha256[:12]}...",
-                type="CorruptCheckpoint",
+                type=ErrorType.CORRUPT_CHECKPOINT,
                 non_retryable=True,
             )
         return keep("s3")

@@ -22,7 +22,9 @@ from temporalio.exceptions import ApplicationError
 from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence
 from activities.paths import RunLayout
 from trainguard import evidence as channel
+from trainguard.error_types import ErrorType
 from trainguard.procs import state as process_state
+from trainguard.protocol import read_progress
 
 if TYPE_CHECKING:
     from activities.ranks import AttemptRecord, RankActivities
@@ -76,10 +78,8 @@ def _library(path: str) -> bool:
 def _evidence_base(layout: RunLayout, attempt: int, rank: int) -> Path | None:
     """Where a rank's helper keeps its evidence files: it says so in its progress report (a rank carried
     over by an in-process restart keeps those of the attempt it was launched in)."""
-    try:
-        base = json.loads(layout.progress_file(attempt, rank).read_text()).get("evidence")
-    except (OSError, ValueError):
-        base = None
+    progress = read_progress(layout.progress_file(attempt, rank))
+    base = progress.evidence if progress is not None else None
     return Path(base) if base else None
 
 
@@ -233,13 +233,13 @@ def inject_hang(layout: RunLayout, record: AttemptRecord, rank: int, mode: str) 
         raise ApplicationError(
             f"rank {rank} has no trainguard rank helper evidence channel (its script does not call "
             f"trainguard.rank.init(), or has not reported a step yet): hang --mode {mode} needs it; --mode stop "
-            f"works on any rank", type="BadFault", non_retryable=True)
+            f"works on any rank", type=ErrorType.BAD_FAULT, non_retryable=True)
     paths = channel.Paths(base)
     if mode == "skip-collective" and not _hooked(paths, record.ranks[rank].pid):
         raise ApplicationError(
             f"rank {rank}'s script does not route its all-reduce through the helper (call run.hook_ddp(ddp) "
             f"after wrapping the model in DDP): hang --mode skip-collective needs it",
-            type="BadFault", non_retryable=True)
+            type=ErrorType.BAD_FAULT, non_retryable=True)
     channel.write_atomic(paths.chaos, json.dumps({"mode": mode, "at": time.time()}))
 
 

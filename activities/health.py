@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from temporalio import activity
 
@@ -30,10 +30,6 @@ class GpuReading:
     hw_slowdown: bool = False
     recovery_action: int = 0
     """NVML's GPU recovery action field where the driver offers it: 0 means none needed."""
-
-
-class GpuBackend(Protocol):
-    def read(self) -> list[GpuReading]: ...
 
 
 def judge_gpus(readings: list[GpuReading]) -> GpuHealth:

@@ -10,7 +10,9 @@ from enum import Enum
 from pydantic import BaseModel, Field
 
 from trainguard.models import CheckpointRef
-from trainguard.spec import HealthSpec
+from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, InjectFaultResult  # noqa: F401 - the client's too
+from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
+from trainguard.spec import NODE_ID_PATTERN, HealthSpec
 
 # ---------------------------------------------------------------------------------------------- nodes
 
@@ -287,7 +289,8 @@ class RankGroupInput(BaseModel):
     entrypoint: list[str]
     env: dict[str, str] = Field(default_factory=dict)
     working_dir: str | None = None
-    checkpoint_every: int = 50
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY_STEPS
+    """The spec's `checkpoint.every_steps`, given to the ranks as `TRAINGUARD_CHECKPOINT_EVERY`."""
 
 
 class LaunchRanksInput(RankGroupInput):
@@ -367,7 +370,6 @@ class WatchRanksInput(BaseModel):
     health: HealthSpec = Field(default_factory=HealthSpec)
     reported_step: int = -1
     """Newest checkpoint step already reported by an earlier watch; only newer ones are reported."""
-    first_step_reported: bool = False
     max_duration_s: float = 600.0
     """Return KEEPALIVE after this long so no single activity runs forever."""
     checkpoints: WatchCheckpoints | None = None
@@ -423,12 +425,6 @@ class WatchEvent(BaseModel):
     (`activities.rank_logs.failure_signature`); None when the tail shows no Python exception."""
 
 
-SLOW_DUTY_MIN = 0.05
-SLOW_DUTY_MAX = 0.95
-"""`slow` chaos: the fraction of time a rank is stopped. Below 0.05 it is not slowed measurably; at 1.0 it is a
-hang, which `hang` injects."""
-
-
 class InjectFaultInput(BaseModel):
     workflow_id: str
     node: str
@@ -444,15 +440,6 @@ class InjectFaultInput(BaseModel):
     """For `corrupt`: the run's checkpoint bucket (filled in by the workflow)."""
     manifest_key: str | None = None
     """For `corrupt`: the newest committed checkpoint's manifest (filled in by the workflow)."""
-
-
-class InjectFaultResult(BaseModel):
-    node: str
-    rank: int
-    pid: int
-    injected_at: float
-    step: int | None = None
-    """For `corrupt`: the checkpoint step whose shard was damaged."""
 
 
 class RequestCheckpointInput(BaseModel):
@@ -508,3 +495,33 @@ class CollectEvidenceInput(BaseModel):
 class CollectEvidenceResult(BaseModel):
     node: str
     ranks: list[RankEvidence] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------ scheduler
+
+HOOK_OFF = "scheduler hook off"
+
+
+class SchedulerAction(str, Enum):
+    CORDON = "cordon"
+    UNCORDON = "uncordon"
+
+
+class NotifySchedulerInput(BaseModel):
+    node: str = Field(pattern=NODE_ID_PATTERN)
+    """trainguard node id; the hook passes it to the scheduler as its node name, so the two must agree."""
+    action: SchedulerAction
+    """`cordon` (Slurm: drain; Kubernetes: cordon + taint) or `uncordon` (resume; uncordon + untaint)."""
+    reason: str = ""
+    """Why, for the scheduler's records (Slurm's drain reason, the taint's value). Ignored by uncordon."""
+    run_id: str | None = None
+    """Workflow id of the run that asked, for the logs. Default None (an operator or the pool)."""
+
+
+class NotifySchedulerResult(BaseModel):
+    scheduler: str = "none"
+    """Which scheduler was told: none, slurm or kubernetes."""
+    commands: list[list[str]] = Field(default_factory=list)
+    """Every command run, as argv; empty when the hook is off."""
+    detail: str = HOOK_OFF
+    """One line for the UI: what was done, or `scheduler hook off`."""

@@ -12,9 +12,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, Field
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
+
+from trainguard.error_types import ErrorType
+# The read's models are the client's too: defined in trainguard.models, re-exported here.
+from trainguard.models import LOG_CHUNK_MAX_BYTES, ReadRankLogInput, ReadRankLogResult  # noqa: F401
 
 TAIL_MAX_LINES = 20
 """Lines of a rank's log an incident carries: a Python traceback of a few frames and its exception."""
@@ -82,37 +85,6 @@ def exception_line(tail: str) -> str | None:
 
 # ------------------------------------------------------------------------- reading a log from its node
 
-LOG_CHUNK_MAX_BYTES = 256 * 1024
-"""One read of a rank's log: well under Temporal's 2 MB payload limit (and its 256 KB warning)."""
-
-
-class ReadRankLogInput(BaseModel):
-    workflow_id: str
-    """The run whose rank's log to read."""
-    node: str
-    rank: int
-    attempt: int | None = None
-    """Launch attempt (1-based); None: the newest one this node has a log of the rank for."""
-    offset: int = Field(0, ge=0)
-    """Byte offset to read from (ignored with `tail_bytes`)."""
-    tail_bytes: int | None = Field(None, ge=0, le=LOG_CHUNK_MAX_BYTES)
-    """Read only the last this many bytes (the default view); None: from `offset`."""
-    max_bytes: int = Field(LOG_CHUNK_MAX_BYTES, ge=1, le=LOG_CHUNK_MAX_BYTES)
-
-
-class ReadRankLogResult(BaseModel):
-    node: str
-    rank: int
-    path: str
-    """The log file on the node."""
-    attempt: int
-    text: str = ""
-    next_offset: int = 0
-    """Where the next read (`--follow`) goes on from."""
-    size: int = 0
-    """The file's size when read, bytes."""
-
-
 class RankLogActivities:
     """Reads a rank's log on its node for `trainguard run logs` (the files never leave the node otherwise)."""
 
@@ -132,7 +104,7 @@ class RankLogActivities:
                            for p in layout.root.glob(f"attempt-*/logs/{layout.log_file(1, request.rank).name}"))
             if not found:
                 raise ApplicationError(f"node {self.node} has no log of rank {request.rank} of {request.workflow_id}",
-                                       type="NoSuchLog", non_retryable=True)
+                                       type=ErrorType.NO_SUCH_LOG, non_retryable=True)
             attempt = found[-1]
         path = layout.log_file(attempt, request.rank)
         try:
@@ -143,6 +115,7 @@ class RankLogActivities:
                 data = handle.read(request.max_bytes)
         except FileNotFoundError:
             raise ApplicationError(f"node {self.node} has no log of rank {request.rank} of {request.workflow_id} "
-                                   f"attempt {attempt} ({path})", type="NoSuchLog", non_retryable=True) from None
+                                   f"attempt {attempt} ({path})",
+                                   type=ErrorType.NO_SUCH_LOG, non_retryable=True) from None
         return ReadRankLogResult(node=self.node, rank=request.rank, path=str(path), attempt=attempt, text=data.decode("utf-8", errors="replace"),
                                  next_offset=start + len(data), size=size)

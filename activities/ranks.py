@@ -54,6 +54,9 @@ from activities.paths import RunLayout
 from activities.progress import COLLECTIVE_WAIT_GRACE_S, RankReport, complete_steps, find_hung_rank
 from activities.rank_logs import exception_line, failure_signature, read_tail
 from trainguard.evidence import mode_of as hang_mode_of
+from trainguard import protocol
+from trainguard.error_types import ErrorType
+from trainguard.faults import SIGNALLED, FaultKind, choices as fault_choices
 from trainguard.procs import start_time
 from trainguard.procs import state as process_state
 from trainguard.spec import exec_env_refused, exec_problems
@@ -173,38 +176,28 @@ class AttemptRecord:
     """Where a watch's download for this launch found the shards (`local`, `peer`, `s3`): its events say so."""
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "workflow_id": self.workflow_id,
-            "attempt": self.attempt,
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "start_step": self.start_step,
-            "launched_at": self.launched_at,
-            "chain_id": self.chain_id,
-            "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time} for p in self.ranks.values()],
-            "survivors": sorted(self.survivors),
-            "restore_tiers": self.restore_tiers,
-            "standby": None if self.standby is None else {"pid": self.standby.pid,
-                                                          "start_time": self.standby.start_time},
-        }
+        """`ranks.json` (`trainguard.protocol.AttemptFile`)."""
+        return protocol.AttemptFile(
+            workflow_id=self.workflow_id, attempt=self.attempt, master_addr=self.master_addr,
+            master_port=self.master_port, start_step=self.start_step, launched_at=self.launched_at,
+            chain_id=self.chain_id,
+            ranks=[protocol.ProcessEntry(p.pid, p.start_time, p.rank) for p in self.ranks.values()],
+            survivors=sorted(self.survivors), restore_tiers=self.restore_tiers,
+            standby=None if self.standby is None else protocol.ProcessEntry(self.standby.pid, self.standby.start_time),
+        ).to_json()
 
     @classmethod
     def from_json(cls, data: dict) -> AttemptRecord:
+        file = protocol.AttemptFile.from_json(data)
         record = cls(
-            workflow_id=data["workflow_id"],
-            attempt=data["attempt"],
-            master_addr=data["master_addr"],
-            master_port=data["master_port"],
-            start_step=data["start_step"],
-            launched_at=data["launched_at"],
-            chain_id=data.get("chain_id", ""),
-            survivors=set(data.get("survivors", [])),
-            restore_tiers=list(data.get("restore_tiers", [])),
+            workflow_id=file.workflow_id, attempt=file.attempt, master_addr=file.master_addr,
+            master_port=file.master_port, start_step=file.start_step, launched_at=file.launched_at,
+            chain_id=file.chain_id, survivors=set(file.survivors), restore_tiers=file.restore_tiers,
         )
-        if data.get("standby"):
-            record.standby = RankProcess(-1, data["standby"]["pid"], data["standby"]["start_time"])
-        for item in data["ranks"]:
-            record.ranks[item["rank"]] = RankProcess(item["rank"], item["pid"], item["start_time"])
+        if file.standby is not None:
+            record.standby = RankProcess(-1, file.standby.pid, file.standby.start_time)
+        for item in file.ranks:
+            record.ranks[item.rank] = RankProcess(item.rank, item.pid, item.start_time)
         return record
 
 
@@ -224,34 +217,28 @@ def _kill_group(pid: int, sig: int) -> None:
 
 
 def _read_report(path: Path) -> RankReport | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    data = protocol.read_progress(path)
+    if data is None:
         return None
     return RankReport(
-        rank=data["rank"],
-        step=data["step"],
-        time=data["time"],
-        step_time_s=data.get("step_time_s"),
-        saving=bool(data.get("saving")),
-        finished=bool(data.get("finished")),
-        compute_s=data.get("compute_s"),
-        error=data.get("error"),
+        rank=data.rank,
+        step=data.step,
+        time=data.time,
+        step_time_s=data.step_time_s,
+        saving=data.saving,
+        finished=data.finished,
+        compute_s=data.compute_s,
+        error=data.error,
     )
 
 
-def _read_finish(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+def _read_finish(path: Path) -> protocol.Finish:
+    return protocol.read_finish(path)
 
 
 def _write_json(path: Path, payload: object) -> None:
-    """Whole or not at all: written beside, then renamed over (ranks and agents read these while they change)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    """Whole or not at all (ranks and agents read these while they change)."""
+    protocol.write_json(path, payload)
 
 
 def _program_path(path: str) -> Path:
@@ -298,10 +285,10 @@ class RankActivities:
     # ------------------------------------------------------------------------------- bookkeeping
     def _reconcile(self) -> None:
         """After an agent restart: adopt the ranks it had launched that are still alive."""
-        runs = self.workdir / "runs"
+        runs = self.workdir / protocol.RUNS_DIR
         if not runs.is_dir():
             return
-        for ranks_file in runs.glob("*/ranks.json"):
+        for ranks_file in runs.glob(f"*/{protocol.RANKS_FILE}"):
             try:
                 record = AttemptRecord.from_json(json.loads(ranks_file.read_text()))
             except (OSError, ValueError, KeyError):
@@ -385,7 +372,7 @@ class RankActivities:
             raise ApplicationError(
                 f"node {self.node} already runs attempt {current.attempt} of {request.workflow_id}; "
                 f"refusing stale attempt {request.attempt}",
-                type="StaleAttempt",
+                type=ErrorType.STALE_ATTEMPT,
                 non_retryable=True,
             )
         if (current is not None and same_run and current.attempt == request.attempt
@@ -419,14 +406,14 @@ class RankActivities:
         self._attempts[request.workflow_id] = record
         layout = RunLayout.of(self.workdir, request.workflow_id)
         self._drop_uncommitted_shards(layout, request.restore_step)
-        for path in (layout.attempt_dir(request.attempt) / "progress", layout.attempt_dir(request.attempt) / "logs",
+        for path in (layout.progress_dir(request.attempt), layout.logs_dir(request.attempt),
                      layout.checkpoint_dir, layout.tmp_dir):
             path.mkdir(parents=True, exist_ok=True)
-        extra = {"TRAINGUARD_RESTORE_STEP": str(request.restore_step)}
+        extra = {protocol.ENV_RESTORE_STEP: str(request.restore_step)}
         if request.restore_dir:
-            extra["TRAINGUARD_RESTORE_DIR"] = request.restore_dir
+            extra[protocol.ENV_RESTORE_DIR] = request.restore_dir
         if request.rejoin_timeout_s is not None:
-            extra["TRAINGUARD_REJOIN_TIMEOUT_S"] = str(request.rejoin_timeout_s)
+            extra[protocol.ENV_REJOIN_TIMEOUT_S] = str(request.rejoin_timeout_s)
         for local_rank in range(request.ranks_per_node):
             await self._spawn(record, layout, request, cwd, local_rank, extra)
         if request.rejoin_timeout_s is not None:
@@ -449,7 +436,7 @@ class RankActivities:
         if not exists:
             raise ApplicationError(
                 f"working_dir {working_dir!r} does not exist on node {self.node}: name a directory every node "
-                f"of the run has", type="BadSpec", non_retryable=True)
+                f"of the run has", type=ErrorType.BAD_SPEC, non_retryable=True)
         return cwd
 
     def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
@@ -464,12 +451,12 @@ class RankActivities:
             "LOCAL_WORLD_SIZE": str(request.ranks_per_node),
             "MASTER_ADDR": record.master_addr,
             "MASTER_PORT": str(record.master_port),
-            "TRAINGUARD_ATTEMPT": str(record.attempt),
-            "TRAINGUARD_PROGRESS_FILE": str(layout.progress_file(record.attempt, rank)),
-            "TRAINGUARD_CHECKPOINT_DIR": str(layout.checkpoint_dir),
-            "TRAINGUARD_CHECKPOINT_EVERY": str(request.checkpoint_every),
-            "TRAINGUARD_CHECKPOINT_REQUEST_FILE": str(layout.checkpoint_request_file(record.attempt)),
-            "TRAINGUARD_REJOIN_FILE": str(layout.rejoin_file(rank)),
+            protocol.ENV_ATTEMPT: str(record.attempt),
+            protocol.ENV_PROGRESS_FILE: str(layout.progress_file(record.attempt, rank)),
+            protocol.ENV_CHECKPOINT_DIR: str(layout.checkpoint_dir),
+            protocol.ENV_CHECKPOINT_EVERY: str(request.checkpoint_every),
+            protocol.ENV_CHECKPOINT_REQUEST_FILE: str(layout.checkpoint_request_file(record.attempt)),
+            protocol.ENV_REJOIN_FILE: str(layout.rejoin_file(rank)),
             **evidence_env(layout, record.attempt, rank, request.env),
             **extra,
         }
@@ -481,8 +468,8 @@ class RankActivities:
         full = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
         full.setdefault("OMP_NUM_THREADS", "1")
         full.update(request.env)
-        full.update({"TMPDIR": str(layout.tmp_dir), "TRAINGUARD_WORKFLOW_ID": request.workflow_id,
-                     "TRAINGUARD_NODE": self.node, **env})
+        full.update({"TMPDIR": str(layout.tmp_dir), protocol.ENV_WORKFLOW_ID: request.workflow_id,
+                     protocol.ENV_NODE: self.node, **env})
         log_file = log_path.open("ab")
         try:
             return subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
@@ -504,7 +491,7 @@ class RankActivities:
                 field = "entrypoint, env or working_dir"
             raise ApplicationError(
                 f"{field}: cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
-                type="BadSpec",
+                type=ErrorType.BAD_SPEC,
                 non_retryable=True,
             ) from None
         finally:
@@ -535,8 +522,8 @@ class RankActivities:
         path = layout.standby_file(record.attempt)
         path.unlink(missing_ok=True)
         try:
-            popen = self._start(layout, request, cwd, layout.attempt_dir(record.attempt) / "logs" / "standby.log",
-                                {"TRAINGUARD_STANDBY_FILE": str(path)})
+            popen = self._start(layout, request, cwd, layout.logs_dir(record.attempt) / protocol.STANDBY_LOG,
+                                {protocol.ENV_STANDBY_FILE: str(path)})
         except ApplicationError as error:
             log.warning("no standby process on %s: %s", self.node, error)
             return
@@ -558,7 +545,7 @@ class RankActivities:
             raise ApplicationError(
                 f"node {self.node} does not run attempt {request.from_attempt} of {request.workflow_id} "
                 f"(it runs {current.attempt if current else 'nothing'}): nothing to keep, relaunch instead",
-                type="NoSuchAttempt", non_retryable=True)
+                type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
         cwd = self._working_dir(request.working_dir)
         request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
         layout = RunLayout.of(self.workdir, request.workflow_id)
@@ -572,7 +559,7 @@ class RankActivities:
             start_step=min(steps) if steps else current.start_step, launched_at=time.time(),
             ranks=dict(alive), chain_id=request.chain_id, survivors=set(alive),
         )
-        for path in (layout.attempt_dir(record.attempt) / "progress", layout.attempt_dir(record.attempt) / "logs",
+        for path in (layout.progress_dir(record.attempt), layout.logs_dir(record.attempt),
                      layout.rejoin_file(0).parent):
             path.mkdir(parents=True, exist_ok=True)
         self._attempts[request.workflow_id] = record
@@ -580,11 +567,11 @@ class RankActivities:
         world_size = request.num_nodes * request.ranks_per_node
         for rank in sorted(alive):
             # The live rank moves its progress to the new attempt's file, as a fresh launch would write it.
-            payload = {"attempt": record.attempt, "master_addr": record.master_addr,
-                       "master_port": record.master_port, "world_size": world_size,
-                       "progress_file": str(layout.progress_file(record.attempt, rank)),
-                       "checkpoint_request_file": str(layout.checkpoint_request_file(record.attempt))}
-            _write_json(layout.rejoin_file(rank), payload)
+            protocol.Rejoin(attempt=record.attempt, master_addr=record.master_addr,
+                            master_port=record.master_port, world_size=world_size,
+                            progress_file=str(layout.progress_file(record.attempt, rank)),
+                            checkpoint_request_file=str(layout.checkpoint_request_file(record.attempt)),
+                            ).write(layout.rejoin_file(rank))
         standby = current.standby if current.standby is not None and not current.standby.poll() else None
         current.standby = None  # it moves to the new attempt's record: as a rank, or to be stopped with it
         used_standby = False
@@ -592,12 +579,12 @@ class RankActivities:
             rank = request.node_rank * request.ranks_per_node + local_rank
             if rank in alive:
                 continue
-            extra = {"TRAINGUARD_JOIN": "1", "TRAINGUARD_RESTORE_STEP": str(record.start_step),
-                     "TRAINGUARD_REJOIN_TIMEOUT_S": str(request.rejoin_timeout_s)}
+            extra = {protocol.ENV_JOIN: protocol.JOIN_YES, protocol.ENV_RESTORE_STEP: str(record.start_step),
+                     protocol.ENV_REJOIN_TIMEOUT_S: str(request.rejoin_timeout_s)}
             if standby is not None:
                 # The standby has the interpreter and torch loaded: give it this rank's role.
                 env = self._rank_env(record, layout, request, local_rank, extra)
-                _write_json(layout.standby_file(current.attempt), {"env": env})
+                protocol.StandbyRole(env).write(layout.standby_file(current.attempt))
                 self._track(record, rank, standby.pid, standby.popen)
                 standby, used_standby = None, True
             else:
@@ -620,7 +607,7 @@ class RankActivities:
         program checked is the program executed. Env names that would change what runs or what it loads
         (`EXEC_ENV_PATTERNS`) need this node's operator's `--allow-env`."""
         def bad_spec(message: str) -> ApplicationError:
-            return ApplicationError(f"{message} (node {self.node})", type="BadSpec", non_retryable=True)
+            return ApplicationError(f"{message} (node {self.node})", type=ErrorType.BAD_SPEC, non_retryable=True)
 
         problems = exec_problems(request.entrypoint, request.env, request.working_dir)
         if problems:
@@ -647,7 +634,7 @@ class RankActivities:
                 raise ApplicationError(
                     f"entrypoint {name!r} is not allowed on node {self.node} (allowed: {', '.join(self.allowed)}); "
                     f"ask the node's operator to add it with --allow",
-                    type="EntrypointNotAllowed",
+                    type=ErrorType.ENTRYPOINT_NOT_ALLOWED,
                     non_retryable=True,
                 )
         return [str(program), *request.entrypoint[1:]]
@@ -666,11 +653,11 @@ class RankActivities:
         record = self._record(request.workflow_id)
         if record is None or record.attempt != request.attempt:
             raise ApplicationError(f"node {self.node} runs no attempt {request.attempt} of {request.workflow_id}",
-                                   type="NoSuchAttempt", non_retryable=True)
+                                   type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
         layout = RunLayout.of(self.workdir, request.workflow_id)
         reports = [r for r in (_read_report(layout.progress_file(record.attempt, rank)) for rank in record.ranks) if r]
         if request.step is not None:
-            _write_json(layout.checkpoint_request_file(record.attempt), {"step": request.step})
+            protocol.CheckpointRequest(request.step).write(layout.checkpoint_request_file(record.attempt))
         times = [r.step_time_s for r in reports if r.step_time_s]
         return RequestCheckpointResult(node=self.node, step=max((r.step for r in reports), default=-1),
                                        step_time_s=max(times) if times else None)
@@ -680,21 +667,22 @@ class RankActivities:
         """Chaos, carried out by the agent itself: the faults of the field, on demand."""
         if not self.chaos:
             raise ApplicationError(f"chaos is switched off on node {self.node} (agent started with --no-chaos)",
-                                   type="ChaosDisabled", non_retryable=True)
+                                   type=ErrorType.CHAOS_DISABLED, non_retryable=True)
         now = time.time()
-        if request.fault == "gpu":
+        if request.fault == FaultKind.GPU:
             self.health.inject("GPU has fallen off the bus (injected by trainguard chaos)", now)
             return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
-        if request.fault == "corrupt":
+        if request.fault == FaultKind.CORRUPT:
             if not request.bucket or not request.manifest_key:
-                raise ApplicationError("corrupt needs the checkpoint's bucket and manifest key", type="BadFault",
+                raise ApplicationError("corrupt needs the checkpoint's bucket and manifest key",
+                                       type=ErrorType.BAD_FAULT,
                                        non_retryable=True)
             layout = RunLayout.of(self.workdir, request.workflow_id)
             shard = await asyncio.to_thread(corrupt_shard, request.bucket, request.manifest_key, self.node,
                                             request.rank, layout.local_step_dir(step_of(request.manifest_key)))
             return InjectFaultResult(node=self.node, rank=shard.rank, pid=-1, injected_at=now,
                                      step=step_of(shard.key))
-        if request.fault == "node-down":
+        if request.fault == FaultKind.NODE_DOWN:
             # Reply first, then die with every rank: the machine is gone as far as the run can tell.
             asyncio.get_running_loop().call_later(0.3, self._die)
             record = self._record(request.workflow_id)
@@ -706,22 +694,23 @@ class RankActivities:
         live = {r: p for r, p in (record.ranks.items() if record else []) if not p.poll()}
         if not live:
             raise ApplicationError(
-                f"no live rank of {request.workflow_id} on node {self.node}", type="NoSuchRank", non_retryable=True
+                f"no live rank of {request.workflow_id} on node {self.node}",
+                type=ErrorType.NO_SUCH_RANK, non_retryable=True
             )
         rank = request.rank if request.rank is not None else min(live)
         if rank not in live:
             raise ApplicationError(
                 f"rank {rank} is not running on node {self.node} (running: {sorted(live)})",
-                type="NoSuchRank",
+                type=ErrorType.NO_SUCH_RANK,
                 non_retryable=True,
             )
         assert record is not None
         pid = live[rank].pid
-        if request.fault == "slow":
+        if request.fault == FaultKind.SLOW:
             duty = request.slow_duty
             if not SLOW_DUTY_MIN <= duty <= SLOW_DUTY_MAX:
                 raise ApplicationError(f"slow_duty {duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}",
-                                       type="BadFault", non_retryable=True)
+                                       type=ErrorType.BAD_FAULT, non_retryable=True)
             self._slowdowns[pid] = asyncio.create_task(self._duty_cycle(live[rank], duty))
             log.info("chaos: slowing rank %d (pid %d) on %s, stopped %.0f%% of the time", rank, pid, self.node,
                      duty * 100)
@@ -734,12 +723,11 @@ class RankActivities:
             log.info("chaos: hang --mode %s rank %d (pid %d) of %s on %s", mode, rank, pid, request.workflow_id,
                      self.node)
             return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=injected_at)
-        signals = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP, "exit": signal.SIGTERM}
-        if request.fault not in signals:
+        signals = {FaultKind.CRASH: signal.SIGKILL, FaultKind.HANG: signal.SIGSTOP}
+        if request.fault not in SIGNALLED:
             raise ApplicationError(
-                f"unknown fault {request.fault!r}; expected one of crash, hang, hang-python, "
-                f"hang-skip-collective, hang-io, slow, gpu, node-down, corrupt",
-                type="BadFault", non_retryable=True,
+                f"unknown fault {request.fault!r}; expected one of {fault_choices()}",
+                type=ErrorType.BAD_FAULT, non_retryable=True,
             )
         injected_at = record.faults.setdefault(rank, now)
         # Signal the rank's own process only: a real fault hits one process, not its group.
@@ -786,7 +774,7 @@ class RankActivities:
         if record is None or record.attempt != request.attempt:
             raise ApplicationError(
                 f"node {self.node} has no ranks of {request.workflow_id} attempt {request.attempt}",
-                type="NoSuchAttempt",
+                type=ErrorType.NO_SUCH_ATTEMPT,
                 non_retryable=True,
             )
         layout = RunLayout.of(self.workdir, request.workflow_id)
@@ -806,8 +794,9 @@ class RankActivities:
                 )
             steps = [rep.step if rep else record.start_step for rep in reports.values()]
             node_step = min(steps) if steps else -1
-            activity.heartbeat({"node": self.node, "attempt": record.attempt,
-                                "steps": {str(r): (rep.step if rep else None) for r, rep in reports.items()}})
+            activity.heartbeat(protocol.WatchHeartbeat(
+                node=self.node, attempt=record.attempt,
+                steps={r: (rep.step if rep else None) for r, rep in reports.items()}).to_json())
 
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,
@@ -848,8 +837,8 @@ class RankActivities:
                 if request.checkpoints is not None:  # FINISHED: the node's checkpoints are in the store
                     await self._upload_all(record, request.checkpoints, ready, compute, node_step,
                                            until=started + request.max_duration_s + FINAL_UPLOAD_MARGIN_S)
-                return event(WatchEventKind.FINISHED, state_digest=finish.get("digest"),
-                             mean_step_s=finish.get("mean_step_s"))
+                return event(WatchEventKind.FINISHED, state_digest=finish.digest,
+                             mean_step_s=finish.mean_step_s)
 
             record.last_watched = time.monotonic()
             running = {r for r in local_ranks if not record.ranks[r].poll()}
@@ -899,12 +888,12 @@ class RankActivities:
         than the watch's heartbeat timeout), retrying what the store fails until `timeout_s`."""
         if self.downloader is None:
             raise ApplicationError(f"node {self.node} has no checkpoint tier to restore from",
-                                   type="NoLocalShards", non_retryable=True)
+                                   type=ErrorType.NO_LOCAL_SHARDS, non_retryable=True)
         deadline, delay = time.monotonic() + timeout_s, DOWNLOAD_RETRY_INITIAL_S
         while True:
             task = asyncio.ensure_future(self.downloader(request))
             while not task.done():
-                activity.heartbeat({"node": self.node, "attempt": request.attempt, "downloading": True})
+                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt, downloading=True).to_json())
                 await asyncio.wait([task], timeout=1.0)
             error = task.exception()
             if error is None:
@@ -915,7 +904,7 @@ class RankActivities:
                         request.workflow_id, delay, error)
             resume = time.monotonic() + delay
             while time.monotonic() < resume:  # the watch's heartbeat timeout is shorter than the backoff
-                activity.heartbeat({"node": self.node, "attempt": request.attempt, "downloading": True})
+                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt, downloading=True).to_json())
                 await asyncio.sleep(min(1.0, resume - time.monotonic()))
             delay = min(DOWNLOAD_RETRY_MAX_S, delay * 2)
 
@@ -970,7 +959,7 @@ class RankActivities:
                          and not (isinstance(error, ApplicationError) and error.non_retryable)]
             if not pending and not retryable:
                 return
-            activity.heartbeat({"node": self.node, "attempt": record.attempt, "uploading": len(pending)})
+            activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=record.attempt, uploading=len(pending)).to_json())
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
             else:

@@ -20,14 +20,13 @@ import re
 import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from enum import Enum
 from typing import Protocol
 
-from pydantic import BaseModel, Field
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from trainguard.spec import NODE_ID_PATTERN
+from trainguard.error_types import ErrorType
+from activities.models import HOOK_OFF, NotifySchedulerInput, NotifySchedulerResult, SchedulerAction  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +36,6 @@ SCHEDULER_COMMAND_ENV = "TRAINGUARD_SCHEDULER_COMMAND"
 COMMAND_TIMEOUT_S = 20.0
 """One `scontrol`/`kubectl` call: an RPC to slurmctld or the API server answers in well under a second;
 20 s means it is down or overloaded, and the activity's retry policy, not this call, decides what next."""
-
-HOOK_OFF = "scheduler hook off"
 
 TAINT_KEY = "trainguard.io/unhealthy"
 """Kubernetes taint set on a cordoned node (effect NoSchedule); its value is a short form of the reason."""
@@ -207,31 +204,6 @@ def scheduler_from_env(environ: Mapping[str, str] | None = None) -> Scheduler:
 # ------------------------------------------------------------------------------------------- activity
 
 
-class SchedulerAction(str, Enum):
-    CORDON = "cordon"
-    UNCORDON = "uncordon"
-
-
-class NotifySchedulerInput(BaseModel):
-    node: str = Field(pattern=NODE_ID_PATTERN)
-    """trainguard node id; the hook passes it to the scheduler as its node name, so the two must agree."""
-    action: SchedulerAction
-    """`cordon` (Slurm: drain; Kubernetes: cordon + taint) or `uncordon` (resume; uncordon + untaint)."""
-    reason: str = ""
-    """Why, for the scheduler's records (Slurm's drain reason, the taint's value). Ignored by uncordon."""
-    run_id: str | None = None
-    """Workflow id of the run that asked, for the logs. Default None (an operator or the pool)."""
-
-
-class NotifySchedulerResult(BaseModel):
-    scheduler: str = NoScheduler.name
-    """Which scheduler was told: none, slurm or kubernetes."""
-    commands: list[list[str]] = Field(default_factory=list)
-    """Every command run, as argv; empty when the hook is off."""
-    detail: str = HOOK_OFF
-    """One line for the UI: what was done, or `scheduler hook off`."""
-
-
 class SchedulerActivities:
     """Controller-side: the scheduler is chosen once, from the worker's environment, at start-up."""
 
@@ -249,9 +221,9 @@ class SchedulerActivities:
             else:
                 commands = await asyncio.to_thread(self.scheduler.uncordon, request.node)
         except SchedulerConfigError as error:
-            raise ApplicationError(str(error), type="SchedulerConfigError", non_retryable=True) from error
+            raise ApplicationError(str(error), type=ErrorType.SCHEDULER_CONFIG_ERROR, non_retryable=True) from error
         except SchedulerCommandFailed as error:
-            raise ApplicationError(str(error), type="SchedulerCommandFailed") from error
+            raise ApplicationError(str(error), type=ErrorType.SCHEDULER_COMMAND_FAILED) from error
         detail = f"{self.scheduler.name}: {request.action.value} {request.node}"
         log.info("%s (run %s): %s", detail, request.run_id or "-", "; ".join(" ".join(c) for c in commands))
         return NotifySchedulerResult(scheduler=self.scheduler.name, commands=commands, detail=detail)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainguard import rank as tg
+from trainguard.protocol import ENV_PROGRESS_FILE
 
 
 def build_model(hidden: int) -> nn.Module:
@@ -92,7 +93,7 @@ def main() -> None:
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     # What trainguard.rank.RankRun.managed reads; the rank helper is created after the process group.
-    managed = "TRAINGUARD_PROGRESS_FILE" in os.environ
+    managed = ENV_PROGRESS_FILE in os.environ
     if args.pg_timeout_s and not managed:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=args.pg_timeout_s))
     else:

@@ -63,7 +63,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.procs import stat_fields
+from infra import harness
+from infra.harness import RankProc, scan_ranks
+from infra.harness import alive as _alive
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / ".bench"
@@ -136,23 +138,9 @@ class SoakConfig:
 # ------------------------------------------------------------------------------------------ the job spec
 
 
-def make_spec(prefix: str, steps: int = 60, every: int = 20, nodes: tuple[str, ...] = ("node-0", "node-1"),
-              spares: tuple[str, ...] = (), ranks_per_node: int = 1, step_time: float = 0.05,
-              **extra: Any) -> dict[str, Any]:
-    """A small run of the example trainer (the shape of tests/integration/conftest.make_spec). The step
-    time is a sleep: it changes how long the run takes, not its final state."""
-    spec: dict[str, Any] = {
-        "entrypoint": ["python", "examples/train.py", "--steps", str(steps), "--step-time", str(step_time),
-                       "--hidden", str(HIDDEN)],
-        "nodes": list(nodes),
-        "spare_nodes": list(spares),
-        "ranks_per_node": ranks_per_node,
-        "checkpoint": {"prefix": prefix, "every_steps": every, "keep_last": KEEP_LAST},
-        # Generous hang bounds: the machine is shared and a GC pause must not read as a hang.
-        "health": {"hang_floor_s": 5.0},
-    }
-    spec.update(extra)
-    return spec
+def make_spec(prefix: str, **fields: Any) -> dict[str, Any]:
+    """A small run of the example trainer (`infra.harness.make_spec`, as the integration tests run it)."""
+    return harness.make_spec(prefix, hidden=HIDDEN, keep_last=KEEP_LAST, **fields)
 
 
 def soak_spec(prefix: str, job: Job, nodes: tuple[str, ...], spares: tuple[str, ...],
@@ -232,69 +220,7 @@ class Duplicate:
 
 
 # ----------------------------------------------------------------------------------------- /proc reading
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of a pid, None once gone."""
-    fields = stat_fields(pid)
-    return (fields[0], fields[19]) if fields else None
-
-
-def _alive(pid: int, start_time: str | None) -> bool:
-    """The process `pid` started at `start_time` still runs (a zombie has exited)."""
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z" and (start_time is None or stat[1] == start_time)
-
-
-@dataclass(frozen=True, slots=True)
-class RankProc:
-    pid: int
-    start_time: str
-    workflow_id: str
-    node: str
-    attempt: int
-    rank: int
-
-
-def scan_ranks(home: Path) -> list[RankProc]:
-    """Live rank processes of this stack, from /proc: the agent gives every rank its workflow id, node and
-    attempt in the environment, and a checkpoint directory under the stack's home."""
-    marker = b"TRAINGUARD_CHECKPOINT_DIR=" + f"{home}{os.sep}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if marker not in raw:
-            continue
-        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        stat = _stat(pid)
-        if stat is None or stat[0] == "Z":
-            continue
-        try:
-            found.append(RankProc(pid, stat[1], env[b"TRAINGUARD_WORKFLOW_ID"].decode(),
-                                  env[b"TRAINGUARD_NODE"].decode(), int(env[b"TRAINGUARD_ATTEMPT"]),
-                                  int(env.get(b"RANK", b"-1"))))
-        except (KeyError, ValueError):
-            continue
-    return found
-
-
-def read_agent_records(home: Path) -> list[dict[str, Any]]:
-    """The agents' records: `nodes/<node>/runs/<run>/ranks.json` (workflow id, attempt, pid + start time)."""
-    records = []
-    for ranks_file in (home / "nodes").glob("*/runs/*/ranks.json"):
-        try:
-            record = json.loads(ranks_file.read_text())
-        except (OSError, ValueError):
-            continue
-        record["node"] = ranks_file.parents[2].name
-        records.append(record)
-    return records
+# Rank processes are found by `infra.harness` (the agents' records and /proc).
 
 
 class RankSampler:
@@ -358,23 +284,23 @@ class RankSampler:
 
         # The agents' own records: while the ranks a record names are alive, every live process of that run
         # on that node belongs to the recorded attempt.
-        for record in read_agent_records(self.home):
+        for node, record in harness.agent_records(self.home):
             self.record_samples += 1
-            ranks = record.get("ranks", [])
-            if not any(_alive(i["pid"], i.get("start_time")) for i in ranks):
+            ranks = record.ranks
+            if not any(_alive(i.pid, i.start_time) for i in ranks):
                 continue
-            strays = [p for p in by_run_node.get((record["workflow_id"], record["node"]), [])
-                      if p.attempt != record["attempt"] and _alive(p.pid, p.start_time)]
+            strays = [p for p in by_run_node.get((record.workflow_id, node), [])
+                      if p.attempt != record.attempt and _alive(p.pid, p.start_time)]
             # Re-read: the recorded ranks may have been fenced (and the record moved on) meanwhile.
-            if not strays or not any(_alive(i["pid"], i.get("start_time")) for i in ranks):
+            if not strays or not any(_alive(i.pid, i.start_time) for i in ranks):
                 continue
-            key = ("record", record["workflow_id"], record["node"], record["attempt"],
+            key = ("record", record.workflow_id, node, record.attempt,
                    tuple(sorted({p.attempt for p in strays})))
             if key not in self._seen:
                 self._seen.add(key)
                 self.record_mismatches.append({
-                    "workflow_id": record["workflow_id"], "node": record["node"],
-                    "recorded_attempt": record["attempt"],
+                    "workflow_id": record.workflow_id, "node": node,
+                    "recorded_attempt": record.attempt,
                     "stray_attempts": sorted({p.attempt for p in strays}),
                     "stray_pids": sorted(p.pid for p in strays), "at_s": round(self.clock(), 1)})
 
@@ -849,26 +775,22 @@ class Soak:
     # ------------------------------------------------------------------------------------------- main
     async def run(self) -> SoakReport:
         from trainguard.client import TrainguardClient
-        from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
         home = BENCH_DIR / f"soak-{secrets.token_hex(4)}"
         home.mkdir(parents=True)
-        saved = {k: os.environ.get(k) for k in ("TRAINGUARD_TEMPORAL_ADDRESS", "PYTHONPATH")}
-        code_dir = REPO
+        code_dir, env = REPO, {}
         if self.config.snapshot:
             code_dir = snapshot_code(home / "code")
-            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), saved["PYTHONPATH"]) if p)
-        base = free_port_base(PORT_SEARCH_START, num_nodes=len(self.nodes))
-        config = StackConfig(home=home, ports=Ports.from_base(base), nodes=self.nodes,
-                             code_dir=code_dir)
-        self.stack = DevStack(config)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_dir), os.environ.get("PYTHONPATH")) if p)
+        private = harness.PrivateStack(home, self.nodes, PORT_SEARCH_START, code_dir=code_dir, env=env,
+                                       keep_logs=self.config.keep_logs)
+        config, self.stack = private.config, private.stack
         stop_sampling = asyncio.Event()
         sampling: asyncio.Task[None] | None = None
         try:
             self.say(f"stack in {home} (Temporal {config.temporal_address}, S3 {config.s3_endpoint}), "
                      f"seed {self.seed}")
-            await asyncio.to_thread(self.stack.up, _quiet)
-            os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
+            await asyncio.to_thread(private.start)
             self.client = await TrainguardClient.connect()
             self.chaos = Chaos(self.stack, self.nodes, self.rng, self.clock, self.say)
             self.sampler = RankSampler(home, self.clock)
@@ -889,22 +811,11 @@ class Soak:
                 sampling.cancel()
             for task in self._followers.values():
                 task.cancel()
-            started = _started_components(self.stack)
             try:
-                await asyncio.to_thread(self.stack.down, _quiet)
+                await asyncio.to_thread(private.stop)
             finally:
-                self.leftovers = [f"{name} (pid {pid})" for name, pid, start in started if _alive(pid, start)]
-                self.leftovers += [f"rank {p.rank} of {p.workflow_id} (pid {p.pid})"
-                                   for p in scan_ranks(home)]
-                _kill_leftover_ranks(home)
-                for key, value in saved.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
-                if self.config.keep_logs is not None:
-                    shutil.copytree(home / "logs", self.config.keep_logs, dirs_exist_ok=True)
-                shutil.rmtree(home, ignore_errors=True)
+                self.leftovers = private.leftovers + [f"rank {p.rank} of {p.workflow_id} (pid {p.pid})"
+                                                      for p in private.leftover_ranks]
         report = self.report()
         for line in report.lines:
             self.config.echo(line)
@@ -914,18 +825,6 @@ class Soak:
             path.write_text(json.dumps(report.data, indent=2, default=str))
             self.config.echo(f"report: {path}")
         return report
-
-
-def _started_components(stack: Any) -> list[tuple[str, int, str | None]]:
-    """(name, pid, start time) of every component the stack's pidfiles name."""
-    found = []
-    for pidfile in stack.run_dir.glob("*.json"):
-        try:
-            record = json.loads(pidfile.read_text())
-            found.append((pidfile.stem, int(record["pid"]), record.get("start_time")))
-        except (OSError, ValueError, KeyError):
-            continue
-    return found
 
 
 def _manifest_steps(s3: Any, prefix: str, workflow_id: str) -> set[int]:
@@ -947,18 +846,6 @@ def _exists(s3: Any, key: str) -> bool:
         return True
     except ClientError:
         return False
-
-
-def _kill_leftover_ranks(home: Path) -> None:
-    """Ranks started for this stack that outlived `down` (none expected): killed by pid, group first."""
-    for proc in scan_ranks(home):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks lead their own process group
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 async def run_soak(config: SoakConfig) -> SoakReport:

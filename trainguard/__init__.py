@@ -11,6 +11,14 @@ NODE_CALLS_WORKFLOW = "NodeCalls"
 NODE_GROUP_WATCH_WORKFLOW = "NodeGroupWatch"
 """Child workflow of a run: the watches of one group of nodes for one attempt (workflows/node_group.py)."""
 
+POOL_WORKFLOW_ID = "trainguard-node-pool"
+"""The node pool's workflow id: one pool per namespace (workflows/node_pool.py)."""
+
+POOL_WORKFLOW_TYPE = "NodePool"
+
+READ_LOG_WORKFLOW_TYPE = "ReadRankLog"
+"""A short workflow of its own per read of a rank's log (workflows/rank_log.py)."""
+
 
 def node_task_queue(node: str) -> str:
     """Task queue a node's agent polls; activities that touch the node are pinned to it."""

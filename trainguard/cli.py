@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from activities.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN
-from trainguard.models import Incident, RunResult
+from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, Incident, RunResult
+from trainguard.faults import FaultKind
 from trainguard.spec import RunSpec, SpecError
 
 
@@ -184,12 +184,12 @@ async def _logs(client: Any, args: argparse.Namespace) -> int:
 async def _chaos_cmd(args: argparse.Namespace) -> int:
     from trainguard.client import TrainguardClient
 
-    args.fault = {"gpu-fault": "gpu", "corrupt-checkpoint": "corrupt"}.get(args.fault, args.fault)
+    args.fault = {"gpu-fault": FaultKind.GPU, "corrupt-checkpoint": FaultKind.CORRUPT}.get(args.fault, args.fault)
     if args.node is None and args.rank is None:
         print("trainguard chaos: name the node (--node) or the rank (--rank), whose node is then looked up",
               file=sys.stderr)
         return 2
-    if args.fault == "hang":
+    if args.fault == FaultKind.HANG:
         from trainguard.evidence import fault_name
 
         args.fault = fault_name(args.mode)
@@ -198,7 +198,7 @@ async def _chaos_cmd(args: argparse.Namespace) -> int:
         return 2
     client = await TrainguardClient.connect()
     result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty)
-    if args.fault == "corrupt":
+    if args.fault == FaultKind.CORRUPT:
         target = f"rank {result.rank}'s shard of checkpoint step {result.step}"
     else:
         target = f"rank {result.rank} (pid {result.pid})" if result.rank >= 0 else "the node"

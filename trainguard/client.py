@@ -23,20 +23,22 @@ from typing import Any
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.models import InjectFaultResult
-from activities.rank_logs import ReadRankLogInput, ReadRankLogResult
-from trainguard import NODE_GROUP_WATCH_WORKFLOW, TASK_QUEUE, WORKFLOW_TYPE
+from trainguard import NODE_GROUP_WATCH_WORKFLOW, READ_LOG_WORKFLOW_TYPE, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
+from trainguard.protocol import WatchHeartbeat, safe_name
 from trainguard.errors import NO_POLLER, NoController, no_controller_hint
 from trainguard.models import (
     ChaosRequest,
     CheckpointNowResult,
     DrainRequest,
+    InjectFaultResult,
     NodeRequest,
     OperatorRequest,
     PoolNode,
     PoolStatus,
     OperatorResult,
+    ReadRankLogInput,
+    ReadRankLogResult,
     Phase,
     RunResult,
     RunStatus,
@@ -62,8 +64,6 @@ class RunView:
 
 def fresh_namespace(workflow_id: str) -> str:
     """A checkpoint namespace for a new run under a used id: the id made key-safe, and a random suffix."""
-    from activities.paths import safe_name
-
     return f"{safe_name(workflow_id)[:180].lstrip('._-') or 'run'}.{uuid.uuid4().hex[:8]}"
 
 
@@ -160,7 +160,7 @@ class TrainguardClient:
         one, a started run waits in `reserving` and no query is answered."""
         from temporalio.api.enums.v1 import TaskQueueType
 
-        from activities.nodes import has_pollers
+        from trainguard.pool import has_pollers
 
         return await has_pollers(self.client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, max_idle_s)
 
@@ -188,10 +188,10 @@ class TrainguardClient:
                 if pending.activity_type.name != "watch_ranks" or not pending.heartbeat_details.payloads:
                     continue
                 details = (await self.client.data_converter.decode(pending.heartbeat_details.payloads))[0]
-                if not isinstance(details, dict) or details.get("attempt") != status.attempt:
+                beat = WatchHeartbeat.from_json(details)
+                if beat is None or beat.attempt != status.attempt:
                     continue  # a cancelled watch of an earlier attempt, not yet acknowledged
-                for rank, step in (details.get("steps") or {}).items():
-                    steps[int(rank)] = step
+                steps.update(beat.steps or {})
         execution = description.status.name if description.status else "UNKNOWN"
         return RunView(workflow_id, execution, status, dict(sorted(steps.items())))
 
@@ -220,8 +220,6 @@ class TrainguardClient:
         """A chunk of a rank's log (its stdout and stderr), read by its node's agent: `rank` on `node`
         (either one finds the other from the run's current nodes; default rank 0), the newest `attempt` there
         unless given; from `offset`, or the last `tail_bytes`."""
-        from workflows.rank_log import READ_LOG_WORKFLOW_TYPE
-
         if node is None or rank is None:
             status = (await self.status(workflow_id)).status
             if rank is None:
@@ -269,7 +267,7 @@ class TrainguardClient:
     # ------------------------------------------------------------------------------------ node pool
     async def nodes(self) -> list[PoolNode]:
         """The node pool: each node's registration, lease, cordon and drain state."""
-        from activities.nodes import pool_nodes
+        from trainguard.pool import pool_nodes
 
         return await pool_nodes(self.client)
 
@@ -286,7 +284,7 @@ class TrainguardClient:
         return await self._pool_update("drain", NodeRequest(node=node), PoolStatus)
 
     async def _pool_update(self, name: str, request: NodeRequest, result_type: type) -> Any:
-        from activities.nodes import pool_handle
+        from trainguard.pool import pool_handle
 
         return await (await pool_handle(self.client)).execute_update(name, request, result_type=result_type)
 

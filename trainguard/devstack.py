@@ -27,6 +27,7 @@ from typing import Any
 
 from trainguard.hosts import SERVICES, HostsNetwork, HostsUnavailable, bridge_exists, unavailable_reason
 from trainguard.procs import start_time, state
+from trainguard.protocol import node_attempt_files
 
 DEFAULT_NODES = ("node-0", "node-1", "node-2")
 DEFAULT_BUCKET = "trainguard"
@@ -492,7 +493,7 @@ class DevStack:
         import asyncio
 
         from temporalio.api.enums.v1 import TaskQueueType
-        from activities.nodes import has_pollers, missing_agents, pool_nodes
+        from trainguard.pool import has_pollers, missing_agents, pool_nodes
         from trainguard import TASK_QUEUE
 
         async def wait() -> None:
@@ -574,14 +575,10 @@ class DevStack:
     def _kill_orphan_ranks(self) -> int:
         """Ranks of an agent that was killed without its SIGTERM cleanup: found from the agents' records."""
         killed = 0
-        for ranks_file in (self.home / "nodes").glob("*/runs/*/ranks.json"):
-            try:
-                record = json.loads(ranks_file.read_text())
-            except (OSError, ValueError):
-                continue
-            for item in [*record.get("ranks", []), *([record["standby"]] if record.get("standby") else [])]:
-                if item.get("start_time") and _start_time(item["pid"]) == item["start_time"]:
-                    _signal_group(item["pid"], signal.SIGKILL)
+        for _node, record in node_attempt_files(self.home / "nodes"):
+            for item in record.processes():
+                if item.start_time and _start_time(item.pid) == item.start_time:
+                    _signal_group(item.pid, signal.SIGKILL)
                     killed += 1
         return killed
 

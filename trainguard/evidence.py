@@ -30,7 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-BASE_ENV = "TRAINGUARD_EVIDENCE_BASE"
+from trainguard.protocol import ENV_EVIDENCE_BASE
+from trainguard.faults import FaultKind
+
+BASE_ENV = ENV_EVIDENCE_BASE
 """Set by the agent for each rank: the path prefix of the rank's evidence files."""
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
@@ -58,12 +61,12 @@ def fault_name(mode: str) -> str:
     """The `inject_fault` fault for a hang mode: `hang` for `stop` (as before), else `hang-<mode>`."""
     if mode not in HANG_MODES:
         raise ValueError(f"unknown hang mode {mode!r}; expected one of {', '.join(HANG_MODES)}")
-    return "hang" if mode == "stop" else f"hang-{mode}"
+    return FaultKind.HANG if mode == "stop" else FaultKind(f"hang-{mode}")
 
 
 def mode_of(fault: str) -> str | None:
     """The hang mode of an `inject_fault` fault name, None if it is no hang."""
-    if fault == "hang":
+    if fault == FaultKind.HANG:
         return "stop"
     mode = fault.removeprefix("hang-")
     return mode if fault.startswith("hang-") and mode in HANG_MODES else None

@@ -146,17 +146,6 @@ class RunResult(BaseModel):
     """Mean step time of the final attempt as reported by rank 0, seconds."""
 
 
-class RankProgress(BaseModel):
-    """One rank's latest progress, as its node agent last saw it."""
-
-    rank: int
-    step: int = -1
-    step_time_s: float | None = None
-    age_s: float = 0.0
-    """Seconds since the rank last reported progress."""
-    alive: bool = True
-
-
 class RunStatus(BaseModel):
     """Answer to the `status` query."""
 
@@ -323,3 +312,53 @@ class NodeRequest(BaseModel):
     """A run's cordon for a node it lost: the workflow-clock time (unix seconds) it last heard from the node.
     The cordon does not stand when the node's agent registered after that: it came back (a restarted agent,
     a restarted stack), and the cause of the cordon no longer holds."""
+
+
+# ---------------------------------------------------------------- node-agent payloads the client reads too
+# Defined here, not in `activities`, so the public package never imports worker code; `activities.models`
+# and `activities.rank_logs` re-export them.
+
+SLOW_DUTY_MIN = 0.05
+SLOW_DUTY_MAX = 0.95
+"""`slow` chaos: the fraction of time a rank is stopped. Below 0.05 it is not slowed measurably; at 1.0 it is a
+hang, which `hang` injects."""
+
+
+class InjectFaultResult(BaseModel):
+    node: str
+    rank: int
+    pid: int
+    injected_at: float
+    step: int | None = None
+    """For `corrupt`: the checkpoint step whose shard was damaged."""
+
+
+LOG_CHUNK_MAX_BYTES = 256 * 1024
+"""One read of a rank's log: well under Temporal's 2 MB payload limit (and its 256 KB warning)."""
+
+
+class ReadRankLogInput(BaseModel):
+    workflow_id: str
+    """The run whose rank's log to read."""
+    node: str
+    rank: int
+    attempt: int | None = None
+    """Launch attempt (1-based); None: the newest one this node has a log of the rank for."""
+    offset: int = Field(0, ge=0)
+    """Byte offset to read from (ignored with `tail_bytes`)."""
+    tail_bytes: int | None = Field(None, ge=0, le=LOG_CHUNK_MAX_BYTES)
+    """Read only the last this many bytes (the default view); None: from `offset`."""
+    max_bytes: int = Field(LOG_CHUNK_MAX_BYTES, ge=1, le=LOG_CHUNK_MAX_BYTES)
+
+
+class ReadRankLogResult(BaseModel):
+    node: str
+    rank: int
+    path: str
+    """The log file on the node."""
+    attempt: int
+    text: str = ""
+    next_offset: int = 0
+    """Where the next read (`--follow`) goes on from."""
+    size: int = 0
+    """The file's size when read, bytes."""

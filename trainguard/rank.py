@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard import evidence as _evidence
+from trainguard import protocol as _protocol
 
-EXIT_NO_RETRY = 78
+EXIT_NO_RETRY = _protocol.EXIT_NO_RETRY
 """Exit with this code (EX_CONFIG) for an error a restart cannot fix: the run stops with your message
 instead of spending its restart budget."""
 
@@ -74,9 +75,7 @@ def _helper_key(rank: int) -> str:
 
 
 def _atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    _protocol.write_json(path, payload)
 
 
 def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
@@ -173,26 +172,26 @@ class RankRun:
         self.replicated = replicated
         """Every rank holds the same state (DDP): rank 0 alone writes the shard, every rank restores it."""
         self.checkpoint_format = checkpoint_format
-        self.managed = "TRAINGUARD_PROGRESS_FILE" in environ
+        self.managed = _protocol.ENV_PROGRESS_FILE in environ
         self.rank = int(environ.get("RANK", "0"))
         self.world_size = int(environ.get("WORLD_SIZE", "1"))
-        self.attempt = int(environ.get("TRAINGUARD_ATTEMPT", "1"))
-        self.checkpoint_every = int(environ.get("TRAINGUARD_CHECKPOINT_EVERY", "0"))
-        self.start_step = int(environ.get("TRAINGUARD_RESTORE_STEP", "0"))
-        self._progress_path = Path(environ["TRAINGUARD_PROGRESS_FILE"]) if self.managed else None
-        self._checkpoint_dir = Path(environ.get("TRAINGUARD_CHECKPOINT_DIR", ".")) if self.managed else None
-        request = environ.get("TRAINGUARD_CHECKPOINT_REQUEST_FILE")
+        self.attempt = int(environ.get(_protocol.ENV_ATTEMPT, "1"))
+        self.checkpoint_every = int(environ.get(_protocol.ENV_CHECKPOINT_EVERY, "0"))
+        self.start_step = int(environ.get(_protocol.ENV_RESTORE_STEP, "0"))
+        self._progress_path = Path(environ[_protocol.ENV_PROGRESS_FILE]) if self.managed else None
+        self._checkpoint_dir = Path(environ.get(_protocol.ENV_CHECKPOINT_DIR, ".")) if self.managed else None
+        request = environ.get(_protocol.ENV_CHECKPOINT_REQUEST_FILE)
         self._request_path = Path(request) if request else None
         self._request_mtime = 0.0
         self._requested_step: int | None = None
-        restore = environ.get("TRAINGUARD_RESTORE_DIR")
+        restore = environ.get(_protocol.ENV_RESTORE_DIR)
         self._restore_dir = Path(restore) if restore else None
-        rejoin = environ.get("TRAINGUARD_REJOIN_TIMEOUT_S")
+        rejoin = environ.get(_protocol.ENV_REJOIN_TIMEOUT_S)
         self.rejoin_timeout_s = float(rejoin) if rejoin and self.managed else None
         """Set when the run has in-process restarts on (`restarts.in_process`); None: `rejoin` re-raises."""
-        self.joining = environ.get("TRAINGUARD_JOIN") == "1"
+        self.joining = environ.get(_protocol.ENV_JOIN) == _protocol.JOIN_YES
         """This process replaces a rank that died: `restore` takes its state from a live peer."""
-        rejoin_file = environ.get("TRAINGUARD_REJOIN_FILE")
+        rejoin_file = environ.get(_protocol.ENV_REJOIN_FILE)
         self._rejoin_path = Path(rejoin_file) if rejoin_file else None
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
@@ -206,7 +205,7 @@ class RankRun:
         self._saved: set[int] = set()
         self._dcp_group: Any = None
         self._dcp_stager: Any = None
-        base = environ.get(_evidence.BASE_ENV)
+        base = environ.get(_protocol.ENV_EVIDENCE_BASE)
         self._evidence = _evidence.RankChannel(Path(base)).start() if base and self.managed else None
         """Answers the agent's requests for stacks and collective position (see `trainguard.evidence`)."""
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
@@ -219,19 +218,12 @@ class RankRun:
         now = time.time()
         if not force and now - self._last_write < _PROGRESS_MIN_INTERVAL_S:
             return
-        payload = {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "attempt": self.attempt,
-            "step": self._step,
-            "time": now,
-            "step_time_s": self._step_time_ema,
-            "compute_s": self._compute_ema,
-            "timed_steps": self._num_timed_steps,
-            **({"evidence": str(self._evidence.paths.base)} if self._evidence is not None else {}),
+        _protocol.Progress(
+            rank=self.rank, pid=os.getpid(), attempt=self.attempt, step=self._step, time=now,
+            step_time_s=self._step_time_ema, compute_s=self._compute_ema, timed_steps=self._num_timed_steps,
+            evidence=str(self._evidence.paths.base) if self._evidence is not None else None,
             **extra,
-        }
-        _atomic_write_json(self._progress_path, payload)
+        ).write(self._progress_path)
         self._last_write = now
 
     def step_done(self, step: int, compute_s: float | None = None) -> None:
@@ -292,10 +284,10 @@ class RankRun:
         raise SystemExit(EXIT_NO_RETRY)
 
     def _write_replica(self, step: int) -> None:
-        step_dir = self._checkpoint_dir / f"step-{step:08d}"  # type: ignore[operator]
+        step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)  # type: ignore[operator]
         step_dir.mkdir(parents=True, exist_ok=True)
         self._saved.add(step)
-        _atomic_write_json(step_dir / f"rank-{self.rank:05d}.json",
+        _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank),
                            {"rank": self.rank, "step": step, "size_bytes": 0, "sha256": "", "replica_of": 0})
 
     # ------------------------------------------------------------------------------------ checkpoints
@@ -317,10 +309,9 @@ class RankRun:
             return self._requested_step
         if mtime != self._request_mtime:
             self._request_mtime = mtime
-            try:
-                self._requested_step = int(json.loads(self._request_path.read_text())["step"])
-            except (OSError, ValueError, KeyError):
-                pass
+            request = _protocol.CheckpointRequest.read(self._request_path)
+            if request is not None:
+                self._requested_step = request.step
         return self._requested_step
 
     def save(self, step: int, state: dict[str, Any]) -> float:
@@ -375,7 +366,7 @@ class RankRun:
         import torch.distributed.checkpoint as dcp
 
         assert self._checkpoint_dir is not None
-        step_dir = self._checkpoint_dir / f"step-{step:08d}"
+        step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)
         (step_dir / DCP_DIR).mkdir(parents=True, exist_ok=True)
         helper = pickle.dumps({"step": step, "rank": self.rank, "rng": _rng_state()})
         writer = dcp.FileSystemWriter(str(step_dir / DCP_DIR), single_file_per_rank=True, sync_files=True,
@@ -409,7 +400,7 @@ class RankRun:
                               "sha256": sha256_file(path)})
             meta = {"rank": self.rank, "step": step, "format": FORMAT_DCP, "files": files,
                     "size_bytes": sum(f["size_bytes"] for f in files), "sha256": files_digest(files)}
-            _atomic_write_json(step_dir / f"rank-{self.rank:05d}.json", meta)
+            _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank), meta)
         except BaseException as error:  # surfaced on the next save or at finish
             self._writer_error = error
 
@@ -418,9 +409,9 @@ class RankRun:
 
         try:
             assert self._checkpoint_dir is not None
-            step_dir = self._checkpoint_dir / f"step-{step:08d}"
+            step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)
             step_dir.mkdir(parents=True, exist_ok=True)
-            final = step_dir / f"rank-{self.rank:05d}.pt"
+            final = step_dir / _protocol.shard_name(self.rank)
             tmp = step_dir / f".rank-{self.rank:05d}.pt.tmp"
             with tmp.open("wb") as handle:
                 torch.save(payload, handle)
@@ -430,7 +421,7 @@ class RankRun:
             meta = {"rank": self.rank, "step": step, "size_bytes": final.stat().st_size}
             meta["sha256"] = sha256_file(final)
             # The meta file appears last: the agent treats a shard without it as not written yet.
-            _atomic_write_json(step_dir / f"rank-{self.rank:05d}.json", meta)
+            _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank), meta)
         except BaseException as error:  # surfaced on the next save or at finish
             self._writer_error = error
 
@@ -462,8 +453,8 @@ class RankRun:
             return self._restore_dcp(state)
         import torch
 
-        shard = self._restore_dir / f"rank-{self.rank:05d}.pt"
-        meta = json.loads((self._restore_dir / f"rank-{self.rank:05d}.json").read_text())
+        shard = self._restore_dir / _protocol.shard_name(self.rank)
+        meta = json.loads((self._restore_dir / _protocol.shard_meta_name(self.rank)).read_text())
         if sha256_file(shard) != meta["sha256"]:
             raise RuntimeError(f"trainguard: restored shard {shard} does not match its checksum")
         loaded = torch.load(shard, map_location="cpu", weights_only=False)
@@ -518,24 +509,21 @@ class RankRun:
         if dist.is_initialized():
             dist.destroy_process_group()
         deadline = time.monotonic() + self.rejoin_timeout_s
-        target: dict[str, Any] | None = None
+        target: _protocol.Rejoin | None = None
         while target is None:
-            try:
-                found = json.loads(self._rejoin_path.read_text())
-                target = found if int(found["attempt"]) > self.attempt else None
-            except (OSError, ValueError, KeyError):
-                pass
+            found = _protocol.Rejoin.read(self._rejoin_path)
+            target = found if found is not None and found.attempt > self.attempt else None
             if target is None:
                 if time.monotonic() > deadline:
                     raise error
                 time.sleep(0.05)
         self._wait_for_writer()  # a save in flight belongs to the attempt it was made in
-        self.attempt = int(target["attempt"])
-        self._progress_path = Path(target["progress_file"])
-        self._request_path = Path(target["checkpoint_request_file"])
+        self.attempt = target.attempt
+        self._progress_path = Path(target.progress_file)
+        self._request_path = Path(target.checkpoint_request_file)
         self._request_mtime, self._requested_step = 0.0, None
-        os.environ.update({"MASTER_ADDR": target["master_addr"], "MASTER_PORT": str(target["master_port"]),
-                           "WORLD_SIZE": str(target["world_size"]), "TRAINGUARD_ATTEMPT": str(self.attempt)})
+        os.environ.update({"MASTER_ADDR": target.master_addr, "MASTER_PORT": str(target.master_port),
+                           "WORLD_SIZE": str(target.world_size), _protocol.ENV_ATTEMPT: str(self.attempt)})
         # Bounded: if the restarted peers never come, exit and let the run relaunch from a checkpoint.
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.rejoin_timeout_s))
         _, agreed = self._agree(state, step)
@@ -575,20 +563,19 @@ def standby(poll_s: float = 0.02) -> None:
     started this process as a standby (in-process restarts on): then it waits, with the interpreter and its
     imports already loaded, until the agent gives it the role of a rank that died, and returns as that rank
     (its environment set as for any rank). Exits if the agent that started it goes away."""
-    path = os.environ.get("TRAINGUARD_STANDBY_FILE")
+    path = os.environ.get(_protocol.ENV_STANDBY_FILE)
     if not path:
         return
     agent = os.getppid()
     while True:
-        try:
-            role = json.loads(Path(path).read_text())
+        role = _protocol.StandbyRole.read(Path(path))
+        if role is not None:
             break
-        except (OSError, ValueError):
-            if os.getppid() != agent:
-                raise SystemExit(0) from None
-            time.sleep(poll_s)
-    os.environ.update(role["env"])
-    del os.environ["TRAINGUARD_STANDBY_FILE"]
+        if os.getppid() != agent:
+            raise SystemExit(0) from None
+        time.sleep(poll_s)
+    os.environ.update(role.env)
+    del os.environ[_protocol.ENV_STANDBY_FILE]
 
 
 def init(*, replicated: bool = False, checkpoint_format: str = "auto") -> RankRun:

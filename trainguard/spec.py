@@ -13,6 +13,8 @@ from typing import Annotated, Any
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
+
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
@@ -187,7 +189,7 @@ class CheckpointSpec(_Strict):
     so a run restarted under its id resumes. `trainguard run start` (and the client's `start_run`) sets a fresh
     one when the id was used by an earlier run, unless asked to `--resume` it."""
 
-    every_steps: int = Field(50, ge=1, le=10_000_000)
+    every_steps: int = Field(DEFAULT_CHECKPOINT_EVERY_STEPS, ge=1, le=10_000_000)
     """Ranks checkpoint every this many steps (the rank helper asks `should_save(step)`). Default 50."""
 
     keep_last: int = Field(3, ge=1, le=1000)

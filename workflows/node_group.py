@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
     # node-group children, and defining their pydantic models anew in each cost seconds of controller CPU.
     from activities.models import WatchEvent, WatchEventKind
     from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
+    from trainguard.error_types import ErrorType, non_retryable
     from workflows.node_group_models import (
         GroupStarted,
         LostNode,
@@ -98,7 +99,8 @@ WATCH_RETRY = RetryPolicy(maximum_attempts=1)
 
 TRANSFER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
                              maximum_interval=timedelta(seconds=30),
-                             non_retryable_error_types=["CorruptCheckpoint", "NoLocalShards", "BadSpec"])
+                             non_retryable_error_types=non_retryable(
+                                 ErrorType.CORRUPT_CHECKPOINT, ErrorType.NO_LOCAL_SHARDS, ErrorType.BAD_SPEC))
 """S3 outages heal: retry with backoff (bounded by TRANSFER_SCHEDULE_TO_CLOSE); bad bytes never heal."""
 
 

@@ -16,7 +16,8 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+    from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+    from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import (
         AcquireNodesRequest,
         AcquireNodesResult,
@@ -26,8 +27,8 @@ with workflow.unsafe.imports_passed_through():
         RegisterNodeRequest,
     )
 
-POOL_WORKFLOW_ID = "trainguard-node-pool"
-POOL_WORKFLOW_TYPE = "NodePool"
+from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE  # noqa: E402,F401 - the names clients use too
+
 # Each request adds a handful of events; continue as new long before Temporal's limits.
 POOL_HISTORY_EVENTS = 5_000
 POOL_UPDATES_PER_HISTORY = 1_500
@@ -45,7 +46,7 @@ SCHEDULER_SCHEDULE_TO_CLOSE = timedelta(minutes=5)
 
 SCHEDULER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
                               maximum_interval=timedelta(seconds=30), maximum_attempts=6,
-                              non_retryable_error_types=["SchedulerConfigError"])
+                              non_retryable_error_types=non_retryable(ErrorType.SCHEDULER_CONFIG_ERROR))
 """slurmctld or the API server may be restarting: about two minutes of retries. The hook is advisory (the pool's
 cordon already keeps trainguard's runs off the node), so a failure is logged, never fatal to the run."""
 

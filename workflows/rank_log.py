@@ -12,15 +12,15 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.rank_logs import ReadRankLogInput, ReadRankLogResult
-    from trainguard import node_task_queue
+    from trainguard import READ_LOG_WORKFLOW_TYPE, node_task_queue
+    from trainguard.error_types import ErrorType, non_retryable
+    from trainguard.models import ReadRankLogInput, ReadRankLogResult
 
-READ_LOG_WORKFLOW_TYPE = "ReadRankLog"
 READ_LOG_TIMEOUT = timedelta(seconds=30)
 """Reading at most 256 KB of a local file."""
 READ_LOG_SCHEDULE_TO_START = timedelta(seconds=10)
 """A node whose agent does not pick the read up is down: say so instead of waiting."""
-READ_LOG_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["NoSuchLog"])
+READ_LOG_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=non_retryable(ErrorType.NO_SUCH_LOG))
 """A read is cheap and the user is waiting: one retry for a worker restart, no more."""
 
 

@@ -53,6 +53,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
     from trainguard import WORKFLOW_TYPE, node_task_queue
+    from trainguard.error_types import ErrorType
+    from trainguard.faults import FaultKind, choices as fault_choices, parse_fault
     from trainguard.models import (
         INCIDENT_TAILS_KEPT,
         Action,
@@ -71,7 +73,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from trainguard import search_attributes
     from trainguard.spec import RunSpec, SpecError, parse_spec
-    from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
+    from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.culprit import pick_culprit
     from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
@@ -156,7 +158,7 @@ their schedule-to-start timeout, and the run took those nodes for dead."""
 RELAUNCHES = frozenset({Action.RESTART, Action.REPLACE_NODE, Action.SHRINK})
 """Decisions after which every node of the run launches the next attempt."""
 
-SPEC_FAULTS = ("BadSpec", "StaleAttempt", "EntrypointNotAllowed")
+SPEC_FAULTS = (ErrorType.BAD_SPEC, ErrorType.STALE_ATTEMPT, ErrorType.ENTRYPOINT_NOT_ALLOWED)
 """Launch failures that are the spec's (or its operator's) fault: the run fails with InvalidSpec, no node is
 cordoned and no spare spent."""
 
@@ -409,7 +411,8 @@ class TrainingRun:
             "checkpoint now on {node}" + (f" at step {step}" if step is not None else ""))
         failed = [f"{o.node}: {o.error}" for o in outcomes if o.result is None]
         if failed:
-            raise ApplicationError(f"checkpoint request failed on {'; '.join(failed[:3])}", type="NodeUnavailable")
+            raise ApplicationError(f"checkpoint request failed on {'; '.join(failed[:3])}",
+                                   type=ErrorType.NODE_UNAVAILABLE)
         return [RequestCheckpointResult.model_validate(o.result) for o in outcomes]
 
     async def _fan_out(self, kind: NodeCallKind, calls: list[tuple[str, Any]], summary: str) -> list[NodeOutcome]:
@@ -447,9 +450,11 @@ class TrainingRun:
             raise ValueError(f"run is {self._status.phase.value}, not running: nothing to inject into")
         if request.node not in self._status.nodes:
             raise ValueError(f"node {request.node!r} is not in the run (nodes: {', '.join(self._status.nodes)})")
-        if request.fault == "slow" and not SLOW_DUTY_MIN <= request.slow_duty <= SLOW_DUTY_MAX:
+        if parse_fault(request.fault) is None:
+            raise ValueError(f"unknown fault {request.fault!r}: choose one of {fault_choices()}")
+        if request.fault == FaultKind.SLOW and not SLOW_DUTY_MIN <= request.slow_duty <= SLOW_DUTY_MAX:
             raise ValueError(f"slow_duty {request.slow_duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
-        if request.fault == "corrupt" and self._status.latest_checkpoint is None:
+        if request.fault == FaultKind.CORRUPT and self._status.latest_checkpoint is None:
             raise ValueError("no committed checkpoint yet to corrupt: wait for the first commit")
 
     # ------------------------------------------------------------------------------------------ run
@@ -464,7 +469,7 @@ class TrainingRun:
         except SpecError as error:
             self._status.reason = str(error)
             self._set_phase(Phase.FAILED)
-            raise ApplicationError(str(error), type="InvalidSpec", non_retryable=True) from None
+            raise ApplicationError(str(error), type=ErrorType.INVALID_SPEC, non_retryable=True) from None
         self._spec = spec
         # From the start request, not the first workflow task: a run that waited for a controller waited in
         # its wall time too, as `trainguard run report` (which reads the history's own timestamps) counts it.
@@ -618,7 +623,7 @@ class TrainingRun:
         await workflow.wait_condition(lambda: self._resume_requested or self._abort_reason is not None)
         if self._abort_reason is not None:
             self._status.reason = self._abort_reason
-            raise ApplicationError(self._abort_reason, type="Aborted", non_retryable=True)
+            raise ApplicationError(self._abort_reason, type=ErrorType.ABORTED, non_retryable=True)
         self._resume_requested = False
         self._status.reason = None
         self._restart_times.clear()
@@ -660,7 +665,7 @@ class TrainingRun:
                       f"{', '.join(node_task_queue(n) for n in spec.nodes if n in found.missing)} (unknown node)")
             self._status.reason = reason
             self._set_phase(Phase.FAILED)
-            raise ApplicationError(reason, type="InvalidSpec", non_retryable=True)
+            raise ApplicationError(reason, type=ErrorType.INVALID_SPEC, non_retryable=True)
         spares = await self._acquire(spec, [n for n in spec.spare_nodes if n not in found.missing])
         for check in await self._check_nodes(self._status.nodes):
             if check.gpu.available and not check.gpu.healthy:
@@ -669,7 +674,7 @@ class TrainingRun:
                 await self._cordon(check.node, f"GPU checks failed: {check.gpu.detail}")
                 if not spares:
                     raise ApplicationError(f"node {check.node} failed its GPU checks and no spare is left: "
-                                           f"{check.gpu.detail}", type="NoHealthyNodes", non_retryable=True)
+                                           f"{check.gpu.detail}", type=ErrorType.NO_HEALTHY_NODES, non_retryable=True)
                 self._replace(check.node, spares.pop(0))
         return spares
 
@@ -689,13 +694,13 @@ class TrainingRun:
                                   for n, why in lease.cordoned.items())
                 reason = f"{where}: uncordon it (`trainguard nodes uncordon NODE`) or choose another node"
                 self._status.reason = reason
-                raise ApplicationError(reason, type="NodesCordoned", non_retryable=True)
+                raise ApplicationError(reason, type=ErrorType.NODES_CORDONED, non_retryable=True)
             waiting = [f"{n} (leased to {run})" for n, run in lease.busy.items()]
             waiting += [f"{n} (agent not registered yet)" for n in lease.unregistered]
             if waited >= spec.reserve_timeout_s:
                 reason = f"nodes still unavailable after {waited:.0f}s: {', '.join(waiting)}"
                 self._status.reason = reason
-                raise ApplicationError(reason, type="NodesUnavailable", non_retryable=True)
+                raise ApplicationError(reason, type=ErrorType.NODES_UNAVAILABLE, non_retryable=True)
             self._status.reason = f"waiting for {', '.join(waiting)}"
             await workflow.sleep(RESERVE_POLL_INTERVAL)
             waited += RESERVE_POLL_INTERVAL.total_seconds()
@@ -740,7 +745,7 @@ class TrainingRun:
         if failed:
             # As before groups: a node that cannot answer its check fails the reservation, and the run with it.
             raise ApplicationError(f"node {failed[0].node} did not answer its check: {failed[0].error}",
-                                   type="NodeCheckFailed")
+                                   type=ErrorType.NODE_CHECK_FAILED)
         return [CheckNodeResult.model_validate(o.result) for o in outcomes]
 
     def _replace(self, node: str, spare: str) -> None:
@@ -803,7 +808,8 @@ class TrainingRun:
                 continue
             if outcome.error_type in SPEC_FAULTS:
                 self._status.reason = outcome.error
-                raise ApplicationError(self._status.reason or "bad spec", type="InvalidSpec", non_retryable=True)
+                raise ApplicationError(self._status.reason or "bad spec",
+                                       type=ErrorType.INVALID_SPEC, non_retryable=True)
             return _Outcome(False, self._lost_at_launch(outcome.node, attempt, f"launch failed: {outcome.error}"))
         self._set_phase(Phase.RUNNING)
         if not in_watch or len(nodes) == 1:
@@ -881,9 +887,10 @@ class TrainingRun:
             try:
                 found = await self._find_checkpoint(spec, attempt, excluded)
             except ActivityError as error:
-                if _error_type(error) == "BadSpec":  # e.g. the bucket does not exist: no wait fixes that
+                if _error_type(error) == ErrorType.BAD_SPEC:  # e.g. the bucket does not exist: no wait fixes that
                     self._status.reason = _cause_text(error)
-                    raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True) from None
+                    raise ApplicationError(self._status.reason,
+                                           type=ErrorType.INVALID_SPEC, non_retryable=True) from None
                 raise _StoreUnavailable(
                     f"no answer from the checkpoint store within checkpoint.restore_timeout_s="
                     f"{spec.checkpoint.restore_timeout_s:.0f}: {_cause_text(error)}") from None
@@ -926,7 +933,7 @@ class TrainingRun:
                                        local_tier=spec.checkpoint.local_tier))
             for index, node in enumerate(nodes)], f"download step {step} to {{node}} (attempt {attempt})")
         for outcome in outcomes:
-            if outcome.error_type == "CorruptCheckpoint":
+            if outcome.error_type == ErrorType.CORRUPT_CHECKPOINT:
                 raise _CheckpointCorrupt(step, f"step {step}: {outcome.error}")
         for outcome in outcomes:
             if outcome.result is None:
@@ -1029,7 +1036,7 @@ class TrainingRun:
                     if lost.error_type in SPEC_FAULTS:  # from a launching watch: the spec's fault, not the node's
                         spec_fault = spec_fault or lost
                         continue
-                    if lost.error_type == "CorruptCheckpoint":
+                    if lost.error_type == ErrorType.CORRUPT_CHECKPOINT:
                         corrupt = corrupt or lost
                         continue
                     found = self._lost_at_launch(lost.node, attempt, lost.detail)
@@ -1077,7 +1084,7 @@ class TrainingRun:
         await self._stop_watching(watches)
         if spec_fault is not None:
             self._status.reason = f"launch failed on {spec_fault.node}: {spec_fault.detail}"
-            raise ApplicationError(self._status.reason, type="InvalidSpec", non_retryable=True)
+            raise ApplicationError(self._status.reason, type=ErrorType.INVALID_SPEC, non_retryable=True)
         if corrupt is not None:
             # As a corrupt download before any launch: pass the checkpoint over and restore the one before.
             step = self._status.resumed_step
@@ -1208,7 +1215,7 @@ class TrainingRun:
         """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
         (`node-down`); otherwise the time of the agent's last heartbeat is not known here, and it is left out."""
         now = workflow.now().timestamp()
-        down_at = self._injected_at.get(("node-down", node))
+        down_at = self._injected_at.get((FaultKind.NODE_DOWN, node))
         return Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt, detail=detail,
                         detection_s=None if down_at is None else round(max(0.0, now - down_at), 3),
                         detected_at=now)
@@ -1254,7 +1261,7 @@ class TrainingRun:
             reachable, attempt, f"{incident.kind.value}: {decision.action.value}")
         if decision.action is Action.STOP:
             self._status.reason = decision.reason
-            raise ApplicationError(decision.reason, type="RunStopped", non_retryable=True)
+            raise ApplicationError(decision.reason, type=ErrorType.RUN_STOPPED, non_retryable=True)
         if decision.action is Action.PAUSE:
             self._status.reason = decision.reason
             await self._wait_for_operator()

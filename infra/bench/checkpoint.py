@@ -35,10 +35,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from infra.harness import PrivateStack, scoped_environ
 
 if TYPE_CHECKING:
     from trainguard.devstack import DevStack
@@ -203,15 +205,16 @@ def _floor_copy(state: dict[str, Any]) -> float:
 
 def measure_stall(state: dict[str, Any], work: Path, repeats: int) -> StallSamples:
     """Floor, async and sync saves of `state`, `repeats` times each in a rotating order."""
+    from trainguard import protocol
     from trainguard.rank import RankRun
 
     checkpoint_dir = work / "checkpoints"
     progress = work / "progress" / "rank-00000.json"
     progress.parent.mkdir(parents=True, exist_ok=True)
     environ = {
-        "TRAINGUARD_PROGRESS_FILE": str(progress),
-        "TRAINGUARD_CHECKPOINT_DIR": str(checkpoint_dir),
-        "TRAINGUARD_CHECKPOINT_EVERY": "1",
+        protocol.ENV_PROGRESS_FILE: str(progress),
+        protocol.ENV_CHECKPOINT_DIR: str(checkpoint_dir),
+        protocol.ENV_CHECKPOINT_EVERY: "1",
         "RANK": "0",
         "WORLD_SIZE": "1",
     }
@@ -267,7 +270,7 @@ def measure_stall(state: dict[str, Any], work: Path, repeats: int) -> StallSampl
     def floor(_index: int) -> None:
         samples.floor_s.append(_floor_copy(state))
 
-    dcp_run = RankRun(environ={**environ, "TRAINGUARD_CHECKPOINT_DIR": str(work / "dcp-checkpoints")},
+    dcp_run = RankRun(environ={**environ, protocol.ENV_CHECKPOINT_DIR: str(work / "dcp-checkpoints")},
                       checkpoint_format="dcp")
     _one_rank_group(work)
     dcp_run.save(0, state)  # untimed: the group, DCP's first plan
@@ -306,47 +309,23 @@ def _one_rank_group(work: Path) -> None:
 # ------------------------------------------------------------------------------------ part 2: transfer
 
 
+def _start_store(dev: DevStack) -> None:
+    dev._start_s3()
+    dev._ensure_bucket(BUCKET)
+
+
 @contextmanager
 def private_store() -> Iterator[DevStack]:
     """A SeaweedFS of our own under .bench/, with the bucket made; stopped and removed on the way out."""
-    from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
-
-    base = free_port_base(PORT_SEARCH_START, num_nodes=0)
     home = BENCH_DIR / f"stack-{secrets.token_hex(4)}"
-    dev = DevStack(StackConfig(home=home, ports=Ports.from_base(base), nodes=(), code_dir=REPO))
-    log.info("starting SeaweedFS in %s on port base %d", home, base)
-    try:
-        started = time.monotonic()
-        dev._start_s3()
-        dev._ensure_bucket(BUCKET)
-        log.info("S3 store answered after %.1fs at %s", time.monotonic() - started, dev.config.s3_endpoint)
+    private = PrivateStack(home, (), PORT_SEARCH_START, up=_start_store)
+    log.info("starting SeaweedFS in %s", home)
+    with private as dev:
+        log.info("S3 store answered after %.1fs at %s", private.timings["stack_up_s"], dev.config.s3_endpoint)
         yield dev
-    finally:
-        records = []
-        for path in dev.run_dir.glob("*.json"):
-            with suppress(OSError, ValueError):
-                records.append(json.loads(path.read_text()))
-        dev.down(echo=lambda _line: None)
-        survivors = [r["argv"][0] for r in records if _start_time(r["pid"]) == r["start_time"]]
-        if survivors:
-            log.error("still running after dev down: %s", survivors)
-        shutil.rmtree(home, ignore_errors=True)
-        log.info("SeaweedFS stopped, %s removed", home.name)
-
-
-@contextmanager
-def scoped_environ(updates: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the block, then put the old values back."""
-    saved = {key: os.environ.get(key) for key in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    if private.leftovers:
+        log.error("still running after dev down: %s", private.leftovers)
+    log.info("SeaweedFS stopped, %s removed", home.name)
 
 
 def _timed(action: Callable[[], object]) -> float:

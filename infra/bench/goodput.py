@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import secrets
 import shutil
@@ -143,15 +142,13 @@ async def trainguard_schedule(opts: argparse.Namespace, dev: Any) -> tuple[Outco
 def progress_step(home: Path, run_id: str) -> int | None:
     """The run's step as its ranks last wrote it on the nodes' disks (every step, not the status query's
     throttled heartbeats): the lowest rank's step in the newest attempt any node has."""
-    from activities.paths import safe_name
+    from trainguard.protocol import read_progress, safe_name
 
     newest: dict[int, list[int]] = {}
-    for progress in home.glob(f"nodes/*/runs/{safe_name(run_id)}/attempt-*/progress/rank-*.json"):
-        attempt = int(progress.parent.parent.name.removeprefix("attempt-"))
-        try:
-            newest.setdefault(attempt, []).append(int(json.loads(progress.read_text())["step"]))
-        except (OSError, ValueError, KeyError):
-            continue
+    for path in home.glob(f"nodes/*/runs/{safe_name(run_id)}/attempt-*/progress/rank-*.json"):
+        progress = read_progress(path)
+        if progress is not None:
+            newest.setdefault(progress.attempt, []).append(progress.step)
     return min(newest[max(newest)]) if newest else None
 
 

@@ -522,13 +522,10 @@ def rank_step(home: Path, node: str, run_id: str, attempt: int, rank: int) -> in
     The run's status (watch heartbeats) lags by seconds; this is how the fault is sent at the same step
     as torchrun's, which the benchmark watches the same way (its trainer's progress file).
     """
-    from activities.paths import RunLayout
+    from trainguard.protocol import RunLayout, read_progress
 
-    path = RunLayout.of(home / "nodes" / node, run_id).progress_file(attempt, rank)
-    try:
-        return int(json.loads(path.read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    progress = read_progress(RunLayout.of(home / "nodes" / node, run_id).progress_file(attempt, rank))
+    return progress.step if progress is not None else None
 
 
 async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, home: Path,

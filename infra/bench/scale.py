@@ -158,14 +158,11 @@ async def measure(level: Level, stack: Any, steps: int) -> None:
     def training(workflow_id: str) -> bool:
         """Read from the rank's progress file on its node: a status query per run and poll would load the very
         controller being measured (at 100 runs, more than the runs themselves)."""
-        from activities.paths import RunLayout
+        from trainguard.protocol import RunLayout, read_progress
 
         node = stack.config.nodes[ids.index(workflow_id)]
-        path = RunLayout.of(stack.config.home / "nodes" / node, workflow_id).progress_file(1, 0)
-        try:
-            return int(json.loads(path.read_text())["step"]) >= 30
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
+        progress = read_progress(RunLayout.of(stack.config.home / "nodes" / node, workflow_id).progress_file(1, 0))
+        return progress is not None and progress.step >= 30
 
     hung: set[str] = set()
     while not all(r.done() for r in results) and time.monotonic() < deadline:

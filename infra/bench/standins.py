@@ -73,6 +73,8 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
+from trainguard.error_types import ErrorType
+from trainguard.faults import FaultKind
 from trainguard.models import CheckpointRef
 
 QUEUE_PREFIX = "trainguard-bench-nodes"
@@ -216,7 +218,7 @@ class StandinNodes:
         state = self.nodes.get((workflow_id, node))
         if state is None or state.attempt != attempt:
             raise ApplicationError(f"node {node} has no ranks of {workflow_id} attempt {attempt}",
-                                   type="NoSuchAttempt", non_retryable=True)
+                                   type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
         return state
 
     # ------------------------------------------------------------------------------ activities
@@ -241,7 +243,8 @@ class StandinNodes:
         key = (self.run_of(request.workflow_id), request.node)
         current = self.nodes.get(key)
         if current is not None and current.attempt > request.attempt:
-            raise ApplicationError(f"attempt {request.attempt} is older than {current.attempt}", type="StaleAttempt",
+            raise ApplicationError(f"attempt {request.attempt} is older than {current.attempt}",
+                                   type=ErrorType.STALE_ATTEMPT,
                                    non_retryable=True)
         final, step_s = parse_entrypoint(request.entrypoint)
         attempt = self.attempts.setdefault((key[0], request.attempt), Attempt(
@@ -266,7 +269,8 @@ class StandinNodes:
     async def rejoin_ranks(self, request: RejoinRanksInput) -> RejoinRanksResult:
         """The benchmark's runs restart by relaunch only: an in-process rejoin falls back to it."""
         self._count("rejoin_ranks")
-        raise ApplicationError(f"stand-in node {request.node} does not rejoin in process", type="NoSuchAttempt",
+        raise ApplicationError(f"stand-in node {request.node} does not rejoin in process",
+                               type=ErrorType.NO_SUCH_ATTEMPT,
                                non_retryable=True)
 
     @activity.defn(name="watch_ranks")
@@ -353,22 +357,23 @@ class StandinNodes:
         now = time.time()
         state = self.nodes.get((self.run_of(request.workflow_id), request.node))
         if state is None or state.stopped:
-            raise ApplicationError(f"no live rank of {request.workflow_id} on {request.node}", type="NoSuchRank",
+            raise ApplicationError(f"no live rank of {request.workflow_id} on {request.node}",
+                                   type=ErrorType.NO_SUCH_RANK,
                                    non_retryable=True)
         attempt = self.attempts.get((self.run_of(request.workflow_id), state.attempt))
-        if attempt is not None and request.fault in ("node-down", "crash"):
+        if attempt is not None and request.fault in (FaultKind.NODE_DOWN, FaultKind.CRASH):
             attempt.halted_at = attempt.halted_at or now
-        if request.fault == "node-down":
+        if request.fault == FaultKind.NODE_DOWN:
             self.down[request.node] = now
             state.poke()
             return InjectFaultResult(node=request.node, rank=-1, pid=-1, injected_at=now)
-        if request.fault == "crash":
+        if request.fault == FaultKind.CRASH:
             rank = request.rank if request.rank is not None else state.ranks()[0]
             state.crashed = state.crashed or (rank, now)
             state.poke()
             return InjectFaultResult(node=request.node, rank=rank, pid=100_000 + rank, injected_at=state.crashed[1])
         raise ApplicationError(f"the stand-in nodes carry out crash and node-down, not {request.fault!r}",
-                               type="BadFault", non_retryable=True)
+                               type=ErrorType.BAD_FAULT, non_retryable=True)
 
     def activities(self) -> list[Callable[..., object]]:
         return [self.check_node, self.download_shards, self.launch_ranks, self.rejoin_ranks, self.watch_ranks,

@@ -7,20 +7,18 @@ It lives under `.pytest-stack/` (git-ignored) on its own ports, so it never meet
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from infra import harness
 from trainguard.client import RunView, TrainguardClient
 from trainguard.models import RunResult
-from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
+from trainguard.devstack import DevStack
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("node-0", "node-1", "node-2")
@@ -64,32 +62,15 @@ async def _record_histories(address: str) -> None:
 @pytest.fixture(scope="session")
 def stack() -> Iterator[DevStack]:
     home = REPO / ".pytest-stack" / uuid.uuid4().hex[:8]
-    base = free_port_base(27100, num_nodes=len(NODES))
-    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO)
-    dev = DevStack(config)
-    saved = {k: os.environ.get(k) for k in ("TRAINGUARD_TEMPORAL_ADDRESS",)}
-    os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
-    try:
-        dev.up(echo=lambda _line: None)
+    private = harness.PrivateStack(home, NODES, 27100, keep_logs=harness.kept_logs_dir(home))
+    with private as dev:
         yield dev
         if os.environ.get("TRAINGUARD_RECORD_HISTORIES"):
-            asyncio.run(_record_histories(config.temporal_address))
-    finally:
-        pids = [json.loads(p.read_text()) for p in dev.run_dir.glob("*.json")]
-        dev.down(echo=lambda _line: None)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        survivors = [p["argv"][0] for p in pids if _start_time(p["pid"]) == p["start_time"]]
-        leftover_socks = [s.name for port in config.ports.weed_grpc_ports()
-                          for s in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
-        if os.environ.get("TRAINGUARD_TEST_LOGS"):  # a folder to keep the stack's logs in, for a failed run
-            shutil.copytree(dev.log_dir, Path(os.environ["TRAINGUARD_TEST_LOGS"]) / home.name, dirs_exist_ok=True)
-        shutil.rmtree(home, ignore_errors=True)
-        assert not survivors, f"processes survived dev down: {survivors}"
-        assert not leftover_socks, f"files left in /tmp: {leftover_socks}"
+            asyncio.run(_record_histories(private.config.temporal_address))
+    leftover_socks = [s.name for port in private.config.ports.weed_grpc_ports()
+                      for s in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
+    assert not private.leftovers, f"processes survived dev down: {private.leftovers}"
+    assert not leftover_socks, f"files left in /tmp: {leftover_socks}"
 
 
 @pytest.fixture(scope="session")
@@ -97,23 +78,8 @@ async def client(stack: DevStack) -> AsyncIterator[TrainguardClient]:
     yield await TrainguardClient.connect()
 
 
-def make_spec(prefix: str, steps: int = 60, every: int = 20, nodes: tuple[str, ...] = ("node-0", "node-1"),
-              spares: tuple[str, ...] = (), ranks_per_node: int = 1, step_time: float = 0.05,
-              **extra: Any) -> dict[str, Any]:
-    """A small run of the example trainer: about 10 s here, most of it torch imports. The step time is
-    a sleep: it changes how long the run takes, not its final state."""
-    spec: dict[str, Any] = {
-        "entrypoint": ["python", "examples/train.py", "--steps", str(steps), "--step-time", str(step_time),
-                       "--hidden", "64"],
-        "nodes": list(nodes),
-        "spare_nodes": list(spares),
-        "ranks_per_node": ranks_per_node,
-        "checkpoint": {"prefix": prefix, "every_steps": every, "keep_last": 2},
-        # Generous hang bounds: CI machines are shared and a GC pause must not read as a hang.
-        "health": {"hang_floor_s": 5.0},
-    }
-    spec.update(extra)
-    return spec
+make_spec = harness.make_spec
+"""A small run of the example trainer (see `infra.harness.make_spec`)."""
 
 
 @pytest.fixture
@@ -124,13 +90,7 @@ def prefix() -> str:
 
 def live_rank_pids(stack: DevStack) -> list[int]:
     """Rank processes the node agents recorded that are still alive."""
-    alive = []
-    for ranks_file in (stack.home / "nodes").glob("*/runs/*/ranks.json"):
-        record = json.loads(ranks_file.read_text())
-        for item in [*record["ranks"], *([record["standby"]] if record.get("standby") else [])]:
-            if item["start_time"] and _start_time(item["pid"]) == item["start_time"]:
-                alive.append(item["pid"])
-    return alive
+    return harness.live_rank_pids(stack.home)
 
 
 async def wait_until(client: TrainguardClient, run_id: str, predicate: Callable[[RunView], bool],

@@ -70,20 +70,20 @@ async def test_runs_survive_killed_controller_agents_and_server(tmp_path: Path) 
 def test_the_sampler_sees_two_attempts_of_a_run_on_one_node(tmp_path: Path) -> None:
     """The duplicate check is not vacuous: stand-in ranks of attempts 1 and 2 of one run on node-1 are
     caught (and attempt 3 alone on another node is only an informational cross-node overlap)."""
-    import json
     import os
     import signal
     import subprocess
     import sys
 
     from infra.chaos_soak import RankSampler
+    from trainguard import protocol
 
     home = tmp_path / "home"
 
     def fake_rank(node: str, attempt: int) -> subprocess.Popen[bytes]:
         checkpoints = home / "nodes" / node / "runs" / "run-x" / "checkpoints"
-        env = {**os.environ, "TRAINGUARD_CHECKPOINT_DIR": str(checkpoints), "TRAINGUARD_WORKFLOW_ID": "run-x",
-               "TRAINGUARD_NODE": node, "TRAINGUARD_ATTEMPT": str(attempt), "RANK": "0"}
+        env = {**os.environ, protocol.ENV_CHECKPOINT_DIR: str(checkpoints), protocol.ENV_WORKFLOW_ID: "run-x",
+               protocol.ENV_NODE: node, protocol.ENV_ATTEMPT: str(attempt), "RANK": "0"}
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
                                 start_new_session=True)
 
@@ -92,8 +92,8 @@ def test_the_sampler_sees_two_attempts_of_a_run_on_one_node(tmp_path: Path) -> N
         record = home / "nodes" / "node-1" / "runs" / "run-x" / "ranks.json"
         record.parent.mkdir(parents=True)
         start = Path(f"/proc/{procs[1].pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-        record.write_text(json.dumps({"workflow_id": "run-x", "attempt": 2,
-                                      "ranks": [{"rank": 0, "pid": procs[1].pid, "start_time": start}]}))
+        protocol.AttemptFile(workflow_id="run-x", attempt=2, master_addr="127.0.0.1", master_port=1, start_step=0,
+                             launched_at=0.0, ranks=[protocol.ProcessEntry(procs[1].pid, start, 0)]).write(record)
         sampler = RankSampler(home, clock=lambda: 0.0)
         sampler.sample()
         found = [(d.workflow_id, d.node, d.attempts) for d in sampler.duplicates]

@@ -8,14 +8,11 @@ A stack of its own (two nodes), so the session's plain stack is left alone.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
@@ -23,7 +20,8 @@ from temporalio.client import Client
 from temporalio.service import TLSConfig
 
 from trainguard.client import TrainguardClient
-from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
+from infra.harness import ADDRESS_ENV, PrivateStack, kept_logs_dir
+from trainguard.devstack import DevStack
 from trainguard.settings import Settings
 
 from .conftest import REPO, RUN_TIMEOUT_S, make_spec
@@ -34,20 +32,14 @@ NODES = ("node-0", "node-1")
 @pytest.fixture(scope="module")
 async def tls_stack() -> AsyncIterator[DevStack]:
     home = REPO / ".pytest-stack" / f"tls-{uuid.uuid4().hex[:8]}"
-    config = StackConfig(home=home, ports=Ports.from_base(free_port_base(29100, num_nodes=len(NODES))),
-                         nodes=NODES, code_dir=REPO, tls=True)
-    stack = DevStack(config)
+    # The session's stack keeps the client's address: this one's clients are given theirs (client_env).
+    private = PrivateStack(home, NODES, 29100, tls=True, env={ADDRESS_ENV: os.environ.get(ADDRESS_ENV)},
+                           keep_logs=kept_logs_dir(home))
     try:
-        await asyncio.to_thread(stack.up, lambda _line: None)
-        yield stack
+        yield await asyncio.to_thread(private.start)
     finally:
-        pids = [json.loads(p.read_text()) for p in stack.run_dir.glob("*.json")]
-        await asyncio.to_thread(stack.down, lambda _line: None)
-        survivors = [p["argv"][0] for p in pids if _start_time(p["pid"]) == p["start_time"]]
-        if os.environ.get("TRAINGUARD_TEST_LOGS"):
-            shutil.copytree(stack.log_dir, Path(os.environ["TRAINGUARD_TEST_LOGS"]) / home.name, dirs_exist_ok=True)
-        shutil.rmtree(home, ignore_errors=True)
-        assert not survivors, f"processes survived dev down: {survivors}"
+        await asyncio.to_thread(private.stop)
+    assert not private.leftovers, f"processes survived dev down: {private.leftovers}"
 
 
 async def test_a_run_trains_and_completes_over_mutual_tls(tls_stack: DevStack, prefix: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio import workflow
@@ -19,6 +20,7 @@ from temporalio.worker import Replayer
 from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.node_group_models import NodeCallsInput, NodeCallsResult
 from workflows.node_pool import NodePool
+from trainguard.models import RunResult
 from workflows.training_run import TrainingRun
 
 HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.json"))
@@ -64,3 +66,41 @@ async def test_a_changed_command_sequence_fails_replay() -> None:
     replayer = Replayer(workflows=[_NodeCallsThatSkipTheirActivities], data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is not None
+
+
+@workflow.defn(name="TrainingRun", sandboxed=False)
+class _TrainingRunThatWaitsFirst(TrainingRun):
+    """A deliberately changed TrainingRun, as a careless edit would make it: the real run, with a timer first
+    that no recorded history has, and no `workflow.patched` guard."""
+
+    @workflow.run
+    async def run(self, raw_spec: Any) -> RunResult:
+        await workflow.sleep(0.001)
+        return await super().run(raw_spec)
+
+
+@workflow.defn(name="TrainingRun", sandboxed=False)
+class _TrainingRunThatWaitsFirstBehindAPatch(TrainingRun):
+    """The same change behind `workflow.patched`: old histories replay without the timer."""
+
+    @workflow.run
+    async def run(self, raw_spec: Any) -> RunResult:
+        if workflow.patched("test-wait-first"):
+            await workflow.sleep(0.001)
+        return await super().run(raw_spec)
+
+
+async def _replay_base(workflow_class: type) -> Any:
+    path = next(p for p in HISTORIES if p.stem == "it-base")
+    replayer = Replayer(workflows=[workflow_class], data_converter=pydantic_data_converter)
+    history = WorkflowHistory.from_json(_workflow_id(path), path.read_text())
+    return await replayer.replay_workflow(history, raise_on_replay_failure=False)
+
+
+async def test_an_unguarded_change_to_the_training_run_fails_replay_of_a_committed_history() -> None:
+    """The negative control of the TrainingRun replays: a changed command sequence is caught, and the same
+    change behind `workflow.patched` is not (so a failure above means non-determinism, not a broken replay)."""
+    result = await _replay_base(_TrainingRunThatWaitsFirst)
+    assert result.replay_failure is not None
+    assert "nondetermin" in f"{result.replay_failure}".lower()
+    assert (await _replay_base(_TrainingRunThatWaitsFirstBehindAPatch)).replay_failure is None

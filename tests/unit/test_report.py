@@ -1,5 +1,6 @@
-"""The goodput report, computed from fabricated histories: phases tile the wall time, incidents cost what
-their detection, recovery and redone steps cost, and a continued chain reads as one run."""
+"""The goodput report, computed from fabricated histories: each phase lasts what its spans say, incidents cost
+what their detection, recovery and redone steps cost, and a continued chain reads as one run. (That the report
+reads the histories the real workflow writes is test_report_of_a_run.py's.)"""
 
 from __future__ import annotations
 
@@ -150,14 +151,13 @@ def test_events_become_spans_with_summaries_attempts_and_results() -> None:
     assert watch.end - watch.start == pytest.approx(11.2) and watch.result["step"] == 45
 
 
-def test_phases_tile_the_wall_time_of_a_crashed_and_recovered_run() -> None:
+def test_each_phase_of_a_crashed_and_recovered_run_lasts_what_its_spans_say() -> None:
     report = report_from_histories("r", [spans_from_events(crash_run().events)])
     assert report.wall_s == pytest.approx(25.0)
     assert report.result_wall_s == 25.0
     expected = {"reserving": 0.5, "restoring": 0.1 + 0.5, "launching": 4.4 + 5.0, "running": 7.0 + 6.0,
                 "recovering": 0.5, "paused": 0.0, "finishing": 1.0}
     assert report.phases == pytest.approx(expected, abs=1e-3)
-    assert sum(report.phases.values()) == pytest.approx(report.wall_s)
     assert [s.phase for s in report.segments] == [
         "reserving", "restoring", "launching", "running", "recovering", "restoring", "launching", "running",
         "finishing"]

@@ -147,6 +147,8 @@ class Cluster:
     """Nodes the pool has back (repaired) when a shrunk run asks to reclaim them."""
     """`find_checkpoint` fails as it does once its retries against an unreachable store run out."""
     ranks_per_node: int = 1
+    stamp_detection: bool = False
+    """Events the script gives no `detected_at` get the moment they are returned, as an agent stamps them."""
     survivor_step: int = 17
     """Where the live ranks stand when an in-process restart reaches them (they live on the first node)."""
     rejoin_fails: set[str] = field(default_factory=set)
@@ -325,6 +327,12 @@ class Cluster:
                 while_running, self.while_running = self.while_running, None
                 await while_running(self.client.get_workflow_handle(request.workflow_id))
             script = self.watch_script.setdefault((request.attempt, request.node), [])
+            began, started = time.monotonic(), activity.info().started_time.timestamp()
+
+            def now() -> float:
+                """The server's clock (the time-skipping server's runs ahead of this one once it has skipped)."""
+                return started + time.monotonic() - began
+
             while True:
                 step = script.pop(0) if script else _finished(20)
                 if isinstance(step, Until):
@@ -342,11 +350,12 @@ class Cluster:
                 trained = step.kind in (WatchEventKind.CHECKPOINT_READY, WatchEventKind.KEEPALIVE)
                 if trained and request.report_start:
                     script.insert(0, step)  # the node trained: its first step comes first
-                    return _event(WatchEventKind.STARTED, first_step_at=time.time()).model_copy(update={"node": request.node})
+                    return _event(WatchEventKind.STARTED, first_step_at=now()).model_copy(update={"node": request.node})
                 if step.kind is WatchEventKind.CHECKPOINT_READY and request.checkpoints is not None:
                     self._upload_in_watch(request, step)
                     continue
-                return step.model_copy(update={"node": request.node})
+                stamp = {"detected_at": now()} if self.stamp_detection and not step.detected_at else {}
+                return step.model_copy(update={"node": request.node, **stamp})
 
         @activity.defn(name="inject_fault")
         async def inject_fault(request: InjectFaultInput) -> InjectFaultResult:

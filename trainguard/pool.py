@@ -1,0 +1,102 @@
+"""Client-side calls about the node inventory: which agents poll their queues, and the node pool workflow.
+
+The CLI, the Python client and the dev stack use these as the controller's activities do, so they live in the
+public package (`activities.nodes` imports them from here)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any, TypeVar
+
+from temporalio.api.enums.v1 import TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client
+
+from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE, TASK_QUEUE, node_task_queue
+from trainguard.models import PoolNode, PoolStatus, RegisterNodeRequest
+
+T = TypeVar("T")
+
+
+async def has_pollers(client: Client, task_queue: str, kind: TaskQueueType.ValueType, max_idle_s: float) -> bool:
+    """Whether a worker polled `task_queue` within `max_idle_s` (as the server saw it)."""
+    response = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(namespace=client.namespace, task_queue=TaskQueue(name=task_queue),
+                                 task_queue_type=kind)
+    )
+    now = time.time()
+    return any(now - p.last_access_time.ToSeconds() <= max_idle_s for p in response.pollers)
+
+
+AGENT_LOOKUPS_IN_FLIGHT = 32
+"""Task-queue descriptions asked at once: 4,096 nodes one after the other took seconds of a run's start."""
+
+
+async def missing_agents(client: Client, nodes: list[str], max_idle_s: float = 90.0) -> list[str]:
+    limit = asyncio.Semaphore(AGENT_LOOKUPS_IN_FLIGHT)
+
+    async def polled(node: str) -> bool:
+        async with limit:
+            return await has_pollers(client, node_task_queue(node), TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+                                     max_idle_s)
+
+    found = await asyncio.gather(*(polled(n) for n in nodes))
+    return [node for node, ok in zip(nodes, found) if not ok]
+
+
+async def pool_handle(client: Client):  # type: ignore[no-untyped-def]
+    """The node pool workflow, started on first use (a second start just finds the running one)."""
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    return await client.start_workflow(
+        POOL_WORKFLOW_TYPE, None, id=POOL_WORKFLOW_ID, task_queue=TASK_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+
+
+POOL_BUSY_FIRST_RETRY_S = 0.05
+POOL_BUSY_MAX_RETRY_S = 1.0
+"""Temporal admits 10 updates in flight per execution and refuses the rest with RESOURCE_EXHAUSTED: 100 runs
+starting at once, or thousands of agents registering, are refused most of the time. Each update takes
+milliseconds, so ask again soon (jittered, so the refused do not come back together); the activity's own
+retry policy (seconds of backoff) would serialize the start of many runs."""
+
+
+async def pool_update(client: Client, name: str, request: Any, result_type: type[T]) -> T:
+    """An update on the node pool, asked again while the pool has too many updates in flight."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    handle = await pool_handle(client)
+    delay = POOL_BUSY_FIRST_RETRY_S
+    while True:
+        try:
+            return await handle.execute_update(name, request, result_type=result_type)
+        except RPCError as error:
+            if error.status is not RPCStatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(POOL_BUSY_MAX_RETRY_S, delay * 2)
+
+
+async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "") -> PoolNode:
+    return await pool_update(client, "register",
+                             RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url), PoolNode)
+
+
+async def peer_urls(client: Client) -> dict[str, str]:
+    """Node -> its agent's shard server, as the agents registered them in the pool."""
+    return {n.node: n.peer_url for n in await pool_nodes(client) if n.peer_url}
+
+
+async def pool_nodes(client: Client) -> list[PoolNode]:
+    """The pool's nodes; empty when the pool has not started yet."""
+    from temporalio.service import RPCError
+
+    try:
+        status = await client.get_workflow_handle(POOL_WORKFLOW_ID).query("nodes", result_type=PoolStatus)
+    except RPCError:
+        return []
+    return status.nodes
