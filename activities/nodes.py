@@ -100,9 +100,31 @@ async def pool_update(client: Client, name: str, request: Any, result_type: type
         delay = min(POOL_BUSY_MAX_RETRY_S, delay * 2)
 
 
-async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "") -> PoolNode:
+async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "",
+                        labels: dict[str, str] | None = None) -> PoolNode:
     return await pool_update(client, "register",
-                             RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url), PoolNode)
+                             RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url,
+                                                 labels=labels or {}), PoolNode)
+
+
+CHOSEN_AGENT_CHECKS = 3
+"""Leases by count asked again without the chosen nodes no agent polls: the pool remembers every node that
+ever registered, and one whose agent is gone (a smaller dev stack, a retired machine) must not be chosen. Each
+retry excludes every silent node found so far, so a few suffice; what is still silent then fails its check."""
+
+
+async def acquire_live_nodes(client: Client, request: AcquireNodesRequest) -> AcquireNodesResult:
+    """The pool's lease; nodes it chose by count whose agent does not poll are excluded and the lease asked
+    again (the pool gives the run's lease on them back)."""
+    for _ in range(CHOSEN_AGENT_CHECKS):
+        lease = await pool_update(client, "acquire", request, AcquireNodesResult)
+        named = {*request.nodes, *request.spares}
+        chosen = [n for n in [*lease.nodes, *lease.spares] if n not in named]
+        if not lease.granted or not chosen or not (silent := await missing_agents(client, chosen)):
+            return lease
+        activity.logger.info("no agent polls %s: leasing others", ", ".join(silent))
+        request = request.model_copy(update={"exclude": [*request.exclude, *silent]})
+    return lease
 
 
 async def peer_urls(client: Client) -> dict[str, str]:
@@ -133,6 +155,8 @@ class PoolActivities:
     @activity.defn(name="acquire_nodes")
     async def acquire_nodes(self, request: AcquireNodesRequest) -> AcquireNodesResult:
         """Lease the run's nodes (all or none) and whichever of its spares are free. Idempotent per run."""
+        if request.num_nodes or request.num_spares:
+            return await acquire_live_nodes(self.client, request)
         return await pool_update(self.client, "acquire", request, AcquireNodesResult)
 
     @activity.defn(name="release_nodes")
