@@ -24,6 +24,8 @@ from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("node-0", "node-1", "node-2")
+NODE_LABELS = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"}}
+"""What the stack's agents register with (`--label`), for specs that choose nodes by `node_selector`."""
 RUN_TIMEOUT_S = 240
 
 
@@ -65,7 +67,8 @@ async def _record_histories(address: str) -> None:
 def stack() -> Iterator[DevStack]:
     home = REPO / ".pytest-stack" / uuid.uuid4().hex[:8]
     base = free_port_base(27100, num_nodes=len(NODES))
-    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO)
+    config = StackConfig(home=home, ports=Ports.from_base(base), nodes=NODES, code_dir=REPO,
+                         labels=NODE_LABELS)
     dev = DevStack(config)
     saved = {k: os.environ.get(k) for k in ("TRAINGUARD_TEMPORAL_ADDRESS",)}
     os.environ["TRAINGUARD_TEMPORAL_ADDRESS"] = config.temporal_address
