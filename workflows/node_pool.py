@@ -108,7 +108,8 @@ def shortfall(nodes: dict[str, PoolNode], request: AcquireNodesRequest) -> str:
     if len(usable) >= request.num_nodes:
         return ""
     out = sorted((n for n in matching if not _schedulable(nodes[n])), key=node_order)
-    return (f"num_nodes {request.num_nodes}: the pool has {len(usable)} schedulable nodes{which} "
+    return (f"num_nodes {request.num_nodes}: the pool has {len(usable)} schedulable node"
+            f"{'' if len(usable) == 1 else 's'}{which} "
             f"({len(matching)} in all" + (f"; cordoned or draining: {', '.join(out)}" if out else "") + ")")
 
 
