@@ -341,6 +341,28 @@ class AcquireNodesResult(BaseModel):
     unregistered: list[str] = Field(default_factory=list)
 
 
+class AcquireManyRequest(BaseModel):
+    """Input of the pool's `acquire_many` update: leases of several runs, granted in order."""
+
+    requests: list[AcquireNodesRequest]
+
+
+class AcquireManyResult(BaseModel):
+    results: list[AcquireNodesResult]
+    """One per request, in order."""
+
+
+class ReleaseManyRequest(BaseModel):
+    """Input of the pool's `release_many` update: releases of several runs, in order."""
+
+    requests: list[NodeRequest]
+
+
+class ReleaseManyResult(BaseModel):
+    results: list[list[str]]
+    """The nodes each request freed, in order."""
+
+
 class NodeRequest(BaseModel):
     """Input of the pool's `cordon`, `uncordon`, `drain` and `release` updates."""
 

@@ -27,6 +27,7 @@ async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its
         client: TrainguardClient, stack: DevStack, prefix: str) -> None:
     spec = make_spec(prefix, steps=60, every=20, nodes=("node-0",))  # one rank: two attempts' imports only
     spec["entrypoint"] += ["--raise-at-step", "10"]
+    logs_before = _log_sizes(stack)
     rid = await client.start_run(spec, workflow_id=f"it-sameerr-{uuid.uuid4().hex[:6]}")
 
     with pytest.raises(WorkflowFailureError) as failed:
@@ -49,6 +50,23 @@ async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its
     assert "the same failure on 2 attempts in a row" in message
     assert "train.py" in message and "ValueError: deliberate failure at step 10" in message
     assert "Workflow execution failed" not in message
+    # Issue 17: every incident used to log "Task exception was never retrieved ... Activity cancelled".
+    noise = [line for line in _log_lines_since(stack, logs_before) if "never retrieved" in line]
+    assert not noise, noise
+
+
+def _log_sizes(stack: DevStack) -> dict[Path, int]:
+    return {log: log.stat().st_size for log in stack.log_dir.glob("*.log")}
+
+
+def _log_lines_since(stack: DevStack, sizes: dict[Path, int]) -> list[str]:
+    """What the stack's processes (controller, agents) logged since `sizes` was taken."""
+    lines: list[str] = []
+    for log in stack.log_dir.glob("*.log"):
+        with log.open("rb") as file:
+            file.seek(sizes.get(log, 0))
+            lines += [f"{log.name}: {line}" for line in file.read().decode(errors="replace").splitlines()]
+    return lines
 
 
 def _cli(stack: DevStack, *argv: str) -> subprocess.CompletedProcess[str]:

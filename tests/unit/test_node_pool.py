@@ -247,3 +247,30 @@ def test_registration_records_the_labels_and_the_latest_replaces_them() -> None:
     assert nodes["a"].labels == {"gpu": "h100", "zone": "a"}
     register(nodes, RegisterNodeRequest(node="a", labels={"gpu": "h100"}), now=2.0)
     assert nodes["a"].labels == {"gpu": "h100"}
+
+
+async def test_leases_asked_together_go_to_the_pool_in_few_updates_and_each_gets_its_own(
+        env: WorkflowEnvironment) -> None:
+    from activities.nodes import PoolActivities
+    from trainguard.models import AcquireNodesResult, PoolStatus
+    from workflows.node_pool import POOL_WORKFLOW_ID
+
+    queue = f"pool-{uuid.uuid4()}"
+    names = [f"n{i}" for i in range(40)]
+    async with Worker(env.client, task_queue=queue, workflows=[NodePool]):
+        handle = await env.client.start_workflow(NodePool.run, PoolStatus(nodes=[PoolNode(node=n) for n in names]),
+                                                 id=POOL_WORKFLOW_ID, task_queue=queue)
+        pool = PoolActivities(env.client)
+        leases: list[AcquireNodesResult] = await asyncio.gather(*(
+            pool.leases.submit(AcquireNodesRequest(run_id=f"r{i}", nodes=names[2 * i:2 * i + 2]))
+            for i in range(20)))
+        freed = await asyncio.gather(*(pool.releases.submit(NodeRequest(run_id=f"r{i}")) for i in range(20)))
+        updates = sum([e.HasField("workflow_execution_update_accepted_event_attributes")
+                       async for e in handle.fetch_history_events()])
+        status = await handle.query(NodePool.nodes)
+        await handle.terminate()
+
+    assert all(lease.granted for lease in leases)
+    assert [sorted(f) for f in freed] == [names[2 * i:2 * i + 2] for i in range(20)]  # each run its own
+    assert updates <= 6, updates  # 40 one by one before batches
+    assert all(n.leased_to is None for n in status.nodes)
