@@ -71,12 +71,24 @@ class Figures:
     training_p50_s: float | None = None
     training_p95_s: float | None = None
     training_max_s: float | None = None
+    leased_p50_s: float | None = None
+    leased_p95_s: float | None = None
+    leased_max_s: float | None = None
+    """Per run, from the starts to its `acquire_nodes` completing (its history's own clock): how much of the
+    time to training is the pool's."""
+    lease_attempts_max: int = 0
+    """The most attempts any run's `acquire_nodes` took (a timeout or a retried error each)."""
     trained: int = 0
     completed: int = 0
     pool_events: int = 0
     pool_updates: int = 0
     pool_continue_as_new: int = 0
     wall_s: float | None = None
+    controller_cpu_s: float | None = None
+    """CPU seconds the controller process used over `wall_s`: near `wall_s` x its share of the cores, the
+    controller's CPU is what the runs wait for, not the pool."""
+    load_avg_1m: float | None = None
+    """The machine's 1-minute load average when the runs were started (other work on the same cores)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -126,6 +138,7 @@ async def start_runs(client: Any, figures: Figures, names: list[str], stand_ins:
                 started[rid] = attempt.started_at - began
         await asyncio.sleep(POLL_S)
     figures.training_s = sorted(round(s, 3) for s in started.values())
+    await lease_times(client, figures, run_ids, began)
     figures.trained = len(started)
     if started:
         figures.training_p50_s = round(percentile(figures.training_s, 0.5) or 0, 3)
@@ -139,6 +152,30 @@ async def start_runs(client: Any, figures: Figures, names: list[str], stand_ins:
         if all(s != WorkflowExecutionStatus.RUNNING for s in statuses):
             break
         await asyncio.sleep(1.0)
+
+
+async def lease_times(client: Any, figures: Figures, run_ids: list[str], began: float) -> None:
+    """From each run's history: when its lease came back, and in how many attempts."""
+    done: list[float] = []
+    for rid in run_ids:
+        scheduled: set[int] = set()
+        async for event in client.get_workflow_handle(rid).fetch_history_events():
+            if event.HasField("activity_task_scheduled_event_attributes") and \
+                    event.activity_task_scheduled_event_attributes.activity_type.name == "acquire_nodes":
+                scheduled.add(event.event_id)
+            elif event.HasField("activity_task_started_event_attributes") and \
+                    event.activity_task_started_event_attributes.scheduled_event_id in scheduled:
+                figures.lease_attempts_max = max(figures.lease_attempts_max,
+                                                 event.activity_task_started_event_attributes.attempt)
+            elif event.HasField("activity_task_completed_event_attributes") and \
+                    event.activity_task_completed_event_attributes.scheduled_event_id in scheduled:
+                done.append(event.event_time.ToDatetime().timestamp() - began)
+                break
+    done.sort()
+    if done:
+        figures.leased_p50_s = round(percentile(done, 0.5) or 0, 3)
+        figures.leased_p95_s = round(percentile(done, 0.95) or 0, 3)
+        figures.leased_max_s = round(done[-1], 3)
 
 
 async def pool_cost(client: Any, figures: Figures) -> None:
@@ -179,11 +216,13 @@ async def measure(figures: Figures, home: Path, num_queues: int, timeout_s: floa
                     default_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
                     graceful_shutdown_timeout=timedelta(seconds=1)))
             await wait_for_standins(client, shared_queues(num_queues))
-            began = time.monotonic()
+            began, cpu_before = time.monotonic(), controller.cpu_s()
+            figures.load_avg_1m = round(os.getloadavg()[0], 1)
             if figures.lease_nodes:
                 await time_lease(client, figures, plan.nodes[:figures.lease_nodes])
             await start_runs(client, figures, plan.nodes, stand_ins, run_ids, timeout_s)
             figures.wall_s = round(time.monotonic() - began, 2)
+            figures.controller_cpu_s = round(controller.cpu_s() - cpu_before, 2)
             ended = sum([await terminate_all(client, rid) for rid in run_ids if figures.completed < figures.runs])
             if ended:
                 figures.notes.append(f"terminated {ended} run(s) still running")
@@ -221,9 +260,13 @@ def report(figures: Figures) -> list[str]:
         f"{figures.runs} | all |",
         f"| start to training p50 / p95 / max (s) | {fmt(figures.training_p50_s)} / {fmt(figures.training_p95_s)} / "
         f"{fmt(figures.training_max_s)} | max <= {TARGET_TRAINING_S:.0f} ({'pass' if ok else 'FAIL'}) |",
+        f"| start to lease p50 / p95 / max (s) | {fmt(figures.leased_p50_s)} / {fmt(figures.leased_p95_s)} / "
+        f"{fmt(figures.leased_max_s)} (most attempts of a lease: {figures.lease_attempts_max}) | |",
         f"| runs completed | {figures.completed} | |",
         f"| pool history events / updates / continue-as-new | {figures.pool_events} / {figures.pool_updates} / "
         f"{figures.pool_continue_as_new} | |",
+        f"| controller CPU (s) over wall (s); load average at start | {fmt(figures.controller_cpu_s)} over "
+        f"{fmt(figures.wall_s)}; {fmt(figures.load_avg_1m)} | |",
         *(f"note: {n}" for n in figures.notes),
     ]
 

@@ -251,6 +251,8 @@ def test_registration_records_the_labels_and_the_latest_replaces_them() -> None:
 
 async def test_leases_asked_together_go_to_the_pool_in_few_updates_and_each_gets_its_own(
         env: WorkflowEnvironment) -> None:
+    from temporalio.common import WorkflowIDConflictPolicy
+
     from activities.nodes import PoolActivities
     from trainguard.models import AcquireNodesResult, PoolStatus
     from workflows.node_pool import POOL_WORKFLOW_ID
@@ -259,7 +261,8 @@ async def test_leases_asked_together_go_to_the_pool_in_few_updates_and_each_gets
     names = [f"n{i}" for i in range(40)]
     async with Worker(env.client, task_queue=queue, workflows=[NodePool]):
         handle = await env.client.start_workflow(NodePool.run, PoolStatus(nodes=[PoolNode(node=n) for n in names]),
-                                                 id=POOL_WORKFLOW_ID, task_queue=queue)
+                                                 id=POOL_WORKFLOW_ID, task_queue=queue,
+                                                 id_conflict_policy=WorkflowIDConflictPolicy.TERMINATE_EXISTING)
         pool = PoolActivities(env.client)
         leases: list[AcquireNodesResult] = await asyncio.gather(*(
             pool.leases.submit(AcquireNodesRequest(run_id=f"r{i}", nodes=names[2 * i:2 * i + 2]))
