@@ -57,6 +57,11 @@ bench-scale: $(STAMP)
 bench-nodes: $(STAMP)
 	$(BIN)/python -m infra.bench.nodes $(BENCH_ARGS)
 
+# The node pool at size: one lease of 4,096 nodes, and 100 runs started at once on stand-in nodes (.bench/pool.json)
+.PHONY: bench-pool
+bench-pool: $(STAMP)
+	$(BIN)/python -m infra.bench.pool $(BENCH_ARGS)
+
 # Hang attribution: 2 nodes x 2 ranks, 20 hangs per mode (stop, python, skip-collective, io) on random ranks
 # and 10 fault-free runs: right culprits, detection, time to name the culprit; .bench/attribution.json.
 .PHONY: bench-attribution

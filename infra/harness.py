@@ -115,12 +115,14 @@ class PrivateStack:
     def __init__(self, home: Path, nodes: tuple[str, ...], port_start: int, *, code_dir: Path = REPO,
                  tls: bool = False, hosts: bool = False, echo: Callable[[str], None] = _quiet,
                  up: Callable[[DevStack], None] | None = None, env: Mapping[str, str | None] | None = None,
-                 keep_logs: Path | None = None, timings: dict[str, float] | None = None) -> None:
+                 keep_logs: Path | None = None, timings: dict[str, float] | None = None,
+                 labels: Mapping[str, Mapping[str, str]] | None = None) -> None:
         from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
         self.home = home
         self.config = StackConfig(home=home, ports=Ports.from_base(free_port_base(port_start, len(nodes))),
-                                  nodes=nodes, code_dir=code_dir, tls=tls, hosts=hosts)
+                                  nodes=nodes, code_dir=code_dir, tls=tls, hosts=hosts,
+                                  **({"labels": {n: dict(v) for n, v in labels.items()}} if labels else {}))
         self.stack = DevStack(self.config)
         self.echo = echo
         self._up = up or (lambda dev: dev.up(echo=echo))

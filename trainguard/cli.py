@@ -68,7 +68,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     _warn_exec_env(args.file, spec)
-    print(f"{args.file}: valid ({len(spec.nodes)} nodes x {spec.ranks_per_node} ranks, world size {spec.world_size})")
+    print(f"{args.file}: valid ({spec.node_count} nodes x {spec.ranks_per_node} ranks, world size {spec.world_size})")
     return 0
 
 
@@ -220,7 +220,8 @@ async def _nodes_cmd(args: argparse.Namespace) -> int:
         by = f" (by run {node.cordoned_by})" if node.cordoned_by else ""
         state = f"cordoned{by}: {node.cordoned}" if node.cordoned else ("draining" if node.draining else "schedulable")
         lease = f"leased to {node.leased_to}" if node.leased_to else "free"
-        print(f"{node.node:<16} {state:<40} {lease}")
+        labels = ",".join(f"{k}={v}" for k, v in sorted(node.labels.items()))
+        print(f"{node.node:<16} {state:<40} {lease}" + (f"  {labels}" if labels else ""))
     return 0
 
 

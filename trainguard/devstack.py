@@ -28,6 +28,7 @@ from typing import Any
 from trainguard.hosts import SERVICES, HostsNetwork, HostsUnavailable, bridge_exists, unavailable_reason
 from trainguard.procs import start_time, state
 from trainguard.protocol import node_attempt_files
+from trainguard.spec import parse_labels
 
 DEFAULT_NODES = ("node-0", "node-1", "node-2")
 DEFAULT_BUCKET = "trainguard"
@@ -106,6 +107,18 @@ def free_port_base(start: int, num_nodes: int = len(DEFAULT_NODES), step: int = 
     raise RuntimeError(f"no free port range between {start} and {stop}")
 
 
+def dev_labels(text: str) -> dict[str, dict[str, str]]:
+    """`node-0:zone=a,gpu=h100;node-1:zone=b` -> each node's labels (`TRAINGUARD_DEV_LABELS`)."""
+    labels: dict[str, dict[str, str]] = {}
+    for item in (i.strip() for i in text.split(";")):
+        if item:
+            node, sep, rest = item.partition(":")
+            if not sep:
+                raise ValueError(f"TRAINGUARD_DEV_LABELS item {item!r}: write NODE:KEY=VALUE[,KEY=VALUE]")
+            labels[node.strip()] = parse_labels(rest)
+    return labels
+
+
 @dataclass(frozen=True, slots=True)
 class StackConfig:
     home: Path
@@ -117,6 +130,9 @@ class StackConfig:
     hosts: bool = False
     """Each node agent and its ranks in a network namespace of its own, on a bridge the stack makes
     (`trainguard.hosts`); Temporal and the store in one more, the services host. Needs root."""
+    labels: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    """Node -> the labels its agent registers with (`--label`), for specs with a `node_selector`. From
+    `TRAINGUARD_DEV_LABELS`, e.g. `node-0:zone=a,gpu=h100;node-1:zone=b`. Default none."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StackConfig:
@@ -130,6 +146,7 @@ class StackConfig:
             code_dir=Path.cwd(),
             tls=env.get("TRAINGUARD_DEV_TLS", "").lower() in ("1", "true", "yes"),
             hosts=env.get("TRAINGUARD_DEV_HOSTS", "").lower() in ("1", "true", "yes"),
+            labels=dev_labels(env.get("TRAINGUARD_DEV_LABELS", "")),
         )
 
     @property
@@ -346,6 +363,7 @@ class DevStack:
                 "--host", host, "--code-dir", str(cfg.code_dir),
                 # The dev pool runs the venv's programs (python, torchrun) and nothing else.
                 "--allow", str(Path(sys.executable).parent),
+                *(f"--label={k}={v}" for k, v in cfg.labels.get(node, {}).items()),
             ], env=agent_env, cwd=cfg.code_dir)
         self._wait_workers()
         (self.home / STACK_FILE).write_text(json.dumps({

@@ -166,6 +166,9 @@ class RunStatus(BaseModel):
     latest_checkpoint: CheckpointRef | None = None
     reason: str | None = None
     """Why the run failed or is paused."""
+    replaced_at_start: dict[str, str] = Field(default_factory=dict)
+    """Named nodes that were cordoned when the run started -> the spare that took each one's place (they are
+    in `cordoned` too). Empty when none was."""
 
 
 class ChaosRequest(BaseModel):
@@ -220,6 +223,8 @@ class CarriedState(BaseModel):
     """Nodes a spare replaced, to take back as spares when they return."""
     state_since_attempt: int = 0
     """The attempt the live ranks' state comes from (the last relaunch); 0: the carried attempt."""
+    replaced_at_start: dict[str, str] = Field(default_factory=dict)
+    """`RunStatus.replaced_at_start`, kept for the status."""
 
 
 class DrainRequest(BaseModel):
@@ -258,6 +263,8 @@ class PoolNode(BaseModel):
     """Leaves the pool once its current run releases it."""
     peer_url: str = ""
     """Its agent's shard server (the peer tier); empty when it serves none."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """What its agent registered it with (`--label gpu=h100`), for runs that choose nodes by `node_selector`."""
 
 
 class PoolStatus(BaseModel):
@@ -283,23 +290,66 @@ class RegisterNodeRequest(BaseModel):
     host: str = ""
     healthy: bool = True
     peer_url: str = ""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """The node's labels; each registration replaces the ones before."""
 
 
 class AcquireNodesRequest(BaseModel):
     run_id: str
     nodes: list[str]
+    """Named nodes (empty with `num_nodes`)."""
     spares: list[str] = Field(default_factory=list)
+    num_nodes: int = 0
+    """Nodes for the pool to choose (free, schedulable, matching `selector`) instead of `nodes`; 0: none."""
+    num_spares: int = 0
+    """Spares for the pool to choose besides `spares`, as many as are free up to this; 0: none."""
+    selector: dict[str, str] = Field(default_factory=dict)
+    """Labels every node the pool chooses must carry."""
+    replace_cordoned: bool = False
+    """A named node that is cordoned (or draining) is replaced by a free spare instead of refusing the lease.
+    False (as before this field): refused."""
+    exclude: list[str] = Field(default_factory=list)
+    """Nodes the pool must not choose (their agent does not poll); the run's leases on them are given back."""
 
 
 class AcquireNodesResult(BaseModel):
     granted: bool
     spares: list[str] = Field(default_factory=list)
     """Spares granted with the nodes (those free and schedulable)."""
+    nodes: list[str] = Field(default_factory=list)
+    """The nodes the run trains on, in order: the named ones, spares in cordoned ones' places, or those the
+    pool chose. Empty when not granted (and from pools before this field)."""
+    replaced: dict[str, str] = Field(default_factory=dict)
+    """Cordoned named node -> the spare granted in its place (`replace_cordoned`)."""
+    unsatisfiable: str = ""
+    """Why the request cannot be granted however long the run waits (too few nodes match); empty otherwise."""
     cordoned: dict[str, str] = Field(default_factory=dict)
     """Requested nodes that are cordoned, with why: the run cannot start until they are uncordoned."""
     busy: dict[str, str] = Field(default_factory=dict)
     """Requested nodes leased to other runs (node -> run id): the run waits for them."""
     unregistered: list[str] = Field(default_factory=list)
+
+
+class AcquireManyRequest(BaseModel):
+    """Input of the pool's `acquire_many` update: leases of several runs, granted in order."""
+
+    requests: list[AcquireNodesRequest]
+
+
+class AcquireManyResult(BaseModel):
+    results: list[AcquireNodesResult]
+    """One per request, in order."""
+
+
+class ReleaseManyRequest(BaseModel):
+    """Input of the pool's `release_many` update: releases of several runs, in order."""
+
+    requests: list[NodeRequest]
+
+
+class ReleaseManyResult(BaseModel):
+    results: list[list[str]]
+    """The nodes each request freed, in order."""
 
 
 class NodeRequest(BaseModel):

@@ -66,24 +66,31 @@ retry policy (seconds of backoff) would serialize the start of many runs."""
 
 
 async def pool_update(client: Client, name: str, request: Any, result_type: type[T]) -> T:
-    """An update on the node pool, asked again while the pool has too many updates in flight."""
+    """An update on the node pool, asked again while the pool has too many updates in flight. The pool is
+    started only when it is not there: asking the server to start it before every update was a round trip
+    each, of the ones 100 runs starting together queue for."""
     from temporalio.service import RPCError, RPCStatusCode
 
-    handle = await pool_handle(client)
+    handle = client.get_workflow_handle(POOL_WORKFLOW_ID)
     delay = POOL_BUSY_FIRST_RETRY_S
     while True:
         try:
             return await handle.execute_update(name, request, result_type=result_type)
         except RPCError as error:
+            if error.status is RPCStatusCode.NOT_FOUND:
+                handle = await pool_handle(client)
+                continue
             if error.status is not RPCStatusCode.RESOURCE_EXHAUSTED:
                 raise
         await asyncio.sleep(delay * (0.5 + random.random()))
         delay = min(POOL_BUSY_MAX_RETRY_S, delay * 2)
 
 
-async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "") -> PoolNode:
+async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "",
+                        labels: dict[str, str] | None = None) -> PoolNode:
     return await pool_update(client, "register",
-                             RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url), PoolNode)
+                             RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url,
+                                                 labels=labels or {}), PoolNode)
 
 
 async def peer_urls(client: Client) -> dict[str, str]:

@@ -20,6 +20,13 @@ PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$"
+LABEL_VALUE_PATTERN = r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$"
+"""A node label (`gpu=h100`, `topology.example.com/rack=r12`): Kubernetes-like, at most 63 characters each side,
+letters, digits and `-_.` (`/` in the key too), alphanumeric at both ends; a value may be empty."""
+MAX_NODE_LABELS = 32
+NODE_LABELS_ENV = "TRAINGUARD_NODE_LABELS"
+"""A node agent's labels when it has no `--label` flags: `KEY=VALUE` items separated by `,`."""
 
 # Variables the node agent sets for every rank; a spec may not override them, or ranks would disagree
 # about the world they are in.
@@ -165,7 +172,44 @@ def _env_name(name: str) -> str:
     return name
 
 
+def _label_key(key: str) -> str:
+    if not re.match(LABEL_KEY_PATTERN, key):
+        raise ValueError(f"{key!r} is not a label key (at most 63 of letters, digits, '-', '_', '.', '/'; "
+                         f"alphanumeric at both ends)")
+    return key
+
+
+def _label_value(value: str) -> str:
+    if not re.match(LABEL_VALUE_PATTERN, value):
+        raise ValueError(f"{value!r} is not a label value (at most 63 of letters, digits, '-', '_', '.'; "
+                         f"alphanumeric at both ends)")
+    return value
+
+
+def parse_labels(items: list[str] | str) -> dict[str, str]:
+    """`["gpu=h100", "zone=a"]` (or `"gpu=h100,zone=a"`) -> `{"gpu": "h100", "zone": "a"}`; a ValueError
+    names the item to fix. The node agent's `--label` flags and `TRAINGUARD_NODE_LABELS` both come through it."""
+    if isinstance(items, str):
+        items = [i for i in (p.strip() for p in items.split(",")) if i]
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"label {item!r}: write KEY=VALUE")
+        labels[_label_key(key.strip())] = _label_value(value.strip())
+    if len(labels) > MAX_NODE_LABELS:
+        raise ValueError(f"{len(labels)} labels, more than {MAX_NODE_LABELS}")
+    return labels
+
+
+def selector_text(selector: dict[str, str]) -> str:
+    """`gpu=h100,zone=a`: a selector as users write it, for messages."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
 ExecString = Annotated[str, AfterValidator(_exec_string)]
+LabelKey = Annotated[str, AfterValidator(_label_key)]
+LabelValue = Annotated[str, AfterValidator(_label_value)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, AfterValidator(_env_value)]
 
@@ -286,11 +330,26 @@ class RunSpec(_Strict):
     Run once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). The program is looked
     up with the node agent's own PATH (never `env.PATH`) and must be one its `--allow` list names."""
 
-    nodes: list[str] = Field(min_length=1, max_length=4096)
-    """Node ids to train on; each must have a node agent polling `trainguard-node-<id>`."""
+    nodes: list[str] = Field(default_factory=list, max_length=4096)
+    """Node ids to train on; each must have a node agent polling `trainguard-node-<id>`. A named node that is
+    cordoned when the run starts is replaced by one of the run's free spares (the status's
+    `replaced_at_start` says which). Give either `nodes` or `num_nodes`."""
+
+    num_nodes: int | None = Field(None, ge=1, le=4096)
+    """Instead of `nodes`: how many nodes to lease from the pool, any free and schedulable ones (matching
+    `node_selector`), chosen when the run starts. The run waits (`reserve_timeout_s`) while too many are
+    leased to other runs, and fails at once when the pool has too few. Default: use `nodes`."""
 
     spare_nodes: list[str] = Field(default_factory=list, max_length=4096)
     """Nodes held back to replace a failed one. Default none."""
+
+    num_spares: int = Field(0, ge=0, le=4096)
+    """Instead of `spare_nodes`: how many spares to hold back, chosen from the pool's free nodes (matching
+    `node_selector`) when the run starts; fewer when fewer are free. Default 0."""
+
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=MAX_NODE_LABELS)
+    """Labels every node chosen by `num_nodes` / `num_spares` must carry, e.g. `{"gpu": "h100"}` (node agents
+    register them: `--label gpu=h100`). Default: any node."""
 
     min_nodes: int | None = Field(None, ge=1, le=4096)
     """Fewest nodes the run may shrink to when no spare is left. Default: never shrink."""
@@ -346,11 +405,22 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _pools_disjoint(self) -> RunSpec:
+        if self.nodes and self.num_nodes is not None:
+            raise ValueError("give either nodes (node ids) or num_nodes (a count from the pool), not both")
+        if not self.nodes and self.num_nodes is None:
+            raise ValueError("nodes: give the node ids to train on, or num_nodes to lease that many from the pool")
+        if self.spare_nodes and self.num_spares:
+            raise ValueError("give either spare_nodes (node ids) or num_spares (a count from the pool), not both")
+        if self.spare_nodes and self.num_nodes is not None:
+            raise ValueError("spare_nodes with num_nodes: ask the pool for spares with num_spares instead")
+        if self.node_selector and self.num_nodes is None and not self.num_spares:
+            raise ValueError("node_selector chooses nodes by label for num_nodes or num_spares: give one of "
+                             "them, or drop node_selector")
         overlap = sorted(set(self.nodes) & set(self.spare_nodes))
         if overlap:
             raise ValueError(f"spare_nodes repeats nodes already in nodes: {', '.join(overlap)}")
-        if self.min_nodes is not None and self.min_nodes > len(self.nodes):
-            raise ValueError(f"min_nodes ({self.min_nodes}) exceeds the number of nodes ({len(self.nodes)})")
+        if self.min_nodes is not None and self.min_nodes > self.node_count:
+            raise ValueError(f"min_nodes ({self.min_nodes}) exceeds the number of nodes ({self.node_count})")
         if (size := exec_bytes(self.entrypoint, self.env)) > MAX_EXEC_BYTES:
             raise ValueError(f"entrypoint and env come to {size} bytes at exec, more than {MAX_EXEC_BYTES} "
                              f"(MAX_EXEC_BYTES): pass data in a file, not the command line or environment")
@@ -363,8 +433,26 @@ class RunSpec(_Strict):
         return [name for name in self.env if exec_env_refused(name)]
 
     @property
+    def node_count(self) -> int:
+        """The nodes the run trains on: `nodes` named, or `num_nodes` from the pool."""
+        return self.num_nodes if self.num_nodes is not None else len(self.nodes)
+
+    @property
+    def by_count(self) -> bool:
+        """Whether the pool chooses any of the run's nodes or spares (`num_nodes`, `num_spares`)."""
+        return self.num_nodes is not None or self.num_spares > 0
+
+    def resolved(self, nodes: list[str]) -> RunSpec:
+        """The spec as started on `nodes` (what the pool granted, spares in cordoned named nodes' places): it
+        names its nodes, and asks the pool for nothing more. A run carries this one across continue-as-new."""
+        if nodes == self.nodes and not self.by_count:
+            return self
+        return self.model_copy(update={"nodes": list(nodes), "num_nodes": None, "num_spares": 0,
+                                       "node_selector": {}})
+
+    @property
     def world_size(self) -> int:
-        return len(self.nodes) * self.ranks_per_node
+        return self.node_count * self.ranks_per_node
 
 
 class SpecError(ValueError):

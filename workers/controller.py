@@ -29,6 +29,12 @@ log = logging.getLogger("trainguard.controller")
 WORKFLOW_TASK_POLLS = 20
 """Workflow-task polls the controller keeps open (the SDK's default is 5)."""
 
+WORKFLOW_TASK_SLOTS = 20
+"""Workflow tasks the controller works on at once (the SDK's default is 100). They share one Python process
+(the GIL): 100 at once made each of 100 runs' first tasks take longer than Temporal's 10 s workflow task
+timeout on two loaded cores, so every one was timed out and redone, and none of the runs got to lease its
+nodes in 300 s (`make bench-pool`). Fewer at once finish each in its own CPU time."""
+
 
 def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
     """Worker versioning when the controller has a build id: runs are pinned to the build that started them
@@ -68,6 +74,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untype
         # A large run's node groups make bursts of workflow tasks (64 children answering at once): with the
         # SDK's 5 polls, tasks queued past the sticky timeout and were replayed from scratch elsewhere.
         max_concurrent_workflow_task_polls=WORKFLOW_TASK_POLLS,
+        max_concurrent_workflow_tasks=WORKFLOW_TASK_SLOTS,
         deployment_config=deployment_config(settings or Settings.from_env()),
     )
 

@@ -28,7 +28,7 @@ from activities.evidence import EvidenceActivities
 from activities.ranks import RankActivities
 from trainguard import node_task_queue
 from trainguard.connect import connect
-from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_ID_PATTERN
+from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_ID_PATTERN, NODE_LABELS_ENV, parse_labels
 from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
 
 log = logging.getLogger("trainguard.node_agent")
@@ -125,13 +125,13 @@ REGISTER_RETRY_S = 2.0
 
 
 async def register_until_done(client, node: str, host: str,  # type: ignore[no-untyped-def]
-                              peer_url: str = "") -> None:
-    """Join the node pool, reporting GPU health (a cordoned node that comes back healthy is repaired) and
-    where its shard server is."""
+                              peer_url: str = "", labels: dict[str, str] | None = None) -> None:
+    """Join the node pool, reporting GPU health (a cordoned node that comes back healthy is repaired), where
+    its shard server is, and its labels (for runs that choose nodes by `node_selector`)."""
     healthy = (await asyncio.to_thread(NodeHealth().check)).healthy
     while True:
         try:
-            state = await asyncio.wait_for(register_node(client, node, host, healthy, peer_url), timeout=30)
+            state = await asyncio.wait_for(register_node(client, node, host, healthy, peer_url, labels), timeout=30)
             log.info("registered %s in the node pool (cordoned: %s)", node, state.cordoned or "no")
             return
         except Exception as error:  # noqa: BLE001 - retried until the controller answers
@@ -158,6 +158,10 @@ async def main() -> None:
                         help="port this agent serves its checkpoint shards to other nodes on (the peer tier; "
                              f"only to requests with the pool's {PEER_TOKEN_ENV}, and only when this agent has "
                              "it); 0 picks a free one, -1 serves none. Also TRAINGUARD_PEER_PORT")
+    parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                        help="a label this node registers in the pool with, which runs choose nodes by "
+                             f"(`node_selector`), e.g. gpu=h100 (repeatable). Also {NODE_LABELS_ENV}, "
+                             "separated by ','. None by default.")
     parser.add_argument("--no-chaos", action="store_true", default=os.environ.get("TRAINGUARD_CHAOS") == "off",
                         help="refuse fault injection (production); also TRAINGUARD_CHAOS=off")
     args = parser.parse_args()
@@ -171,6 +175,10 @@ async def main() -> None:
         n.strip() for n in os.environ.get("TRAINGUARD_ALLOWED_ENV", "").split(",") if n.strip())
     if bad := sorted(n for n in allowed_env if not ENV_NAME_PATTERN.match(n)):
         parser.error(f"--allow-env {bad[0]!r}: not an environment variable name")
+    try:
+        labels = parse_labels(args.label or os.environ.get(NODE_LABELS_ENV, ""))
+    except ValueError as error:
+        parser.error(f"--label: {error}")
     try:
         token = peer_token()
     except ValueError as error:
@@ -192,7 +200,7 @@ async def main() -> None:
     try:
         async with worker:
             registration = asyncio.create_task(
-                register_until_done(client, args.node, args.host, server.url if server else ""))
+                register_until_done(client, args.node, args.host, server.url if server else "", labels))
             fencing = asyncio.create_task(fence_orphans(client, ranks))
             await stop.wait()
             registration.cancel()

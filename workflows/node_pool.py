@@ -10,6 +10,7 @@ The rules are pure functions of the pool state (`grant`, `release`, ...), table-
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 from temporalio import workflow
@@ -19,13 +20,18 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import (
+        AcquireManyRequest,
+        AcquireManyResult,
         AcquireNodesRequest,
         AcquireNodesResult,
+        ReleaseManyRequest,
+        ReleaseManyResult,
         NodeRequest,
         PoolNode,
         PoolStatus,
         RegisterNodeRequest,
     )
+    from trainguard.spec import RunSpec, selector_text
 
 from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE  # noqa: E402,F401 - the names clients use too
 
@@ -58,6 +64,7 @@ def register(nodes: dict[str, PoolNode], request: RegisterNodeRequest, now: floa
     current = nodes.get(request.node) or PoolNode(node=request.node)
     current.host, current.registered_at, current.healthy = request.host, now, request.healthy
     current.peer_url = request.peer_url
+    current.labels = dict(request.labels)
     if current.cordoned is not None and request.healthy and current.leased_to is None:
         current.cordoned = current.cordoned_at = current.cordoned_by = None
     if not request.healthy and current.cordoned is None:
@@ -66,20 +73,107 @@ def register(nodes: dict[str, PoolNode], request: RegisterNodeRequest, now: floa
     nodes[request.node] = current
 
 
+BUSY_SHOWN = 10
+"""Busy nodes a count request that must wait names (of thousands): enough to say whose runs it waits for."""
+
+
+def node_order(name: str) -> tuple[object, ...]:
+    """Natural order, so a count takes node-2 before node-10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def matches(node: PoolNode, selector: dict[str, str]) -> bool:
+    return all(node.labels.get(key) == value for key, value in selector.items())
+
+
+def _schedulable(state: PoolNode) -> bool:
+    return state.cordoned is None and not state.draining
+
+
+def choose(nodes: dict[str, PoolNode], run_id: str, count: int, selector: dict[str, str],
+           exclude: set[str]) -> list[str]:
+    """Up to `count` free, schedulable nodes carrying `selector`'s labels, outside `exclude`: those the run
+    already holds first (so a retried lease chooses the same), then in natural order."""
+    free = [n for n, state in nodes.items() if n not in exclude and _schedulable(state) and matches(state, selector)
+            and state.leased_to in (None, run_id)]
+    free.sort(key=lambda n: (nodes[n].leased_to != run_id, node_order(n)))
+    return free[:count]
+
+
+def shortfall(nodes: dict[str, PoolNode], request: AcquireNodesRequest) -> str:
+    """Why `num_nodes` can never be granted as the pool stands (empty when waiting for other runs can help)."""
+    which = f" matching node_selector {selector_text(request.selector)}" if request.selector else ""
+    matching = [n for n, state in nodes.items() if matches(state, request.selector) and n not in request.exclude]
+    if not matching:
+        seen = sorted({f"{k}={v}" for state in nodes.values() for k, v in state.labels.items()})
+        labels = f"; labels in the pool: {', '.join(seen)}" if seen else "; no node has labels"
+        return (f"num_nodes {request.num_nodes}: no node in the pool{which} ({len(nodes)} nodes"
+                f"{labels if request.selector else ''})")
+    usable = [n for n in matching if _schedulable(nodes[n])]
+    if len(usable) >= request.num_nodes:
+        return ""
+    out = sorted((n for n in matching if not _schedulable(nodes[n])), key=node_order)
+    return (f"num_nodes {request.num_nodes}: the pool has {len(usable)} schedulable node"
+            f"{'' if len(usable) == 1 else 's'}{which} "
+            f"({len(matching)} in all" + (f"; cordoned or draining: {', '.join(out)}" if out else "") + ")")
+
+
 def grant(nodes: dict[str, PoolNode], request: AcquireNodesRequest) -> AcquireNodesResult:
-    """All of the run's nodes or none; spares that are free come along. Idempotent for the same run."""
+    """All of the run's nodes or none; spares that are free come along. Idempotent for the same run.
+
+    Nodes are named (`nodes`) or counted (`num_nodes`, chosen by `choose`); so are spares (`spares`, plus up
+    to `num_spares` chosen). With `replace_cordoned`, a named node that is cordoned or draining is replaced by
+    a granted spare, when there are enough."""
+    for node in request.exclude:
+        if node in nodes and nodes[node].leased_to == request.run_id:
+            nodes[node].leased_to = None
+    if request.num_nodes:
+        return _grant_count(nodes, request)
     cordoned = {n: nodes[n].cordoned or "" for n in request.nodes if n in nodes and nodes[n].cordoned}
     cordoned.update({n: "draining" for n in request.nodes if n in nodes and nodes[n].draining})
     busy = {n: nodes[n].leased_to or "" for n in request.nodes
             if n in nodes and nodes[n].leased_to not in (None, request.run_id)}
     unregistered = [n for n in request.nodes if n not in nodes]
-    if cordoned or busy or unregistered:
+    if busy or unregistered or (cordoned and not request.replace_cordoned):
         return AcquireNodesResult(granted=False, cordoned=cordoned, busy=busy, unregistered=unregistered)
-    spares = [n for n in request.spares if n in nodes and not nodes[n].cordoned and not nodes[n].draining
+    spares = [n for n in request.spares if n in nodes and _schedulable(nodes[n])
               and nodes[n].leased_to in (None, request.run_id)]
-    for node in [*request.nodes, *spares]:
+    if request.num_spares:
+        taken = {*request.nodes, *request.spares, *request.exclude}
+        spares += choose(nodes, request.run_id, request.num_spares, request.selector, taken)
+    if len(cordoned) > len(spares):
+        return AcquireNodesResult(granted=False, cordoned=cordoned)
+    replaced = {n: spares.pop(0) for n in request.nodes if n in cordoned}
+    for node in cordoned:
+        if nodes[node].leased_to == request.run_id:  # leased when it was not cordoned yet: given back
+            nodes[node].leased_to = None
+    chosen = [replaced.get(n, n) for n in request.nodes]
+    for node in [*chosen, *spares]:
         nodes[node].leased_to = request.run_id
-    return AcquireNodesResult(granted=True, spares=spares)
+    return AcquireNodesResult(granted=True, spares=spares, nodes=chosen, replaced=replaced)
+
+
+def pool_request(spec: RunSpec, named: AcquireNodesRequest) -> AcquireNodesRequest:
+    """`named` (the spec's named nodes and spares) with what the spec asks the pool to choose by count and
+    label, and a spare for any named node found cordoned."""
+    return named.model_copy(update={"num_nodes": spec.num_nodes or 0, "num_spares": spec.num_spares,
+                                    "selector": dict(spec.node_selector), "replace_cordoned": True})
+
+
+def _grant_count(nodes: dict[str, PoolNode], request: AcquireNodesRequest) -> AcquireNodesResult:
+    if problem := shortfall(nodes, request):
+        return AcquireNodesResult(granted=False, unsatisfiable=problem)
+    exclude = set(request.exclude)
+    chosen = choose(nodes, request.run_id, request.num_nodes + request.num_spares, request.selector, exclude)
+    if len(chosen) < request.num_nodes:
+        busy = [n for n in sorted(nodes, key=node_order) if n not in exclude and _schedulable(nodes[n])
+                and matches(nodes[n], request.selector) and nodes[n].leased_to not in (None, request.run_id)]
+        return AcquireNodesResult(granted=False, busy={n: nodes[n].leased_to or "" for n in busy[:BUSY_SHOWN]})
+    picked, spares = chosen[:request.num_nodes], chosen[request.num_nodes:]
+    picked.sort(key=node_order)
+    for node in chosen:
+        nodes[node].leased_to = request.run_id
+    return AcquireNodesResult(granted=True, nodes=picked, spares=spares)
 
 
 def release(nodes: dict[str, PoolNode], run_id: str, node: str | None = None) -> list[str]:
@@ -169,6 +263,23 @@ class NodePool:
     def release(self, request: NodeRequest) -> list[str]:
         self._counted()
         return release(self._nodes, request.run_id or "", request.node)
+
+    @workflow.update
+    def acquire_many(self, request: AcquireManyRequest) -> AcquireManyResult:
+        """Several runs' leases in one update, granted in order: what a controller sends when many runs start
+        at once, so they do not queue for Temporal's 10 updates in flight (and 2,000 a history) one by one."""
+        self._counted()
+        return AcquireManyResult(results=[grant(self._nodes, r) for r in request.requests])
+
+    @workflow.update
+    def release_many(self, request: ReleaseManyRequest) -> ReleaseManyResult:
+        self._counted()
+        return ReleaseManyResult(results=[release(self._nodes, r.run_id or "", r.node) for r in request.requests])
+
+    @release_many.validator
+    def _validate_release_many(self, request: ReleaseManyRequest) -> None:
+        for one in request.requests:
+            self._validate_release(one)
 
     @release.validator
     def _validate_release(self, request: NodeRequest) -> None:

@@ -23,6 +23,9 @@ def run_details(status: RunStatus, spares: list[str]) -> str:
                      + (f"; spares: {', '.join(spares)}" if spares else ""))
     if status.cordoned:
         lines.append(f"taken out: {', '.join(status.cordoned)}")
+    if status.replaced_at_start:
+        lines.append("cordoned at start: " + ", ".join(f"{named} (spare {spare} in its place)"
+                                                       for named, spare in status.replaced_at_start.items()))
     if status.reason:
         lines.append(f"reason: {status.reason[:DETAIL_MAX_CHARS]}")
     if status.incidents:

@@ -75,6 +75,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import RunSpec, SpecError, parse_spec
     from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
+    from workflows.node_pool import pool_request
     from workflows.culprit import pick_culprit
     from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
                                  same_failure_streak)
@@ -141,6 +142,10 @@ PATCH_FENCED_RELAUNCH = "fenced-relaunch"
 """Histories before this patch stopped every node's ranks (an activity per node) before relaunching them; now
 each node's launch of the next attempt stops the old ranks itself (the agent fences by attempt), and only
 nodes that leave the run are stopped. A node that does not take up the relaunch is found there instead."""
+PATCH_POOL_BY_COUNT = "pool-by-count"
+"""Histories before this patch leased named nodes only, and failed when one of them was cordoned even with a
+spare free; now the pool also chooses nodes and spares by count and label, and puts a free spare in a cordoned
+named node's place."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -481,6 +486,7 @@ class TrainingRun:
             if carried is None:
                 self._set_phase(Phase.RESERVING)
                 self._spares = await self._reserve(spec)
+                spec = self._spec or spec  # as leased: the nodes a count chose, spares in cordoned ones' places
             else:
                 started, attempt = carried.started_at, carried.attempt
                 self._adopt(carried)
@@ -588,7 +594,7 @@ class TrainingRun:
             started_at=started, resumed_step=self._status.resumed_step, step=self._status.step,
             straggler_streak=self._straggler_streak, publish_search_attributes=self._publish_search_attributes,
             continued=self._continued + 1, lost=self._lost, replaced=self._replaced,
-            state_since_attempt=self._state_since_attempt,
+            state_since_attempt=self._state_since_attempt, replaced_at_start=self._status.replaced_at_start,
         )
 
     def _adopt(self, carried: CarriedState) -> None:
@@ -610,6 +616,7 @@ class TrainingRun:
         self._lost = list(carried.lost)
         self._replaced = list(carried.replaced)
         self._state_since_attempt = carried.state_since_attempt or carried.attempt
+        self._status.replaced_at_start = dict(carried.replaced_at_start)
         self._launched = True
         self._leased = True
         self._set_phase(Phase.RUNNING)
@@ -681,18 +688,27 @@ class TrainingRun:
     async def _acquire(self, spec: RunSpec, spares: list[str]) -> list[str]:
         """Lease the nodes from the pool; wait (bounded) for nodes other runs hold; fail on cordoned ones."""
         waited = 0.0
+        request = AcquireNodesRequest(run_id=workflow.info().workflow_id, nodes=spec.nodes, spares=spares)
+        pooled = workflow.patched(PATCH_POOL_BY_COUNT)
+        if pooled:
+            request = pool_request(spec, request)
         while True:
-            lease = await self._pool("acquire_nodes", AcquireNodesRequest(
-                run_id=workflow.info().workflow_id, nodes=spec.nodes, spares=spares), AcquireNodesResult,
-                "lease nodes from the pool")
+            lease = await self._pool("acquire_nodes", request, AcquireNodesResult, "lease nodes from the pool")
             if lease.granted:
                 self._leased = True
                 self._status.reason = None
+                if pooled and lease.nodes:
+                    self._take_lease(spec, lease)
                 return lease.spares
-            if lease.cordoned:
+            if lease.unsatisfiable:
+                reason = f"{lease.unsatisfiable}: register more nodes, uncordon some, or ask for fewer"
+                self._status.reason = reason
+                raise ApplicationError(reason, type=ErrorType.NODES_UNAVAILABLE, non_retryable=True)
+            if lease.cordoned and not (pooled and (lease.busy or lease.unregistered)):
                 where = ", ".join(f"nodes.{spec.nodes.index(n)} {n!r} is cordoned ({why})"
                                   for n, why in lease.cordoned.items())
-                reason = f"{where}: uncordon it (`trainguard nodes uncordon NODE`) or choose another node"
+                spare = " or add a spare to take its place" if pooled else ""
+                reason = f"{where}: uncordon it (`trainguard nodes uncordon NODE`){spare} or choose another node"
                 self._status.reason = reason
                 raise ApplicationError(reason, type=ErrorType.NODES_CORDONED, non_retryable=True)
             waiting = [f"{n} (leased to {run})" for n, run in lease.busy.items()]
@@ -704,6 +720,18 @@ class TrainingRun:
             self._status.reason = f"waiting for {', '.join(waiting)}"
             await workflow.sleep(RESERVE_POLL_INTERVAL)
             waited += RESERVE_POLL_INTERVAL.total_seconds()
+
+    def _take_lease(self, spec: RunSpec, lease: AcquireNodesResult) -> None:
+        """Train on the nodes the pool granted; a cordoned named node a spare replaced is out of the run (and
+        taken back as a spare once repaired, as a node replaced later would be)."""
+        for named, spare in lease.replaced.items():
+            workflow.logger.info("%s is cordoned: spare %s takes its place", named, spare)
+            self._status.cordoned = [*self._status.cordoned, named]
+            self._replaced = [*self._replaced, named]
+        self._status.replaced_at_start = dict(lease.replaced)
+        self._status.nodes = list(lease.nodes)
+        self._spec = spec.resolved(lease.nodes)
+        self._publish()
 
     async def _pool(self, name: str, request: Any, result_type: type, summary: str) -> Any:
         return await workflow.execute_activity(

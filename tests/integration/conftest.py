@@ -22,6 +22,8 @@ from trainguard.devstack import DevStack
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("node-0", "node-1", "node-2")
+NODE_LABELS = {"node-0": {"zone": "a"}, "node-1": {"zone": "a"}, "node-2": {"zone": "b"}}
+"""What the stack's agents register with (`--label`), for specs that choose nodes by `node_selector`."""
 RUN_TIMEOUT_S = 240
 
 
@@ -62,7 +64,7 @@ async def _record_histories(address: str) -> None:
 @pytest.fixture(scope="session")
 def stack() -> Iterator[DevStack]:
     home = REPO / ".pytest-stack" / uuid.uuid4().hex[:8]
-    private = harness.PrivateStack(home, NODES, 27100, keep_logs=harness.kept_logs_dir(home))
+    private = harness.PrivateStack(home, NODES, 27100, keep_logs=harness.kept_logs_dir(home), labels=NODE_LABELS)
     with private as dev:
         yield dev
         if os.environ.get("TRAINGUARD_RECORD_HISTORIES"):

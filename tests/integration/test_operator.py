@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its
         client: TrainguardClient, stack: DevStack, prefix: str) -> None:
     spec = make_spec(prefix, steps=60, every=20, nodes=("node-0",))  # one rank: two attempts' imports only
     spec["entrypoint"] += ["--raise-at-step", "10"]
+    logs_before = _log_sizes(stack)
     rid = await client.start_run(spec, workflow_id=f"it-sameerr-{uuid.uuid4().hex[:6]}")
 
     with pytest.raises(WorkflowFailureError) as failed:
@@ -48,6 +50,23 @@ async def test_a_script_that_raises_at_step_10_stops_after_two_attempts_with_its
     assert "the same failure on 2 attempts in a row" in message
     assert "train.py" in message and "ValueError: deliberate failure at step 10" in message
     assert "Workflow execution failed" not in message
+    # Issue 17: every incident used to log "Task exception was never retrieved ... Activity cancelled".
+    noise = [line for line in _log_lines_since(stack, logs_before) if "never retrieved" in line]
+    assert not noise, noise
+
+
+def _log_sizes(stack: DevStack) -> dict[Path, int]:
+    return {log: log.stat().st_size for log in stack.log_dir.glob("*.log")}
+
+
+def _log_lines_since(stack: DevStack, sizes: dict[Path, int]) -> list[str]:
+    """What the stack's processes (controller, agents) logged since `sizes` was taken."""
+    lines: list[str] = []
+    for log in stack.log_dir.glob("*.log"):
+        with log.open("rb") as file:
+            file.seek(sizes.get(log, 0))
+            lines += [f"{log.name}: {line}" for line in file.read().decode(errors="replace").splitlines()]
+    return lines
 
 
 def _cli(stack: DevStack, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -103,3 +122,49 @@ async def test_a_dev_stack_restarted_mid_run_completes_and_leaves_no_node_cordon
     assert result.steps_completed == 100, result.incidents
     cordoned = {n.node: n.cordoned for n in await client.nodes() if n.cordoned}
     assert cordoned == {}, result.incidents
+
+
+
+@pytest.fixture
+async def gone_node(client: TrainguardClient) -> AsyncIterator[str]:
+    """A node that registered once, labelled zone=b, and whose agent is gone: it sorts before every live node,
+    so a choice by count meets it first, and must pass it over. Drained (out of the pool) afterwards."""
+    from activities.nodes import register_node
+
+    await register_node(client.client, "a-gone", "127.0.0.1", True, labels={"zone": "b"})
+    yield "a-gone"
+    await client.drain_pool_node("a-gone")
+
+
+async def test_a_cordoned_named_node_gets_a_spare_chosen_by_label_past_a_silent_node(
+        client: TrainguardClient, prefix: str, gone_node: str) -> None:
+    labels = {n.node: n.labels for n in await client.nodes()}
+    assert labels["node-0"] == {"zone": "a"} and labels["node-2"] == {"zone": "b"}  # from the agents' --label
+    await client.cordon("node-1", reason="fan failure")
+    try:
+        rid = await client.start_run(make_spec(prefix, steps=20, every=10, num_spares=1, node_selector={"zone": "b"}),
+                                     workflow_id=f"it-spare-at-start-{uuid.uuid4().hex[:6]}")
+        view = await wait_until(client, rid, lambda v: v.status.phase.value == "running")
+        assert view.status.nodes == ["node-0", "node-2"]  # node-2 in node-1's place; a-gone passed over
+        assert view.status.replaced_at_start == {"node-1": "node-2"} and "node-1" in view.status.cordoned
+        assert (await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)).steps_completed == 20
+    finally:
+        await client.uncordon("node-1")
+    assert all(n.leased_to is None for n in await client.nodes())
+
+
+@pytest.mark.slow
+async def test_a_run_by_count_trains_on_nodes_the_pool_chose_by_label(
+        client: TrainguardClient, prefix: str, gone_node: str) -> None:
+    spec = make_spec(prefix, steps=20, every=10)
+    del spec["nodes"], spec["spare_nodes"]
+    rid = await client.start_run({**spec, "num_nodes": 2, "num_spares": 1, "node_selector": {"zone": "b"}},
+                                 workflow_id=f"it-bycount-{uuid.uuid4().hex[:6]}")
+    with pytest.raises(WorkflowFailureError) as failed:  # one live zone=b node: too few, said at once
+        await asyncio.wait_for(client.result(rid), 60)
+    assert "num_nodes 2: the pool has 1 schedulable node matching node_selector zone=b" in str(failed.value.cause)
+    rid = await client.start_run({**spec, "num_nodes": 2, "num_spares": 1, "node_selector": {"zone": "a"}},
+                                 workflow_id=f"it-bycount-{uuid.uuid4().hex[:6]}")
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    status = (await client.status(rid)).status
+    assert status.nodes == ["node-0", "node-1"] and result.steps_completed == 20

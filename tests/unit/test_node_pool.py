@@ -153,3 +153,127 @@ def test_the_pool_carries_thousands_of_nodes_across_continue_as_new_in_one_small
     assert len(payload.data) < 256 * 1024 < plain, (len(payload.data), plain)
     [carried] = pydantic_data_converter.payload_converter.from_payloads([payload], [PoolStatus])
     assert carried.all_nodes() == nodes
+
+
+# ------------------------------------------------------------------------------- by count and label
+
+
+def labelled(**labels: str) -> dict[str, PoolNode]:
+    """Nodes n1..n12 (n2 before n10), the even ones labelled `labels`."""
+    return {f"n{i}": PoolNode(node=f"n{i}", labels=dict(labels) if i % 2 == 0 else {}) for i in range(1, 13)}
+
+
+def test_a_count_takes_free_schedulable_matching_nodes_in_natural_order_then_spares() -> None:
+    nodes = labelled(gpu="h100")
+    nodes["n2"].cordoned = "xid"
+    nodes["n4"].leased_to = "other"
+    nodes["n6"].draining = True
+    result = grant(nodes, AcquireNodesRequest(run_id="r", nodes=[], num_nodes=2, num_spares=1,
+                                              selector={"gpu": "h100"}))
+    assert result.granted and result.nodes == ["n8", "n10"] and result.spares == ["n12"]
+    assert sorted(n for n, s in nodes.items() if s.leased_to == "r") == ["n10", "n12", "n8"]
+
+
+def test_a_retried_count_lease_gets_the_same_nodes_and_spares() -> None:
+    nodes = labelled()
+    request = AcquireNodesRequest(run_id="r", nodes=[], num_nodes=3, num_spares=2)
+    first = grant(nodes, request)
+    nodes["n13"] = PoolNode(node="n13")  # a node free now, that sorts first, must not reshuffle the lease
+    nodes["n0"] = PoolNode(node="n0")
+    again = grant(nodes, request)
+    assert (again.nodes, again.spares) == (first.nodes, first.spares) == (["n1", "n2", "n3"], ["n4", "n5"])
+
+
+def test_a_count_waits_while_other_runs_hold_the_nodes_it_needs() -> None:
+    nodes = labelled(zone="a")
+    for name in ("n2", "n4", "n6", "n8", "n10"):
+        nodes[name].leased_to = "other"
+    result = grant(nodes, AcquireNodesRequest(run_id="r", nodes=[], num_nodes=2, selector={"zone": "a"}))
+    assert not result.granted and not result.unsatisfiable
+    assert result.busy == {n: "other" for n in ("n2", "n4", "n6", "n8", "n10")}
+    assert nodes["n12"].leased_to is None  # nothing half-leased
+
+
+@pytest.mark.parametrize(
+    ("selector", "num_nodes", "expected"),
+    [
+        ({"gpu": "h100"}, 1, "num_nodes 1: no node in the pool matching node_selector gpu=h100 (12 nodes; "
+                             "labels in the pool: zone=a)"),
+        ({"zone": "a"}, 7, "num_nodes 7: the pool has 5 schedulable nodes matching node_selector zone=a "
+                           "(6 in all; cordoned or draining: n4)"),
+        ({}, 13, "num_nodes 13: the pool has 11 schedulable nodes (12 in all; cordoned or draining: n4)"),
+    ],
+)
+def test_a_count_the_pool_cannot_meet_says_why(selector: dict[str, str], num_nodes: int, expected: str) -> None:
+    nodes = labelled(zone="a")
+    nodes["n4"].cordoned = "xid"
+    nodes["n6"].leased_to = "other"  # busy counts as waiting, not as missing
+    result = grant(nodes, AcquireNodesRequest(run_id="r", nodes=[], num_nodes=num_nodes, selector=selector))
+    assert not result.granted and result.unsatisfiable == expected
+
+
+def test_excluded_nodes_are_given_back_and_others_chosen() -> None:
+    nodes = labelled()
+    grant(nodes, AcquireNodesRequest(run_id="r", nodes=[], num_nodes=2))
+    result = grant(nodes, AcquireNodesRequest(run_id="r", nodes=[], num_nodes=2, exclude=["n1"]))
+    assert result.nodes == ["n2", "n3"] and nodes["n1"].leased_to is None
+
+
+def test_a_cordoned_named_node_is_replaced_by_a_free_spare_only_when_asked() -> None:
+    nodes = pool("a", "b", "s1", "s2")
+    nodes["b"].cordoned = "fan failure"
+    named = AcquireNodesRequest(run_id="r", nodes=["a", "b"], spares=["s1", "s2"])
+    assert not grant(nodes, named).granted  # as before `replace_cordoned`
+    result = grant(nodes, named.model_copy(update={"replace_cordoned": True}))
+    assert result.granted and result.nodes == ["a", "s1"] and result.spares == ["s2"]
+    assert result.replaced == {"b": "s1"} and nodes["b"].leased_to is None
+
+
+def test_named_nodes_with_spares_chosen_by_count_and_too_few_spares_for_the_cordoned() -> None:
+    nodes = labelled(zone="a")
+    nodes["n1"].cordoned = nodes["n3"].cordoned = "xid"
+    request = AcquireNodesRequest(run_id="r", nodes=["n1", "n3", "n5"], num_spares=1, selector={"zone": "a"},
+                                  replace_cordoned=True)
+    result = grant(nodes, request)
+    assert not result.granted and result.cordoned == {"n1": "xid", "n3": "xid"}
+    assert all(s.leased_to is None for s in nodes.values())
+    result = grant(nodes, request.model_copy(update={"num_spares": 3}))
+    assert result.nodes == ["n2", "n4", "n5"] and result.spares == ["n6"]
+
+
+def test_registration_records_the_labels_and_the_latest_replaces_them() -> None:
+    nodes: dict[str, PoolNode] = {}
+    register(nodes, RegisterNodeRequest(node="a", labels={"gpu": "h100", "zone": "a"}), now=1.0)
+    assert nodes["a"].labels == {"gpu": "h100", "zone": "a"}
+    register(nodes, RegisterNodeRequest(node="a", labels={"gpu": "h100"}), now=2.0)
+    assert nodes["a"].labels == {"gpu": "h100"}
+
+
+async def test_leases_asked_together_go_to_the_pool_in_few_updates_and_each_gets_its_own(
+        env: WorkflowEnvironment) -> None:
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    from activities.nodes import PoolActivities
+    from trainguard.models import AcquireNodesResult, PoolStatus
+    from workflows.node_pool import POOL_WORKFLOW_ID
+
+    queue = f"pool-{uuid.uuid4()}"
+    names = [f"n{i}" for i in range(40)]
+    async with Worker(env.client, task_queue=queue, workflows=[NodePool]):
+        handle = await env.client.start_workflow(NodePool.run, PoolStatus(nodes=[PoolNode(node=n) for n in names]),
+                                                 id=POOL_WORKFLOW_ID, task_queue=queue,
+                                                 id_conflict_policy=WorkflowIDConflictPolicy.TERMINATE_EXISTING)
+        pool = PoolActivities(env.client)
+        leases: list[AcquireNodesResult] = await asyncio.gather(*(
+            pool.leases.submit(AcquireNodesRequest(run_id=f"r{i}", nodes=names[2 * i:2 * i + 2]))
+            for i in range(20)))
+        freed = await asyncio.gather(*(pool.releases.submit(NodeRequest(run_id=f"r{i}")) for i in range(20)))
+        updates = sum([e.HasField("workflow_execution_update_accepted_event_attributes")
+                       async for e in handle.fetch_history_events()])
+        status = await handle.query(NodePool.nodes)
+        await handle.terminate()
+
+    assert all(lease.granted for lease in leases)
+    assert [sorted(f) for f in freed] == [names[2 * i:2 * i + 2] for i in range(20)]  # each run its own
+    assert updates <= 6, updates  # 40 one by one before batches
+    assert all(n.leased_to is None for n in status.nodes)

@@ -72,6 +72,7 @@ from trainguard.models import (
     RunResult,
     RunStatus,
 )
+from workflows.node_pool import grant, release
 from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.training_run import DIRECT_NODE_CALLS, TrainingRun
 
@@ -164,6 +165,9 @@ class Cluster:
     """The test's client (set by `_run`), for `while_running`."""
     evidence: dict[str, list[RankEvidence]] = field(default_factory=dict)
     """Node -> what its ranks show when `collect_evidence` asks (a hang)."""
+    pool: dict[str, PoolNode] | None = None
+    """The node pool's state, leased by its real rules (`workflows.node_pool.grant`); None: every lease is
+    granted as asked."""
 
     def inputs(self, name: str) -> list[Any]:
         return self.calls[name]
@@ -212,6 +216,8 @@ class Cluster:
         @activity.defn(name="acquire_nodes")
         async def acquire_nodes(request: AcquireNodesRequest) -> AcquireNodesResult:
             self.calls["acquire_nodes"].append(request)
+            if self.pool is not None:
+                return grant(self.pool, request)
             if not request.nodes:  # a shrunk run reclaiming the nodes it lost
                 return AcquireNodesResult(granted=True, spares=[n for n in request.spares if n in self.returned])
             return AcquireNodesResult(granted=True, spares=request.spares)
@@ -219,7 +225,7 @@ class Cluster:
         @activity.defn(name="release_nodes")
         async def release_nodes(request: NodeRequest) -> list[str]:
             self.calls["release_nodes"].append(request)
-            return []
+            return release(self.pool, request.run_id or "", request.node) if self.pool is not None else []
 
         @activity.defn(name="cordon_node")
         async def cordon_node(request: NodeRequest) -> PoolNode:
@@ -1279,3 +1285,66 @@ async def test_with_tracing_one_trace_covers_the_run_its_workflow_tasks_and_ever
     [start] = [span for span in spans if span.name == "StartWorkflow:TrainingRun"]
     assert {span.context.trace_id for span in spans if span.name.startswith("RunActivity:")} == \
         {start.context.trace_id}, "every activity of the run is in the trace its start opened"
+
+
+# ------------------------------------------------------------------------------- pools by count and label
+
+
+def _labelled_pool(nodes: list[str], labels: dict[str, dict[str, str]]) -> dict[str, PoolNode]:
+    return {n: PoolNode(node=n, labels=labels.get(n, {})) for n in nodes}
+
+
+async def test_a_run_by_count_trains_on_the_nodes_the_pool_chose_by_label(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(4)
+    zone_a = {n: {"zone": "a"} for n in nodes[1:]}
+    cluster = Cluster(nodes=nodes, pool=_labelled_pool(nodes, zone_a))
+
+    run = await _run(env, cluster, {"entrypoint": ["python", "train.py"], "num_nodes": 2, "num_spares": 1,
+                                    "node_selector": {"zone": "a"}, "checkpoint": {"every_steps": 10}})
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    assert run.status.nodes == nodes[1:3]  # natural order, node 0 has no zone=a label
+    assert sorted({la.node for la in cluster.inputs("launch_ranks")} |
+                  {w.node for w in cluster.inputs("watch_ranks")}) == nodes[1:3]
+    assert run.status.world_size == 2 and run.outcome.steps_completed == 20
+    [lease] = cluster.inputs("acquire_nodes")
+    assert (lease.nodes, lease.num_nodes, lease.num_spares, lease.selector) == ([], 2, 1, {"zone": "a"})
+    assert sorted(c.node for c in cluster.inputs("check_node")) == nodes[1:3]
+    assert all(state.leased_to is None for state in cluster.pool.values())  # released at the end
+
+
+async def test_a_named_node_cordoned_at_start_is_replaced_by_a_free_spare(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(3)
+    pool = _labelled_pool(nodes, {})
+    pool[nodes[1]].cordoned = "fan failure"
+    cluster = Cluster(nodes=nodes, pool=pool)
+
+    run = await _run(env, cluster, _spec(nodes[:2], spare_nodes=[nodes[2]]))
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    assert run.status.nodes == [nodes[0], nodes[2]]
+    assert run.status.replaced_at_start == {nodes[1]: nodes[2]}
+    assert nodes[1] in run.status.cordoned
+    assert nodes[1] not in {w.node for w in cluster.inputs("watch_ranks")}
+    assert pool[nodes[1]].cordoned == "fan failure" and pool[nodes[1]].leased_to is None
+
+
+async def test_a_selector_no_node_matches_fails_the_run_at_once_saying_so(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, pool=_labelled_pool(nodes, {nodes[0]: {"gpu": "a100"}}))
+
+    run = await _run(env, cluster, {"entrypoint": ["python", "train.py"], "num_nodes": 1,
+                                    "node_selector": {"gpu": "h100"}})
+
+    message = _failure_message(run.outcome)
+    assert "node_selector gpu=h100" in message and "gpu=a100" in message, message
+    assert cluster.inputs("check_node") == []
+
+
+async def test_a_cordoned_named_node_without_a_spare_still_fails_naming_it(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    pool = _labelled_pool(nodes, {})
+    pool[nodes[1]].cordoned = "xid 79"
+    run = await _run(env, Cluster(nodes=nodes, pool=pool), _spec(nodes))
+    message = _failure_message(run.outcome)
+    assert f"nodes.1 '{nodes[1]}' is cordoned (xid 79)" in message, message
