@@ -33,6 +33,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,23 @@ def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
 
 
-def _holds_dtensor(value: Any) -> bool:
+def _is_sharded(value: Any) -> bool:
+    """One rank's part of a larger tensor: a DTensor (FSDP2, tensor parallel) or a ShardedTensor (FSDP1's
+    sharded state dict). A `torch.save` of these loads only onto the world size that wrote it."""
+    return _is_dtensor(value) or type(value).__name__ == "ShardedTensor"
+
+
+def _holds(value: Any, kind: Callable[[Any], bool]) -> bool:
+    """Whether `value` (nested dicts, lists, tuples) holds a leaf `kind` says yes to."""
     if isinstance(value, dict):
-        return any(_holds_dtensor(item) for item in value.values())
+        return any(_holds(item, kind) for item in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds_dtensor(item) for item in value)
-    return _is_dtensor(value)
+        return any(_holds(item, kind) for item in value)
+    return kind(value)
+
+
+def _holds_dtensor(value: Any) -> bool:
+    return _holds(value, _is_dtensor)
 
 
 def state_digest(module_or_state: Any) -> str:
@@ -344,7 +356,8 @@ class RankRun:
         else:
             payload = {**_snapshot(state), _HELPER_KEY: {"step": step, "rank": self.rank, "rng": _rng_state()}}
             self._writer = threading.Thread(
-                target=self._write_shard, args=(step, payload), name=f"trainguard-save-{step}", daemon=True
+                target=self._write_shard, args=(step, payload, _holds(state, _is_sharded)),
+                name=f"trainguard-save-{step}", daemon=True,
             )
             self._writer.start()
         stall = time.monotonic() - started
@@ -413,7 +426,7 @@ class RankRun:
         except BaseException as error:  # surfaced on the next save or at finish
             self._writer_error = error
 
-    def _write_shard(self, step: int, payload: dict[str, Any]) -> None:
+    def _write_shard(self, step: int, payload: dict[str, Any], sharded: bool = False) -> None:
         import torch
 
         try:
@@ -427,7 +440,9 @@ class RankRun:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, final)
-            meta = {"rank": self.rank, "step": step, "size_bytes": final.stat().st_size}
+            meta: dict[str, Any] = {"rank": self.rank, "step": step, "size_bytes": final.stat().st_size}
+            if sharded:
+                meta["sharded"] = True  # loads only onto this world size: the run must not shrink onto it
             meta["sha256"] = sha256_file(final)
             # The meta file appears last: the agent treats a shard without it as not written yet.
             _atomic_write_json(step_dir / f"rank-{self.rank:05d}.json", meta)

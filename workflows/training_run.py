@@ -74,8 +74,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.culprit import pick_culprit
-    from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
-                                 same_failure_streak)
+    from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide,
+                                 may_change_world_size, next_phase, same_failure_streak)
     from workflows.run_details import run_details
     from workflows.node_group import (
         EVIDENCE_RETRY,
@@ -132,6 +132,9 @@ PATCH_ONE_INCIDENT_PER_LOST_NODE = "one-incident-per-lost-node"
 counted two restarts for the one fault."""
 PATCH_RESUME_WHILE_PAUSING = "resume-while-pausing"
 """Histories before this patch dropped any resume accepted before the run was PAUSED (none could be)."""
+PATCH_UNRESHARDABLE = "unreshardable-checkpoint"
+"""Histories before this patch shrank and grew onto any checkpoint, even one that loads only onto the world size
+that wrote it (a per-rank `torch.save` of DTensors): its ranks crash-looped until the run failed."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -1028,7 +1031,8 @@ class TrainingRun:
                     incident = incident or self._judge_stragglers(spec, attempt, commit.ref.step, commit.slow_ranks)
                 if commits:
                     drain = drain or any(n in nodes for n in self._draining)
-                    if self._lost and not grow and workflow.patched(PATCH_GROW_BACK):
+                    if (self._lost and not grow and workflow.patched(PATCH_GROW_BACK)
+                            and may_change_world_size(self._newest_checkpoint())):
                         grow = await self._reclaim(self._lost)
                     if self._replaced and workflow.patched(PATCH_RECLAIM_SPARES):
                         await self._reclaim_spares()
@@ -1099,6 +1103,14 @@ class TrainingRun:
             self._restore_tier = "+".join(sorted(known | tiers))
             for incident in self._restored_by:
                 incident.restore_tier = self._restore_tier
+
+    def _newest_checkpoint(self) -> CheckpointRef | None:
+        """The newest committed checkpoint, as the policy may weigh it (older histories never looked at
+        whether it reshards)."""
+        newest = self._status.latest_checkpoint
+        if newest is not None and not newest.reshardable and not workflow.patched(PATCH_UNRESHARDABLE):
+            return None
+        return newest
 
     def _committed(self, ref: CheckpointRef) -> None:
         """The committer already applied retention; the history records the commit."""
@@ -1181,7 +1193,7 @@ class TrainingRun:
         decision: Decision = decide(
             incident.kind, incident.node, spec, self._status.nodes, self._spares,
             RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint, same), now,
-            persisted=incident.kind is IncidentKind.STRAGGLER,
+            persisted=incident.kind is IncidentKind.STRAGGLER, newest=self._newest_checkpoint(),
         )
         seen_as = incident.detail
         incident.action = decision.action

@@ -393,6 +393,20 @@ def test_a_dcp_save_hashes_every_file_and_restores_in_place(tmp_path: Path, one_
     assert torch.equal(torch.load(tmp_path / "plain.pt")["model"]["w"], torch.arange(6.0))
 
 
+def test_a_torch_save_of_dtensors_is_marked_sharded(tmp_path: Path, one_process_group: None) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    run = RankRun({**_environ(tmp_path, rank=0), "WORLD_SIZE": "1"}, checkpoint_format="torch")
+    run.save(10, {"model": {"w": distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])}})
+    run.save(20, {"model": {"w": torch.arange(6.0)}})
+    run.finish()
+
+    # It loads only onto the world size that wrote it: the agent carries the mark into the manifest.
+    assert json.loads((_step_dir(tmp_path, 10) / "rank-00000.json").read_text())["sharded"] is True
+    assert "sharded" not in json.loads((_step_dir(tmp_path, 20) / "rank-00000.json").read_text())
+
+
 def test_a_replica_records_rank_0s_shard_at_each_checkpoint_step_and_writes_none(tmp_path: Path) -> None:
     run = RankRun(_environ(tmp_path, rank=2, every=10), replicated=True)
     for step in range(1, 21):
