@@ -27,6 +27,7 @@ None, so the same script still runs under plain torchrun.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -345,6 +346,8 @@ class RankRun:
         if not self.managed or self._checkpoint_dir is None:
             return 0.0
         started = time.monotonic()
+        # Before the saving flag: a write stuck on a peer that died mid-plan is then judged by the plain hang
+        # bound, not the bound plus the checkpoint grace, so the agent stops this rank as hung in time.
         self._wait_for_writer()
         self._saved.add(step)
         if self.replicated and self.rank != 0:
@@ -393,19 +396,28 @@ class RankRun:
         helper = pickle.dumps({"step": step, "rank": self.rank, "rng": _rng_state()})
         writer = dcp.FileSystemWriter(str(step_dir / DCP_DIR), single_file_per_rank=True, sync_files=True,
                                       thread_count=1)
-        if self._dcp_stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # One stager for the rank's life: it keeps its CPU copy of each tensor and copies into it again at
-            # the next save, so the host holds one staged copy (the bound) and later saves allocate nothing.
-            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=False))
         # async_save stages the CPU copy here (the stall), then plans and writes in a thread of its own.
         future = dcp.async_save({**state, _helper_key(self.rank): helper}, storage_writer=writer,
-                                process_group=self._group(), async_stager=self._dcp_stager)
+                                process_group=self._group(), **self._stager_argument(dcp.async_save))
         self._writer = threading.Thread(target=self._finish_dcp_save, args=(step, step_dir, future),
                                         name=f"trainguard-save-{step}", daemon=True)
         self._writer.start()
+
+    def _stager_argument(self, async_save: Callable[..., Any]) -> dict[str, Any]:
+        """One stager for the rank's life, where this torch has DCP's `DefaultStager` and `async_save` takes
+        it: it keeps its CPU copy of each tensor and copies into it again at the next save, so the host holds
+        one staged copy (the bound) and later saves allocate nothing. An older torch (the package asks only
+        for a floor) stages a fresh CPU copy at each save itself: the same bound, allocated anew."""
+        if self._dcp_stager is None:
+            if "async_stager" not in inspect.signature(async_save).parameters:
+                return {}
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:
+                return {}
+            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+        return {"async_stager": self._dcp_stager}
 
     def _finish_dcp_save(self, step: int, step_dir: Path, future: Any) -> None:
         """Wait for DCP's write, then checksum this rank's files (rank 0's include `.metadata`) and write
