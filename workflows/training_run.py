@@ -132,6 +132,9 @@ PATCH_ONE_INCIDENT_PER_LOST_NODE = "one-incident-per-lost-node"
 counted two restarts for the one fault."""
 PATCH_RESUME_WHILE_PAUSING = "resume-while-pausing"
 """Histories before this patch dropped any resume accepted before the run was PAUSED (none could be)."""
+PATCH_USER_ERROR_REASON = "user-error-reason"
+"""Histories before this patch stopped on a rank's exit 78 with the policy's words alone, not the rank's own
+(e.g. `rank 1 passed checkpoint step 50 ... without run.save`, which the incident held)."""
 PATCH_UNRESHARDABLE = "unreshardable-checkpoint"
 """Histories before this patch shrank and grew onto any checkpoint, even one that loads only onto the world size
 that wrote it (a per-rank `torch.save` of DTensors): its ranks crash-looped until the run failed."""
@@ -1200,7 +1203,9 @@ class TrainingRun:
         incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
         if decision.action is Action.STOP and spec.restarts.max_same_failure and same >= spec.restarts.max_same_failure:
             decision = Decision(Action.STOP, _same_failure_reason(incident, decision.reason))
-        elif decision.action is Action.STOP and seen_as and incident.kind in RANK_FAULTS:
+        elif decision.action is Action.STOP and seen_as and (
+                incident.kind in RANK_FAULTS
+                or (incident.kind is IncidentKind.USER_ERROR and workflow.patched(PATCH_USER_ERROR_REASON))):
             # A spent budget names the fault that spent it, and where its rank's log is.
             where = f" (log: {incident.log_path} on {incident.node})" if incident.log_path else ""
             decision = Decision(Action.STOP, f"{decision.reason}; the last incident: {seen_as}{where}")

@@ -654,6 +654,22 @@ async def test_exit_78_stops_the_run_without_retrying(env: WorkflowEnvironment) 
     assert [(i.kind, i.action) for i in run.status.incidents] == [(IncidentKind.USER_ERROR, Action.STOP)]
 
 
+async def test_a_rank_that_stopped_itself_gives_the_run_its_reason(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    why = ("trainguard: rank 1 passed checkpoint step 10 (checkpoint.every_steps 10) without run.save(10, ...): "
+           "the step can never commit without its shard")
+    exited = _event(WatchEventKind.RANK_EXITED, rank=1, exit_code=78, detail=f"rank 1 exited with code 78: {why}",
+                    log_path="/logs/rank-00001.log")
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [BLOCK], (1, nodes[1]): [exited]})
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    message = _failure_message(run.outcome)
+    assert "fix the script" in message and why in message, message  # the rank's own words, not only 78
+    assert f"(log: /logs/rank-00001.log on {nodes[1]})" in message
+    assert run.status.reason == message
+
+
 async def test_bad_spec_fails_at_once_naming_the_field(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(1)
     cluster = Cluster(nodes=nodes)
