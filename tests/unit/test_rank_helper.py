@@ -393,6 +393,23 @@ def test_a_dcp_save_hashes_every_file_and_restores_in_place(tmp_path: Path, one_
     assert torch.equal(torch.load(tmp_path / "plain.pt")["model"]["w"], torch.arange(6.0))
 
 
+def test_the_rank_helper_imports_nothing_but_the_standard_library() -> None:
+    """A user's training environment gets trainguard's rank helper, not its controller's dependencies (torch
+    itself is imported only where a call needs it)."""
+    import subprocess
+    import sys
+
+    def loaded(code: str) -> set[str]:
+        probe = f"import sys; {code}; print(' '.join({{m.split('.')[0] for m in sys.modules}}))"
+        return set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                  env={**os.environ, "PYTHONPATH": str(Path(rank_module.__file__).parents[1])},
+                                  ).stdout.split())
+
+    bare = loaded("pass")  # the interpreter's own start-up (site, the editable install's finder)
+    added = loaded("import trainguard.rank as tg; tg.RankRun({})") - bare - set(sys.stdlib_module_names)
+    assert added == {"trainguard"}, added
+
+
 def test_a_torch_whose_async_save_takes_no_stager_still_saves_and_restores_dcp(
         tmp_path: Path, one_process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The package asks for a torch floor, not this machine's torch: DCP's kept stager is newer than that."""
