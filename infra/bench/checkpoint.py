@@ -654,8 +654,8 @@ def replicated_figures(r: ReplicatedSamples, size_mib: int) -> list[Figure]:
                 "baseline": [b / MB for b in r.stored_bytes["every"]],
                 "objects_trainguard": [float(n) for n in r.objects["once"]],
                 "objects_baseline": [float(n) for n in r.objects["every"]]},
-               f"the step's objects in the store: tg.init(replicated=True) ({_median(r.objects['once']):.0f} object) "
-               f"against every rank saving ({_median(r.objects['every']):.0f} objects), "
+               f"the step's objects in the store: tg.init(replicated=True) ({_median([float(n) for n in r.objects['once']]):.0f} object) "
+               f"against every rank saving ({_median([float(n) for n in r.objects['every']]):.0f} objects), "
                f"{DDP_NODES} nodes x {DDP_RANKS_PER_NODE} ranks"),
         Figure(f"{world}-rank DDP commit time", "s", commit["once"], commit["every"], None,
                commit["once"] / commit["every"], "baseline", "", None,
@@ -700,7 +700,8 @@ def report(figures: list[Figure], context: dict[str, Any]) -> None:
     lines = [
         f"checkpoint benchmark: {context['size_mib']} MiB float32 state, "
         f"medians of {context['repeats']} repeats, {context['cpus']} CPUs "
-        f"(load {context['load_avg_start']:.1f} at start, {context['load_avg_end']:.1f} at end), torch {context['torch']} "
+        f"(load {context['load_avg_start']:.1f} at start, {context['load_avg_end']:.1f} at end), "
+        f"torch {context['torch']} "
         f"({context['torch_threads']} thread), parts {context['part_size_mib']} MiB x "
         f"{context['transfer_concurrency']}",
         "",
