@@ -644,6 +644,7 @@ def replicated_figures(r: ReplicatedSamples, size_mib: int) -> list[Figure]:
     world = DDP_NODES * DDP_RANKS_PER_NODE
     stored = {mode: _median([float(b) for b in r.stored_bytes[mode]]) / MB for mode in ("every", "once")}
     commit = {mode: _median(r.commit_s[mode]) for mode in ("every", "once")}
+    objects = {mode: _median([float(n) for n in r.objects[mode]]) for mode in ("every", "once")}
     parts = {mode: f"write {_median(r.write_s[mode]):.2f} s + upload {_median(r.upload_s[mode]):.2f} s + "
                    f"verify and manifest {commit[mode] - _median(r.write_s[mode]) - _median(r.upload_s[mode]):.2f} s"
              for mode in ("every", "once")}
@@ -654,8 +655,8 @@ def replicated_figures(r: ReplicatedSamples, size_mib: int) -> list[Figure]:
                 "baseline": [b / MB for b in r.stored_bytes["every"]],
                 "objects_trainguard": [float(n) for n in r.objects["once"]],
                 "objects_baseline": [float(n) for n in r.objects["every"]]},
-               f"the step's objects in the store: tg.init(replicated=True) ({_median([float(n) for n in r.objects['once']]):.0f} object) "
-               f"against every rank saving ({_median([float(n) for n in r.objects['every']]):.0f} objects), "
+               f"the step's objects in the store: tg.init(replicated=True) ({objects['once']:.0f} object) "
+               f"against every rank saving ({objects['every']:.0f} objects), "
                f"{DDP_NODES} nodes x {DDP_RANKS_PER_NODE} ranks"),
         Figure(f"{world}-rank DDP commit time", "s", commit["once"], commit["every"], None,
                commit["once"] / commit["every"], "baseline", "", None,
