@@ -161,6 +161,12 @@ def state_format_of(shards: list[ShardInfo]) -> str:
     return FORMAT_DCP if any(s.files is not None for s in shards) else FORMAT_TORCH
 
 
+def reshardable_of(shards: list[ShardInfo]) -> bool:
+    """False when a `torch.save` shard holds sharded tensors: such a checkpoint loads only onto the world size
+    that wrote it (DTensor refuses to copy across meshes), so no shrink or grow may restore it."""
+    return not any(s.sharded and s.files is None for s in shards)
+
+
 def restore_sources(manifest: Manifest, ranks: list[int]) -> dict[int, ShardInfo]:
     """Rank -> the shard it restores from: of a DCP checkpoint every shard (each rank may need any part
     once resharded); else rank r's is shard r mod the checkpoint's world size, or the shard it replicates."""
@@ -281,6 +287,8 @@ def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | No
         return f"manifest state format {manifest.state_format!r} is not one this release reads"
     if manifest.state_format != state_format_of(manifest.shards):
         return f"manifest says state format {manifest.state_format!r}, its shards another"
+    if manifest.reshardable != reshardable_of(manifest.shards):
+        return f"manifest says reshardable {manifest.reshardable}, its shards another"
     originals = {s.rank for s in manifest.shards if s.replica_of is None}
     for shard in manifest.shards:
         if shard.replica_of is not None:
@@ -362,7 +370,7 @@ def shard_from_meta(meta: dict[str, Any], prefix: str, node: str) -> ShardInfo:
         return ShardInfo(rank=rank, key=f"{prefix}{DCP_DIR}/", size_bytes=sum(f.size_bytes for f in files),
                          sha256=sha, node=node, files=files)
     return ShardInfo(rank=rank, key=f"{prefix}{shard_name(rank)}", size_bytes=meta["size_bytes"],
-                     sha256=meta["sha256"], node=node)
+                     sha256=meta["sha256"], node=node, sharded=bool(meta.get("sharded")))
 
 
 def object_name(key: str) -> str:
@@ -575,6 +583,10 @@ class StoreActivities:
             if not smallest <= manifest.world_size <= largest:
                 skipped.append(f"step {step}: written by {manifest.world_size} ranks, run has {request.world_size}")
                 continue
+            if not manifest.reshardable and manifest.world_size != request.world_size:
+                skipped.append(f"step {step}: a per-rank torch.save of sharded tensors written by "
+                               f"{manifest.world_size} ranks cannot be resharded onto {request.world_size}")
+                continue
             sources = restore_sources(manifest, list(range(request.world_size)))
             needed = list({s.rank: s for s in sources.values()}.values())
             with ThreadPoolExecutor(max_workers=STORE_CHECK_THREADS) as pool:
@@ -620,6 +632,7 @@ class StoreActivities:
             total_bytes=sum(s.size_bytes for s in request.shards),
             created_at=time.time(),
             state_format=state_format_of(request.shards),
+            reshardable=reshardable_of(request.shards),
         )
         return self._put_manifest(client, request.bucket, request.run_prefix, manifest)
 
@@ -659,6 +672,7 @@ class StoreActivities:
             bucket=bucket,
             world_size=manifest.world_size,
             total_bytes=sum(s.size_bytes for s in manifest.shards),
+            reshardable=manifest.reshardable,
         )
 
     @activity.defn(name="commit_checkpoints")
@@ -762,7 +776,8 @@ class StoreActivities:
             return None
         manifest = Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
                             attempt=request.attempt, shards=shards, total_bytes=sum(s.size_bytes for s in shards),
-                            created_at=time.time(), state_format=state_format_of(shards))
+                            created_at=time.time(), state_format=state_format_of(shards),
+                            reshardable=reshardable_of(shards))
         ref = self._put_manifest(client, request.bucket, request.run_prefix, manifest)
         compute = {r: c for record in records for r, c in record.rank_compute_s.items()}
         return CommittedCheckpoint(ref=ref, slow_ranks=find_stragglers(compute, request.straggler_ratio),

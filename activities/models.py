@@ -78,6 +78,9 @@ class ShardInfo(BaseModel):
     """A DCP shard's files, each an object of its own under the step's folder; None: one `torch.save`."""
     replica_of: int | None = None
     """Replicated state (`tg.init(replicated=True)`): this rank wrote nothing and restores that rank's shard."""
+    sharded: bool = False
+    """A `torch.save` shard holding sharded tensors (DTensor, ShardedTensor): it loads only onto the world size
+    that wrote it, rank r from shard r. Default False (plain tensors, or a DCP shard, which reshards)."""
 
 
 class ManifestPage(BaseModel):
@@ -113,6 +116,9 @@ class Manifest(BaseModel):
     """`torch`: one `torch.save` per rank, rank r restores shard r mod `world_size`. `dcp`: a
     `torch.distributed.checkpoint` under `step-N/dcp/` that every node downloads whole and loads resharded
     (`dcp_to_torch_save` reads it without trainguard)."""
+    reshardable: bool = True
+    """False: a `torch.save` checkpoint whose shards hold sharded tensors (`ShardInfo.sharded`). It restores
+    only onto the world size that wrote it, so a run never shrinks or grows onto it. Default True."""
 
 
 class NodeCheckpointRecord(BaseModel):

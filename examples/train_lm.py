@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra simulated compute per step, seconds")
     parser.add_argument("--replicated", action="store_true", help="ddp: rank 0 alone saves the shared state")
+    parser.add_argument("--checkpoint-format", choices=("auto", "torch", "dcp"), default="auto",
+                        help="tg.init's checkpoint_format (auto: DCP for FSDP's DTensors). torch with fsdp saves "
+                             "shards that cannot be resharded: a run with min_nodes then pauses for an operator")
     parser.add_argument("--digest-log", type=Path, default=None)
     args = parser.parse_args()
     if args.steps < 1 or (args.replicated and args.parallel != "ddp"):
@@ -84,7 +87,7 @@ def main() -> None:
     if use_cuda:
         torch.cuda.set_device(device)
 
-    run = tg.init(replicated=args.replicated)
+    run = tg.init(replicated=args.replicated, checkpoint_format=args.checkpoint_format)
     model = build_model(args).to(device)
     if args.parallel == "fsdp":
         for layer in model.model.layers:

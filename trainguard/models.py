@@ -120,6 +120,9 @@ class CheckpointRef(BaseModel):
     """Ranks that wrote it."""
     total_bytes: int = 0
     """Sum of shard sizes, bytes."""
+    reshardable: bool = True
+    """False: a per-rank `torch.save` of sharded tensors (DTensor), which loads only onto `world_size` ranks:
+    the run pauses rather than shrink or grow onto it. Default True (DCP, or plain tensors)."""
 
 
 class RunResult(BaseModel):

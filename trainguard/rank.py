@@ -27,12 +27,14 @@ None, so the same script still runs under plain torchrun.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -91,12 +93,23 @@ def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
 
 
-def _holds_dtensor(value: Any) -> bool:
+def _is_sharded(value: Any) -> bool:
+    """One rank's part of a larger tensor: a DTensor (FSDP2, tensor parallel) or a ShardedTensor (FSDP1's
+    sharded state dict). A `torch.save` of these loads only onto the world size that wrote it."""
+    return _is_dtensor(value) or type(value).__name__ == "ShardedTensor"
+
+
+def _holds(value: Any, kind: Callable[[Any], bool]) -> bool:
+    """Whether `value` (nested dicts, lists, tuples) holds a leaf `kind` says yes to."""
     if isinstance(value, dict):
-        return any(_holds_dtensor(item) for item in value.values())
+        return any(_holds(item, kind) for item in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds_dtensor(item) for item in value)
-    return _is_dtensor(value)
+        return any(_holds(item, kind) for item in value)
+    return kind(value)
+
+
+def _holds_dtensor(value: Any) -> bool:
+    return _holds(value, _is_dtensor)
 
 
 def state_digest(module_or_state: Any) -> str:
@@ -324,6 +337,8 @@ class RankRun:
         if not self.managed or self._checkpoint_dir is None:
             return 0.0
         started = time.monotonic()
+        # Before the saving flag: a write stuck on a peer that died mid-plan is then judged by the plain hang
+        # bound, not the bound plus the checkpoint grace, so the agent stops this rank as hung in time.
         self._wait_for_writer()
         self._saved.add(step)
         if self.replicated and self.rank != 0:
@@ -335,7 +350,8 @@ class RankRun:
         else:
             payload = {**_snapshot(state), _HELPER_KEY: {"step": step, "rank": self.rank, "rng": _rng_state()}}
             self._writer = threading.Thread(
-                target=self._write_shard, args=(step, payload), name=f"trainguard-save-{step}", daemon=True
+                target=self._write_shard, args=(step, payload, _holds(state, _is_sharded)),
+                name=f"trainguard-save-{step}", daemon=True,
             )
             self._writer.start()
         stall = time.monotonic() - started
@@ -371,19 +387,28 @@ class RankRun:
         helper = pickle.dumps({"step": step, "rank": self.rank, "rng": _rng_state()})
         writer = dcp.FileSystemWriter(str(step_dir / DCP_DIR), single_file_per_rank=True, sync_files=True,
                                       thread_count=1)
-        if self._dcp_stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # One stager for the rank's life: it keeps its CPU copy of each tensor and copies into it again at
-            # the next save, so the host holds one staged copy (the bound) and later saves allocate nothing.
-            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=False))
         # async_save stages the CPU copy here (the stall), then plans and writes in a thread of its own.
         future = dcp.async_save({**state, _helper_key(self.rank): helper}, storage_writer=writer,
-                                process_group=self._group(), async_stager=self._dcp_stager)
+                                process_group=self._group(), **self._stager_argument(dcp.async_save))
         self._writer = threading.Thread(target=self._finish_dcp_save, args=(step, step_dir, future),
                                         name=f"trainguard-save-{step}", daemon=True)
         self._writer.start()
+
+    def _stager_argument(self, async_save: Callable[..., Any]) -> dict[str, Any]:
+        """One stager for the rank's life, where this torch has DCP's `DefaultStager` and `async_save` takes
+        it: it keeps its CPU copy of each tensor and copies into it again at the next save, so the host holds
+        one staged copy (the bound) and later saves allocate nothing. An older torch (the package asks only
+        for a floor) stages a fresh CPU copy at each save itself: the same bound, allocated anew."""
+        if self._dcp_stager is None:
+            if "async_stager" not in inspect.signature(async_save).parameters:
+                return {}
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:
+                return {}
+            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+        return {"async_stager": self._dcp_stager}
 
     def _finish_dcp_save(self, step: int, step_dir: Path, future: Any) -> None:
         """Wait for DCP's write, then checksum this rank's files (rank 0's include `.metadata`) and write
@@ -404,7 +429,7 @@ class RankRun:
         except BaseException as error:  # surfaced on the next save or at finish
             self._writer_error = error
 
-    def _write_shard(self, step: int, payload: dict[str, Any]) -> None:
+    def _write_shard(self, step: int, payload: dict[str, Any], sharded: bool = False) -> None:
         import torch
 
         try:
@@ -418,7 +443,9 @@ class RankRun:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, final)
-            meta = {"rank": self.rank, "step": step, "size_bytes": final.stat().st_size}
+            meta: dict[str, Any] = {"rank": self.rank, "step": step, "size_bytes": final.stat().st_size}
+            if sharded:
+                meta["sharded"] = True  # loads only onto this world size: the run must not shrink onto it
             meta["sha256"] = sha256_file(final)
             # The meta file appears last: the agent treats a shard without it as not written yet.
             _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank), meta)

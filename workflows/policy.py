@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainguard.models import Action, Incident, IncidentKind, Phase
+from trainguard.models import Action, CheckpointRef, Incident, IncidentKind, Phase
 from trainguard.rank import EXIT_NO_RETRY
 from trainguard.spec import RunSpec
 
@@ -86,6 +86,21 @@ def classify_exit(exit_code: int | None) -> IncidentKind:
     return IncidentKind.USER_ERROR if exit_code == EXIT_NO_RETRY else IncidentKind.CRASH
 
 
+def may_change_world_size(newest: CheckpointRef | None) -> bool:
+    """Whether the run may shrink or grow: not when its newest checkpoint loads only onto the world size that
+    wrote it (a per-rank `torch.save` of DTensors). No checkpoint yet: the next attempt starts fresh."""
+    return newest is None or newest.reshardable
+
+
+def _not_reshardable(kind: IncidentKind, node: str, newest: CheckpointRef, new_world_size: int) -> Decision:
+    return Decision(Action.PAUSE, (
+        f"{kind.value} on {node} and no spare node left; not shrinking: the newest checkpoint (step {newest.step}) "
+        f"is a per-rank torch.save of sharded tensors (DTensor) written by {newest.world_size} ranks, which "
+        f"cannot be resharded onto {new_world_size}. Paused for an operator: fix the node or free a spare and "
+        f"`resume`, or `abort`. To let the run shrink, save sharded state with DCP "
+        f"(tg.init(checkpoint_format=\"auto\") or \"dcp\")"))
+
+
 def decide(
     kind: IncidentKind,
     node: str | None,
@@ -95,12 +110,14 @@ def decide(
     budget: RecoveryBudget,
     now: float,
     persisted: bool = False,
+    newest: CheckpointRef | None = None,
 ) -> Decision:
     """The remediation ladder: restart in place; replace a bad node with a spare; shrink to the spec's
-    `min_nodes` when it allows; otherwise pause for an operator. Stop when the budget is spent or the script
-    says a restart cannot help.
+    `min_nodes` when it allows and the checkpoint can be resharded; otherwise pause for an operator. Stop when
+    the budget is spent or the script says a restart cannot help.
 
-    `persisted` is for stragglers: true once one has lasted `health.straggler_windows` intervals.
+    `persisted` is for stragglers: true once one has lasted `health.straggler_windows` intervals. `newest` is
+    the run's newest committed checkpoint, the one the next attempt restores.
     """
     if kind is IncidentKind.USER_ERROR:
         return Decision(Action.STOP, f"a rank exited with code {EXIT_NO_RETRY} (do not retry): fix the script")
@@ -137,6 +154,8 @@ def decide(
             return Decision(Action.REPLACE_NODE, f"{kind.value} on {node}: replaced by spare {spares[0]}",
                             replacement=spares[0])
         if spec.min_nodes is not None and len(active_nodes) - 1 >= spec.min_nodes:
+            if newest is not None and not may_change_world_size(newest):
+                return _not_reshardable(kind, node, newest, (len(active_nodes) - 1) * spec.ranks_per_node)
             return Decision(Action.SHRINK, f"{kind.value} on {node} and no spare node left: continue on "
                                            f"{len(active_nodes) - 1} nodes (min_nodes={spec.min_nodes})")
         return Decision(Action.PAUSE, f"{kind.value} on {node} and no spare node left: paused for an operator "

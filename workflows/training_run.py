@@ -77,8 +77,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
     from workflows.node_pool import pool_request
     from workflows.culprit import pick_culprit
-    from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide, next_phase,
-                                 same_failure_streak)
+    from workflows.policy import (RANK_FAULTS, Decision, RecoveryBudget, classify_exit, decide,
+                                 may_change_world_size, next_phase, same_failure_streak)
     from workflows.run_details import run_details
     from workflows.node_group import (
         EVIDENCE_RETRY,
@@ -146,6 +146,12 @@ PATCH_POOL_BY_COUNT = "pool-by-count"
 """Histories before this patch leased named nodes only, and failed when one of them was cordoned even with a
 spare free; now the pool also chooses nodes and spares by count and label, and puts a free spare in a cordoned
 named node's place."""
+PATCH_USER_ERROR_REASON = "user-error-reason"
+"""Histories before this patch stopped on a rank's exit 78 with the policy's words alone, not the rank's own
+(e.g. `rank 1 passed checkpoint step 50 ... without run.save`, which the incident held)."""
+PATCH_UNRESHARDABLE = "unreshardable-checkpoint"
+"""Histories before this patch shrank and grew onto any checkpoint, even one that loads only onto the world size
+that wrote it (a per-rank `torch.save` of DTensors): its ranks crash-looped until the run failed."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -1095,7 +1101,8 @@ class TrainingRun:
                     incident = incident or self._judge_stragglers(spec, attempt, commit.ref.step, commit.slow_ranks)
                 if commits:
                     drain = drain or any(n in nodes for n in self._draining)
-                    if self._lost and not grow and workflow.patched(PATCH_GROW_BACK):
+                    if (self._lost and not grow and workflow.patched(PATCH_GROW_BACK)
+                            and may_change_world_size(self._newest_checkpoint())):
                         grow = await self._reclaim(self._lost)
                     if self._replaced and workflow.patched(PATCH_RECLAIM_SPARES):
                         await self._reclaim_spares()
@@ -1166,6 +1173,14 @@ class TrainingRun:
             self._restore_tier = "+".join(sorted(known | tiers))
             for incident in self._restored_by:
                 incident.restore_tier = self._restore_tier
+
+    def _newest_checkpoint(self) -> CheckpointRef | None:
+        """The newest committed checkpoint, as the policy may weigh it (older histories never looked at
+        whether it reshards)."""
+        newest = self._status.latest_checkpoint
+        if newest is not None and not newest.reshardable and not workflow.patched(PATCH_UNRESHARDABLE):
+            return None
+        return newest
 
     def _committed(self, ref: CheckpointRef) -> None:
         """The committer already applied retention; the history records the commit."""
@@ -1260,14 +1275,16 @@ class TrainingRun:
         decision: Decision = decide(
             incident.kind, incident.node, spec, self._status.nodes, self._spares,
             RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint, same), now,
-            persisted=incident.kind is IncidentKind.STRAGGLER,
+            persisted=incident.kind is IncidentKind.STRAGGLER, newest=self._newest_checkpoint(),
         )
         seen_as = incident.detail
         incident.action = decision.action
         incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
         if decision.action is Action.STOP and spec.restarts.max_same_failure and same >= spec.restarts.max_same_failure:
             decision = Decision(Action.STOP, _same_failure_reason(incident, decision.reason))
-        elif decision.action is Action.STOP and seen_as and incident.kind in RANK_FAULTS:
+        elif decision.action is Action.STOP and seen_as and (
+                incident.kind in RANK_FAULTS
+                or (incident.kind is IncidentKind.USER_ERROR and workflow.patched(PATCH_USER_ERROR_REASON))):
             # A spent budget names the fault that spent it, and where its rank's log is.
             where = f" (log: {incident.log_path} on {incident.node})" if incident.log_path else ""
             decision = Decision(Action.STOP, f"{decision.reason}; the last incident: {seen_as}{where}")

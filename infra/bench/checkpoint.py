@@ -15,6 +15,13 @@ Measured side by side in one run, on this machine:
    sha256 of every byte, computed as the bytes stream through, and their store look-ups) against raw boto3
    `upload_file` / `download_file` with the same `TransferConfig`, to the same private SeaweedFS, in
    alternating order. A sha256 pass over the file is also timed alone: what the checksum costs on its own.
+3. Replicated state saved once: a 4-rank DDP job (2 nodes x 2 ranks, every rank holding the same
+   `--ddp-size-mib` state) checkpoints one step through the real path: each rank's `RankRun.save`, each
+   node's upload of its ranks' shards (`NodeCheckpointActivities._upload_shard`, the two nodes at once),
+   then the commit (`StoreActivities._commit`: every shard verified in the store, manifest last). Before:
+   every rank saves (`tg.init()`); after: `tg.init(replicated=True)`, rank 0 writes the one shard and the
+   others record it as theirs. Bytes uploaded (the step's objects in the store) and commit time (from the
+   saves to the manifest), the two modes alternating.
 
 This is a benchmark, not a test: it prints figures and never asserts a time. Targets are shown with
 whether this run met them. Everything it starts (SeaweedFS) is stopped and its files removed on the way out.
@@ -120,6 +127,21 @@ class TransferSamples:
     upload_digest_s: list[float] = field(default_factory=list)
     sha256_s: list[float] = field(default_factory=list)
     """sha256_file of the shard: what trainguard's download verifies the downloaded file with."""
+
+
+@dataclass(slots=True)
+class ReplicatedSamples:
+    """One 4-rank DDP checkpoint, per repeat, for each mode: `every` (every rank saves), `once` (replicated)."""
+
+    stored_bytes: dict[str, list[int]] = field(default_factory=lambda: {"every": [], "once": []})
+    """Bytes of the step's objects in the store once committed (shards; the manifest and records aside)."""
+    objects: dict[str, list[int]] = field(default_factory=lambda: {"every": [], "once": []})
+    commit_s: dict[str, list[float]] = field(default_factory=lambda: {"every": [], "once": []})
+    """From the four `save` calls to the manifest written."""
+    write_s: dict[str, list[float]] = field(default_factory=lambda: {"every": [], "once": []})
+    """...of which until every rank's meta file was written (snapshot and background write)."""
+    upload_s: dict[str, list[float]] = field(default_factory=lambda: {"every": [], "once": []})
+    """...of which the two nodes' uploads."""
 
 
 # ------------------------------------------------------------------------------------- the model state
@@ -429,6 +451,101 @@ def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: d
     return samples
 
 
+# ----------------------------------------------------------------------------- part 3: replicated state
+
+DDP_NODES = 2
+DDP_RANKS_PER_NODE = 2
+
+
+def _ddp_checkpoint(state: dict[str, Any], work: Path, run_prefix: str, replicated: bool, step: int,
+                    samples: ReplicatedSamples, mode: str) -> None:
+    """Every rank of the 4-rank job saves `step`; each node uploads its ranks' shards; the controller commits."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from activities import checkpoints
+    from activities.models import CommitCheckpointInput
+    from trainguard.rank import RankRun
+    from trainguard.settings import s3_client
+
+    world = DDP_NODES * DDP_RANKS_PER_NODE
+    node_dirs = {n: work / mode / f"node-{n}" for n in range(DDP_NODES)}
+    runs = []
+    for rank in range(world):
+        node_dir = node_dirs[rank // DDP_RANKS_PER_NODE]
+        progress = node_dir / "progress" / f"rank-{rank:05d}.json"
+        progress.parent.mkdir(parents=True, exist_ok=True)
+        runs.append(RankRun({protocol.ENV_PROGRESS_FILE: str(progress), protocol.ENV_CHECKPOINT_DIR:
+                             str(node_dir / "checkpoints"), protocol.ENV_CHECKPOINT_EVERY: str(step),
+                             "RANK": str(rank), "WORLD_SIZE": str(world)}, replicated=replicated))
+    # Four processes save at once in a real job: here four threads (the snapshot copy releases the GIL).
+    barrier = threading.Barrier(world)
+
+    def save(run: RankRun) -> None:
+        barrier.wait()
+        run.save(step, state)
+        run.finish()  # waits for the background write: the meta file is there
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=world) as pool:
+        list(pool.map(save, runs))
+    written = time.perf_counter()
+    prefix = checkpoints.step_prefix(run_prefix, step)
+    manifest = checkpoints.manifest_key(run_prefix, step)
+    node = checkpoints.NodeCheckpointActivities("bench", work / "agent")
+
+    def upload(node_index: int) -> list[Any]:
+        """What one node's watch does for the step: each of its ranks' shards, one after another."""
+        step_dir = node_dirs[node_index] / "checkpoints" / f"step-{step:08d}"
+        shards = []
+        for meta_path in sorted(step_dir.glob("rank-*.json")):
+            shard = checkpoints.shard_from_meta(json.loads(meta_path.read_text()), prefix, f"node-{node_index}")
+            node._upload_shard(BUCKET, step_dir, shard, manifest)
+            shards.append(shard)
+        return shards
+
+    with ThreadPoolExecutor(max_workers=DDP_NODES) as pool:
+        shards = [s for found in pool.map(upload, range(DDP_NODES)) for s in found]
+    uploaded = time.perf_counter()
+    checkpoints.StoreActivities()._commit(CommitCheckpointInput(
+        bucket=BUCKET, run_prefix=run_prefix, workflow_id="bench", attempt=1, step=step, world_size=world,
+        shards=shards))
+    committed = time.perf_counter()
+    client = s3_client()
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    data = [o for o in listed if o["Key"] != manifest]
+    samples.stored_bytes[mode].append(sum(o["Size"] for o in data))
+    samples.objects[mode].append(len(data))
+    samples.commit_s[mode].append(committed - started)
+    samples.write_s[mode].append(written - started)
+    samples.upload_s[mode].append(uploaded - written)
+    for obj in listed:
+        client.delete_object(Bucket=BUCKET, Key=obj["Key"])
+    shutil.rmtree(work / mode, ignore_errors=True)
+
+
+def measure_replicated(dev: DevStack, work: Path, size_mib: int, repeats: int) -> ReplicatedSamples:
+    """The 4-rank DDP checkpoint, every rank saving and replicated, alternating which goes first."""
+    creds = dev.credentials()
+    environ = {"TRAINGUARD_S3_ENDPOINT": dev.config.s3_endpoint, "AWS_ACCESS_KEY_ID": creds["access_key"],
+               "AWS_SECRET_ACCESS_KEY": creds["secret_key"], "AWS_REGION": "us-east-1"}
+    state = make_state(size_mib)
+    samples = ReplicatedSamples()
+    prefix = f"bench/ddp-{secrets.token_hex(4)}"
+    with scoped_environ(environ):
+        _ddp_checkpoint(state, work, f"{prefix}/warmup", False, 1, ReplicatedSamples(), "every")  # untimed
+        for index in range(repeats):
+            modes = [("every", False), ("once", True)]
+            if index % 2:
+                modes.reverse()
+            for mode, replicated in modes:
+                _ddp_checkpoint(state, work, f"{prefix}/r{index}-{mode}", replicated, index + 1, samples, mode)
+            log.info("replicated repeat %d/%d: every rank %.1f MB in %.2fs, once %.1f MB in %.2fs", index + 1,
+                     repeats, samples.stored_bytes["every"][-1] / MB, samples.commit_s["every"][-1],
+                     samples.stored_bytes["once"][-1] / MB, samples.commit_s["once"][-1])
+    return samples
+
+
 # ------------------------------------------------------------------------------------------- figures
 
 
@@ -502,12 +619,40 @@ def transfer_figures(t: TransferSamples) -> list[Figure]:
     return figures
 
 
+def replicated_figures(r: ReplicatedSamples, size_mib: int) -> list[Figure]:
+    world = DDP_NODES * DDP_RANKS_PER_NODE
+    stored = {mode: _median([float(b) for b in r.stored_bytes[mode]]) / MB for mode in ("every", "once")}
+    commit = {mode: _median(r.commit_s[mode]) for mode in ("every", "once")}
+    objects = {mode: _median([float(n) for n in r.objects[mode]]) for mode in ("every", "once")}
+    parts = {mode: f"write {_median(r.write_s[mode]):.2f} s + upload {_median(r.upload_s[mode]):.2f} s + "
+                   f"verify and manifest {commit[mode] - _median(r.write_s[mode]) - _median(r.upload_s[mode]):.2f} s"
+             for mode in ("every", "once")}
+    return [
+        Figure(f"{world}-rank DDP bytes uploaded, {size_mib} MiB state", "MB", stored["once"], stored["every"], None,
+               stored["once"] / stored["every"], "baseline", "", None,
+               {"trainguard": [b / MB for b in r.stored_bytes["once"]],
+                "baseline": [b / MB for b in r.stored_bytes["every"]],
+                "objects_trainguard": [float(n) for n in r.objects["once"]],
+                "objects_baseline": [float(n) for n in r.objects["every"]]},
+               f"the step's objects in the store: tg.init(replicated=True) ({objects['once']:.0f} object) "
+               f"against every rank saving ({objects['every']:.0f} objects), "
+               f"{DDP_NODES} nodes x {DDP_RANKS_PER_NODE} ranks"),
+        Figure(f"{world}-rank DDP commit time", "s", commit["once"], commit["every"], None,
+               commit["once"] / commit["every"], "baseline", "", None,
+               {"trainguard": r.commit_s["once"], "baseline": r.commit_s["every"],
+                "write_trainguard": r.write_s["once"], "write_baseline": r.write_s["every"],
+                "upload_trainguard": r.upload_s["once"], "upload_baseline": r.upload_s["every"]},
+               f"from the {world} saves to the manifest: replicated {parts['once']}; "
+               f"every rank {parts['every']}"),
+    ]
+
+
 # ------------------------------------------------------------------------------------------- report
 
 LEGEND = (
     "trainguard: RankRun.save (async: in-memory snapshot, background write); _upload_one/_download_one",
     "baseline:   torch.save + flush + fsync of the same state to the same disk; boto3 upload_file/"
-    "download_file, same TransferConfig, same store, alternating order",
+    "download_file, same TransferConfig, same store, alternating order; 4-rank DDP: every rank saves",
     "floor:      trainguard.rank._snapshot alone (the in-memory copy save() cannot avoid)",
 )
 
@@ -517,6 +662,8 @@ def _cell(value: float | None, unit: str) -> str:
         return "-"
     if unit == "s":
         return f"{value:.3f} s"
+    if unit == "MB":
+        return f"{value:.1f} MB"
     return f"{value:.0f} {unit}"
 
 
@@ -533,7 +680,8 @@ def report(figures: list[Figure], context: dict[str, Any]) -> None:
     lines = [
         f"checkpoint benchmark: {context['size_mib']} MiB float32 state, "
         f"medians of {context['repeats']} repeats, {context['cpus']} CPUs "
-        f"(load {context['load_avg_start']:.1f} at start), torch {context['torch']} "
+        f"(load {context['load_avg_start']:.1f} at start, {context['load_avg_end']:.1f} at end), "
+        f"torch {context['torch']} "
         f"({context['torch_threads']} thread), parts {context['part_size_mib']} MiB x "
         f"{context['transfer_concurrency']}",
         "",
@@ -563,10 +711,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--size-mib", type=int, default=256, help="model + optimizer state in MiB (256)")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per figure (3)")
+    parser.add_argument("--ddp-size-mib", type=int, default=64,
+                        help="each rank's state in the 4-rank DDP part, MiB (64: 256 MiB saved by every rank)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
-    if args.size_mib < 1 or args.repeats < 1:
-        parser.error("--size-mib and --repeats must be at least 1")
+    if args.size_mib < 1 or args.repeats < 1 or args.ddp_size_mib < 1:
+        parser.error("--size-mib, --ddp-size-mib and --repeats must be at least 1")
     return args
 
 
@@ -600,10 +750,14 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError("RankRun.save wrote no shard")
         with private_store() as dev:
             transfer = measure_transfer(dev, stall.shard, stall.shard_meta, work, args.repeats)
+            log.info("4-rank DDP checkpoints of %d MiB per rank, every rank saving and replicated",
+                     args.ddp_size_mib)
+            replicated = measure_replicated(dev, work, args.ddp_size_mib, args.repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     context = {
         "size_mib": args.size_mib,
+        "ddp_size_mib": args.ddp_size_mib,
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
         "torch": torch.__version__.split("+")[0],
@@ -617,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    figures = stall_figures(stall, args.size_mib) + transfer_figures(transfer)
+    figures = (stall_figures(stall, args.size_mib) + transfer_figures(transfer)
+               + replicated_figures(replicated, args.ddp_size_mib))
     write_json(args.json, figures, context)
     report(figures, context)
     log.info("wrote %s (%.0fs)", args.json, context["wall_s"])

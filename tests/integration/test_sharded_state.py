@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.client import WorkflowFailureError
 
 from activities.checkpoints import read_manifest, shard_objects
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
-from trainguard.models import Action, IncidentKind, RunResult
+from trainguard.models import Action, IncidentKind, Phase, RunResult
 
 from .conftest import RUN_TIMEOUT_S, checkpointed, live_rank_pids, restart_agent, wait_until
 
@@ -103,6 +104,31 @@ async def test_fsdp_run_loses_a_node_shrinks_resharded_and_its_checkpoint_loads_
     state = torch.load(tmp_path / "final.pt", weights_only=False)
     assert state["model"]["model.embed_tokens.weight"].shape == (256, 32)
     assert manifest.step == result.final_checkpoint.step
+    assert live_rank_pids(stack) == []
+
+
+@pytest.mark.slow  # over a minute here (a launch importing transformers, a 10 s loss detection)
+async def test_fsdp_run_saving_per_rank_torch_files_pauses_for_an_operator_instead_of_shrinking(
+        client: TrainguardClient, prefix: str, stack: DevStack) -> None:
+    spec = lm_spec(prefix, "fsdp", steps=200, step_time=0.1, min_nodes=1,
+                   extra_args=("--checkpoint-format", "torch"))
+    rid = await client.start_run(spec, workflow_id=run_id("lm-torch"))
+    try:
+        await wait_until(client, rid, lambda v: checkpointed(v, min_step=10), timeout_s=150)
+        view = await client.status(rid)
+        assert view.status.latest_checkpoint is not None and not view.status.latest_checkpoint.reshardable
+        manifest = read_manifest(stack.s3(), BUCKET, view.status.latest_checkpoint.manifest_key)
+        assert manifest is not None and manifest.reshardable is False and manifest.state_format == "torch"
+        await client.inject_fault(rid, "node-down", "node-1")
+        paused = await wait_until(client, rid, lambda v: v.status.phase is Phase.PAUSED, timeout_s=90)
+        assert "not shrinking" in (paused.status.reason or "") and "cannot be resharded onto 1" in (
+            paused.status.reason or ""), paused.status.reason
+        assert paused.status.world_size == 2 and paused.status.cordoned == []
+        await client.abort(rid, reason="test over")
+    finally:
+        await restart_agent(stack, "node-1")
+    with pytest.raises(WorkflowFailureError):  # aborted by its operator
+        await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
     assert live_rank_pids(stack) == []
 
 

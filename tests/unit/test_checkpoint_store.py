@@ -266,6 +266,11 @@ def _with_files(manifest: Manifest, rank: int, names: list[str]) -> Manifest:
     return manifest.model_copy(update={"shards": shards})
 
 
+def _sharded(manifest: Manifest, reshardable: bool) -> Manifest:
+    shards = [shard.model_copy(update={"sharded": True}) for shard in manifest.shards]
+    return manifest.model_copy(update={"shards": shards, "reshardable": reshardable})
+
+
 @pytest.mark.parametrize(
     ("manifest", "problem"),
     [
@@ -286,11 +291,27 @@ def _with_files(manifest: Manifest, rank: int, names: list[str]) -> Manifest:
         pytest.param(_manifest().model_copy(update={"shards": [
             _manifest().shards[0], ShardInfo(rank=1, size_bytes=0, sha256="", replica_of=1)]}),
             "replicates rank 1, which wrote none", id="a-replica-of-nothing"),
+        pytest.param(_sharded(_manifest(), reshardable=False), None, id="a-torch-save-of-dtensors-marked-so"),
+        pytest.param(_sharded(_manifest(), reshardable=True), "says reshardable True, its shards another",
+                     id="a-torch-save-of-dtensors-said-to-reshard"),
+        pytest.param(_manifest(reshardable=False), "says reshardable False, its shards another",
+                     id="plain-tensors-said-not-to-reshard"),
     ],
 )
 def test_manifest_problem_of_dcp_and_replicated_checkpoints(manifest: Manifest, problem: str | None) -> None:
     found = manifest_problem(manifest, RUN, 100)
     assert found == problem if problem is None else problem in (found or "")
+
+
+def test_a_torch_save_of_dtensors_is_a_checkpoint_that_cannot_be_resharded() -> None:
+    from activities.checkpoints import reshardable_of, shard_from_meta
+
+    meta = {"rank": 1, "step": 10, "size_bytes": 7, "sha256": "ab" * 32}
+    plain = shard_from_meta(meta, f"{RUN}/step-00000010/", "node-1")
+    sharded = shard_from_meta({**meta, "sharded": True}, f"{RUN}/step-00000010/", "node-1")
+    assert (plain.sharded, sharded.sharded) == (False, True)
+    assert reshardable_of([plain, plain]) and not reshardable_of([plain, sharded])
+    assert reshardable_of(_dcp_manifest().shards)  # DCP reshards whatever it holds
 
 
 def test_a_dcp_checkpoint_restores_from_every_shard_a_replica_from_its_original() -> None:

@@ -98,11 +98,11 @@ def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
 
 
 def _upload(store: MemoryStore, step: int, node_index: int, ranks_per_node: int, attempt: int = 1,
-            compute_s: float = 0.1, chain_id: str = "") -> None:
+            compute_s: float = 0.1, chain_id: str = "", sharded: bool = False) -> None:
     """What a node's watch leaves in the store once its shards of `step` are uploaded."""
     ranks = range(node_index * ranks_per_node, (node_index + 1) * ranks_per_node)
     shards = [ShardInfo(rank=r, key=f"{RUN}/step-{step:08d}/rank-{r:05d}.pt", size_bytes=10,
-                        sha256=f"{r:064x}", node=f"node-{node_index}") for r in ranks]
+                        sha256=f"{r:064x}", node=f"node-{node_index}", sharded=sharded) for r in ranks]
     for shard in shards:
         store.objects[shard.key] = b"x" * 10
     record = NodeCheckpointRecord(node=f"node-{node_index}", attempt=attempt, step=step, shards=shards,
@@ -234,3 +234,22 @@ def test_a_grown_world_restores_shard_r_mod_the_checkpoints_world(store: MemoryS
     shards = NodeCheckpointActivities._shards_of(DownloadShardsInput(
         workflow_id="wf-1", attempt=3, node="node-1", bucket=BUCKET, manifest_key=manifest_key(RUN, 20), ranks=[1]))
     assert [(s.rank, s.key.rsplit("/", 1)[1]) for s in shards] == [(1, "rank-00000.pt")]
+
+
+def test_a_torch_save_of_dtensors_commits_marked_and_restores_only_onto_its_own_world_size(
+        store: MemoryStore) -> None:
+    for node in (0, 1):
+        _upload(store, 10, node, 1, attempt=2, sharded=True)
+    [commit] = _commit_once(_request(2, 2)).commits
+    manifest = read_manifest(store, BUCKET, manifest_key(RUN, 10))
+    assert commit.ref.reshardable is False and manifest is not None and manifest.reshardable is False
+
+    def find(world_size: int) -> Any:
+        return StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=RUN, world_size=world_size,
+                                                           min_world_size=1, max_world_size=2))
+
+    assert find(2).manifest.step == 10
+    shrunk = find(1)  # a shrink the policy did not stop (an older controller): never restored resharded
+    assert shrunk.manifest is None
+    assert shrunk.skipped == ["step 10: a per-rank torch.save of sharded tensors written by 2 ranks cannot be "
+                              "resharded onto 1"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.models import Action, Incident, IncidentKind, Phase
+from trainguard.models import Action, CheckpointRef, Incident, IncidentKind, Phase
 from trainguard.spec import RunSpec, parse_spec
 from workflows.policy import (
     ALLOWED_TRANSITIONS,
@@ -12,6 +12,7 @@ from workflows.policy import (
     RecoveryBudget,
     classify_exit,
     decide,
+    may_change_world_size,
     next_phase,
     same_failure_streak,
 )
@@ -125,6 +126,47 @@ def test_shrink_to_min_nodes(kind: IncidentKind, nodes: list[str], min_nodes: in
     assert decision.action is action, decision.reason
     if action is Action.SHRINK:
         assert f"continue on {len(nodes) - 1} nodes" in decision.reason
+
+
+def _ref(reshardable: bool, world_size: int = 3) -> CheckpointRef:
+    return CheckpointRef(step=40, manifest_key="runs/r/step-00000040/manifest.json", bucket="b",
+                         world_size=world_size, reshardable=reshardable)
+
+
+@pytest.mark.parametrize(
+    ("kind", "spares", "newest", "action"),
+    [
+        pytest.param(IncidentKind.NODE_UNRESPONSIVE, [], _ref(False), Action.PAUSE,
+                     id="lost-node-pauses-rather-than-shrink-onto-a-torch-save-of-dtensors"),
+        pytest.param(IncidentKind.GPU_UNHEALTHY, [], _ref(False), Action.PAUSE, id="bad-gpu-too"),
+        pytest.param(IncidentKind.NODE_UNRESPONSIVE, [], _ref(True), Action.SHRINK, id="a-dcp-checkpoint-shrinks"),
+        pytest.param(IncidentKind.NODE_UNRESPONSIVE, [], None, Action.SHRINK,
+                     id="no-checkpoint-yet-shrinks-and-starts-fresh"),
+        pytest.param(IncidentKind.NODE_UNRESPONSIVE, ["spare-0"], _ref(False), Action.REPLACE_NODE,
+                     id="a-spare-keeps-the-world-size"),
+        pytest.param(IncidentKind.CRASH, [], _ref(False), Action.RESTART, id="a-crash-restarts-in-place"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_resharded_is_never_shrunk_onto(
+        kind: IncidentKind, spares: list[str], newest: CheckpointRef | None, action: Action) -> None:
+    spec = parse_spec({"entrypoint": ["python", "train.py"], "nodes": ["node-0", "node-1", "node-2"],
+                       "min_nodes": 1})
+
+    decision = decide(kind, "node-1", spec, ["node-0", "node-1", "node-2"], spares, RecoveryBudget(), NOW,
+                      newest=newest)
+
+    assert decision.action is action, decision.reason
+    if action is Action.PAUSE:
+        # Why, and what to do about it.
+        assert "the newest checkpoint (step 40) is a per-rank torch.save of sharded tensors" in decision.reason
+        assert "written by 3 ranks, which cannot be resharded onto 2" in decision.reason
+        assert "`resume`" in decision.reason and 'checkpoint_format="auto"' in decision.reason
+
+
+def test_a_run_grows_back_only_onto_a_checkpoint_that_reshards() -> None:
+    assert may_change_world_size(None)
+    assert may_change_world_size(_ref(True))
+    assert not may_change_world_size(_ref(False))
 
 
 def test_zero_restart_budget_stops_on_the_first_crash() -> None:

@@ -393,6 +393,108 @@ def test_a_dcp_save_hashes_every_file_and_restores_in_place(tmp_path: Path, one_
     assert torch.equal(torch.load(tmp_path / "plain.pt")["model"]["w"], torch.arange(6.0))
 
 
+def test_the_rank_helper_imports_nothing_but_the_standard_library() -> None:
+    """A user's training environment gets trainguard's rank helper, not its controller's dependencies (torch
+    itself is imported only where a call needs it)."""
+    import subprocess
+    import sys
+
+    def loaded(code: str) -> set[str]:
+        probe = f"import sys; {code}; print(' '.join({{m.split('.')[0] for m in sys.modules}}))"
+        return set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                  env={**os.environ, "PYTHONPATH": str(Path(rank_module.__file__).parents[1])},
+                                  ).stdout.split())
+
+    bare = loaded("pass")  # the interpreter's own start-up (site, the editable install's finder)
+    added = loaded("import trainguard.rank as tg; tg.RankRun({})") - bare - set(sys.stdlib_module_names)
+    assert added == {"trainguard"}, added
+
+
+def test_a_torch_whose_async_save_takes_no_stager_still_saves_and_restores_dcp(
+        tmp_path: Path, one_process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The package asks for a torch floor, not this machine's torch: DCP's kept stager is newer than that."""
+    import torch.distributed.checkpoint as dcp
+
+    newer = dcp.async_save
+    calls: list[dict[str, Any]] = []
+
+    def older_async_save(state_dict: dict[str, Any], *, checkpoint_id: Any = None, storage_writer: Any = None,
+                         planner: Any = None, process_group: Any = None) -> Any:
+        calls.append({"storage_writer": storage_writer})
+        return newer(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                     process_group=process_group)
+
+    monkeypatch.setattr(dcp, "async_save", older_async_save)
+    env = {**_environ(tmp_path, rank=0), "WORLD_SIZE": "1"}
+    run = RankRun(env, checkpoint_format="dcp")
+    weights = torch.arange(6.0)
+    run.save(10, {"model": {"w": weights}})
+    weights.add_(100.0)
+    run.finish()
+
+    assert len(calls) == 1 and run._dcp_stager is None
+    restored = RankRun({**env, "TRAINGUARD_RESTORE_DIR": str(_step_dir(tmp_path, 10))})
+    into = {"model": {"w": torch.zeros(6)}}
+    restored.restore(into)
+    assert torch.equal(into["model"]["w"], torch.arange(6.0))
+
+
+def test_a_torch_save_of_dtensors_is_marked_sharded(tmp_path: Path, one_process_group: None) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    run = RankRun({**_environ(tmp_path, rank=0), "WORLD_SIZE": "1"}, checkpoint_format="torch")
+    run.save(10, {"model": {"w": distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])}})
+    run.save(20, {"model": {"w": torch.arange(6.0)}})
+    run.finish()
+
+    # It loads only onto the world size that wrote it: the agent carries the mark into the manifest.
+    assert json.loads((_step_dir(tmp_path, 10) / "rank-00000.json").read_text())["sharded"] is True
+    assert "sharded" not in json.loads((_step_dir(tmp_path, 20) / "rank-00000.json").read_text())
+
+
+def test_a_save_held_up_by_a_write_whose_peer_died_is_judged_by_the_plain_hang_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DCP write whose peer died or hung while it was being planned can block in its own group for up to
+    `DCP_GROUP_TIMEOUT_S`. The next save waits for it before it says it is saving: meanwhile the agent holds
+    the rank to its plain bound, without the checkpoint grace, and stops it as hung well before that."""
+    import threading
+
+    from activities.progress import silence_bound_s
+    from activities.ranks import _read_report
+    from trainguard.spec import HealthSpec
+
+    peer_gone = threading.Event()
+    write = RankRun._write_shard
+
+    def stuck_write(self: RankRun, *args: Any) -> None:
+        peer_gone.wait(30)
+        write(self, *args)
+
+    monkeypatch.setattr(RankRun, "_write_shard", stuck_write)
+    env = _environ(tmp_path, rank=0)
+    run = RankRun(env)
+    for step in range(1, 11):
+        run.step_done(step)
+    run.save(10, {"w": torch.zeros(4)})  # returns at once; its write is the one stuck
+    for step in range(11, 21):
+        run.step_done(step)
+    next_save = threading.Thread(target=run.save, args=(20, {"w": torch.ones(4)}), daemon=True)
+    next_save.start()
+    next_save.join(0.3)
+    try:
+        assert next_save.is_alive(), "the next save waits for the write before it"
+        report = _read_report(Path(env["TRAINGUARD_PROGRESS_FILE"]))
+        assert report is not None and report.step > 0 and not report.saving
+        health = HealthSpec(checkpoint_grace_s=60.0)
+        assert silence_bound_s(report, 0, health) == silence_bound_s(report, 0, health.model_copy(
+            update={"checkpoint_grace_s": 0.0}))
+    finally:
+        peer_gone.set()
+        next_save.join(10)
+    run.finish()
+
+
 def test_a_replica_records_rank_0s_shard_at_each_checkpoint_step_and_writes_none(tmp_path: Path) -> None:
     run = RankRun(_environ(tmp_path, rank=2, every=10), replicated=True)
     for step in range(1, 21):

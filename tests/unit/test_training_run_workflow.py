@@ -58,6 +58,7 @@ from activities.models import (
     WatchRanksInput,
 )
 from trainguard import node_task_queue
+from activities.checkpoints import reshardable_of
 from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
@@ -150,6 +151,8 @@ class Cluster:
     ranks_per_node: int = 1
     stamp_detection: bool = False
     """Events the script gives no `detected_at` get the moment they are returned, as an agent stamps them."""
+    sharded: bool = False
+    """The ranks' shards are `torch.save`s of DTensors: their checkpoints cannot be resharded."""
     survivor_step: int = 17
     """Where the live ranks stand when an in-process restart reaches them (they live on the first node)."""
     rejoin_fails: set[str] = field(default_factory=set)
@@ -188,7 +191,8 @@ class Cluster:
             smallest = min(request.world_size, request.min_world_size or request.world_size)
             largest = max(request.world_size, request.max_world_size or 0)
             usable = [m for m in self.manifests
-                      if m.step not in request.exclude_steps and smallest <= m.world_size <= largest]
+                      if m.step not in request.exclude_steps and smallest <= m.world_size <= largest
+                      and (m.reshardable or m.world_size == request.world_size)]
             if not usable:
                 return FindCheckpointResult()
             newest = max(usable, key=lambda m: m.step)
@@ -250,11 +254,12 @@ class Cluster:
             bucket=request.bucket, run_prefix=request.run_prefix, workflow_id=request.workflow_id,
             attempt=request.attempt, step=step, world_size=request.world_size, shards=shards))
         self.manifests.append(Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
-                                       attempt=request.attempt, shards=shards))
+                                       attempt=request.attempt, shards=shards, reshardable=reshardable_of(shards)))
         compute = {rank: c for r in records for rank, c in r.rank_compute_s.items()}
         return CommittedCheckpoint(
             ref=CheckpointRef(step=step, manifest_key=_manifest_key(request.run_prefix, step), bucket=request.bucket,
-                              world_size=request.world_size, total_bytes=sum(s.size_bytes for s in shards)),
+                              world_size=request.world_size, total_bytes=sum(s.size_bytes for s in shards),
+                              reshardable=reshardable_of(shards)),
             slow_ranks=find_stragglers(compute, request.straggler_ratio), step=step)
 
     def _upload_in_watch(self, request: WatchRanksInput, ready: WatchEvent) -> None:
@@ -268,7 +273,7 @@ class Cluster:
                 workflow_id=request.workflow_id, attempt=request.attempt, node=request.node,
                 bucket=request.checkpoints.bucket, run_prefix=request.checkpoints.run_prefix, step=step))
             shards = [ShardInfo(rank=r, key=f"{request.checkpoints.run_prefix}/step-{step:08d}/rank-{r:05d}.pt",
-                                size_bytes=100, sha256=f"{r:064x}", node=request.node)
+                                size_bytes=100, sha256=f"{r:064x}", node=request.node, sharded=self.sharded)
                       for r in range(first, first + self.ranks_per_node)]
             self.records.setdefault(step, {})[request.node] = NodeCheckpointRecord(
                 node=request.node, attempt=request.attempt, step=step, shards=shards,
@@ -668,6 +673,22 @@ async def test_exit_78_stops_the_run_without_retrying(env: WorkflowEnvironment) 
     assert [(i.kind, i.action) for i in run.status.incidents] == [(IncidentKind.USER_ERROR, Action.STOP)]
 
 
+async def test_a_rank_that_stopped_itself_gives_the_run_its_reason(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    why = ("trainguard: rank 1 passed checkpoint step 10 (checkpoint.every_steps 10) without run.save(10, ...): "
+           "the step can never commit without its shard")
+    exited = _event(WatchEventKind.RANK_EXITED, rank=1, exit_code=78, detail=f"rank 1 exited with code 78: {why}",
+                    log_path="/logs/rank-00001.log")
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [BLOCK], (1, nodes[1]): [exited]})
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    message = _failure_message(run.outcome)
+    assert "fix the script" in message and why in message, message  # the rank's own words, not only 78
+    assert f"(log: /logs/rank-00001.log on {nodes[1]})" in message
+    assert run.status.reason == message
+
+
 async def test_bad_spec_fails_at_once_naming_the_field(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(1)
     cluster = Cluster(nodes=nodes)
@@ -850,6 +871,36 @@ async def test_lost_node_without_a_spare_shrinks_to_min_nodes(env: WorkflowEnvir
     assert (run.status.nodes, run.status.world_size, run.status.cordoned) == ([nodes[0], nodes[2]], 2, [nodes[1]])
 
 
+async def test_a_lost_node_pauses_rather_than_shrink_onto_a_checkpoint_that_cannot_be_resharded(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, sharded=True)
+    committed = Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), committed, ApplicationError("agent lost its ranks", type="AgentLost")],
+    }
+    paused: list[RunStatus] = []
+
+    async def fix_the_node_and_resume(handle: WorkflowHandle[Any, Any]) -> None:
+        paused.append(await _wait_for_phase(handle, Phase.PAUSED))
+        await handle.execute_update(TrainingRun.resume, OperatorRequest(reason="node fixed"))
+
+    run = await _run(env, cluster, _spec(nodes, min_nodes=1), operator=fix_the_node_and_resume)
+
+    [status] = paused
+    assert status.reason is not None and "not shrinking" in status.reason, status.reason
+    assert "written by 2 ranks, which cannot be resharded onto 1" in status.reason
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.NODE_UNRESPONSIVE, Action.PAUSE)]
+    assert cluster.inputs("cordon_node") == []
+    # Resumed at the world size that wrote the checkpoint: both nodes restore the two-rank step 10.
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [(r.node, r.num_nodes, r.restore_step) for r in relaunches] == [(nodes[0], 2, 10), (nodes[1], 2, 10)]
+    assert run.status.world_size == 2
+
+
 async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(2)
     cluster = Cluster(nodes=nodes)
@@ -887,6 +938,27 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
     # Neither the shrink nor the grow sent a stop: each node's launch stopped the attempt before it.
     assert cluster.inputs("stop_ranks") == []
     assert result.attempts == 3
+
+
+async def test_a_shrunk_run_stays_shrunk_on_a_checkpoint_that_cannot_be_resharded(env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, sharded=True, returned={nodes[1]})
+    cluster.watch_script = {
+        # Lost before any checkpoint: the run shrinks and starts afresh; its checkpoints are then one rank's.
+        (1, nodes[0]): [BLOCK],
+        (1, nodes[1]): [ApplicationError("agent lost its ranks", type="AgentLost")],
+        (2, nodes[0]): [_ready(10), _ready(20), _finished(30)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, min_nodes=1))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.NODE_UNRESPONSIVE, Action.SHRINK)]
+    assert [(c.step, c.world_size) for c in cluster.inputs("commit_checkpoint")] == [(10, 1), (20, 1)]
+    # Its node back in the pool, but a one-rank torch.save of DTensors would not load onto two: no grow.
+    assert [a for a in cluster.inputs("acquire_nodes") if not a.nodes] == []
+    assert result.attempts == 2 and run.status.world_size == 1
 
 
 async def test_a_replaced_node_that_returns_becomes_a_spare(env: WorkflowEnvironment) -> None:
