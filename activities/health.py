@@ -163,6 +163,7 @@ class XidEvents:
         if self.fault is not None:
             return
         self.fault, self.fault_at = f"GPU {gpu}: XID {xid}{note}", at
+        log.warning("GPU %d: critical XID %d%s: the node is reported unhealthy", gpu, xid, note)
 
     def start(self) -> bool:
         """Subscribe every GPU to critical-XID events and wait on them in a daemon thread. False (and no
@@ -185,6 +186,8 @@ class XidEvents:
             log.info("GPU XID events unavailable: %s", error)
             return False
         self.nvml, self.available = nvml, True
+        log.info("GPU XID events: waiting on %d GPUs%s", len(handles),
+                 " (a stand-in NVML)" if getattr(nvml, "STANDIN", False) else "")
         indexes = {self._key(h): i for i, h in enumerate(handles)}
         threading.Thread(target=self._wait, args=(events, indexes), name="trainguard-xid-events", daemon=True).start()
         return True
@@ -245,6 +248,7 @@ class NodeHealth:
         if raise_xid is not None:
             self._raised_at = at  # before the event: its wait thread may see it at once
             if raise_xid(0, 79):
+                log.info("chaos gpu-fault: XID 79 raised at the NVML layer")
                 return "nvml-event"
             self._raised_at = None
         self.xid.on_xid(0, 79, at, f": {detail}")
