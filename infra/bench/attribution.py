@@ -192,6 +192,7 @@ async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say:
             say(f"  {mode} trial {trial + 1}/{trials}: hung rank {rank}, named {incident.kind.value} rank "
                 f"{incident.rank} ({'right' if right else 'WRONG'}), detected in {incident.detection_s} s, "
                 f"+{incident.attribution_s} s to name it")
+            say(f"    evidence: {(incident.evidence or '').splitlines()[0] if incident.evidence else '-'}")
             try:
                 timeline = await _timeline(client, rid, incident.detected_at)
             except Exception as error:  # noqa: BLE001 - a figure of the benchmark, never its result
