@@ -514,6 +514,3 @@ class CollectEvidenceInput(BaseModel):
 class CollectEvidenceResult(BaseModel):
     node: str
     ranks: list[RankEvidence] = Field(default_factory=list)
-
-
-WatchEvent.model_rebuild()
