@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence
+from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence, WatchCheckpoints
 from activities.paths import RunLayout
 from trainguard import evidence as channel
 from trainguard.error_types import ErrorType
@@ -180,6 +180,7 @@ class EvidenceActivities:
         self.uploader = uploader or _put_text
         """(bucket, key, text): a PUT to the store."""
         self._uploads: set[asyncio.Task[None]] = set()
+        ranks.hang_evidence = self.for_watch
 
     @activity.defn(name="collect_evidence")
     async def collect_evidence(self, request: CollectEvidenceInput) -> CollectEvidenceResult:
@@ -189,6 +190,19 @@ class EvidenceActivities:
         if record is None or record.attempt != request.attempt:
             return CollectEvidenceResult(node=self.ranks.node)
         layout = RunLayout.of(self.ranks.workdir, request.workflow_id)
+        found = await self.gather(record, layout, request.bucket, request.run_prefix)
+        return CollectEvidenceResult(node=self.ranks.node, ranks=found)
+
+    async def for_watch(self, record: AttemptRecord, layout: RunLayout,
+                        target: WatchCheckpoints | None) -> list[RankEvidence]:
+        """`RankActivities.hang_evidence`: the evidence a watch that judged a hang returns with its event, the
+        stacks stored where the run's checkpoints are."""
+        return await self.gather(record, layout, target.bucket if target else None,
+                                 target.run_prefix if target else "")
+
+    async def gather(self, record: AttemptRecord, layout: RunLayout, bucket: str | None,
+                     run_prefix: str) -> list[RankEvidence]:
+        """Every local rank's evidence; its full stacks kept on the node and, with `bucket`, uploaded beside."""
         found, texts = await asyncio.to_thread(collect_local, self.ranks.node, layout, record)
         local_dir = layout.attempt_dir(record.attempt) / "evidence"
         for item in found:
@@ -196,12 +210,12 @@ class EvidenceActivities:
             local = local_dir / f"incident-rank-{item.rank:05d}.txt"
             local.parent.mkdir(parents=True, exist_ok=True)
             local.write_text(text)
-            if request.bucket:
-                item.stacks_key = stacks_key(request.run_prefix, record.attempt, item.rank)
-                task = asyncio.ensure_future(self._upload(request.bucket, item.stacks_key, text, local))
+            if bucket:
+                item.stacks_key = stacks_key(run_prefix, record.attempt, item.rank)
+                task = asyncio.ensure_future(self._upload(bucket, item.stacks_key, text, local))
                 self._uploads.add(task)
                 task.add_done_callback(self._uploads.discard)
-        return CollectEvidenceResult(node=self.ranks.node, ranks=found)
+        return found
 
     async def _upload(self, bucket: str, key: str, text: str, local: Path) -> None:
         until = time.monotonic() + STACKS_UPLOAD_RETRY_S

@@ -159,6 +159,7 @@ class XidEvents:
         if self.fault is not None:
             return
         self.fault, self.fault_at = f"GPU {gpu}: XID {xid}{note}", at
+        log.warning("GPU %d: critical XID %d%s: the node is reported unhealthy", gpu, xid, note)
 
     def start(self) -> bool:
         """Subscribe every GPU to critical-XID events and wait on them in a daemon thread. False (and no
@@ -181,13 +182,16 @@ class XidEvents:
             log.info("GPU XID events unavailable: %s", error)
             return False
         self.nvml, self.available = nvml, True
+        log.info("GPU XID events: waiting on %d GPUs%s", len(handles),
+                 " (a stand-in NVML)" if getattr(nvml, "STANDIN", False) else "")
         indexes = {self._key(h): i for i, h in enumerate(handles)}
         threading.Thread(target=self._wait, args=(events, indexes), name="trainguard-xid-events", daemon=True).start()
         return True
 
     @staticmethod
     def _key(handle: Any) -> Any:
-        return getattr(handle, "value", None) or id(handle)
+        value = getattr(handle, "value", None)  # a ctypes handle's address; the same device, the same value
+        return value if value is not None else id(handle)
 
     def _wait(self, events: Any, indexes: dict[Any, int]) -> None:
         import time
@@ -218,6 +222,7 @@ class NodeHealth:
 
     def __init__(self, xid: XidEvents | None = None) -> None:
         self.xid = xid or XidEvents()
+        self._raised_at: float | None = None
 
     @property
     def injected(self) -> str | None:
@@ -226,11 +231,24 @@ class NodeHealth:
 
     @property
     def injected_at(self) -> float | None:
-        return self.xid.fault_at
+        """When the fault happened: when chaos raised it at the NVML layer, else when its event was seen."""
+        if self.xid.fault is None:
+            return None
+        return self._raised_at if self._raised_at is not None else self.xid.fault_at
 
-    def inject(self, detail: str, at: float) -> None:
-        """chaos gpu-fault: an XID 79 event, as NVML would raise it."""
+    def inject(self, detail: str, at: float) -> str:
+        """chaos gpu-fault: an XID 79 event. With an NVML that can raise one (the stand-in,
+        `infra/bench/nvml_standin`) it is raised there, and reaches this agent through its event wait as a
+        real XID would; otherwise it is handed to `on_xid` as that wait would. Returns which path it took."""
+        raise_xid = getattr(self.xid.nvml, "inject_xid", None) if self.xid.available else None
+        if raise_xid is not None:
+            self._raised_at = at  # before the event: its wait thread may see it at once
+            if raise_xid(0, 79):
+                log.info("chaos gpu-fault: XID 79 raised at the NVML layer")
+                return "nvml-event"
+            self._raised_at = None
         self.xid.on_xid(0, 79, at, f": {detail}")
+        return "direct"
 
     def check(self) -> GpuHealth:
         if self.xid.fault is not None:

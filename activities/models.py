@@ -394,6 +394,9 @@ class WatchRanksInput(BaseModel):
     """The run names a hang's culprit from every rank's evidence (`collect_evidence`): no rank's report is
     held back to let the stopped one go first (`COLLECTIVE_WAIT_GRACE_S`), so a hang is seen that much sooner.
     False (histories before the evidence patch): the grace applies."""
+    evidence_with_event: bool = False
+    """On judging a hang, ask this node's ranks for their evidence right there and return it with the HANG
+    event (`WatchEvent.evidence`), so the run need not ask this node again (`collect_evidence`)."""
 
 
 class WatchEvent(BaseModel):
@@ -429,6 +432,9 @@ class WatchEvent(BaseModel):
     failure_signature: str | None = None
     """RANK_EXITED: the exception in the tail and the frame that raised it, addresses and ports masked
     (`activities.rank_logs.failure_signature`); None when the tail shows no Python exception."""
+    evidence: list["RankEvidence"] = Field(default_factory=list)
+    """HANG, with `WatchRanksInput.evidence_with_event`: every local rank's evidence, taken when the hang was
+    judged and before anything was stopped (what `collect_evidence` would have answered)."""
 
 
 class InjectFaultInput(BaseModel):

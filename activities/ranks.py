@@ -36,6 +36,7 @@ from activities.models import (
     InjectFaultResult,
     LaunchRanksInput,
     LaunchRanksResult,
+    RankEvidence,
     RankGroupInput,
     RejoinRanksInput,
     RejoinRanksResult,
@@ -280,6 +281,9 @@ class RankActivities:
         self.health = health or NodeHealth()
         self._attempts: dict[str, AttemptRecord] = {}
         self._slowdowns: dict[int, asyncio.Task[None]] = {}
+        self.hang_evidence: Callable[[AttemptRecord, RunLayout, WatchCheckpoints | None],
+                                     Awaitable[list[RankEvidence]]] | None = None
+        """Set by `EvidenceActivities`: a watch that judges a hang takes its ranks' evidence with it."""
         self._reconcile()
 
     # ------------------------------------------------------------------------------- bookkeeping
@@ -856,7 +860,9 @@ class RankActivities:
                     states[rank], "alive")
                 fault_at = record.faults.get(rank) or (report.time if report else record.launched_at)
                 log_path = layout.log_file(record.attempt, rank)
-                return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at,
+                evidence = (await self.hang_evidence(record, layout, request.checkpoints)
+                            if request.evidence_with_event and self.hang_evidence is not None else [])
+                return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at, evidence=evidence,
                              occurred_at=record.faults.get(rank), log_path=str(log_path),
                              log_tail=read_tail(log_path),
                              detail=f"rank {rank} made no progress for {silent:.1f}s (last step "

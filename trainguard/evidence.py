@@ -53,7 +53,7 @@ is never released) while its process keeps running; `skip-collective`: the rank 
 all-reduce its peers enter (it never issues it) and waits in its backward pass, so its peers wait in the
 collective it skipped; `io`: the rank blocks in a read that never returns."""
 
-REQUEST_POLL_S = 0.05
+REQUEST_POLL_S = 0.02
 """How often the helper's evidence thread looks for a request (a stat): the answer comes within this."""
 
 
@@ -161,6 +161,23 @@ def flight_recorder_position() -> tuple[int | None, int | None, str, str]:
     return enqueued, completed, name, "flight-recorder"
 
 
+def in_collective(enqueued: int | None, completed: int | None, ddp_hooked: bool = False, hook_entered: int = 0,
+                  hook_completed: int = 0) -> bool | None:
+    """Whether a rank is inside a collective now; None when nothing tells.
+
+    Flight Recorder alone (enqueued > completed) is right for collectives that are waited on, but it marks
+    an asynchronous one complete only when someone waits on its work object, and DDP's gradient all-reduce
+    is waited on through its future instead: after a few steps every DDP rank reads as inside. So a rank
+    whose DDP all-reduce goes through `hook_ddp` is inside while one of the hook's all-reduces has not come
+    back (counted by the hook itself, exact at any moment). Its other collectives (a barrier, an explicit
+    all-reduce) are still in the Flight Recorder's sequence count, which the culprit rule falls back to."""
+    if ddp_hooked:
+        return hook_entered > hook_completed
+    if enqueued is None or completed is None:
+        return None
+    return enqueued > completed
+
+
 # ------------------------------------------------------------------------------------------ rank side
 
 
@@ -174,6 +191,10 @@ class RankChannel:
         self.skip_collectives = False
         """Set by a `skip-collective` chaos: `hook_ddp`'s hook skips the next all-reduce."""
         self.ddp_hooked = False
+        self.hook_entered = 0
+        """Gradient all-reduces `allreduce_hook` issued; only the thread that runs DDP's backward adds to it."""
+        self.hook_completed = 0
+        """...and of those, the ones whose result came back; only the communication thread adds to it."""
         self._chaos_mtime = 0.0
         self._mode = ""
         self._stacks_file: Any = None
@@ -191,10 +212,13 @@ class RankChannel:
 
     def position(self, request: str) -> Position:
         enqueued, completed, name, source = flight_recorder_position()
-        inside = None if enqueued is None or completed is None else enqueued > completed
+        inside = in_collective(enqueued, completed, self.ddp_hooked, self.hook_entered, self.hook_completed)
+        if self.ddp_hooked:
+            source = f"{source}; inside from the DDP hook"
         return Position(request=request, step=self.step, collectives_enqueued=enqueued,
                         collectives_completed=completed, in_collective=inside, collective=name, source=source,
-                        chaos=self._mode, extra={"ddp_hooked": self.ddp_hooked})
+                        chaos=self._mode, extra={"ddp_hooked": self.ddp_hooked, "hook_entered": self.hook_entered,
+                                                 "hook_completed": self.hook_completed})
 
     def _answer_requests(self) -> None:
         import time
@@ -240,7 +264,14 @@ class RankChannel:
 
         if self.skip_collectives:
             skip_collective()
-        return allreduce_hook(state, bucket)
+        future = allreduce_hook(state, bucket)
+        self.hook_entered += 1
+        return future.then(self._hook_done)
+
+    def _hook_done(self, future):  # type: ignore[no-untyped-def]
+        """The all-reduce's result came back (or failed): the rank is out of it. Passes the value on as is."""
+        self.hook_completed += 1
+        return future.value()
 
 
 def skip_collective() -> None:

@@ -87,6 +87,17 @@ TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
 EVIDENCE_TIMEOUT = timedelta(seconds=5)
 """Asking a node's ranks for their stacks and position takes half a second at most (`ANSWER_TIMEOUT_S`)."""
 
+GROUP_HANG_SETTLE = timedelta(seconds=0.5)
+"""After a node's watch reports a hang with its ranks' evidence, how long the group waits for its other nodes'
+watches to report theirs. A stalled rank stalls every peer within a step (they wait for it in the next
+collective), so the others judge their hang within a poll or two, each with its own evidence: the run then
+has every node's evidence at once and asks no node again, and no watch completes under the group's closing
+workflow task (which would fail that task and retry it). Past this, the run asks the nodes not heard from."""
+
+PATCH_HANG_EVIDENCE_WITH_EVENT = "hang-evidence-with-event"
+"""Watches return their node's hang evidence with the HANG event, and a group waits `GROUP_HANG_SETTLE` for
+its other nodes' (histories before it: the group returned on the first event, the run asked every node)."""
+
 EVIDENCE_RETRY = RetryPolicy(maximum_attempts=1)
 """Evidence is asked once: the recovery waits on it, and a node that cannot answer is evidence too."""
 
@@ -251,6 +262,10 @@ class NodeGroupWatch:
                                                   first_step_at=min(started.values()),
                                                   all_started_at=max(started.values())))
             if result.incidents or result.lost:
+                if (request.watch.evidence_with_event and watches and not result.lost
+                        and any(e.kind is WatchEventKind.HANG for e in result.incidents)
+                        and workflow.patched(PATCH_HANG_EVIDENCE_WITH_EVENT)):
+                    await self._peers_hangs(request, watches, result)
                 return result
             if len(finished) == len(request.nodes):
                 return NodeGroupWatchResult(finished=[finished[n] for n in request.nodes])
@@ -260,6 +275,19 @@ class NodeGroupWatch:
                 workflow.continue_as_new(request.model_copy(update={
                     "started": started, "finished": list(finished.values()), "signalled": signalled,
                     "launch": None, "download": None}))  # every node has launched: a watch returned
+
+    @staticmethod
+    async def _peers_hangs(request: NodeGroupWatchInput, watches: dict[str, asyncio.Task[WatchEvent]],
+                           result: NodeGroupWatchResult) -> None:
+        """Add the hangs (and other failures) the group's other nodes report within `GROUP_HANG_SETTLE`."""
+        await workflow.wait(list(watches.values()), timeout=GROUP_HANG_SETTLE.total_seconds())
+        for node in request.nodes:  # a fixed order keeps the workflow deterministic
+            task = watches.get(node)
+            if task is None or not task.done() or task.exception() is not None:
+                continue  # a node lost meanwhile: its stop tells the run, as for any watch left behind
+            event = task.result()
+            if event.kind in (WatchEventKind.HANG, WatchEventKind.RANK_EXITED, WatchEventKind.GPU_UNHEALTHY):
+                result.incidents.append(event)
 
     @staticmethod
     def _watch(request: NodeGroupWatchInput, node: str, report_start: bool,

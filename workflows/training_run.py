@@ -86,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
         NODE_CALL_RETRY,
         NODES_PER_GROUP,
         NODE_SCHEDULE_TO_START,
+        PATCH_HANG_EVIDENCE_WITH_EVENT,
         STOP_TIMEOUT,
         TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
         WATCH_HEARTBEAT_TIMEOUT,
@@ -987,6 +988,7 @@ class TrainingRun:
             # Steps up to the newest commit need no upload again (after continue-as-new too).
             reported_step=max(self._status.resumed_step, self._last_committed_step),
             evidence=workflow.patched(PATCH_HANG_EVIDENCE),
+            evidence_with_event=workflow.patched(PATCH_HANG_EVIDENCE_WITH_EVENT),
             max_duration_s=WATCH_MAX_DURATION_S,
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
@@ -1038,6 +1040,7 @@ class TrainingRun:
         committer = self._committer(spec, attempt)
         finished: dict[int, NodeGroupWatchResult] = {}
         incident: Incident | None = None
+        self._event_evidence: dict[str, list[RankEvidence]] = {}
         paused = False
         control = asyncio.ensure_future(workflow.wait_condition(lambda: self._pause_requested))
 
@@ -1077,6 +1080,8 @@ class TrainingRun:
                     seen.append((found.detected_at, found))
                 for event in result.incidents:
                     self._status.step = max(self._status.step, event.step)
+                    if event.evidence:  # taken by its watch (`evidence_with_event`): not asked again
+                        self._event_evidence[event.node] = event.evidence
                     if event.kind is WatchEventKind.GPU_UNHEALTHY:
                         seen.append((event.detected_at, Incident(
                             kind=IncidentKind.GPU_UNHEALTHY, node=event.node, attempt=attempt, detail=event.detail,
@@ -1351,11 +1356,13 @@ class TrainingRun:
         """Before anything is stopped: every node's evidence (its ranks' stacks and collective positions),
         and the culprit it names (`workflows.culprit`). The full stacks go to the store with the run."""
         wid = workflow.info().workflow_id
+        # Nodes whose watch judged the hang too brought their evidence with the event: only the others are asked.
+        evidence: list[RankEvidence] = [e for n in self._status.nodes for e in self._event_evidence.get(n, [])]
         calls = [(n, CollectEvidenceInput(workflow_id=wid, attempt=attempt, node=n, bucket=spec.checkpoint.bucket,
-                                          run_prefix=self._run_prefix(spec))) for n in self._status.nodes]
+                                          run_prefix=self._run_prefix(spec)))
+                 for n in self._status.nodes if n not in self._event_evidence]
         summary = f"collect hang evidence on {{node}} (attempt {attempt})"
-        evidence: list[RankEvidence] = []
-        if len(calls) <= NODES_PER_GROUP:
+        if calls and len(calls) <= NODES_PER_GROUP:
             # One group's worth of activities from the run itself: the recovery waits on this, and a child
             # workflow's start and end cost it two more workflow tasks.
             answers = await asyncio.gather(*(workflow.execute_activity(
@@ -1363,12 +1370,12 @@ class TrainingRun:
                 start_to_close_timeout=EVIDENCE_TIMEOUT, schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
                 retry_policy=EVIDENCE_RETRY, result_type=CollectEvidenceResult,
                 summary=summary.replace("{node}", node)) for node, request in calls), return_exceptions=True)
-            evidence = [item for answer in answers if isinstance(answer, CollectEvidenceResult)
-                        for item in answer.ranks]
-        else:
+            evidence += [item for answer in answers if isinstance(answer, CollectEvidenceResult)
+                         for item in answer.ranks]
+        elif calls:
             outcomes = await self._fan_out(NodeCallKind.COLLECT_EVIDENCE, calls, summary)
-            evidence = [item for o in outcomes if o.result is not None
-                        for item in CollectEvidenceResult.model_validate(o.result).ranks]
+            evidence += [item for o in outcomes if o.result is not None
+                         for item in CollectEvidenceResult.model_validate(o.result).ranks]
         culprit = pick_culprit(evidence, incident.rank, incident.node)
         if culprit.rank != incident.rank and culprit.rank is not None:
             incident.detail = (f"rank {culprit.rank} hung ({culprit.rule}); the watch first saw rank "

@@ -11,6 +11,9 @@ waits for the hang incident; the run relaunches from its checkpoint and the next
 Per mode it prints and writes (a list, one object per mode): `mode`, `trials`, `correct` (the incident named
 the rank that was hung), `detection_p50_s` / `detection_p95_s` (fault to detection), `culprit_extra_s` (p95 of
 detection to the culprit named from the evidence), and on every object the `false_hangs` of the clean runs.
+Also, per trial and summed up per mode (`culprit_extra_p50_s`, `path_p50_s`, `path_p95_s`,
+`group_task_failures`), where detection-to-culprit time went, read from the run's and its watching group's
+histories (`hang_timeline`).
 Targets (issue 16): at least 19 of 20 right in every mode, the culprit named within 1 s of detection, no
 false hangs.
 """
@@ -37,6 +40,80 @@ PORT_SEARCH_START = 21500
 """Below the kernel's ephemeral range (32768+), even with a checkout's TRAINGUARD_PORT_SEARCH_OFFSET: a port a client
 connection holds there looks free to the search but cannot be bound."""
 TRIAL_TIMEOUT_S = 120.0
+STAGES = ("watch_done", "group_task", "group_closed", "run_task", "evidence_scheduled", "evidence_started",
+          "evidence_completed", "named_task")
+"""Points on the path from a node's detection to the culprit named, each in seconds after the detection."""
+
+
+def _at(event: Any) -> float:
+    return event.event_time.ToMicroseconds() / 1e6
+
+
+def hang_timeline(run_events: list[Any], group_events: list[Any], detected_at: float) -> dict[str, float]:
+    """Where detection-to-culprit time went, from the run's history and its watching group's, as seconds after
+    `detected_at` (the agent's clock, the same machine's here): the watch's completion in the group, the
+    group's workflow task on it, the group's close, the run's workflow task on it, its evidence activities
+    scheduled, started (the last) and completed (the last), and the run's workflow task that named the culprit.
+    Also `group_task_failures`: the group's workflow tasks that failed on the way (a retried task)."""
+    from temporalio.api.enums.v1 import EventType as E
+
+    points: dict[str, float] = {}
+    since = detected_at - 0.05  # event times are the server's; a few ms of skew around the node's clock
+
+    def first(events: list[Any], kind: int, after: float, match: Any = None) -> Any:
+        return next((e for e in events if e.event_type == kind and _at(e) >= after and (match is None or match(e))),
+                    None)
+
+    watch = first(group_events, E.EVENT_TYPE_ACTIVITY_TASK_COMPLETED, since)
+    if watch is None:
+        return points
+    points["watch_done"] = _at(watch)
+    task = first(group_events, E.EVENT_TYPE_WORKFLOW_TASK_STARTED, _at(watch))
+    if task is not None:
+        points["group_task"] = _at(task)
+    points["group_task_failures"] = sum(1 for e in group_events if e.event_type == E.EVENT_TYPE_WORKFLOW_TASK_FAILED
+                                        and _at(e) >= since)
+    closed = first(group_events, E.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED, _at(watch))
+    if closed is not None:
+        points["group_closed"] = _at(closed)
+        done = first(run_events, E.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED, _at(closed))
+        if done is not None:
+            task = first(run_events, E.EVENT_TYPE_WORKFLOW_TASK_STARTED, _at(done))
+            if task is not None:
+                points["run_task"] = _at(task)
+    after = points.get("run_task", points["watch_done"])
+    scheduled = [e for e in run_events if e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED and _at(e) >= after
+                 and e.activity_task_scheduled_event_attributes.activity_type.name == "collect_evidence"]
+    ids = {e.event_id for e in scheduled}
+    if scheduled:
+        points["evidence_scheduled"] = _at(scheduled[0])
+        started = [_at(e) for e in run_events if e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_STARTED
+                   and e.activity_task_started_event_attributes.scheduled_event_id in ids]
+        completed = [_at(e) for e in run_events if e.event_type == E.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+                     and e.activity_task_completed_event_attributes.scheduled_event_id in ids]
+        if started:
+            points["evidence_started"] = max(started)
+        if completed:
+            points["evidence_completed"] = max(completed)
+            task = first(run_events, E.EVENT_TYPE_WORKFLOW_TASK_STARTED, max(completed))
+            if task is not None:
+                points["named_task"] = _at(task)
+    return {k: (v if k == "group_task_failures" else round(v - detected_at, 3)) for k, v in points.items()}
+
+
+async def _timeline(client: Any, rid: str, detected_at: float) -> dict[str, float]:
+    """`hang_timeline` of the watching group that closed first after `detected_at`."""
+    from temporalio.api.enums.v1 import EventType as E
+
+    run = await client.handle(rid).fetch_history()
+    closed = [e for e in run.events if e.event_type == E.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED
+              and _at(e) >= detected_at - 0.05
+              and "/watch-" in e.child_workflow_execution_completed_event_attributes.workflow_execution.workflow_id]
+    if not closed:
+        return {}
+    child = closed[0].child_workflow_execution_completed_event_attributes.workflow_execution
+    group = await client.client.get_workflow_handle(child.workflow_id, run_id=child.run_id).fetch_history()
+    return hang_timeline(list(run.events), list(group.events), detected_at)
 
 
 def spec(prefix: str, steps: int, trials: int) -> dict[str, Any]:
@@ -95,6 +172,7 @@ async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say:
     rid = await client.start_run(spec(f"bench-attr-{uuid.uuid4().hex[:6]}", 100_000, trials),
                                  workflow_id=f"bench-attr-{mode}-{uuid.uuid4().hex[:6]}")
     correct, detections, extras = 0, [], []
+    timelines: list[dict[str, float]] = []
     try:
         for trial in range(trials):
             # Train a few steps of this attempt first: hang bounds are learned from step times.
@@ -114,6 +192,15 @@ async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say:
             say(f"  {mode} trial {trial + 1}/{trials}: hung rank {rank}, named {incident.kind.value} rank "
                 f"{incident.rank} ({'right' if right else 'WRONG'}), detected in {incident.detection_s} s, "
                 f"+{incident.attribution_s} s to name it")
+            say(f"    evidence: {(incident.evidence or '').splitlines()[0] if incident.evidence else '-'}")
+            try:
+                timeline = await _timeline(client, rid, incident.detected_at)
+            except Exception as error:  # noqa: BLE001 - a figure of the benchmark, never its result
+                timeline = {}
+                say(f"    timeline unavailable: {error}")
+            if timeline:
+                timelines.append(timeline)
+                say("    path: " + ", ".join(f"{k} +{v}" for k, v in timeline.items()))
             # The next trial hangs the next attempt: wait until it is launched.
             await _wait(client, rid, lambda v, a=incident.attempt: v.status.attempt > a, TRIAL_TIMEOUT_S)
     finally:
@@ -121,7 +208,10 @@ async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say:
         await _closed(client, rid, say)
     return {"mode": mode, "trials": trials, "correct": correct,
             "detection_p50_s": percentile(detections, 0.5), "detection_p95_s": percentile(detections, 0.95),
-            "culprit_extra_s": percentile(extras, 0.95)}
+            "culprit_extra_s": percentile(extras, 0.95), "culprit_extra_p50_s": percentile(extras, 0.5),
+            "path_p50_s": {k: percentile([t[k] for t in timelines if k in t], 0.5) for k in STAGES},
+            "path_p95_s": {k: percentile([t[k] for t in timelines if k in t], 0.95) for k in STAGES},
+            "group_task_failures": sum(int(t.get("group_task_failures", 0)) for t in timelines)}
 
 
 async def clean_runs(client: Any, runs: int, steps: int, say: Any) -> int:
@@ -174,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['mode']:<16} {row['correct']:>3}/{row['trials']:<3} {row['detection_p50_s']!s:>10} "
               f"{row['detection_p95_s']!s:>6} {row['culprit_extra_s']!s:>10} {row['false_hangs']:>11}")
+    for row in rows:
+        if any(row.get("path_p50_s", {}).values()):
+            print(f"{row['mode']:<16} path after detection, p50 / p95 s: " + ", ".join(
+                f"{k} {row['path_p50_s'][k]}/{row['path_p95_s'][k]}" for k in STAGES if row["path_p50_s"][k] is not None)
+                  + f"; group task failures {row['group_task_failures']}")
     met = all(r["correct"] >= 0.95 * r["trials"] and (r["culprit_extra_s"] or 0) <= 1.0 and not r["false_hangs"]
               for r in rows)
     print(f"targets (>= 95% right, culprit within 1 s, no false hangs): {'met' if met else 'NOT met'}")

@@ -62,7 +62,8 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -637,14 +638,35 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 await client.cancel(run_id)
 
 
+NVML_STANDIN = Path(__file__).resolve().parent / "nvml_standin"
+"""A stand-in `pynvml` (`infra/bench/nvml_standin/pynvml.py`) for the gpu fault: the agents subscribe to its XID
+events as to a real NVML's, and chaos raises its XID there, so detection is measured on the path a real
+XID takes (the event wait, then the watch's next poll). No GPU here."""
+
+
+@contextmanager
+def _nvml_standin(on: bool) -> Iterator[None]:
+    """With `on`, the stack's processes import the stand-in NVML (first on PYTHONPATH) while it starts."""
+    saved = os.environ.get("PYTHONPATH")
+    if on:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(NVML_STANDIN), saved) if p)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def run_trainguard(opts: argparse.Namespace, faults: list[str], work: Path,
                    hosts: bool = False) -> tuple[list[Measurement], dict[str, Any]]:
     from infra.bench.stack import private_stack
 
     nodes = (*NODES, SPARE) if NODE_FAULTS & set(faults) else NODES
-    info: dict[str, Any] = {}
+    info: dict[str, Any] = {"nvml": "stand-in event set (infra/bench/nvml_standin)" if "gpu" in faults else "none"}
     name = "hosts-stack" if hosts else "stack"
-    with private_stack(name, nodes, PORT_SEARCH_START, echo=lambda line: say(f"  {name}: {line}"),
+    with _nvml_standin("gpu" in faults), private_stack(name, nodes, PORT_SEARCH_START, echo=lambda line: say(f"  {name}: {line}"),
                        keep_logs=work / f"{name}-logs" if opts.keep_logs else None, timings=info, hosts=hosts) as dev:
         info.update(home=str(dev.home), port_base=dev.config.ports.temporal,
                     weed_grpc_ports=dev.config.ports.weed_grpc_ports(), hosts=hosts)

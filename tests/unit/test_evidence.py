@@ -83,7 +83,81 @@ def test_an_io_hang_blocks_in_a_read_and_skip_collective_needs_the_ddp_hook(rank
     with pytest.raises(ApplicationError, match="hook_ddp"):
         inject_hang(layout, record, 0, "skip-collective")
     inject_hang(layout, record, 0, "io")
-    time.sleep(0.3)
-    found, _ = collect_local("node-0", layout, record)
-    assert "hang_in_io" in found[0].innermost
+    deadline = time.monotonic() + 15  # the rank picks the request up at its next poll, later on a loaded machine
+    while "hang_in_io" not in (found := collect_local("node-0", layout, record)[0])[0].innermost:
+        assert time.monotonic() < deadline, f"rank 0 never blocked in the read: {found[0].innermost}"
+        time.sleep(0.1)
     assert "hang_in_io" not in found[1].innermost  # the other rank goes on
+
+
+@pytest.mark.parametrize(("enqueued", "completed", "hooked", "entered", "back", "inside"), [
+    # DDP's gradient all-reduce is asynchronous: Flight Recorder marks it complete only once its work object is
+    # waited on, which DDP never does, so a rank between steps reads "inside" from it alone. The hook's own
+    # count says it is not.
+    (12, 9, True, 3, 3, False),
+    (12, 9, True, 4, 3, True),  # waiting for a gradient all-reduce's result
+    (12, 9, False, 0, 0, True),  # no hook: Flight Recorder's word
+    (9, 9, False, 0, 0, False),
+    (None, None, False, 0, 0, None),  # no Flight Recorder, no hook: not known, never guessed
+    (None, None, True, 2, 1, True),
+])
+def test_inside_a_collective_comes_from_the_ddp_hook_where_the_script_uses_it(
+        enqueued: int | None, completed: int | None, hooked: bool, entered: int, back: int, inside: bool | None) -> None:
+    from trainguard.evidence import in_collective
+
+    assert in_collective(enqueued, completed, hooked, entered, back) is inside
+
+
+def test_the_ddp_hook_counts_each_all_reduce_in_and_out_and_leaves_the_gradients_as_torch_makes_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainguard.evidence import RankChannel
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        channel = RankChannel(tmp_path / "rank-00000")
+        grads = []
+        for hooked in (False, True):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Linear(4, 3))
+            if hooked:
+                model.register_comm_hook(None, channel.allreduce_hook)
+                channel.ddp_hooked = True
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        position = channel.position("r1")
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert (channel.hook_entered, channel.hook_completed) == (3, 3)
+    assert position.in_collective is False and position.extra["hook_entered"] == 3
+
+
+async def test_a_watch_asked_for_evidence_returns_its_hang_with_every_local_ranks_evidence(
+        ranks, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.evidence import EvidenceActivities
+    from activities.models import WatchEventKind, WatchRanksInput
+    from activities.ranks import RankActivities
+    from trainguard.spec import HealthSpec
+
+    layout, record = ranks
+    agent = RankActivities("node-0", tmp_path, "127.0.0.1", REPO)
+    agent._attempts["wf"] = record
+    EvidenceActivities(agent, uploader=lambda *_: None)
+    inject_hang(layout, record, 1, "python")
+    request = WatchRanksInput(workflow_id="wf", attempt=1, node="node-0", evidence=True, evidence_with_event=True,
+                              health=HealthSpec(hang_floor_s=0.5, poll_interval_s=0.05))
+
+    event = await ActivityEnvironment().run(agent.watch_ranks, request)
+
+    assert (event.kind, event.rank) == (WatchEventKind.HANG, 1)
+    assert [e.rank for e in event.evidence] == [0, 1]
+    assert "hang_in_python" in event.evidence[1].innermost and event.evidence[1].answered
+    assert (layout.attempt_dir(1) / "evidence" / "incident-rank-00001.txt").is_file()

@@ -379,3 +379,40 @@ def test_without_nvml_no_xid_thread_starts() -> None:
 
     xid = XidEvents(Broken())
     assert xid.start() is False and not xid.available
+
+
+def _standin() -> Any:
+    """A fresh copy of the stand-in NVML the benchmarks put on an agent's path (infra/bench/nvml_standin)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "infra" / "bench" / "nvml_standin" / "pynvml.py"
+    name = f"pynvml_standin_{len([m for m in sys.modules if m.startswith('pynvml_standin_')])}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chaos_raises_its_xid_at_the_nvml_layer_where_nvml_can_and_the_event_wait_reports_it() -> None:
+    import time
+
+    from activities.health import NodeHealth, XidEvents
+
+    nvml = _standin()
+    xid = XidEvents(nvml)
+    assert xid.start()
+    health = NodeHealth(xid)
+    raised = time.time()
+    assert health.inject("injected by chaos", raised) == "nvml-event"
+    assert _until(lambda: health.injected is not None)
+    assert health.injected == "GPU 0: XID 79"
+    assert [(gpu, code) for gpu, code, _ in nvml.delivered] == [(0, 79)]  # through nvmlEventSetWait_v2
+    assert health.injected_at == raised  # the fault's time is when it was raised, as a real XID's would be
+    assert not health.check().healthy
+    xid.stop()
+
+    unsubscribed = NodeHealth(XidEvents(_standin()))  # its thread never started: handed to on_xid instead
+    assert unsubscribed.inject("injected by chaos", 5.0) == "direct" and unsubscribed.injected_at == 5.0

@@ -1420,3 +1420,55 @@ async def test_a_cordoned_named_node_without_a_spare_still_fails_naming_it(env: 
     run = await _run(env, Cluster(nodes=nodes, pool=pool), _spec(nodes))
     message = _failure_message(run.outcome)
     assert f"nodes.1 '{nodes[1]}' is cordoned (xid 79)" in message, message
+
+
+def _hang_with_evidence(node: str, rank: int, inside: bool, enqueued: int, at: float) -> WatchEvent:
+    """A HANG as a watch asked for `evidence_with_event` returns it: its node's evidence taken with it."""
+    return _event(WatchEventKind.HANG, rank=rank, detail=f"rank {rank} made no progress for 2.0s").model_copy(update={
+        "detected_at": at, "fault_at": at - 2.0, "evidence": [RankEvidence(
+            node=node, rank=rank, state="S", answered=True, collectives_enqueued=enqueued,
+            collectives_completed=enqueued - inside, in_collective=inside, collective="gloo:all_reduce",
+            innermost="train.py:143 in main", stacks_key=f"k/rank-{rank}")]})
+
+
+async def test_a_hang_every_watch_brings_evidence_for_is_named_without_asking_any_node_again(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    # node-0's watch judges first; node-1's (the culprit's node) a moment later, as a peer's does: the group
+    # waits for it, so both nodes' evidence reaches the run with the group's one result.
+    judged: list[float] = []
+    cluster = Cluster(nodes=nodes)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), Until(lambda: judged.append(time.monotonic()) or True),
+                        _hang_with_evidence(nodes[0], 0, True, 21, 1_000.0)],
+        (1, nodes[1]): [_ready(10), Until(lambda: bool(judged) and time.monotonic() - judged[0] > 0.2),
+                        _hang_with_evidence(nodes[1], 1, False, 20, 1_000.2)],
+        (2, nodes[0]): [_finished(25)], (2, nodes[1]): [_finished(25)]}
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, RunResult)
+    [incident] = run.outcome.incidents
+    assert (incident.kind, incident.node, incident.rank) == (IncidentKind.HANG, nodes[1], 1)
+    assert incident.evidence.startswith("rank 1 is not inside a collective (entered 20) while its peers are")
+    assert incident.evidence_key == f"s3://trainguard/runs/{run.handle.id}/incidents/1/"
+    assert cluster.inputs("collect_evidence") == []
+    assert all(w.evidence_with_event for w in _by_attempt(cluster.inputs("watch_ranks"), 1))
+
+
+async def test_a_hang_only_some_watches_brought_evidence_for_asks_only_the_other_nodes(
+        env: WorkflowEnvironment) -> None:
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, evidence={
+        nodes[1]: [RankEvidence(node=nodes[1], rank=1, state="S", answered=True, collectives_enqueued=20,
+                                collectives_completed=20, in_collective=False, innermost="train.py:120 in main")]})
+    cluster.watch_script = {(1, nodes[0]): [_ready(10), _hang_with_evidence(nodes[0], 0, True, 21, 1_000.0)],
+                            (1, nodes[1]): [_ready(10), BLOCK],  # its watch has not judged (yet)
+                            (2, nodes[0]): [_finished(25)], (2, nodes[1]): [_finished(25)]}
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    assert isinstance(run.outcome, RunResult)
+    [incident] = run.outcome.incidents
+    assert (incident.node, incident.rank) == (nodes[1], 1)
+    assert [c.node for c in cluster.inputs("collect_evidence")] == [nodes[1]]
