@@ -65,6 +65,12 @@ incident names the rank that actually hung."""
 STUCK_STATES = frozenset({"T", "t", "D", "Z"})
 
 
+EXITING_GRACE_S = 60.0
+"""A rank that reported why it stops itself (an uncaught exception, a checkpoint step it skipped) may take this
+much longer to exit before it counts as hung: its process is tearing down (torch's shutdown can take seconds
+on a loaded machine), and its exit is the crash to report, with its traceback."""
+
+
 def find_hung_rank(
     reports: dict[int, RankReport | None],
     running_ranks: set[int],
@@ -87,6 +93,8 @@ def find_hung_rank(
             continue
         silent = silent_for_s(report, launched_at, now)
         bound = silence_bound_s(report, start_step, health)
+        if report is not None and report.error is not None:
+            bound += EXITING_GRACE_S  # it said why it is stopping: exiting, not hung
         if (states or {}).get(rank, "S") not in STUCK_STATES and report is not None and report.step > start_step:
             bound += grace_s
         if silent > bound and (worst is None or silent > worst[1]):

@@ -26,6 +26,7 @@ None, so the same script still runs under plain torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -225,6 +226,19 @@ class RankRun:
             self._write_progress(force=True)
 
     # -------------------------------------------------------------------------------------- progress
+    def report_uncaught_exceptions(self) -> None:
+        """An exception nobody catches ends the script: say so in the progress file at once. The process may
+        take seconds more to exit (torch's own teardown, longer on a loaded machine), and a rank silent past
+        its hang bound meanwhile would be judged hung, not crashed with its traceback."""
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+            with contextlib.suppress(Exception):
+                self._write_progress(force=True, error=f"{kind.__name__}: {error}"[:500])
+            previous(kind, error, trace)
+
+        sys.excepthook = hook
+
     def _write_progress(self, force: bool = False, **extra: Any) -> None:
         if self._progress_path is None:
             return
@@ -611,4 +625,6 @@ def init(*, replicated: bool = False, checkpoint_format: str = "auto") -> RankRu
     `replicated=True`: every rank holds the same state (DDP), so rank 0 alone writes the checkpoint's one
     shard and every rank restores from it; a script that saves on rank 0 only needs it. `checkpoint_format`:
     `auto` (DCP for state holding DTensors, else `torch.save` per rank), `torch` or `dcp`."""
-    return RankRun(replicated=replicated, checkpoint_format=checkpoint_format)
+    run = RankRun(replicated=replicated, checkpoint_format=checkpoint_format)
+    run.report_uncaught_exceptions()
+    return run

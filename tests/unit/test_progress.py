@@ -6,6 +6,7 @@ import pytest
 
 from activities.progress import (
     COLLECTIVE_WAIT_GRACE_S,
+    EXITING_GRACE_S,
     RankReport,
     complete_steps,
     find_hung_rank,
@@ -140,3 +141,14 @@ def test_complete_steps(saved: dict[int, set[int]], local_ranks: set[int], after
 )
 def test_find_stragglers(compute_s: dict[int, float], ratio: float, expected: dict[int, float]) -> None:
     assert find_stragglers(compute_s, ratio) == pytest.approx(expected)
+
+
+def test_a_rank_that_said_why_it_stops_is_exiting_not_hung_until_its_grace_runs_out() -> None:
+    """A rank whose script raised is tearing down (torch's shutdown takes seconds on a loaded machine): its exit
+    is the crash to report with its traceback, not a hang."""
+    raised = RankReport(rank=0, step=5, time=1_000.0, step_time_s=1.0, error="ValueError: deliberate failure")
+    past_its_hang_bound = 1_000.0 + 10.0 + COLLECTIVE_WAIT_GRACE_S + 1.0
+
+    assert find_hung_rank({0: _report(0, time=1_000.0)}, {0}, 0, LAUNCHED_AT, past_its_hang_bound, HEALTH) is not None
+    assert find_hung_rank({0: raised}, {0}, 0, LAUNCHED_AT, past_its_hang_bound, HEALTH) is None
+    assert find_hung_rank({0: raised}, {0}, 0, LAUNCHED_AT, past_its_hang_bound + EXITING_GRACE_S, HEALTH) is not None

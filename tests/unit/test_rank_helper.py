@@ -543,3 +543,28 @@ def test_state_digest_ignores_a_ddp_wrappers_prefix() -> None:
 def test_an_unknown_checkpoint_format_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="checkpoint_format 'zip'"):
         RankRun(_environ(tmp_path), checkpoint_format="zip")
+
+
+def test_an_uncaught_exception_is_in_the_progress_file_before_the_process_exits(tmp_path: Path) -> None:
+    """The script raises; before the interpreter tears down (which can take seconds with torch loaded), the
+    progress file says why the rank stops, so the agent waits for its exit instead of judging it hung."""
+    import subprocess
+    import sys
+
+    from trainguard import protocol
+
+    progress = tmp_path / "rank-00000.json"
+    script = ("import json, sys, trainguard.rank as tg\n"
+              "run = tg.init()\n"
+              "run.step_done(1)\n"
+              "import atexit\n"
+              # What the agent would read while the process is still tearing down.
+              f"atexit.register(lambda: print('SEEN', open({str(progress)!r}).read()))\n"
+              "raise ValueError('deliberate failure at step 1')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(rank_module.__file__).parents[1]),
+                               protocol.ENV_PROGRESS_FILE: str(progress), "RANK": "0", "WORLD_SIZE": "1"})
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "deliberate failure at step 1" in done.stderr, "the traceback is kept"
+    seen = json.loads(done.stdout.split("SEEN", 1)[1])
+    assert seen["error"] == "ValueError: deliberate failure at step 1"
