@@ -310,7 +310,9 @@ class NodeGroupWatch:
             task_queue=node_task_queue(node),
             # A launching watch may first download for as long as a download activity would.
             start_to_close_timeout=WATCH_TIMEOUT + TRANSFER_TIMEOUT if launches else WATCH_TIMEOUT,
-            schedule_to_start_timeout=BURST_SCHEDULE_TO_START if launches else NODE_SCHEDULE_TO_START,
+            schedule_to_start_timeout=(BURST_SCHEDULE_TO_START if request.launch_wait_s is None
+                                       else timedelta(seconds=request.launch_wait_s)) if launches
+            else NODE_SCHEDULE_TO_START,
             heartbeat_timeout=WATCH_HEARTBEAT_TIMEOUT,
             retry_policy=WATCH_RETRY,
             result_type=WatchEvent,

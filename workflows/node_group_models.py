@@ -97,6 +97,9 @@ class NodeGroupWatchInput(BaseModel):
     """Node rank of the group's first node: groups are consecutive slices of the attempt's nodes."""
     launched: list[str] = Field(default_factory=list)
     """Nodes already launched by an activity of their own (the master node, which picks the rendezvous)."""
+    launch_wait_s: float | None = None
+    """How long a launching watch may wait for its agent to start it before the node is taken for lost. None:
+    `BURST_SCHEDULE_TO_START`."""
     launch_second_chance: bool = False
     """A launching watch no agent started within its schedule-to-start timeout is scheduled once more before
     the node is taken for lost. For relaunches of thousands of nodes, whose burst a small Temporal matches

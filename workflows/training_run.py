@@ -994,13 +994,19 @@ class TrainingRun:
         tag = str(workflow.uuid4())[:8]
         master = self._status.nodes[:1]
         second_chance = len(self._status.nodes) > FAN_OUT_GROUPS * NODES_PER_GROUP
+        # A run of one group: its launching watches are a burst of at most 64, matched in well under the stop's
+        # 10 s even on a loaded machine, and that is how fast a node lost with its ranks (its peers' crash seen
+        # first) is found. Larger relaunches wait 30 s (at 256 nodes, load 16, 10 s read a live node as lost).
+        launch_wait = (NODE_SCHEDULE_TO_START.total_seconds() if len(self._status.nodes) <= NODES_PER_GROUP
+                       and workflow.patched(PATCH_FENCED_RELAUNCH) else None)
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
             NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
                                                     starters=[n for n in group if n in master],
                                                     launch=launch, download=download,
                                                     first_node_rank=index * NODES_PER_GROUP,
                                                     launched=[n for n in group if n in master] if launch else [],
-                                                    launch_second_chance=second_chance),
+                                                    launch_second_chance=second_chance,
+                                                    launch_wait_s=launch_wait),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
         )) for index, group in enumerate(groups_of(self._status.nodes))}
