@@ -220,14 +220,16 @@ def drain(nodes: dict[str, PoolNode], node: str) -> None:
 
 @workflow.defn(name=POOL_WORKFLOW_TYPE)
 class NodePool:
-    def __init__(self) -> None:
-        self._nodes: dict[str, PoolNode] = {}
+    @workflow.init
+    def __init__(self, carried: PoolStatus | None = None) -> None:
+        # The nodes are in place before any handler runs: the first workflow task of a pool (its start, or a
+        # continue-as-new) may carry leases already, and a lease handled before `run` began saw an empty pool
+        # and was refused its nodes as unregistered.
+        self._nodes: dict[str, PoolNode] = {node.node: node for node in (carried.all_nodes() if carried else [])}
         self._updates = 0
 
     @workflow.run
     async def run(self, carried: PoolStatus | None = None) -> None:
-        for node in (carried.all_nodes() if carried else []):
-            self._nodes[node.node] = node
         await workflow.wait_condition(
             lambda: workflow.info().get_current_history_length() > POOL_HISTORY_EVENTS
             or self._updates >= POOL_UPDATES_PER_HISTORY

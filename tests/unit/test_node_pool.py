@@ -273,7 +273,7 @@ async def test_leases_asked_together_go_to_the_pool_in_few_updates_and_each_gets
         status = await handle.query(NodePool.nodes)
         await handle.terminate()
 
-    assert all(lease.granted for lease in leases)
+    assert all(lease.granted for lease in leases), [l for l in leases if not l.granted]
     assert [sorted(f) for f in freed] == [names[2 * i:2 * i + 2] for i in range(20)]  # each run its own
     assert updates <= 6, updates  # 40 one by one before batches
     assert all(n.leased_to is None for n in status.nodes)
