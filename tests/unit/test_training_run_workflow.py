@@ -160,7 +160,7 @@ class Cluster:
     manifests: list[Manifest] = field(default_factory=list)
     records: dict[int, dict[str, NodeCheckpointRecord]] = field(default_factory=dict)
     """The store's node records: step -> node -> what its watch uploaded."""
-    committed: set[int] = field(default_factory=set)
+    committed_refs: dict[int, CommittedCheckpoint] = field(default_factory=dict)
     calls: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     while_running: Callable[[WorkflowHandle[Any, Any]], Awaitable[None]] | None = None
     """Called once, from the first watch, while the ranks train: to query or update the run."""
@@ -205,8 +205,10 @@ class Cluster:
             self.calls["commit_checkpoints"].append(request)
             deadline = time.monotonic() + (0.05 if request.quiet_s is not None else request.max_duration_s)
             while True:
+                # As the real committer, a pass finds a step an abandoned pass committed again (its commit is
+                # idempotent): a run that gave up on that pass still hears of it.
                 commits = [c for step in sorted(self.records) if step > request.after_step
-                           and step not in self.committed and (c := self._commit(request, step)) is not None]
+                           and (c := self.committed_refs.get(step) or self._commit(request, step)) is not None]
                 if commits:
                     self.calls["prune_checkpoints"].append(PruneCheckpointsInput(
                         bucket=request.bucket, run_prefix=request.run_prefix, keep_last=request.keep_last,
@@ -249,18 +251,18 @@ class Cluster:
         shards = sorted((s for r in records for s in r.shards), key=lambda s: s.rank)
         if [s.rank for s in shards] != list(range(request.world_size)):
             return None
-        self.committed.add(step)
         self.calls["commit_checkpoint"].append(CommitCheckpointInput(
             bucket=request.bucket, run_prefix=request.run_prefix, workflow_id=request.workflow_id,
             attempt=request.attempt, step=step, world_size=request.world_size, shards=shards))
         self.manifests.append(Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
                                        attempt=request.attempt, shards=shards, reshardable=reshardable_of(shards)))
         compute = {rank: c for r in records for rank, c in r.rank_compute_s.items()}
-        return CommittedCheckpoint(
+        self.committed_refs[step] = CommittedCheckpoint(
             ref=CheckpointRef(step=step, manifest_key=_manifest_key(request.run_prefix, step), bucket=request.bucket,
                               world_size=request.world_size, total_bytes=sum(s.size_bytes for s in shards),
                               reshardable=reshardable_of(shards)),
             slow_ranks=find_stragglers(compute, request.straggler_ratio), step=step)
+        return self.committed_refs[step]
 
     def _upload_in_watch(self, request: WatchRanksInput, ready: WatchEvent) -> None:
         """What an agent's watch does with a complete local step: upload its shards, write its node record."""
