@@ -211,8 +211,8 @@ class NodeGroupWatch:
         starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
         watches = {n: self._watch(request, n, report_start=n in starters and n not in started, launch=True)
                    for n in request.nodes if n not in finished}
+        # Nodes whose current watch is their launching one: none has come back yet.
         launching = set(watches) if request.launch is not None else set()
-        """Nodes whose current watch is their launching one: none has come back yet."""
         # Watches still running when the group closes are left, not cancelled: a cancel that races a watch
         # just returned is refused (ACTIVITY_UNKNOWN) and fails the workflow task. Once the group has closed,
         # each watch's next heartbeat (a second) is refused and its agent stops it; the ranks keep running,

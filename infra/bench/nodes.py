@@ -54,10 +54,11 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 from infra.bench.history import HistoryFigures, marginal_per_checkpoint, percentile
@@ -475,11 +476,29 @@ def summarize(size: Size, histories: list[HistoryFigures], workflow_id: str, com
             size.activity_troubles[trouble] = size.activity_troubles.get(trouble, 0) + count
 
 
-async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s: float, server_pid: int,
-                  save_histories: Path | None = None) -> None:
+@asynccontextmanager
+async def standin_workers(client: Any, nodes: Any, num_queues: int, per_queue: int) -> AsyncIterator[None]:
+    """A worker per shared queue serving the stand-in nodes' activities, polled before it yields."""
     from temporalio.worker import Worker
 
-    from infra.bench.standins import NodeRecords, StandinNodes, install_routing, shared_queues
+    from infra.bench.standins import shared_queues
+
+    async with AsyncExitStack() as workers:
+        for queue in shared_queues(num_queues):
+            await workers.enter_async_context(Worker(
+                client, task_queue=queue, activities=nodes.activities(),
+                max_concurrent_activities=max(200, 8 * per_queue),
+                max_concurrent_activity_task_polls=min(MAX_POLLS_PER_QUEUE, 5 * per_queue),
+                max_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
+                default_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
+                graceful_shutdown_timeout=timedelta(seconds=1)))
+        await wait_for_standins(client, shared_queues(num_queues))
+        yield
+
+
+async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s: float, server_pid: int,
+                  save_histories: Path | None = None) -> None:
+    from infra.bench.standins import NodeRecords, StandinNodes, install_routing
     from trainguard.connect import connect
 
     install_routing(num_queues)
@@ -491,16 +510,7 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
     per_queue = math.ceil((len(plan.nodes) + len(plan.spares)) / num_queues)
     try:
         await wait_for_controller(client, controller)
-        async with AsyncExitStack() as workers:
-            for queue in shared_queues(num_queues):
-                await workers.enter_async_context(Worker(
-                    client, task_queue=queue, activities=nodes.activities(),
-                    max_concurrent_activities=max(200, 8 * per_queue),
-                    max_concurrent_activity_task_polls=min(MAX_POLLS_PER_QUEUE, 5 * per_queue),
-                    max_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
-                    default_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
-                    graceful_shutdown_timeout=timedelta(seconds=1)))
-            await wait_for_standins(client, shared_queues(num_queues))
+        async with standin_workers(client, nodes, num_queues, per_queue):
             cpu_before, began = (controller.cpu_s(), cpu_s(server_pid), cpu_s(os.getpid())), time.monotonic()
             _, incidents = await drive(client, plan, workflow_id, controller, size, timeout_s)
             size.wall_s = round(time.monotonic() - began, 2)

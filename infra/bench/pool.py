@@ -31,15 +31,13 @@ import os
 import secrets
 import sys
 import time
-from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from infra.bench.history import percentile
-from infra.bench.nodes import (MAX_POLLS_PER_QUEUE, SERVER_ARGS, STANDIN_HEARTBEAT_INTERVAL, Controller, Plan,
-                               seed_pool, terminate_all, wait_for_controller, wait_for_standins)
+from infra.bench.nodes import (SERVER_ARGS, Controller, Plan, seed_pool, standin_workers, terminate_all,
+                               wait_for_controller)
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
@@ -190,9 +188,7 @@ async def pool_cost(client: Any, figures: Figures) -> None:
 
 
 async def measure(figures: Figures, home: Path, num_queues: int, timeout_s: float) -> None:
-    from temporalio.worker import Worker
-
-    from infra.bench.standins import NodeRecords, StandinNodes, install_routing, shared_queues
+    from infra.bench.standins import NodeRecords, StandinNodes, install_routing
     from trainguard.connect import connect
 
     install_routing(num_queues)
@@ -206,16 +202,7 @@ async def measure(figures: Figures, home: Path, num_queues: int, timeout_s: floa
     per_queue = math.ceil(figures.pool_nodes / num_queues)
     try:
         await wait_for_controller(client, controller)
-        async with AsyncExitStack() as workers:
-            for queue in shared_queues(num_queues):
-                await workers.enter_async_context(Worker(
-                    client, task_queue=queue, activities=stand_ins.activities(),
-                    max_concurrent_activities=max(200, 8 * per_queue),
-                    max_concurrent_activity_task_polls=min(MAX_POLLS_PER_QUEUE, 5 * per_queue),
-                    max_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
-                    default_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
-                    graceful_shutdown_timeout=timedelta(seconds=1)))
-            await wait_for_standins(client, shared_queues(num_queues))
+        async with standin_workers(client, stand_ins, num_queues, per_queue):
             began, cpu_before = time.monotonic(), controller.cpu_s()
             figures.load_avg_1m = round(os.getloadavg()[0], 1)
             if figures.lease_nodes:
