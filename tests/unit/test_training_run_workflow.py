@@ -464,8 +464,6 @@ def _by_attempt(requests: Sequence[Any], attempt: int) -> list[Any]:
 # -------------------------------------------------------------------------------------------- tests
 
 
-# Fails in fresh-clone full suites (final_checkpoint None, a race with an abandoned committer pass): `make test-slow` until fixed.
-@pytest.mark.slow
 async def test_happy_path_commits_a_checkpoint_and_completes(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(2)
     seen: list[RunStatus] = []
@@ -508,7 +506,9 @@ async def test_happy_path_commits_a_checkpoint_and_completes(env: WorkflowEnviro
     assert uploads == [(nodes[0], 10), (nodes[1], 10)]
     [commit] = cluster.inputs("commit_checkpoint")
     assert (commit.step, commit.world_size, sorted(s.rank for s in commit.shards)) == (10, 2, [0, 1])
-    assert [p.protect_steps for p in cluster.inputs("prune_checkpoints")] == [[10]]
+    # Each pass that commits prunes, and an abandoned pass may find the commit too: pruning is idempotent.
+    prunes = [p.protect_steps for p in cluster.inputs("prune_checkpoints")]
+    assert prunes and all(protected == [10] for protected in prunes)
     # A watch uploads its node's checkpoints itself: only the first step (the master's, once), a keepalive and
     # the end return it; nothing stopped.
     assert sorted((w.node, w.report_start) for w in cluster.inputs("watch_ranks")) == [
