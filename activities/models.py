@@ -397,6 +397,9 @@ class WatchRanksInput(BaseModel):
     evidence_with_event: bool = False
     """On judging a hang, ask this node's ranks for their evidence right there and return it with the HANG
     event (`WatchEvent.evidence`), so the run need not ask this node again (`collect_evidence`)."""
+    heartbeat_every_s: float | None = None
+    """Heartbeat at most this often (a large run bounds its heartbeats per second: `HEARTBEATS_PER_S` in
+    `workflows/node_group.py`); None: at every poll, as the agent's worker throttles them."""
 
 
 class WatchEvent(BaseModel):

@@ -787,6 +787,7 @@ class RankActivities:
         next_gpu_check = started + health.gpu_check_interval_s
         alive_reported = -1
         local_ranks = set(record.ranks)
+        next_heartbeat = 0.0
         while True:
             now = time.time()
             reports = {r: _read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
@@ -798,9 +799,11 @@ class RankActivities:
                 )
             steps = [rep.step if rep else record.start_step for rep in reports.values()]
             node_step = min(steps) if steps else -1
-            activity.heartbeat(protocol.WatchHeartbeat(
-                node=self.node, attempt=record.attempt,
-                steps={r: (rep.step if rep else None) for r, rep in reports.items()}).to_json())
+            if time.monotonic() >= next_heartbeat:  # a large run's watches heartbeat less often
+                next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
+                activity.heartbeat(protocol.WatchHeartbeat(
+                    node=self.node, attempt=record.attempt,
+                    steps={r: (rep.step if rep else None) for r, rep in reports.items()}).to_json())
 
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,

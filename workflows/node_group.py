@@ -77,7 +77,34 @@ a day (a dead agent is noticed by the heartbeat timeout, whatever this is)."""
 
 WATCH_TIMEOUT = timedelta(seconds=WATCH_MAX_DURATION_S + 60)
 WATCH_HEARTBEAT_TIMEOUT = timedelta(seconds=10)
-"""The agent heartbeats every poll (0.2 s by default): 10 s of silence means the node is unresponsive."""
+"""The agent heartbeats every poll (0.2 s by default): 10 s of silence means the node is unresponsive. A run
+of more than `HEARTBEATS_PER_S` nodes waits longer (`watch_heartbeat_timeout`)."""
+
+HEARTBEATS_PER_S = 200
+"""Watch heartbeats one run sends Temporal each second, at most. Every node's watch heartbeats (an RPC and a
+write of the activity's state on the server, never an event), so at one a second each a 4,096-node run sent
+4,096 a second, and on this machine's dev server that load made live nodes' heartbeats late (read as lost) and
+launching watches wait past their bound. Past 200 nodes each node's watch heartbeats every nodes / 200 s
+(4,096 nodes: every 20 s) and is given 3 times that before its node is taken as lost (61 s), so the server's
+load is bounded per run; a lost node of a large run is noticed that much later (its peers' ranks, blocked in
+their next collective, are usually judged hung sooner)."""
+
+HEARTBEAT_TIMEOUT_INTERVALS = 3
+"""A watch's heartbeat timeout is at least this many of its heartbeat intervals: one late heartbeat is load,
+three in a row a lost node."""
+
+
+def watch_heartbeat_every_s(num_nodes: int) -> float | None:
+    """How often each node's watch heartbeats so the run sends at most `HEARTBEATS_PER_S`; None up to that
+    many nodes (every poll, as the agent's `TRAINGUARD_HEARTBEAT_INTERVAL_S` throttles it)."""
+    return None if num_nodes <= HEARTBEATS_PER_S else round(num_nodes / HEARTBEATS_PER_S, 3)
+
+
+def watch_heartbeat_timeout(heartbeat_every_s: float | None) -> timedelta:
+    """The heartbeat timeout of a watch that heartbeats every `heartbeat_every_s` (None: every poll)."""
+    if heartbeat_every_s is None:
+        return WATCH_HEARTBEAT_TIMEOUT
+    return max(WATCH_HEARTBEAT_TIMEOUT, timedelta(seconds=HEARTBEAT_TIMEOUT_INTERVALS * heartbeat_every_s))
 
 TRANSFER_TIMEOUT = timedelta(minutes=30)
 TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
@@ -313,7 +340,7 @@ class NodeGroupWatch:
             schedule_to_start_timeout=(BURST_SCHEDULE_TO_START if request.launch_wait_s is None
                                        else timedelta(seconds=request.launch_wait_s)) if launches
             else NODE_SCHEDULE_TO_START,
-            heartbeat_timeout=WATCH_HEARTBEAT_TIMEOUT,
+            heartbeat_timeout=watch_heartbeat_timeout(watch.heartbeat_every_s),
             retry_policy=WATCH_RETRY,
             result_type=WatchEvent,
             summary=f"watch ranks on {node} (attempt {watch.attempt})",

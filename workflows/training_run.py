@@ -89,7 +89,6 @@ with workflow.unsafe.imports_passed_through():
         PATCH_HANG_EVIDENCE_WITH_EVENT,
         STOP_TIMEOUT,
         TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
-        WATCH_HEARTBEAT_TIMEOUT,
         WATCH_MAX_DURATION_S,
         GroupStarted,
         NodeCallKind,
@@ -104,6 +103,8 @@ with workflow.unsafe.imports_passed_through():
         LostNode,
         call_nodes,
         groups_of,
+        watch_heartbeat_every_s,
+        watch_heartbeat_timeout,
     )
 
 PATCH_RECLAIM_SPARES = "reclaim-spares"
@@ -262,13 +263,14 @@ def _cause_text(error: BaseException) -> str:
     return str(cause or error)
 
 
-def _lost_since(incident: Incident) -> float | None:
+def _lost_since(incident: Incident, num_nodes: int) -> float | None:
     """For a lost node: the earliest time the run may last have heard from it (a watch's heartbeat times out
-    `WATCH_HEARTBEAT_TIMEOUT` after the last one; a stop its agent never picked up waited
+    `watch_heartbeat_timeout` after the last one, 10 s up to 200 nodes; a stop its agent never picked up waited
     `NODE_SCHEDULE_TO_START`). An agent that registered after that is back; None for any other incident."""
     if incident.kind is not IncidentKind.NODE_UNRESPONSIVE or incident.detected_at <= 0:
         return None
-    return incident.detected_at - max(WATCH_HEARTBEAT_TIMEOUT, NODE_SCHEDULE_TO_START).total_seconds()
+    heartbeat = watch_heartbeat_timeout(watch_heartbeat_every_s(num_nodes))
+    return incident.detected_at - max(heartbeat, NODE_SCHEDULE_TO_START).total_seconds()
 
 
 def _same_failure_reason(incident: Incident, why: str) -> str:
@@ -990,6 +992,7 @@ class TrainingRun:
             evidence=workflow.patched(PATCH_HANG_EVIDENCE),
             evidence_with_event=workflow.patched(PATCH_HANG_EVIDENCE_WITH_EVENT),
             max_duration_s=WATCH_MAX_DURATION_S,
+            heartbeat_every_s=watch_heartbeat_every_s(len(self._status.nodes)),
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
         tag = str(workflow.uuid4())[:8]
         master = self._status.nodes[:1]
@@ -1334,7 +1337,7 @@ class TrainingRun:
             await self._recover(spec, attempt, self._node_lost(
                 unreachable[0], attempt, f"node agent did not answer the stop after {incident.kind.value}"))
             return
-        lost_since = _lost_since(incident)
+        lost_since = _lost_since(incident, len(self._status.nodes))
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
             await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
             self._replaced.append(incident.node)

@@ -81,7 +81,9 @@ QUEUE_PREFIX = "trainguard-bench-nodes"
 HEARTBEAT_EVERY_S = 1.0
 """How often a stand-in watch heartbeats; the SDK sends at most one per throttle interval (4 s here) anyway.
 Waking every 2 s instead saved the one process that simulates the nodes CPU, but on a loaded machine its
-heartbeats then reached Temporal past the 10 s timeout and live nodes read as lost (1,024 nodes, load 6)."""
+heartbeats then reached Temporal past the 10 s timeout and live nodes read as lost (1,024 nodes, load 6).
+A run of more nodes than `HEARTBEATS_PER_S` asks for fewer (`WatchRanksInput.heartbeat_every_s`): its
+stand-ins wake that often, as the agent's watch heartbeats that often."""
 SHARD_BYTES = 1 << 30
 """The size every simulated shard claims (1 GiB): it travels only as a number."""
 
@@ -287,6 +289,7 @@ class StandinNodes:
         attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
         began = time.monotonic()
         uploaded = -1
+        next_heartbeat = 0.0
         while True:
             if request.node in self.down:
                 await asyncio.Event().wait()  # no heartbeat, no answer: the heartbeat timeout notices
@@ -298,8 +301,10 @@ class StandinNodes:
                 return WatchEvent(kind=kind, node=request.node, detected_at=now, first_step_at=first_step_at,
                                   step=step, **fields)  # type: ignore[arg-type]
 
-            activity.heartbeat({"node": request.node, "attempt": request.attempt,
-                                "steps": {str(r): step for r in state.ranks()}})
+            if time.monotonic() >= next_heartbeat:  # as the agent's watch: not more often than asked
+                next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
+                activity.heartbeat({"node": request.node, "attempt": request.attempt,
+                                    "steps": {str(r): step for r in state.ranks()}})
             if state.stopped:
                 rank = state.ranks()[0]
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-15, detail=f"rank {rank} stopped")
@@ -321,7 +326,7 @@ class StandinNodes:
                              mean_step_s=attempt.step_s)
             if time.monotonic() - began > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
-            wait = HEARTBEAT_EVERY_S
+            wait = request.heartbeat_every_s or HEARTBEAT_EVERY_S
             if attempt.started_at is not None and attempt.halted_at is None:
                 upcoming = min((step // attempt.every + 1) * attempt.every, attempt.final_step)
                 wait = min(wait, max(0.0, attempt.time_of(upcoming) - now) + 0.001)

@@ -128,3 +128,26 @@ async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launch
     after = agent._record("wf")
     assert after is not None and after.attempt == 2
     assert not {p.pid for p in old_ranks} & {p.pid for p in after.ranks.values()}
+
+
+async def test_a_large_runs_watch_heartbeats_only_as_often_as_the_run_asks(agent: RankActivities,
+                                                                           tmp_path: Path) -> None:
+    """Every heartbeat is an RPC and a write on the Temporal server: a watch asked for one every 0.5 s sends
+    three in 1.2 s of watching, where one left to its poll (every 0.05 s) sends one per poll."""
+    agent.downloader = Store(tmp_path)
+    sleeper = ["python", "-c", "import time; time.sleep(600)"]
+    counts = []
+    for every in (None, 0.5):
+        beats: list[object] = []
+        env = ActivityEnvironment()
+        env.on_heartbeat = beats.append
+        watch = _watch(attempt=len(counts) + 1, download=False)
+        assert watch.launch is not None
+        watch = watch.model_copy(update={"max_duration_s": 1.2, "heartbeat_every_s": every,
+                                         "launch": watch.launch.model_copy(update={"entrypoint": sleeper})})
+        event = await env.run(agent.watch_ranks, watch)
+        assert event.kind is WatchEventKind.KEEPALIVE
+        counts.append(len(beats))
+    every_poll, asked = counts
+    assert 2 <= asked <= 4, counts
+    assert every_poll >= 4 * asked, counts

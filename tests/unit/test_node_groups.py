@@ -134,3 +134,15 @@ async def test_a_check_matched_late_gets_a_second_chance_only_when_asked(
             result = await handle.result()
     answered = [o.node for o in result.outcomes if o.result is not None]
     assert answered == (NODES if second_chance else NODES[:1])
+
+
+def test_a_run_of_thousands_of_nodes_heartbeats_a_bounded_number_of_times_a_second() -> None:
+    from workflows.node_group import HEARTBEATS_PER_S, watch_heartbeat_every_s, watch_heartbeat_timeout
+
+    assert watch_heartbeat_every_s(HEARTBEATS_PER_S) is None  # every poll, as the agent throttles it
+    assert watch_heartbeat_timeout(None) == timedelta(seconds=10)
+    for nodes in (1024, 4096, 16384):
+        every = watch_heartbeat_every_s(nodes)
+        assert every is not None and nodes / every == pytest.approx(HEARTBEATS_PER_S, rel=0.01)
+        assert watch_heartbeat_timeout(every) >= timedelta(seconds=max(10.0, 3 * every))
+    assert watch_heartbeat_timeout(watch_heartbeat_every_s(4096)) == timedelta(seconds=61.44)
