@@ -61,6 +61,19 @@ later: at 1,024 nodes on a loaded two-core dev server, checks waited past 10 s a
 The stop keeps 10 s: a node that does not start it is how a crash that was a lost node's symptom is told
 (fan-out slots keep its queue short)."""
 
+LAUNCH_BURST_STARTS_PER_S = 100
+"""Activity starts a second a run's launching burst is allowed, at the least, before a node that has not started
+its launching watch is taken as lost: a burst of N waits max(`BURST_SCHEDULE_TO_START`, N / 100 s)
+(`launch_wait_s`). Matching thousands of activities to their agents takes time in proportion on any Temporal
+(a Temporal Cloud namespace admits a few hundred to a few thousand actions a second): at 4,096 nodes here the
+last of a first launch's watches was matched 25 s after it was scheduled."""
+
+
+def launch_wait_s(num_nodes: int) -> float:
+    """How long a launching watch of a run of `num_nodes` nodes may wait to be matched (past one group)."""
+    return max(BURST_SCHEDULE_TO_START.total_seconds(), num_nodes / LAUNCH_BURST_STARTS_PER_S)
+
+
 CHECK_NODE_TIMEOUT = timedelta(seconds=30)
 """An NVML query and a reply; anything slower is a sick node."""
 

@@ -81,6 +81,7 @@ with workflow.unsafe.imports_passed_through():
                                  may_change_world_size, next_phase, same_failure_streak)
     from workflows.run_details import run_details
     from workflows.node_group import (
+        BURST_SCHEDULE_TO_START,
         EVIDENCE_RETRY,
         EVIDENCE_TIMEOUT,
         NODE_CALL_RETRY,
@@ -103,6 +104,7 @@ with workflow.unsafe.imports_passed_through():
         LostNode,
         call_nodes,
         groups_of,
+        launch_wait_s,
         watch_heartbeat_every_s,
         watch_heartbeat_timeout,
     )
@@ -1000,8 +1002,11 @@ class TrainingRun:
         # A run of one group: its launching watches are a burst of at most 64, matched in well under the stop's
         # 10 s even on a loaded machine, and that is how fast a node lost with its ranks (its peers' crash seen
         # first) is found. Larger relaunches wait 30 s (at 256 nodes, load 16, 10 s read a live node as lost).
+        # Past 3,000 nodes the wait grows with the burst (`launch_wait_s`).
         launch_wait = (NODE_SCHEDULE_TO_START.total_seconds() if len(self._status.nodes) <= NODES_PER_GROUP
                        and workflow.patched(PATCH_FENCED_RELAUNCH) else None)
+        if launch_wait is None and launch_wait_s(len(self._status.nodes)) > BURST_SCHEDULE_TO_START.total_seconds():
+            launch_wait = launch_wait_s(len(self._status.nodes))
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
             NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
                                                     starters=[n for n in group if n in master],

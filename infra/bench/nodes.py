@@ -14,8 +14,10 @@ For each N, a private Temporal dev server (`infra/bench/stack.py`, Temporal only
 
 QUEUES: the stand-ins do not poll one `trainguard-node-<node>` queue per node (4,096 Workers is too heavy).
 In both processes, before any worker starts, `trainguard.node_task_queue` (and every module's reference to it)
-is replaced by a routing onto `--queues` shared queues, by crc32(node) % queues. The Temporal cost of an
-activity (its events, the pending count, its payloads) does not depend on which queue it is on.
+is replaced by a routing onto shared queues (`--queues`, else one per 64 nodes, at least 16), by
+crc32(node) % queues. The Temporal cost of an activity (its events, the pending count, its payloads) does not
+depend on which queue it is on; how long a burst of them waits to be matched does (see `NODES_PER_QUEUE`).
+Past 1,024 nodes a simulated step lasts N/1,024 times `--step-time` (`LARGE_RUN_NODES`).
 
 Schedule per N: checkpoints; after a third of `--checkpoints` are committed, a rank crash (the run's real
 `inject_fault` update, fault `crash`); after two thirds, a lost node (`node-down`: its watch stops heartbeating
@@ -85,6 +87,17 @@ STANDIN_HEARTBEAT_INTERVAL = timedelta(seconds=4)
 would at thousands of nodes (the README says 5 s there). Left to the SDK it is 0.8 x the 10 s heartbeat
 timeout, 2 s of slack: at 4,096 nodes sharing two cores with the server, late heartbeats read as lost nodes."""
 
+NODES_PER_QUEUE = 64
+"""Without `--queues`, a size gets a shared queue per 64 nodes (at least 16): as many polls open per node as at
+1,024 nodes. With 16 queues (256 nodes each) at 4,096 nodes, the first launch's 4,095 launching watches mostly
+found no poll waiting, queued in the dev server's backlog, and 1,100 were not matched within 30 s; the run
+never got going. With 64, every one was matched (p95 13.7 s) and the run completed."""
+
+LARGE_RUN_NODES = 1024
+"""Past this size a simulated step lasts proportionally longer (`step_s_for`): each checkpoint interval of a
+4,096-node run then lasts 12 s, not 3 s, so its faults, injected through updates the run answers in seconds at
+that size, land while it trains (with 3 s, the run finished before its crash took effect)."""
+
 MAX_POLLS_PER_QUEUE = 20
 """Activity polls a shared queue's worker keeps open: as many as its nodes' agents would (5 each, the SDK's
 default), up to this. A burst of one activity per node (a watch each after a checkpoint) must start well within
@@ -145,6 +158,10 @@ class Size:
     """p95 and max seconds from scheduled to started, node-pinned activities (`node_p95`, `node_max`: the
     stand-ins keeping up, or not) and the controller's (`controller_p95`, `controller_max`)."""
     stack_up_s: float | None = None
+    queues: int | None = None
+    """Shared queues the stand-ins were served on (`queues_for`)."""
+    step_s: float | None = None
+    """Simulated seconds per step (`step_s_for`)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -537,11 +554,24 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
         controller.stop()
 
 
+def queues_for(num_nodes: int, asked: int | None) -> int:
+    """`--queues` if given, else a shared queue per `NODES_PER_QUEUE` nodes, at least 16."""
+    return asked if asked is not None else max(16, math.ceil(num_nodes / NODES_PER_QUEUE))
+
+
+def step_s_for(num_nodes: int, asked: float) -> float:
+    """`--step-time`, longer in proportion past `LARGE_RUN_NODES` nodes."""
+    return round(asked * max(1.0, num_nodes / LARGE_RUN_NODES), 4)
+
+
 def run_size(num_nodes: int, opts: argparse.Namespace) -> Size:
     from infra.bench.stack import private_stack
 
     size = Size(nodes=num_nodes, ranks_per_node=opts.ranks_per_node)
-    plan = Plan.of(num_nodes, opts.ranks_per_node, opts.checkpoints, opts.every_steps, opts.step_time)
+    plan = Plan.of(num_nodes, opts.ranks_per_node, opts.checkpoints, opts.every_steps,
+                   step_s_for(num_nodes, opts.step_time))
+    size.queues = queues = queues_for(num_nodes, opts.queues)
+    size.step_s = plan.step_s
     timeout_s = opts.timeout_s if opts.timeout_s is not None else 120 + 0.15 * num_nodes
     timings: dict[str, float] = {}
     logs = BENCH_DIR / "nodes-logs" / f"n{num_nodes}"
@@ -550,7 +580,7 @@ def run_size(num_nodes: int, opts: argparse.Namespace) -> Size:
                        temporal_args=SERVER_ARGS) as stack:
         size.stack_up_s = timings.get("stack_up_s")
         server_pid = json.loads((stack.run_dir / "temporal.json").read_text())["pid"]
-        asyncio.run(measure(size, plan, stack.home, opts.queues, timeout_s, server_pid, opts.save_histories))
+        asyncio.run(measure(size, plan, stack.home, queues, timeout_s, server_pid, opts.save_histories))
     return size
 
 
@@ -617,9 +647,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
     parser.add_argument("--checkpoints", type=int, default=6, help="checkpoints the run commits (default 6)")
     parser.add_argument("--every-steps", type=int, default=60, help="steps between checkpoints (default 60)")
-    parser.add_argument("--step-time", type=float, default=0.05, help="simulated seconds per step (default 0.05)")
-    parser.add_argument("--queues", type=int, default=16, help="shared task queues the nodes are routed onto "
-                                                                "(default 16)")
+    parser.add_argument("--step-time", type=float, default=0.05,
+                        help="simulated seconds per step (default 0.05; x N/1,024 past 1,024 nodes)")
+    parser.add_argument("--queues", type=int, default=None, help="shared task queues the nodes are routed onto "
+                                                                  "(default one per 64 nodes, at least 16)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="give up on a size after this long (default 120 + 0.15 s per node)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
@@ -629,13 +660,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commits-file", type=Path, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.serve_controller:
-        asyncio.run(serve_controller(opts.queues, opts.commits_file))
+        asyncio.run(serve_controller(queues_for(0, opts.queues), opts.commits_file))
         return 0
     if min(opts.nodes) < 3 or max(opts.nodes) > 4096:
         parser.error("--nodes: each size between 3 and 4096 (the spec's limit)")
     if opts.checkpoints < 2:
         parser.error("--checkpoints must be at least 2 (a crash and a lost node come between them)")
-    if not 1 <= opts.queues <= 100:
+    if opts.queues is not None and not 1 <= opts.queues <= 100:
         parser.error("--queues must be between 1 and 100")
 
     from infra.bench.recovery import say, write_results
@@ -648,9 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"node-scale benchmark: {opts.nodes} nodes x {opts.ranks_per_node} ranks, {opts.checkpoints} checkpoints "
         f"every {opts.every_steps} steps of {opts.step_time}s, a crash and a lost node; {os.cpu_count()} CPUs, "
         f"load {load_before[0]:.2f}")
-    say(f"queues: node activities routed onto {opts.queues} shared queues by crc32(node) % {opts.queues} "
-        f"(trainguard.node_task_queue replaced in the controller and the stand-ins' process); an activity's "
-        f"Temporal cost does not depend on its queue")
+    say(f"queues: node activities routed onto {opts.queues or 'max(16, N/64)'} shared queues by crc32(node) % "
+        f"queues (trainguard.node_task_queue replaced in the controller and the stand-ins' process); an "
+        f"activity's Temporal cost does not depend on its queue")
     sizes = []
     for count in opts.nodes:
         say(f"{count} nodes:")

@@ -146,3 +146,11 @@ def test_a_run_of_thousands_of_nodes_heartbeats_a_bounded_number_of_times_a_seco
         assert every is not None and nodes / every == pytest.approx(HEARTBEATS_PER_S, rel=0.01)
         assert watch_heartbeat_timeout(every) >= timedelta(seconds=max(10.0, 3 * every))
     assert watch_heartbeat_timeout(watch_heartbeat_every_s(4096)) == timedelta(seconds=61.44)
+
+
+def test_a_launching_burst_of_thousands_of_nodes_may_wait_in_proportion_to_be_matched() -> None:
+    from workflows.node_group import BURST_SCHEDULE_TO_START, LAUNCH_BURST_STARTS_PER_S, launch_wait_s
+
+    assert launch_wait_s(1024) == BURST_SCHEDULE_TO_START.total_seconds()
+    assert launch_wait_s(4096) == pytest.approx(4096 / LAUNCH_BURST_STARTS_PER_S)
+    assert launch_wait_s(4096) > BURST_SCHEDULE_TO_START.total_seconds()
