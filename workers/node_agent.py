@@ -36,8 +36,15 @@ log = logging.getLogger("trainguard.node_agent")
 HEARTBEAT_INTERVAL_S = float(os.environ.get("TRAINGUARD_HEARTBEAT_INTERVAL_S", "1.0"))
 """How often a watch's progress (each rank's step) reaches Temporal, for `trainguard run status` and the
 client's live steps. A watch now lasts minutes, so without this the SDK would send it only every 8 s (0.8 x the
-heartbeat timeout). Each send is an RPC, never a history event: 1 s costs a 4,096-node run about 4,000
-heartbeats a second on the Temporal cluster; raise it there (TRAINGUARD_HEARTBEAT_INTERVAL_S=5)."""
+heartbeat timeout). Each send is an RPC, never a history event. A run of more than 200 nodes asks its watches
+for fewer (`WatchRanksInput.heartbeat_every_s`: 200 a second for the whole run), whatever this is."""
+
+
+AGENT_POLLS = 2
+"""Activity polls an agent keeps open on its queue (the SDK's default is 5). A watch runs for the whole attempt
+and holds no poll; the node's other calls (a check, a stop, evidence) come one or two at a time. Every open poll
+counts against the namespace's concurrent-poller limit (1,200 per frontend on a self-hosted server by default,
+`frontend.namespaceCount`; 20,000 on Temporal Cloud): 4,096 agents at 5 each would be 20,480."""
 
 
 def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
@@ -70,6 +77,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
             evidence.collect_evidence,
         ],
         max_concurrent_activities=64,
+        max_concurrent_activity_task_polls=AGENT_POLLS,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_heartbeat_throttle_interval=timedelta(seconds=heartbeat_interval_s),
     )

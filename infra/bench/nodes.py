@@ -77,10 +77,14 @@ STUCK_ATTEMPTS = 5
 """A workflow task that fails this many times in a row is refused every time (e.g. over the pending-activities
 limit): the run is stuck and the benchmark stops waiting for it."""
 CONTROLLER_READY_S = 60.0
-SERVER_ARGS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off")
+SERVER_ARGS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off",
+               "--dynamic-config-value", "frontend.namespaceCount=5000")
 """The dev server's SQLite without a sync per commit: durability across a crash of this machine is not what
 is measured, and the disk's commit rate would otherwise be what limits 4,096 nodes here, not trainguard (a
-production Temporal cluster runs on Cassandra or PostgreSQL, sharded)."""
+production Temporal cluster runs on Cassandra or PostgreSQL, sharded). And more than the default 1,200
+concurrent activity polls in the namespace: 64 shared queues polled 20 at a time are 1,280, and past 1,200 the
+server refuses polls ("namespace concurrent poller limit exceeded"), as a production namespace would refuse
+4,096 agents' polls at its limit (the README's Scale section)."""
 
 STANDIN_HEARTBEAT_INTERVAL = timedelta(seconds=4)
 """How often a stand-in watch's heartbeat reaches Temporal, as an agent's `TRAINGUARD_HEARTBEAT_INTERVAL_S`
