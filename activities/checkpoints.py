@@ -507,35 +507,6 @@ async def _heartbeating(fn: Callable[[T], R], request: T) -> R:
     return work.result()
 
 
-def corrupt_shard(bucket: str, manifest_key: str, node: str, rank: int | None, local_step_dir: Path) -> ShardInfo:
-    """Chaos: flip one byte of a committed shard this node wrote, in the store and in the node's local copy.
-    The object keeps its size and sha256 metadata, as silent corruption would: only the checksum of the
-    bytes, at restore, can tell. Returns the shard it damaged."""
-    client = s3_client()
-    manifest = read_manifest(client, bucket, manifest_key)
-    if manifest is None:
-        raise ApplicationError(f"no manifest at {manifest_key}", type=ErrorType.NO_SUCH_CHECKPOINT, non_retryable=True)
-    mine = [obj for s in manifest.shards if s.node == node and rank in (None, s.rank)
-            for _, obj in shard_objects(s)]
-    if not mine:
-        raise ApplicationError(f"step {manifest.step} has no shard {'' if rank is None else f'of rank {rank} '}"
-                               f"written by node {node}", type=ErrorType.NO_SUCH_RANK, non_retryable=True)
-    shard = mine[0]
-    head = client.head_object(Bucket=bucket, Key=shard.key)
-    body = bytearray(client.get_object(Bucket=bucket, Key=shard.key)["Body"].read())
-    body[len(body) // 2] ^= 0xFF
-    client.put_object(Bucket=bucket, Key=shard.key, Body=bytes(body), Metadata=head.get("Metadata", {}))
-    local = local_step_dir / object_name(shard.key)
-    if local.exists():
-        with local.open("r+b") as handle:
-            handle.seek(local.stat().st_size // 2)
-            byte = handle.read(1)
-            handle.seek(-1, 1)
-            handle.write(bytes([byte[0] ^ 0xFF]))
-    log.warning("chaos: flipped a byte of %s (rank %d) in the store and on %s", shard.key, shard.rank, node)
-    return shard
-
-
 @dataclass
 class _CommitterState:
     """What one committer activity remembers between its passes over the store."""
