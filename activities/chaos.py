@@ -18,7 +18,8 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.checkpoints import object_name, read_manifest, shard_objects, step_of
+from activities.checkpoint_layout import object_name, shard_objects, step_of
+from activities.checkpoint_store import read_manifest
 from activities.evidence import evidence_base
 from activities.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, InjectFaultInput, InjectFaultResult, ShardInfo
 from activities.paths import RunLayout
