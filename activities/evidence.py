@@ -1,12 +1,11 @@
 """Node-agent side of hang evidence: ask every local rank for its stacks and collective position before
-anything is stopped, keep the full stacks with the run in the store, and carry out chaos hangs through the
-rank helper. The channel itself (files, signal, shapes) is `trainguard.evidence`.
+anything is stopped, and keep the full stacks with the run in the store. The channel itself (files, signal,
+shapes) is `trainguard.evidence`; chaos hangs carried out through it are `activities.chaos.inject_hang`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -17,17 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
 from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence, WatchCheckpoints
 from activities.paths import RunLayout
 from trainguard import evidence as channel
-from trainguard.error_types import ErrorType
 from trainguard.procs import state as process_state
 from trainguard.protocol import read_progress
 
 if TYPE_CHECKING:
-    from activities.ranks import AttemptRecord, RankActivities
+    from activities.rank_records import AttemptRecord
+    from activities.ranks import RankActivities
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +73,7 @@ def _library(path: str) -> bool:
     return "site-packages" in parts or "trainguard" in parts or path.startswith("<") or "/lib/python" in path
 
 
-def _evidence_base(layout: RunLayout, attempt: int, rank: int) -> Path | None:
+def evidence_base(layout: RunLayout, attempt: int, rank: int) -> Path | None:
     """Where a rank's helper keeps its evidence files: it says so in its progress report (a rank carried
     over by an in-process restart keeps those of the attempt it was launched in)."""
     progress = read_progress(layout.progress_file(attempt, rank))
@@ -107,7 +105,7 @@ def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
     states: dict[int, str] = {}
     for rank, proc in sorted(record.ranks.items()):
         states[rank] = "exited" if proc.poll() else (process_state(proc.pid) or "?")
-        base = _evidence_base(layout, record.attempt, rank)
+        base = evidence_base(layout, record.attempt, rank)
         if base is None:
             continue
         paths = channel.Paths(base)
@@ -234,43 +232,6 @@ def _put_text(bucket: str, key: str, text: str) -> None:
     from trainguard.settings import s3_client
 
     s3_client().put_object(Bucket=bucket, Key=key, Body=text.encode(), ContentType="text/plain; charset=utf-8")
-
-
-# ------------------------------------------------------------------------------------------- chaos
-
-
-def inject_hang(layout: RunLayout, record: AttemptRecord, rank: int, mode: str) -> None:
-    """Have the rank's helper carry out a hang (`python`, `io`, `skip-collective`). `stop` is SIGSTOP, sent
-    by the agent itself."""
-    base = _evidence_base(layout, record.attempt, rank)
-    if base is None:
-        raise ApplicationError(
-            f"rank {rank} has no trainguard rank helper evidence channel (its script does not call "
-            f"trainguard.rank.init(), or has not reported a step yet): hang --mode {mode} needs it; --mode stop "
-            f"works on any rank", type=ErrorType.BAD_FAULT, non_retryable=True)
-    paths = channel.Paths(base)
-    if mode == "skip-collective" and not _hooked(paths, record.ranks[rank].pid):
-        raise ApplicationError(
-            f"rank {rank}'s script does not route its all-reduce through the helper (call run.hook_ddp(ddp) "
-            f"after wrapping the model in DDP): hang --mode skip-collective needs it",
-            type=ErrorType.BAD_FAULT, non_retryable=True)
-    channel.write_atomic(paths.chaos, json.dumps({"mode": mode, "at": time.time()}))
-
-
-def _hooked(paths: channel.Paths, pid: int, timeout_s: float = 1.0) -> bool:
-    """Ask the rank's helper whether its DDP all-reduce goes through `hook_ddp`."""
-    request = uuid.uuid4().hex
-    channel.write_atomic(paths.request, request)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            found = channel.Position.from_json(paths.answer.read_text())
-            if found.request == request:
-                return bool(found.extra.get("ddp_hooked"))
-        except (OSError, ValueError, TypeError):
-            pass
-        time.sleep(0.02)
-    return False
 
 
 def evidence_env(layout: RunLayout, attempt: int, rank: int, spec_env: dict[str, Any]) -> dict[str, str]:

@@ -9,7 +9,7 @@ from enum import Enum
 
 from pydantic import BaseModel, Field
 
-from trainguard.models import CheckpointRef
+from trainguard.models import CheckpointRef, StopReason
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, InjectFaultResult  # noqa: F401 - the client's too
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.spec import NODE_ID_PATTERN, HealthSpec
@@ -154,6 +154,8 @@ class FindCheckpointInput(BaseModel):
     min_world_size: int | None = None
     exclude_steps: list[int] = Field(default_factory=list)
     """Steps already found corrupt at download: passed over."""
+    attempt: int | None = None
+    """The launch attempt this restore is for (the report reads it); None in histories recorded before it."""
 
 
 class FindCheckpointResult(BaseModel):
@@ -343,6 +345,8 @@ class StopRanksInput(BaseModel):
     """Stop ranks of attempts up to and including this one; None stops every attempt of the run."""
     grace_s: float = 2.0
     """SIGTERM first, SIGKILL to the whole process group after this long."""
+    reason: StopReason | None = None
+    """Why the run stops them (the report reads it); None in histories recorded before it."""
 
 
 class StopRanksResult(BaseModel):

@@ -1,4 +1,5 @@
-"""Pure judgments on rank progress: is this rank hung? Which checkpoints are complete on this node?
+"""Pure judgments on rank progress, the watch's (`activities.rank_watch`): is this rank hung? Which
+checkpoints are complete on this node? Which exit is a failure, and when did the fault happen?
 
 The clock is an argument, so every rule is tested with tables and no sleeping. A hang is seen from the
 rank's own progress reports, never from a collective timeout (gloo waits 30 min, NCCL 10 min).
@@ -105,6 +106,45 @@ def find_hung_rank(
 def complete_steps(saved: dict[int, set[int]], local_ranks: set[int], after_step: int) -> list[int]:
     """Checkpoint steps newer than `after_step` for which every local rank has a finished shard."""
     return sorted(step for step, ranks in saved.items() if step > after_step and local_ranks <= ranks)
+
+
+def first_step_time(reports: dict[int, RankReport | None], start_step: int) -> float | None:
+    """When the attempt's first new step was reported (unix time): the earliest report past `start_step`;
+    None while no rank has reported one."""
+    times = [rep.time for rep in reports.values() if rep is not None and rep.step > start_step]
+    return min(times) if times else None
+
+
+def slowest_step(reports: dict[int, RankReport | None], start_step: int) -> int:
+    """The node's step: its slowest rank's, a rank yet to report counting at `start_step`; -1 with no ranks."""
+    steps = [rep.step if rep else start_step for rep in reports.values()]
+    return min(steps) if steps else -1
+
+
+def failed_rank(exit_codes: dict[int, int | None], reports: dict[int, RankReport | None]) -> int | None:
+    """The lowest rank whose exit is a failure, or None. `exit_codes` holds the ranks that have exited, with
+    their codes (None: unknown, the agent restarted since). Any exit but 0 fails, unless the rank reported
+    itself finished first (its training is done; how it left does not matter)."""
+    for rank in sorted(exit_codes):
+        report = reports.get(rank)
+        if exit_codes[rank] != 0 and not (report is not None and report.finished):
+            return rank
+    return None
+
+
+def fault_time(injected_at: float | None, report: RankReport | None, launched_at: float) -> float:
+    """When a rank's fault happened, as near as the agent knows (unix time): when chaos injected it, else the
+    rank's last report, else the launch."""
+    return injected_at or (report.time if report is not None else launched_at)
+
+
+PROCESS_STATE_WORDS = {"T": "stopped", "t": "stopped", "D": "in uninterruptible I/O", "Z": "defunct"}
+"""/proc/<pid>/stat states, as a hang's detail names them."""
+
+
+def process_state_words(state: str | None) -> str:
+    """A rank's process state in words (`alive` for a running or sleeping one, or one with no state)."""
+    return PROCESS_STATE_WORDS.get(state or "", "alive")
 
 
 def _median(values: list[float]) -> float:

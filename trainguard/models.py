@@ -53,6 +53,28 @@ class Phase(str, Enum):
     FAILED = "failed"
 
 
+
+class StopReason(str, Enum):
+    """Why a run stops ranks (`StopRanksInput.reason`): what `trainguard run report` counts the stop as. The
+    stop's summary says the same for people."""
+
+    INCIDENT = "incident"
+    """An incident's recovery (a restart, a replaced or dropped node, or the run's end on a stop policy)."""
+    INCIDENT_PAUSE = "incident_pause"
+    """An incident whose policy pauses the run: recovery while the ranks stop, paused once they have."""
+    OPERATOR_PAUSE = "operator_pause"
+    """An operator's `pause`: paused from the stop on."""
+    RUN_ENDED = "run_ended"
+    """The run is over (completed, failed or aborted): every rank of it, everywhere, is stopped."""
+    DRAIN = "drain"
+    """Nodes an operator drains leave the run."""
+    GROW = "grow"
+    """A shrunk run grows back onto nodes that returned: it relaunches on them."""
+    IN_PROCESS_FAILED = "in_process_failed"
+    """An in-process restart failed: every rank stops for a relaunch."""
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"
+    """The checkpoint restored from is corrupt: the ranks stop to restore an older one."""
+
 INCIDENT_TAILS_KEPT = 10
 """Incidents that keep their `log_tail`: the newest ones, which an operator reads first."""
 

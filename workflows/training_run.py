@@ -52,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
         WatchRanksInput,
     )
     from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
+    from trainguard.models import StopReason
     from trainguard import WORKFLOW_TYPE, node_task_queue
     from trainguard.error_types import ErrorType
     from trainguard.faults import FaultKind, choices as fault_choices, parse_fault
@@ -516,7 +517,8 @@ class TrainingRun:
                     workflow.continue_as_new({"spec": spec.model_dump(mode="json"),
                                               "carried": self._carry(attempt, started).model_dump(mode="json")})
                 if outcome.paused:
-                    await self._stop_everywhere(self._status.nodes, attempt, "paused by an operator")
+                    await self._stop_everywhere(self._status.nodes, attempt, "paused by an operator",
+                                                StopReason.OPERATOR_PAUSE)
                     await self._wait_for_operator()
                     continue
                 if outcome.drain:
@@ -540,7 +542,8 @@ class TrainingRun:
                 self._status.reason = self._status.reason or _cause_text(error)
                 self._set_phase(Phase.FAILED)
             if self._launched:
-                await self._stop_everywhere(self._status.nodes, None, "run ended: stop every rank")
+                await self._stop_everywhere(self._status.nodes, None, "run ended: stop every rank",
+                                            StopReason.RUN_ENDED)
             await self._release()
             raise
 
@@ -550,7 +553,7 @@ class TrainingRun:
         # The nodes that stay are stopped by their own launch of the next attempt (fenced by attempt).
         leaving = ([n for n in self._status.nodes if n in self._draining] if workflow.patched(PATCH_FENCED_RELAUNCH)
                    else self._status.nodes)
-        await self._stop_everywhere(leaving, attempt, f"drain {', '.join(self._draining)}")
+        await self._stop_everywhere(leaving, attempt, f"drain {', '.join(self._draining)}", StopReason.DRAIN)
         for node in [n for n in self._draining if n in self._status.nodes]:
             self._replace(node, self._spares.pop(0))
             await self._release(node)
@@ -562,7 +565,8 @@ class TrainingRun:
         places; the restore maps the smaller world's shards onto the larger one."""
         self._set_phase(Phase.RECOVERING)
         if not workflow.patched(PATCH_FENCED_RELAUNCH):  # every node stays: each one's launch stops its ranks
-            await self._stop_everywhere(self._status.nodes, attempt, f"grow back onto {', '.join(returned)}")
+            await self._stop_everywhere(self._status.nodes, attempt, f"grow back onto {', '.join(returned)}",
+                                        StopReason.GROW)
         self._status.nodes = [n for n in spec.nodes if n in self._status.nodes or n in returned]
         self._lost = [n for n in self._lost if n not in returned]
         self._status.cordoned = [n for n in self._status.cordoned if n not in returned]
@@ -913,7 +917,8 @@ class TrainingRun:
         incident.recovery_path = f"relaunch after failed in-process: {why}"
         incident.resumed_step = incident.restore_tier = None
         self._set_phase(Phase.RECOVERING)
-        await self._stop_everywhere(nodes, attempt, "in-process restart failed: relaunch")
+        await self._stop_everywhere(nodes, attempt, "in-process restart failed: relaunch",
+                                    StopReason.IN_PROCESS_FAILED)
         return _Outcome(False, fallback=True)
 
     async def _restore(self, spec: RunSpec, attempt: int,
@@ -949,7 +954,7 @@ class TrainingRun:
         return await workflow.execute_activity(
             "find_checkpoint",
             FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
-                                world_size=self._status.world_size, exclude_steps=excluded,
+                                world_size=self._status.world_size, exclude_steps=excluded, attempt=attempt,
                                 min_world_size=None if spec.min_nodes is None else spec.min_nodes * spec.ranks_per_node,
                                 max_world_size=None if spec.min_nodes is None else spec.world_size),
             start_to_close_timeout=STORE_TIMEOUT,
@@ -1149,7 +1154,8 @@ class TrainingRun:
                                            detail=f"step {step}: {corrupt.detail}", action=Action.RESTART,
                                            detected_at=workflow.now().timestamp()))
             self._set_phase(Phase.RECOVERING)
-            await self._stop_everywhere(self._status.nodes, attempt, f"checkpoint {step} is corrupt: restore older")
+            await self._stop_everywhere(self._status.nodes, attempt, f"checkpoint {step} is corrupt: restore older",
+                                        StopReason.CORRUPT_CHECKPOINT)
             return _Outcome(False, fallback=True)
         if continue_as_new and incident is None and not paused:
             return _Outcome(False, continue_as_new=True)
@@ -1322,7 +1328,8 @@ class TrainingRun:
                      not (incident.kind is IncidentKind.NODE_UNRESPONSIVE and n == incident.node)]
         fenced = decision.action in RELAUNCHES and workflow.patched(PATCH_FENCED_RELAUNCH)
         unreachable = [] if fenced else await self._stop_everywhere(
-            reachable, attempt, f"{incident.kind.value}: {decision.action.value}")
+            reachable, attempt, f"{incident.kind.value}: {decision.action.value}",
+            StopReason.INCIDENT_PAUSE if decision.action is Action.PAUSE else StopReason.INCIDENT)
         if decision.action is Action.STOP:
             self._status.reason = decision.reason
             raise ApplicationError(decision.reason, type=ErrorType.RUN_STOPPED, non_retryable=True)
@@ -1417,11 +1424,13 @@ class TrainingRun:
                 meter.create_histogram_float("trainguard_detection_seconds", "Fault to detection", "s").record(
                     incident.detection_s, {"kind": incident.kind.value})
 
-    async def _stop_everywhere(self, nodes: list[str], attempt: int | None, why: str) -> list[str]:
-        """Stop the ranks on these nodes; returns the nodes whose agent could not be reached."""
+    async def _stop_everywhere(self, nodes: list[str], attempt: int | None, why: str,
+                               reason: StopReason = StopReason.INCIDENT) -> list[str]:
+        """Stop the ranks on these nodes; returns the nodes whose agent could not be reached. `why` is the
+        summary's, for people; `reason` is the input's, for the report."""
         wid = workflow.info().workflow_id
-        outcomes = await self._fan_out(
-            NodeCallKind.STOP, [(n, StopRanksInput(workflow_id=wid, node=n, attempt=attempt)) for n in nodes],
+        outcomes = await self._fan_out(NodeCallKind.STOP, [
+            (n, StopRanksInput(workflow_id=wid, node=n, attempt=attempt, reason=reason)) for n in nodes],
             f"stop ranks on {{node}}: {why}")
         for outcome in outcomes:
             if outcome.result is None:

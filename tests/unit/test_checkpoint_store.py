@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from activities import checkpoints
+from activities import checkpoint_store, checkpoint_transfers
 from activities.checkpoints import (
     ORPHANED_UPLOAD_AGE_S,
     StoreActivities,
@@ -157,12 +157,12 @@ def test_prune_runs_the_janitor_and_survives_a_store_without_it(monkeypatch: pyt
 
     old, fresh = f"{RUN}/step-00000100/rank-00000.pt", f"{RUN}/step-00000200/rank-00000.pt"
     store = FakeStore([(old, time.time() - ORPHANED_UPLOAD_AGE_S - 60), (fresh, time.time() - 60)])
-    monkeypatch.setattr(checkpoints, "s3_client", lambda: store)
+    monkeypatch.setattr(checkpoint_store, "s3_client", lambda: store)
     request = PruneCheckpointsInput(bucket="b", run_prefix=RUN, keep_last=2)
     StoreActivities()._prune(request)
     assert store.aborted == [old]
 
-    monkeypatch.setattr(checkpoints, "s3_client", lambda: FakeStore([], list_error="NotImplemented"))
+    monkeypatch.setattr(checkpoint_store, "s3_client", lambda: FakeStore([], list_error="NotImplemented"))
     assert StoreActivities()._prune(request).deleted_steps == []
 
 
@@ -195,8 +195,8 @@ def test_local_digests_single_put(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("size", [64, 100, 128, 129])
 def test_local_digests_multipart_etag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
-    monkeypatch.setattr(checkpoints, "PART_SIZE_BYTES", 64)
-    monkeypatch.setattr(checkpoints, "_READ_CHUNK_BYTES", 16)
+    monkeypatch.setattr(checkpoint_transfers, "PART_SIZE_BYTES", 64)
+    monkeypatch.setattr(checkpoint_transfers, "_READ_CHUNK_BYTES", 16)
     body = bytes(range(256))[:size]
     path = tmp_path / "shard.pt"
     path.write_bytes(body)

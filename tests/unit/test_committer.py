@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from activities import checkpoints
+from activities import checkpoint_store, checkpoint_transfers
 from activities.checkpoints import (
     MANIFEST_PAGE_RANKS,
     NodeCheckpointActivities,
@@ -93,7 +93,8 @@ class MemoryStore:
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
     memory = MemoryStore()
-    monkeypatch.setattr(checkpoints, "s3_client", lambda: memory)
+    monkeypatch.setattr(checkpoint_store, "s3_client", lambda: memory)
+    monkeypatch.setattr(checkpoint_transfers, "s3_client", lambda: memory)
     return memory
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from activities.evidence import collect_local, evidence_env, inject_hang
+from activities.chaos import inject_hang
+from activities.evidence import collect_local, evidence_env
 from activities.paths import RunLayout
 from activities.ranks import AttemptRecord, RankProcess
 from trainguard.procs import start_time

@@ -14,7 +14,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities import ranks as ranks_module
+from activities import rank_watch
 from activities.models import (
     DownloadShardsInput,
     DownloadShardsResult,
@@ -48,7 +48,7 @@ class Store:
 @pytest.fixture
 async def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RankActivities]:
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setattr(ranks_module, "DOWNLOAD_RETRY_INITIAL_S", 0.05)
+    monkeypatch.setattr(rank_watch, "DOWNLOAD_RETRY_INITIAL_S", 0.05)
     made = RankActivities("node-b", tmp_path / "agent", "127.0.0.1", tmp_path)
     yield made
     await made.stop_all(grace_s=0.5)

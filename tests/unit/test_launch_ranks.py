@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities import ranks as ranks_module
+from activities import rank_launch
 from activities.models import LaunchRanksInput
 from activities.paths import RunLayout
 from activities.ranks import RankActivities
@@ -189,7 +189,7 @@ async def test_an_exec_failure_is_the_runs_only_when_the_spec_caused_it(
     def popen(*_args: object, **_kwargs: object) -> None:
         raise error
 
-    monkeypatch.setattr(ranks_module.subprocess, "Popen", popen)
+    monkeypatch.setattr(rank_launch.subprocess, "Popen", popen)
 
     with pytest.raises(Exception) as caught:
         await make_agent().launch_ranks(_launch(["python", "-c", "pass"]))

@@ -1,4 +1,5 @@
-"""Hang detection from rank progress: bounds on silence and which rank is hung, with the clock passed in."""
+"""The watch's pure judgements: bounds on silence and which rank is hung (the clock passed in), complete steps,
+which exit is a failure, and when a fault happened."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ from activities.progress import (
     EXITING_GRACE_S,
     RankReport,
     complete_steps,
+    failed_rank,
+    fault_time,
     find_hung_rank,
     find_stragglers,
+    first_step_time,
+    process_state_words,
     silence_bound_s,
+    slowest_step,
 )
 from trainguard.spec import HealthSpec
 
@@ -152,3 +158,42 @@ def test_a_rank_that_said_why_it_stops_is_exiting_not_hung_until_its_grace_runs_
     assert find_hung_rank({0: _report(0, time=1_000.0)}, {0}, 0, LAUNCHED_AT, past_its_hang_bound, HEALTH) is not None
     assert find_hung_rank({0: raised}, {0}, 0, LAUNCHED_AT, past_its_hang_bound, HEALTH) is None
     assert find_hung_rank({0: raised}, {0}, 0, LAUNCHED_AT, past_its_hang_bound + EXITING_GRACE_S, HEALTH) is not None
+
+
+@pytest.mark.parametrize(
+    ("exit_codes", "reports", "expected"),
+    [
+        pytest.param({}, {0: None, 1: None}, None, id="none-exited"),
+        pytest.param({1: 0}, {0: None, 1: None}, None, id="a-clean-exit-is-no-failure"),
+        pytest.param({1: -9}, {0: None, 1: None}, 1, id="killed"),
+        pytest.param({0: None}, {0: None}, 0, id="unknown-code-after-an-agent-restart-fails"),
+        pytest.param({1: 3}, {1: _report(rank=1, finished=True)}, None, id="finished-then-exited-badly"),
+        pytest.param({2: 1, 1: -9}, {1: None, 2: None}, 1, id="the-lowest-failed-rank"),
+        pytest.param({0: 0, 3: 1}, {0: None, 3: _report(rank=3)}, 3, id="past-a-clean-one"),
+    ],
+)
+def test_failed_rank(exit_codes: dict[int, int | None], reports: dict[int, RankReport | None],
+                     expected: int | None) -> None:
+    assert failed_rank(exit_codes, reports) == expected
+
+
+def test_first_step_and_slowest_step_count_only_steps_past_the_restore() -> None:
+    reports: dict[int, RankReport | None] = {0: _report(rank=0, step=40, time=1_010.0),
+                                             1: _report(rank=1, step=42, time=1_020.0), 2: None}
+    assert first_step_time(reports, start_step=40) == 1_020.0
+    assert first_step_time(reports, start_step=42) is None
+    assert slowest_step(reports, start_step=40) == 40  # rank 2 has not reported: it is at the restore step
+    assert slowest_step({0: reports[0], 1: reports[1]}, start_step=0) == 40
+    assert slowest_step({}, start_step=40) == -1
+
+
+def test_a_fault_happened_when_chaos_injected_it_else_at_the_last_report_else_at_launch() -> None:
+    assert fault_time(1_005.0, _report(time=1_009.0), LAUNCHED_AT) == 1_005.0
+    assert fault_time(None, _report(time=1_009.0), LAUNCHED_AT) == 1_009.0
+    assert fault_time(None, None, LAUNCHED_AT) == LAUNCHED_AT
+
+
+@pytest.mark.parametrize(("state", "words"), [("T", "stopped"), ("t", "stopped"), ("D", "in uninterruptible I/O"),
+                                              ("Z", "defunct"), ("S", "alive"), ("R", "alive"), (None, "alive")])
+def test_process_state_words(state: str | None, words: str) -> None:
+    assert process_state_words(state) == words

@@ -15,7 +15,7 @@ from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
-from trainguard.models import Action, Incident, IncidentKind, RunResult, RunStatus
+from trainguard.models import Action, Incident, IncidentKind, RunResult, RunStatus, StopReason
 from trainguard.report import (
     RunHistory,
     Span,
@@ -272,6 +272,55 @@ def test_a_policy_pause_counts_the_stop_as_recovery_then_paused() -> None:
     [loss] = report.incidents
     assert loss.note == "not resumed (yet); detection time unknown" and loss.lost_s == 0.0
 
+
+
+def _phases_after_a_stop(reason: str | None, summary: str = "") -> tuple[str, str]:
+    """The phases a run is in just after a stop that starts at 10 s and ends at 11 s, and at 20 s."""
+    spans = [
+        Span("find_checkpoint", T0 + 0.5, T0 + 0.6, attempt=1),
+        Span("launch_ranks", T0 + 0.6, T0 + 0.7, attempt=1),
+        Span("watch_ranks", T0 + 0.7, T0 + 10.0, attempt=1,
+             result={"kind": "checkpoint_ready", "step": 50, "first_step_at": T0 + 2.0, "detected_at": T0 + 9.0}),
+        Span("stop_ranks", T0 + 10.0, T0 + 11.0, summary, attempt=1,
+             input={"workflow_id": "wf", "node": "node-0", "attempt": 1,
+                    **({} if reason is None else {"reason": reason})}),
+    ]
+    report = compute_report(spans, start=T0, end=T0 + 30.0, status="RUNNING", incidents=[])
+
+    def at(offset: float) -> str:
+        return next(s.phase for s in report.segments if s.start <= offset < s.end)
+
+    return at(10.5), at(20.0)
+
+
+PHASES_AFTER_A_STOP = {
+    StopReason.OPERATOR_PAUSE: ("paused", "paused"),
+    StopReason.INCIDENT_PAUSE: ("recovering", "paused"),
+    StopReason.RUN_ENDED: ("finishing", "finishing"),
+    StopReason.INCIDENT: ("recovering", "recovering"),
+    StopReason.DRAIN: ("recovering", "recovering"),
+    StopReason.GROW: ("recovering", "recovering"),
+    StopReason.IN_PROCESS_FAILED: ("recovering", "recovering"),
+    StopReason.CORRUPT_CHECKPOINT: ("recovering", "recovering"),
+}
+"""Every reason, by hand: a new one is recovery unless the report's table says otherwise, and the check below
+makes sure that choice is made on purpose."""
+
+
+@pytest.mark.parametrize(("reason", "phases"), PHASES_AFTER_A_STOP.items())
+def test_a_stop_counts_as_its_reason_says_without_a_summary(reason: StopReason, phases: tuple[str, str]) -> None:
+    assert _phases_after_a_stop(reason.value) == phases
+
+
+def test_a_stop_reason_wins_over_its_summary_which_only_histories_before_it_are_read_by() -> None:
+    assert _phases_after_a_stop(StopReason.INCIDENT.value, "stop ranks on node-0: paused by an operator") == (
+        "recovering", "recovering")
+    assert _phases_after_a_stop(None, "stop ranks on node-0: paused by an operator") == ("paused", "paused")
+    assert _phases_after_a_stop("a-reason-of-a-newer-release") == ("recovering", "recovering")
+
+
+def test_every_stop_reason_has_its_row_in_the_table() -> None:
+    assert set(PHASES_AFTER_A_STOP) == set(StopReason)
 
 def test_a_reported_straggler_costs_nothing_and_changes_no_phase() -> None:
     straggler = Incident(kind=IncidentKind.STRAGGLER, node="node-1", rank=1, attempt=1, detected_at=T0 + 5.0,

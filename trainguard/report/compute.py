@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from trainguard.models import Action, Incident, RunResult, RunStatus
+from trainguard.models import Action, Incident, RunResult, RunStatus, StopReason
 from trainguard.report.decode import fetch_chain
 from trainguard.report.model import PHASES, IncidentLoss, RunHistory, RunReport, Segment, Span, StepPoint
 
@@ -19,7 +19,25 @@ def _watch_events(spans: Sequence[Span]) -> list[tuple[Span, dict[str, Any]]]:
     return [(s, s.result) for s in spans if s.name == "watch_ranks" and isinstance(s.result, dict)]
 
 
-def _stop_kind(summary: str) -> str:
+_STOP_PHASES = {StopReason.OPERATOR_PAUSE: "paused", StopReason.RUN_ENDED: "finishing",
+                StopReason.INCIDENT_PAUSE: "pause-after"}
+"""What a stop of each reason starts (`pause-after`: recovery, then paused once the ranks are stopped); any
+other reason is recovery."""
+
+
+def _stop_kind(span: Span) -> str:
+    """What a `stop_ranks` span starts, from its input's `reason`."""
+    reason = span.input.get("reason") if span.input else None
+    if reason is None:
+        # Histories recorded before `StopRanksInput.reason` existed: only the summary tells.
+        return _stop_kind_of_summary(span.summary)
+    try:
+        return _STOP_PHASES.get(StopReason(reason), "recovering")
+    except ValueError:
+        return "recovering"  # a reason newer than this release: every stop is recovery unless it says otherwise
+
+
+def _stop_kind_of_summary(summary: str) -> str:
     if "paused by an operator" in summary:
         return "paused"
     if "run ended" in summary:
@@ -102,7 +120,7 @@ def compute_report(
             if span.attempt is not None and isinstance(step, int):
                 restored_from[span.attempt] = min(restored_from.get(span.attempt, step), step)
         elif span.name == "stop_ranks":
-            kind = _stop_kind(span.summary)
+            kind = _stop_kind(span)
             if kind == "pause-after":
                 markers.append((span.start, order, "recovering", span.attempt))
                 stopped = span.end if span.end is not None else span.start

@@ -47,8 +47,10 @@ def _first(payloads: Any) -> Any:
 
 
 def _attempt_of(summary: str, data: Any) -> int | None:
+    """The attempt an activity belongs to, from its input's `attempt`."""
     if isinstance(data, dict) and isinstance(data.get("attempt"), int):
         return data["attempt"]
+    # Histories recorded before `FindCheckpointInput.attempt` existed: only its summary tells.
     match = _ATTEMPT.search(summary)
     return int(match.group(1)) if match else None
 

@@ -1,0 +1,192 @@
+"""Where checkpoints live in the bucket, and what a manifest must say: pure, no store calls.
+
+    <prefix>/<workflow-id>/step-00000100/rank-00000.pt     one shard per rank (torch.save of a dict)
+    <prefix>/<workflow-id>/step-00000100/dcp/...            or a DCP checkpoint's files, its own names
+    <prefix>/<workflow-id>/step-00000100/nodes/<node>.json a node's record: its shards are all uploaded
+    <prefix>/<workflow-id>/step-00000100/manifest-00000.json  pages of a large manifest's shard list
+    <prefix>/<workflow-id>/step-00000100/manifest.json     written last: the commit
+
+The store's side (reads, commits, retention) is `activities.checkpoint_store`; the node's uploads and
+downloads are `activities.checkpoint_transfers`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from temporalio.exceptions import ApplicationError
+
+from activities.models import Manifest, ManifestPage, ShardFile, ShardInfo
+from activities.paths import shard_name, step_dir_name
+from trainguard.error_types import ErrorType
+from trainguard.rank import DCP_DIR, DCP_METADATA, FORMAT_DCP, FORMAT_TORCH, files_digest
+
+MANIFEST_NAME = "manifest.json"
+SHA256_METADATA = "sha256"
+MANIFEST_FORMAT = Manifest.model_fields["format"].default
+
+MANIFEST_PAGE_RANKS = 1024
+"""Shards listed inline in a manifest, and per page beyond that: a page is about 150 KB, one GET per node
+at a restore, and never near a payload or object-size limit."""
+
+NODE_RECORDS = "nodes"
+
+
+def node_record_key(run_prefix: str, step: int, node: str) -> str:
+    return f"{step_prefix(run_prefix, step)}{NODE_RECORDS}/{node}.json"
+
+
+def step_prefix(run_prefix: str, step: int) -> str:
+    return f"{run_prefix}/{step_dir_name(step)}/"
+
+
+def manifest_key(run_prefix: str, step: int) -> str:
+    return f"{step_prefix(run_prefix, step)}{MANIFEST_NAME}"
+
+
+
+_DCP_FILE = re.compile(rf"^{DCP_DIR}/(__\d+_\d+\.distcp|\.metadata)$")
+"""What a DCP shard's file may be called: DCP's own names, in the step's `dcp/` folder and nowhere else."""
+
+
+def shard_objects(shard: ShardInfo) -> list[tuple[str, ShardInfo]]:
+    """The store objects a shard is made of, each with its path under the step's folder: one file of a
+    `torch.save` shard, each file of a DCP shard, none of a replica (it is another rank's shard)."""
+    if shard.replica_of is not None:
+        return []
+    if shard.files is None:
+        return [(shard_name(shard.rank), shard)]
+    prefix = shard.key.removesuffix(f"{DCP_DIR}/")
+    return [(f.name, ShardInfo(rank=shard.rank, key=f"{prefix}{f.name}", size_bytes=f.size_bytes,
+                               sha256=f.sha256, node=shard.node)) for f in shard.files]
+
+
+def state_format_of(shards: list[ShardInfo]) -> str:
+    return FORMAT_DCP if any(s.files is not None for s in shards) else FORMAT_TORCH
+
+
+def reshardable_of(shards: list[ShardInfo]) -> bool:
+    """False when a `torch.save` shard holds sharded tensors: such a checkpoint loads only onto the world size
+    that wrote it (DTensor refuses to copy across meshes), so no shrink or grow may restore it."""
+    return not any(s.sharded and s.files is None for s in shards)
+
+
+def restore_sources(manifest: Manifest, ranks: list[int]) -> dict[int, ShardInfo]:
+    """Rank -> the shard it restores from: of a DCP checkpoint every shard (each rank may need any part
+    once resharded); else rank r's is shard r mod the checkpoint's world size, or the shard it replicates."""
+    by_rank = {s.rank: s for s in manifest.shards}
+    if manifest.state_format == FORMAT_DCP:
+        return by_rank
+    sources: dict[int, ShardInfo] = {}
+    for rank in ranks:
+        source = by_rank[rank % manifest.world_size]
+        if source.replica_of is not None:
+            source = by_rank[source.replica_of]
+        sources[rank] = source
+    return sources
+
+
+def doomed_steps(steps: list[int], committed: list[int], keep_last: int, protect: list[int]) -> list[int]:
+    """The step folders retention deletes: committed checkpoints beyond the newest `keep_last`, and folders
+    never committed that `keep_last` newer commits have made useless (a crashed attempt's leftovers). An
+    uncommitted folder with fewer newer commits may still be uploading or committing: commits can finish out
+    of order, and deleting it would lose a checkpoint retention means to keep."""
+    newest = sorted(committed, reverse=True)
+    keep = set(newest[:keep_last]) | set(protect)
+    return [s for s in steps if s not in keep
+            and (s in committed or sum(1 for c in newest if c > s) >= keep_last)]
+
+
+def manifest_header(manifest: Manifest) -> Manifest:
+    """The manifest without its shard list: what may pass through a workflow's history at any world size."""
+    return manifest.model_copy(update={"shards": [], "pages": []})
+
+
+def manifest_body(manifest: Manifest, run_prefix: str) -> tuple[bytes, dict[str, bytes]]:
+    """The manifest object's bytes and, for a large world, its pages' (key -> bytes), to be written first."""
+    if len(manifest.shards) <= MANIFEST_PAGE_RANKS:
+        return manifest.model_dump_json(indent=1).encode(), {}
+    pages: dict[str, bytes] = {}
+    refs: list[ManifestPage] = []
+    for first in range(0, len(manifest.shards), MANIFEST_PAGE_RANKS):
+        chunk = manifest.shards[first : first + MANIFEST_PAGE_RANKS]
+        data = json.dumps([s.model_dump(mode="json") for s in chunk]).encode()
+        key = f"{step_prefix(run_prefix, manifest.step)}manifest-{first:05d}.json"
+        pages[key] = data
+        refs.append(ManifestPage(key=key, first_rank=first, num_ranks=len(chunk),
+                                 sha256=hashlib.sha256(data).hexdigest()))
+    header = manifest.model_copy(update={"shards": [], "pages": refs})
+    return header.model_dump_json(indent=1).encode(), pages
+
+
+def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | None:
+    """None when the manifest describes a whole checkpoint of `step` in this run's layout; else what is wrong.
+
+    Guards a restore against a manifest that is well-formed JSON but lies: copied into another step's folder,
+    naming shards of another run, or too few shards for its world size (a node would get none to restore).
+    """
+    if manifest.format != MANIFEST_FORMAT:
+        return f"manifest format {manifest.format!r}, expected {MANIFEST_FORMAT!r}"
+    if manifest.step != step:
+        return f"manifest in the folder of step {step} says step {manifest.step}"
+    ranks = sorted(s.rank for s in manifest.shards)
+    if ranks != list(range(manifest.world_size)):
+        return f"manifest names shards of ranks {ranks}, not one per rank of world size {manifest.world_size}"
+    if manifest.state_format not in (FORMAT_TORCH, FORMAT_DCP):
+        return f"manifest state format {manifest.state_format!r} is not one this release reads"
+    if manifest.state_format != state_format_of(manifest.shards):
+        return f"manifest says state format {manifest.state_format!r}, its shards another"
+    if manifest.reshardable != reshardable_of(manifest.shards):
+        return f"manifest says reshardable {manifest.reshardable}, its shards another"
+    originals = {s.rank for s in manifest.shards if s.replica_of is None}
+    for shard in manifest.shards:
+        if shard.replica_of is not None:
+            if shard.replica_of not in originals or manifest.state_format == FORMAT_DCP:
+                return f"the shard of rank {shard.rank} replicates rank {shard.replica_of}, which wrote none"
+            continue
+        name = f"{DCP_DIR}/" if shard.files is not None else shard_name(shard.rank)
+        expected = f"{step_prefix(run_prefix, step)}{name}"
+        if shard.key != expected:
+            return f"manifest puts the shard of rank {shard.rank} at {shard.key}, not {expected}"
+        bad = [f.name for f in shard.files or [] if not _DCP_FILE.match(f.name)]
+        if bad:
+            return f"the shard of rank {shard.rank} names a file outside the DCP layout: {bad[0]!r}"
+    if manifest.state_format == FORMAT_DCP:
+        if any(s.files is None for s in manifest.shards):
+            return "a DCP checkpoint with a torch.save shard in it"
+        metadata = [s.rank for s in manifest.shards for f in s.files or [] if f.name == DCP_METADATA]
+        if len(metadata) != 1:
+            return f"a DCP checkpoint needs one {DCP_METADATA}, the manifest names {len(metadata)}"
+    return None
+
+
+def shard_from_meta(meta: dict[str, Any], prefix: str, node: str) -> ShardInfo:
+    """The shard a rank's meta file (written by `trainguard.rank`) describes, keyed under `prefix`."""
+    rank = int(meta["rank"])
+    if meta.get("replica_of") is not None:
+        return ShardInfo(rank=rank, size_bytes=0, sha256="", node=node, replica_of=int(meta["replica_of"]))
+    if meta.get("format") == FORMAT_DCP:
+        files = [ShardFile.model_validate(f) for f in meta["files"]]
+        sha = files_digest([f.model_dump() for f in files])
+        if sha != meta["sha256"]:
+            raise ApplicationError(f"the meta file of rank {rank} does not add up ({sha[:12]}...)",
+                                   type=ErrorType.CORRUPT_LOCAL_SHARD, non_retryable=True)
+        return ShardInfo(rank=rank, key=f"{prefix}{DCP_DIR}/", size_bytes=sum(f.size_bytes for f in files),
+                         sha256=sha, node=node, files=files)
+    return ShardInfo(rank=rank, key=f"{prefix}{shard_name(rank)}", size_bytes=meta["size_bytes"],
+                     sha256=meta["sha256"], node=node, sharded=bool(meta.get("sharded")))
+
+
+def object_name(key: str) -> str:
+    """An object's path under its step's folder (`.../step-00000100/dcp/__0_0.distcp` -> `dcp/__0_0.distcp`),
+    which is also its path under the step's folder on a node."""
+    return key.rsplit("/step-", 1)[1].split("/", 1)[1]
+
+
+def step_of(key: str) -> int:
+    """The step of any object under a step's folder (`.../step-00000100/rank-00000.pt`,
+    `.../step-00000100/dcp/.metadata` -> 100)."""
+    return int(key.rsplit("/step-", 1)[1].split("/", 1)[0])

@@ -1,0 +1,510 @@
+"""The controller's side of checkpoints: find, commit and prune them in the store (`StoreActivities`), and
+the store reads they rest on.
+
+A checkpoint without a manifest does not exist. The manifest is written only after every shard it names is
+in the store with the size and sha256 the rank recorded, and never overwritten (conditional write). A reader
+trusts a manifest only when it describes a whole checkpoint of its own step in this layout; a manifest that
+cannot be parsed, or that names shards elsewhere or too few of them, is passed over like a missing one.
+
+Multipart uploads that an uploader abandoned (killed mid-upload) are invisible to listings but keep their
+parts until aborted: retention aborts the ones under the run's prefix once they are surely dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from botocore.exceptions import ClientError
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.checkpoint_layout import (
+    NODE_RECORDS,
+    SHA256_METADATA,
+    doomed_steps,
+    manifest_body,
+    manifest_header,
+    manifest_key,
+    manifest_problem,
+    reshardable_of,
+    restore_sources,
+    shard_objects,
+    state_format_of,
+    step_prefix,
+)
+from activities.models import (
+    CommitCheckpointInput,
+    CommitCheckpointsInput,
+    CommitCheckpointsResult,
+    CommittedCheckpoint,
+    FindCheckpointInput,
+    FindCheckpointResult,
+    Manifest,
+    ManifestPage,
+    NodeCheckpointRecord,
+    PruneCheckpointsInput,
+    PruneCheckpointsResult,
+    ShardInfo,
+)
+from activities.paths import shard_name
+from activities.progress import find_stragglers
+from trainguard.error_types import ErrorType
+from trainguard.models import CheckpointRef
+from trainguard.rank import DCP_METADATA, FORMAT_DCP
+from trainguard.settings import s3_client
+
+log = logging.getLogger("activities.checkpoints")
+"""The checkpoint logs keep the name they always had, whichever part of them logs."""
+
+ORPHANED_UPLOAD_AGE_S = 3600.0
+"""A multipart upload under a run's prefix initiated longer ago than this is abandoned, and aborted.
+
+An upload lives at most one `upload_shards` attempt (TRANSFER_TIMEOUT, 30 min, in workflows/training_run.py;
+boto3 starts a new upload on a retry, never resumes one). Twice that leaves room for clock skew between the
+store (which stamps `Initiated`) and the controller, so an upload still in flight is never aborted under
+its writer.
+"""
+
+
+STORE_CHECK_THREADS = 16
+"""HEADs in flight when a restore checks that a checkpoint's shards are all there: 32,768 one after the
+other would take minutes."""
+
+
+def _error_code(error: ClientError) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def _is_missing(error: ClientError) -> bool:
+    return _error_code(error) in ("404", "NoSuchKey", "NotFound")
+
+
+def _bucket_missing(error: ClientError, bucket: str) -> ApplicationError | None:
+    if _error_code(error) == "NoSuchBucket":
+        return ApplicationError(
+            f"checkpoint.bucket {bucket!r} does not exist in the S3 store", type=ErrorType.BAD_SPEC, non_retryable=True
+        )
+    return None
+
+
+
+def list_steps(client: Any, bucket: str, run_prefix: str) -> list[int]:
+    """Every `step-*` folder under the run prefix, newest first (committed or not)."""
+    steps: list[int] = []
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=bucket, Prefix=f"{run_prefix}/", Delimiter="/"):
+        for common in page.get("CommonPrefixes", []):
+            name = common["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("step-") and name.removeprefix("step-").isdigit():
+                steps.append(int(name.removeprefix("step-")))
+    return sorted(steps, reverse=True)
+
+
+def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = None) -> Manifest | None:
+    """The manifest at `key` with its shard list filled in: all of it, or the pages holding the shards
+    `ranks` restore (rank r: shard r mod the checkpoint's world size). None when there is none. A page whose
+    bytes do not match the manifest raises ValueError, like bad JSON."""
+    try:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as error:
+        if _is_missing(error):
+            return None
+        raise
+    manifest = Manifest.model_validate_json(body)
+    if not manifest.pages:
+        return manifest
+    # A DCP checkpoint restores from every shard; else rank r from shard r mod the world size.
+    needed = (None if ranks is None or manifest.state_format == FORMAT_DCP
+              else {r % manifest.world_size for r in ranks})
+    shards = _read_pages(client, bucket, manifest.pages, needed)
+    if needed is not None:  # a replica restores its original's shard: read that page too
+        read = {s.rank for s in shards}
+        originals = {s.replica_of for s in shards if s.replica_of is not None} - read
+        if originals:
+            shards.extend(s for s in _read_pages(client, bucket, manifest.pages, originals) if s.rank not in read)
+    return manifest.model_copy(update={"shards": shards})
+
+
+def _read_pages(client: Any, bucket: str, pages: list[ManifestPage], ranks: set[int] | None) -> list[ShardInfo]:
+    """The shards on the pages that hold `ranks` (None: every page), each page checked against its sha256."""
+    shards: list[ShardInfo] = []
+    for page in pages:
+        if ranks is not None and not any(page.first_rank <= r < page.first_rank + page.num_ranks for r in ranks):
+            continue
+        try:
+            data = client.get_object(Bucket=bucket, Key=page.key)["Body"].read()
+        except ClientError as error:
+            if _is_missing(error):
+                raise ValueError(f"manifest page {page.key} is missing") from None
+            raise
+        if hashlib.sha256(data).hexdigest() != page.sha256:
+            raise ValueError(f"manifest page {page.key} does not match its sha256")
+        shards.extend(ShardInfo.model_validate(s) for s in json.loads(data))
+    return shards
+
+
+def abort_orphaned_uploads(
+    client: Any, bucket: str, prefix: str, *, older_than_s: float = ORPHANED_UPLOAD_AGE_S, now: float
+) -> list[str]:
+    """Abort the multipart uploads under `prefix` initiated more than `older_than_s` before `now` (Unix time).
+
+    Their parts are invisible to listings but occupy the store until aborted. `prefix` is a folder: a
+    trailing `/` is added so `runs/a` never reaches into `runs/ab`. Returns the keys of the uploads aborted.
+    """
+    folder = prefix if prefix.endswith("/") else f"{prefix}/"
+    aborted: list[str] = []
+    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=folder):
+        for upload in page.get("Uploads", []):
+            key = upload["Key"]
+            if not key.startswith(folder) or now - upload["Initiated"].timestamp() < older_than_s:
+                continue  # a store that ignores Prefix must not lead us into another run's uploads
+            try:
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+            except ClientError as error:
+                if _error_code(error) != "NoSuchUpload":  # completed or aborted since the listing
+                    raise
+            aborted.append(key)
+    if aborted:
+        log.info("aborted %d orphaned multipart uploads under s3://%s/%s", len(aborted), bucket, folder)
+    return aborted
+
+
+def check_shard_in_store(client: Any, bucket: str, shard: ShardInfo) -> str | None:
+    """None when every object of the shard exists with its recorded size and sha256; else what is wrong."""
+    objects = shard_objects(shard)
+    if objects != [(shard_name(shard.rank), shard)]:
+        return next((p for _, obj in objects if (p := check_shard_in_store(client, bucket, obj))), None)
+    try:
+        head = client.head_object(Bucket=bucket, Key=shard.key)
+    except ClientError as error:
+        if _is_missing(error):
+            return f"shard of rank {shard.rank} missing ({shard.key})"
+        raise
+    if head["ContentLength"] != shard.size_bytes:
+        return f"shard of rank {shard.rank} is {head['ContentLength']} bytes, manifest says {shard.size_bytes}"
+    recorded = head.get("Metadata", {}).get(SHA256_METADATA)
+    if recorded is not None and recorded != shard.sha256:
+        return f"shard of rank {shard.rank} has sha256 {recorded[:12]}..., manifest says {shard.sha256[:12]}..."
+    return None
+
+
+def committed_shard(client: Any, bucket: str, key: str, rank: int) -> ShardInfo | None:
+    """The shard of `rank` that the manifest at `key` commits; None when there is no readable manifest."""
+    try:
+        manifest = read_manifest(client, bucket, key)
+    except ValueError:
+        return None  # unreadable: no reader will restore it, so it has nothing to protect
+    if manifest is None:
+        return None
+    return next((s for s in manifest.shards if s.rank == rank), None)
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+STORE_HEARTBEAT_EVERY_S = 2.0
+"""Find, commit and prune heartbeat this often while their store calls run (the workflow's timeout: 15 s)."""
+
+
+async def _heartbeating(fn: Callable[[T], R], request: T) -> R:
+    """Run blocking store work in a thread, heartbeating meanwhile: the controller dying mid-call is noticed
+    within the heartbeat timeout, and the call is retried on another controller."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, request))
+    while not work.done():
+        activity.heartbeat()
+        await asyncio.wait({work}, timeout=STORE_HEARTBEAT_EVERY_S)
+    return work.result()
+
+
+@dataclass
+class _CommitterState:
+    """What one committer activity remembers between its passes over the store."""
+
+    records: dict[str, tuple[str, NodeCheckpointRecord]] = field(default_factory=dict)
+    """Record key -> (ETag, record): a record is read again only when it changed."""
+    refused: set[int] = field(default_factory=set)
+    """Steps another writer's manifest holds: never committed by this one."""
+
+
+class StoreActivities:
+    """Controller-side activities: find, commit and prune checkpoints in the store."""
+
+    @activity.defn(name="find_checkpoint")
+    async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
+        """The newest committed checkpoint whose shards all exist with their recorded sizes and checksums."""
+        return await _heartbeating(self._find, request)
+
+    def _find(self, request: FindCheckpointInput) -> FindCheckpointResult:
+        client = s3_client()
+        skipped: list[str] = []
+        try:
+            steps = list_steps(client, request.bucket, request.run_prefix)
+        except ClientError as error:
+            raise _bucket_missing(error, request.bucket) or error
+        for step in steps:
+            if step in request.exclude_steps:
+                skipped.append(f"step {step}: a shard failed verification at download")
+                continue
+            key = manifest_key(request.run_prefix, step)
+            try:
+                manifest = read_manifest(client, request.bucket, key)
+            except ValueError as error:
+                skipped.append(f"step {step}: unreadable manifest ({error.__class__.__name__})")
+                continue
+            if manifest is None:
+                skipped.append(f"step {step}: no manifest (never committed)")
+                continue
+            problem = manifest_problem(manifest, request.run_prefix, step)
+            if problem:
+                skipped.append(f"step {step}: {problem}")
+                continue
+            smallest = min(request.world_size, request.min_world_size or request.world_size)
+            largest = max(request.world_size, request.max_world_size or 0)
+            if not smallest <= manifest.world_size <= largest:
+                skipped.append(f"step {step}: written by {manifest.world_size} ranks, run has {request.world_size}")
+                continue
+            if not manifest.reshardable and manifest.world_size != request.world_size:
+                skipped.append(f"step {step}: a per-rank torch.save of sharded tensors written by "
+                               f"{manifest.world_size} ranks cannot be resharded onto {request.world_size}")
+                continue
+            sources = restore_sources(manifest, list(range(request.world_size)))
+            needed = list({s.rank: s for s in sources.values()}.values())
+            with ThreadPoolExecutor(max_workers=STORE_CHECK_THREADS) as pool:
+                problems = [p for p in pool.map(lambda s: check_shard_in_store(client, request.bucket, s), needed)
+                            if p]
+            if problems:
+                skipped.append(f"step {step}: {problems[0]}")
+                continue
+            return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, skipped=skipped)
+        return FindCheckpointResult(skipped=skipped)
+
+    @activity.defn(name="commit_checkpoint")
+    async def commit_checkpoint(self, request: CommitCheckpointInput) -> CheckpointRef:
+        """Write the manifest, last, once every shard is verified in the store. Idempotent."""
+        return await _heartbeating(self._commit, request)
+
+    def _commit(self, request: CommitCheckpointInput) -> CheckpointRef:
+        client = s3_client()
+        ranks = sorted(s.rank for s in request.shards)
+        if ranks != list(range(request.world_size)):
+            raise ApplicationError(
+                f"step {request.step}: shards for ranks {ranks} do not cover world size {request.world_size}",
+                type=ErrorType.INCOMPLETE_CHECKPOINT,
+                non_retryable=True,
+            )
+        for shard in request.shards:
+            problem = check_shard_in_store(client, request.bucket, shard)
+            if problem:
+                newer = [s for s in list_steps(client, request.bucket, request.run_prefix) if s > request.step
+                         and self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]
+                if newer and (request.keep_last is None or len(newer) >= request.keep_last):
+                    # Newer checkpoints committed meanwhile and retention let this one go: nothing to retry.
+                    raise ApplicationError(f"step {request.step}: {problem}; superseded by committed step "
+                                           f"{max(newer)}", type=ErrorType.CHECKPOINT_SUPERSEDED, non_retryable=True)
+                # Retryable: a store that lists lazily may not show a just-finished upload yet.
+                raise ApplicationError(f"step {request.step}: {problem}", type=ErrorType.SHARD_NOT_VERIFIED)
+        manifest = Manifest(
+            workflow_id=request.workflow_id,
+            step=request.step,
+            world_size=request.world_size,
+            attempt=request.attempt,
+            shards=sorted(request.shards, key=lambda s: s.rank),
+            total_bytes=sum(s.size_bytes for s in request.shards),
+            created_at=time.time(),
+            state_format=state_format_of(request.shards),
+            reshardable=reshardable_of(request.shards),
+        )
+        return self._put_manifest(client, request.bucket, request.run_prefix, manifest)
+
+    @staticmethod
+    def _put_manifest(client: Any, bucket: str, run_prefix: str, manifest: Manifest) -> CheckpointRef:
+        """Write the manifest (its pages first), never over another: a retry finds its own and succeeds."""
+        key = manifest_key(run_prefix, manifest.step)
+        body, pages = manifest_body(manifest, run_prefix)
+        for page_key, data in pages.items():
+            client.put_object(Bucket=bucket, Key=page_key, Body=data, ContentType="application/json")
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json",
+                              IfNoneMatch="*")
+        except ClientError as error:
+            code = _error_code(error)
+            if code == "ConditionalRequestConflict":
+                # Another conditional write of this key is in flight: retry and compare with what it wrote.
+                raise ApplicationError(f"step {manifest.step}: concurrent manifest write, retrying",
+                                       type=ErrorType.MANIFEST_WRITE_CONFLICT) from None
+            if code not in ("PreconditionFailed", "412"):
+                raise
+            try:
+                existing = read_manifest(client, bucket, key)
+            except ValueError:
+                existing = None  # an unreadable manifest is not ours either
+            if existing is None or [s.sha256 for s in existing.shards] != [s.sha256 for s in manifest.shards]:
+                raise ApplicationError(
+                    f"step {manifest.step} was already committed with different shards (two writers?)",
+                    type=ErrorType.CONFLICTING_COMMIT,
+                    non_retryable=True,
+                ) from None
+            manifest = existing  # our own earlier commit, retried
+        log.info("committed %s (%d shards)", key, len(manifest.shards))
+        return CheckpointRef(
+            step=manifest.step,
+            manifest_key=key,
+            bucket=bucket,
+            world_size=manifest.world_size,
+            total_bytes=sum(s.size_bytes for s in manifest.shards),
+            reshardable=manifest.reshardable,
+        )
+
+    @activity.defn(name="commit_checkpoints")
+    async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
+        """The committer: commit every step whose node records cover the world (manifest last), apply
+        retention, and return what it committed. Heartbeats while it waits; idempotent (a step already
+        committed is committed again as itself). Each pass over the store runs in a thread; the waits between
+        passes do not, so a cancelled committer stops at once instead of holding a thread for minutes."""
+        deadline = time.monotonic() + request.max_duration_s
+        state = _CommitterState()
+        last_change = time.monotonic()
+        while True:
+            activity.heartbeat()
+            commits, pending, changed = await asyncio.to_thread(self._commit_pass, request, state)
+            if commits:
+                return CommitCheckpointsResult(commits=commits)
+            now = time.monotonic()
+            last_change = now if changed else last_change
+            if now >= deadline:
+                return CommitCheckpointsResult()
+            if request.quiet_s is not None and (not pending or now - last_change >= request.quiet_s):
+                return CommitCheckpointsResult()
+            await asyncio.sleep(request.poll_interval_s)
+
+    def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
+                     ) -> tuple[list[CommittedCheckpoint], bool, bool]:
+        """Commit what is complete, then apply retention. Returns (commits, whether a step is partly
+        uploaded, whether any node record is new since the last pass)."""
+        client = s3_client()
+        commits: list[CommittedCheckpoint] = []
+        pending = changed = False
+        try:
+            steps = sorted(s for s in list_steps(client, request.bucket, request.run_prefix) if s > request.after_step)
+        except ClientError as error:
+            raise _bucket_missing(error, request.bucket) or error
+        for step in steps:
+            found, new = self._node_records(client, request, step, state.records)
+            changed = changed or new
+            if step in state.refused:
+                continue  # committed already by another writer, with other shards: never ours to commit
+            try:
+                done = self._commit_step(client, request, step, found)
+            except ApplicationError as error:
+                if error.type != ErrorType.CONFLICTING_COMMIT:
+                    raise
+                # A manifest of another writer (or an unreadable one) holds the step: leave it, go on with
+                # the steps after it. Restores pass over it if it is not whole.
+                log.warning("%s; not committing step %d", error.message, step)
+                state.refused.add(step)
+                continue
+            if done is not None:
+                commits.append(done)
+            elif found:
+                pending = True
+        if commits:
+            self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,
+                                              keep_last=request.keep_last,
+                                              protect_steps=[max(c.ref.step for c in commits)]))
+        return commits, pending, changed
+
+    @staticmethod
+    def _node_records(client: Any, request: CommitCheckpointsInput, step: int,
+                      cache: dict[str, tuple[str, NodeCheckpointRecord]]) -> tuple[list[NodeCheckpointRecord], bool]:
+        """The node records of `step` that count for this commit (attempts `min_attempt`..`attempt`), and
+        whether any was new or changed since the last look."""
+        prefix = f"{step_prefix(request.run_prefix, step)}{NODE_RECORDS}/"
+        changed = False
+        found: list[NodeCheckpointRecord] = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=request.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                key, etag = obj["Key"], obj["ETag"]
+                if key not in cache or cache[key][0] != etag:
+                    try:
+                        body = client.get_object(Bucket=request.bucket, Key=key)["Body"].read()
+                        cache[key] = (etag, NodeCheckpointRecord.model_validate_json(body))
+                    except (ClientError, ValueError) as error:
+                        log.warning("node record %s unreadable (%s); waiting for it to be rewritten", key, error)
+                        continue
+                    changed = True
+                record = cache[key][1]
+                ours = not (request.chain_id and record.chain_id and record.chain_id != request.chain_id)
+                if ours and request.min_attempt <= record.attempt <= request.attempt and record.step == step:
+                    found.append(record)
+        return found, changed
+
+    def _commit_step(self, client: Any, request: CommitCheckpointsInput, step: int,
+                     records: list[NodeCheckpointRecord]) -> CommittedCheckpoint | None:
+        """Commit `step` if its records hold exactly one shard per rank of the world; else None."""
+        by_rank: dict[int, ShardInfo] = {}
+        for record in sorted(records, key=lambda r: (r.attempt, r.node)):
+            for shard in record.shards:
+                by_rank[shard.rank] = shard  # a newer attempt's upload of the same rank wins
+        if sorted(by_rank) != list(range(request.world_size)):
+            return None
+        shards = [by_rank[r] for r in range(request.world_size)]
+        if state_format_of(shards) == FORMAT_DCP and (
+                any(s.files is None for s in shards)
+                or sum(f.name == DCP_METADATA for s in shards for f in s.files or []) != 1):
+            log.warning("step %d: not one DCP checkpoint of every rank (mixed formats, or no metadata); "
+                        "not committing it", step)
+            return None
+        manifest = Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
+                            attempt=request.attempt, shards=shards, total_bytes=sum(s.size_bytes for s in shards),
+                            created_at=time.time(), state_format=state_format_of(shards),
+                            reshardable=reshardable_of(shards))
+        ref = self._put_manifest(client, request.bucket, request.run_prefix, manifest)
+        compute = {r: c for record in records for r, c in record.rank_compute_s.items()}
+        return CommittedCheckpoint(ref=ref, slow_ranks=find_stragglers(compute, request.straggler_ratio),
+                                   step=min((r.node_step for r in records), default=step))
+
+    @activity.defn(name="prune_checkpoints")
+    async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
+        """Keep the newest `keep_last` committed checkpoints; delete older ones, manifest first."""
+        return await _heartbeating(self._prune, request)
+
+    def _prune(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
+        client = s3_client()
+        steps = list_steps(client, request.bucket, request.run_prefix)
+        committed = [s for s in steps if self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]
+        doomed = doomed_steps(steps, committed, request.keep_last, request.protect_steps)
+        for step in doomed:
+            # Manifest first: from that moment the checkpoint no longer exists for any reader.
+            client.delete_object(Bucket=request.bucket, Key=manifest_key(request.run_prefix, step))
+            keys = [
+                {"Key": obj["Key"]}
+                for page in client.get_paginator("list_objects_v2").paginate(
+                    Bucket=request.bucket, Prefix=step_prefix(request.run_prefix, step)
+                )
+                for obj in page.get("Contents", [])
+            ]
+            for start in range(0, len(keys), 1000):
+                client.delete_objects(Bucket=request.bucket, Delete={"Objects": keys[start : start + 1000]})
+        try:
+            abort_orphaned_uploads(client, request.bucket, f"{request.run_prefix}/", now=time.time())
+        except ClientError as error:
+            # Retention is done; a store without ListMultipartUploads must not fail it over the janitor.
+            log.warning("could not abort orphaned uploads under %s: %s", request.run_prefix, error)
+        return PruneCheckpointsResult(deleted_steps=sorted(doomed))
+
+    @staticmethod
+    def _exists(client: Any, bucket: str, key: str) -> bool:
+        try:
+            client.head_object(Bucket=bucket, Key=key)
+        except ClientError as error:
+            if _is_missing(error):
+                return False
+            raise
+        return True

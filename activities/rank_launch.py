@@ -1,0 +1,410 @@
+"""Launch and stop a node's ranks: `launch_ranks`, `rejoin_ranks` (an in-process restart) and `stop_ranks`.
+
+Launches are fenced by attempt: the node records the newest attempt it has seen for each run, kills ranks of
+older attempts before starting new ones, and refuses a late launch of an older attempt, so ranks of attempt k
+never run beside attempt k+1. A spec is user input: only programs the agent's `--allow` list names run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.evidence import evidence_env
+from activities.models import (
+    LaunchRanksInput,
+    LaunchRanksResult,
+    RankGroupInput,
+    RejoinRanksInput,
+    RejoinRanksResult,
+    StopRanksInput,
+    StopRanksResult,
+)
+from activities.paths import RunLayout
+from activities.rank_records import AttemptRecord, RankBook, RankProcess, _kill_group, _read_report, log
+from trainguard import protocol
+from trainguard.error_types import ErrorType
+from trainguard.procs import start_time
+from trainguard.spec import exec_env_refused, exec_problems
+
+# Variables of the agent's own environment that ranks must not inherit: storage credentials belong to the
+# agent (it uploads), never to user code; so do the pool's peer token and Temporal's keys.
+_SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_", "TRAINGUARD_PEER_TOKEN", "TRAINGUARD_CODEC_KEY",
+                        "TRAINGUARD_API_KEY", "TRAINGUARD_TLS_KEY")
+
+SPEC_ERRNOS = frozenset({errno.E2BIG, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
+                         errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
+"""Exec failures the spec caused (too big, no such program, not executable, not a program): the run's fault,
+a non-retryable `BadSpec`. Any other (EMFILE, ENOMEM, EAGAIN) is the node's, and is retried."""
+
+
+def _program_path(path: str) -> Path:
+    """`path` made absolute with its directories resolved as the kernel resolves them (so `..` and symlinked
+    folders cannot lead a check astray), its last part kept: a venv's `python` is a symlink to be run as such."""
+    absolute = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)  # no lexical `..` folding
+    head, tail = os.path.split(absolute)
+    return Path(os.path.realpath(head)) / tail
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RankLaunch(RankBook):
+    """Start, restart in process, and stop the ranks of a run's attempt on this node."""
+
+    async def _stop_standby(self, record: AttemptRecord) -> None:
+        standby, record.standby = record.standby, None
+        if standby is not None and not standby.poll():
+            _kill_group(standby.pid, signal.SIGKILL)  # it holds no state: no grace
+            if standby.popen is not None:
+                await asyncio.to_thread(standby.popen.wait)
+            else:
+                while not standby.poll():
+                    await asyncio.sleep(0.02)
+        if standby is not None:
+            self._save_record(record)
+
+    async def _stop_record(self, record: AttemptRecord, grace_s: float) -> int:
+        await self._stop_standby(record)
+        live = [p for p in record.ranks.values() if not p.poll()]
+        for proc in live:
+            _kill_group(proc.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
+            _kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(p.poll() for p in live):
+            await asyncio.sleep(0.05)
+        for proc in live:
+            # The whole group, so children a rank spawned (data loader workers) go too.
+            _kill_group(proc.pid, signal.SIGKILL)
+        for proc in live:
+            if proc.popen is not None:
+                await asyncio.to_thread(proc.popen.wait)
+            else:
+                while not proc.poll():
+                    await asyncio.sleep(0.02)
+        return len(live)
+
+    async def fence(self, record: AttemptRecord, why: str) -> int:
+        """Stop an attempt's ranks that its run no longer counts on (unless a newer attempt took its place)."""
+        if self._attempts.get(record.workflow_id) is not record:
+            return 0
+        stopped = await self._stop_record(record, grace_s=2.0)
+        if stopped:
+            log.warning("fenced %d ranks of %s attempt %d on %s: %s", stopped, record.workflow_id,
+                        record.attempt, self.node, why)
+        return stopped
+
+    async def stop_all(self, grace_s: float = 2.0) -> int:
+        """Stop every rank this agent runs (on agent shutdown): ranks must never outlive their agent."""
+        stopped = 0
+        for record in list(self._attempts.values()):
+            stopped += await self._stop_record(record, grace_s)
+        return stopped
+
+    @activity.defn(name="launch_ranks")
+    async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
+        """Start this node's ranks for one attempt, with torchrun's environment and a fresh rendezvous."""
+        current = self._record(request.workflow_id)
+        same_run = current is not None and current.chain_id == request.chain_id
+        if current is not None and same_run and current.attempt > request.attempt:
+            raise ApplicationError(
+                f"node {self.node} already runs attempt {current.attempt} of {request.workflow_id}; "
+                f"refusing stale attempt {request.attempt}",
+                type=ErrorType.STALE_ATTEMPT,
+                non_retryable=True,
+            )
+        if (current is not None and same_run and current.attempt == request.attempt
+                and any(not p.poll() for p in current.ranks.values())):
+            # A retried launch (worker crash, lost completion): adopt what is running, start nothing twice.
+            return LaunchRanksResult(
+                node=self.node,
+                master_addr=current.master_addr,
+                master_port=current.master_port,
+                pids=[p.pid for p in current.ranks.values()],
+                adopted=True,
+            )
+        if current is not None:
+            stopped = await self._stop_record(current, grace_s=1.0)
+            if stopped:
+                log.info("fenced %d ranks of %s attempt %d", stopped, request.workflow_id, current.attempt)
+
+        cwd = self._working_dir(request.working_dir)
+        request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
+        master_addr = request.master_addr or self.host
+        master_port = request.master_port or _free_port(self.host)
+        record = AttemptRecord(
+            workflow_id=request.workflow_id,
+            attempt=request.attempt,
+            master_addr=master_addr,
+            master_port=master_port,
+            start_step=request.restore_step,
+            launched_at=time.time(),
+            chain_id=request.chain_id,
+        )
+        self._attempts[request.workflow_id] = record
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        self._drop_uncommitted_shards(layout, request.restore_step)
+        for path in (layout.progress_dir(request.attempt), layout.logs_dir(request.attempt),
+                     layout.checkpoint_dir, layout.tmp_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        extra = {protocol.ENV_RESTORE_STEP: str(request.restore_step)}
+        if request.restore_dir:
+            extra[protocol.ENV_RESTORE_DIR] = request.restore_dir
+        if request.rejoin_timeout_s is not None:
+            extra[protocol.ENV_REJOIN_TIMEOUT_S] = str(request.rejoin_timeout_s)
+        for local_rank in range(request.ranks_per_node):
+            await self._spawn(record, layout, request, cwd, local_rank, extra)
+        if request.rejoin_timeout_s is not None:
+            self._start_standby(record, layout, request, cwd)
+        log.info(
+            "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d)",
+            sorted(record.ranks), request.workflow_id, request.attempt, self.node, master_addr, master_port,
+        )
+        return LaunchRanksResult(
+            node=self.node, master_addr=master_addr, master_port=master_port,
+            pids=[p.pid for p in record.ranks.values()],
+        )
+
+    def _working_dir(self, working_dir: str | None) -> Path:
+        try:
+            cwd = Path(working_dir) if working_dir else self.code_dir
+            exists = cwd.is_dir()
+        except ValueError:  # a NUL byte: a spec this agent's own check below names
+            exists = False
+        if not exists:
+            raise ApplicationError(
+                f"working_dir {working_dir!r} does not exist on node {self.node}: name a directory every node "
+                f"of the run has", type=ErrorType.BAD_SPEC, non_retryable=True)
+        return cwd
+
+    def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
+                  local_rank: int, extra: dict[str, str]) -> dict[str, str]:
+        """torchrun's environment for one rank of `record`'s attempt, plus trainguard's."""
+        rank = request.node_rank * request.ranks_per_node + local_rank
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "GROUP_RANK": str(request.node_rank),
+            "WORLD_SIZE": str(request.num_nodes * request.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(request.ranks_per_node),
+            "MASTER_ADDR": record.master_addr,
+            "MASTER_PORT": str(record.master_port),
+            protocol.ENV_ATTEMPT: str(record.attempt),
+            protocol.ENV_PROGRESS_FILE: str(layout.progress_file(record.attempt, rank)),
+            protocol.ENV_CHECKPOINT_DIR: str(layout.checkpoint_dir),
+            protocol.ENV_CHECKPOINT_EVERY: str(request.checkpoint_every),
+            protocol.ENV_CHECKPOINT_REQUEST_FILE: str(layout.checkpoint_request_file(record.attempt)),
+            protocol.ENV_REJOIN_FILE: str(layout.rejoin_file(rank)),
+            **evidence_env(layout, record.attempt, rank, request.env),
+            **extra,
+        }
+
+    def _start(self, layout: RunLayout, request: RankGroupInput, cwd: Path, log_path: Path,
+               env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The entrypoint in a session of its own (so its whole tree can be signalled), without the agent's
+        secrets in its environment."""
+        full = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
+        full.setdefault("OMP_NUM_THREADS", "1")
+        full.update(request.env)
+        full.update({"TMPDIR": str(layout.tmp_dir), protocol.ENV_WORKFLOW_ID: request.workflow_id,
+                     protocol.ENV_NODE: self.node, **env})
+        log_file = log_path.open("ab")
+        try:
+            return subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
+                request.entrypoint,
+                cwd=cwd,
+                env=full,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except (ValueError, TypeError, OSError) as error:
+            # ValueError: a NUL byte, a lone surrogate; OSError: what exec refused. A spec's fault is the
+            # run's, never the node's: only an exec failure the node caused is left to retry.
+            if isinstance(error, OSError) and error.errno not in SPEC_ERRNOS:
+                raise
+            field = {errno.E2BIG: "entrypoint and env"}.get(getattr(error, "errno", None) or 0, "entrypoint.0")
+            if not isinstance(error, OSError):
+                field = "entrypoint, env or working_dir"
+            raise ApplicationError(
+                f"{field}: cannot start entrypoint {request.entrypoint[0]!r} on node {self.node}: {error}",
+                type=ErrorType.BAD_SPEC,
+                non_retryable=True,
+            ) from None
+        finally:
+            log_file.close()
+
+    async def _spawn(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
+                     cwd: Path, local_rank: int, extra: dict[str, str]) -> None:
+        """Start one rank of `record`'s attempt and record it before anything else can happen."""
+        rank = request.node_rank * request.ranks_per_node + local_rank
+        env = self._rank_env(record, layout, request, local_rank, extra)
+        try:
+            popen = self._start(layout, request, cwd, layout.log_file(record.attempt, rank), env)
+        except Exception:
+            # No half-started attempt: a retried launch would adopt the ranks that did start as the whole.
+            await self._stop_record(record, grace_s=0.5)
+            raise
+        self._track(record, rank, popen.pid, popen)
+
+    def _track(self, record: AttemptRecord, rank: int, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
+        record.ranks[rank] = RankProcess(rank, pid, start_time(pid), popen)
+        threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
+        self._save_record(record)
+
+    def _start_standby(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
+                       cwd: Path) -> None:
+        """One process of the entrypoint, started now so a rank that dies later is replaced without paying
+        for the interpreter and its imports: it waits in `trainguard.rank.standby()` for the role file."""
+        path = layout.standby_file(record.attempt)
+        path.unlink(missing_ok=True)
+        try:
+            popen = self._start(layout, request, cwd, layout.logs_dir(record.attempt) / protocol.STANDBY_LOG,
+                                {protocol.ENV_STANDBY_FILE: str(path)})
+        except ApplicationError as error:
+            log.warning("no standby process on %s: %s", self.node, error)
+            return
+        record.standby = RankProcess(-1, popen.pid, start_time(popen.pid), popen)
+        self._save_record(record)
+
+    @activity.defn(name="rejoin_ranks")
+    async def rejoin_ranks(self, request: RejoinRanksInput) -> RejoinRanksResult:
+        """In-process restart on this node: tell its live ranks which new process group to join, and start
+        its dead ranks again as joiners that take their state from a live peer. Idempotent: a retry finds the
+        node already on the new attempt and answers the same."""
+        current = self._record(request.workflow_id)
+        if current is not None and current.chain_id == request.chain_id and current.attempt == request.attempt:
+            return RejoinRanksResult(node=self.node, master_addr=current.master_addr,
+                                     master_port=current.master_port, survivors=sorted(current.survivors),
+                                     joiners=sorted(set(current.ranks) - current.survivors),
+                                     step=current.start_step if current.survivors else None)
+        if current is None or current.chain_id != request.chain_id or current.attempt != request.from_attempt:
+            raise ApplicationError(
+                f"node {self.node} does not run attempt {request.from_attempt} of {request.workflow_id} "
+                f"(it runs {current.attempt if current else 'nothing'}): nothing to keep, relaunch instead",
+                type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
+        cwd = self._working_dir(request.working_dir)
+        request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        alive = {r: p for r, p in current.ranks.items() if not p.poll()}
+        reports = [_read_report(layout.progress_file(current.attempt, r)) for r in alive]
+        steps = [r.step for r in reports if r is not None]
+        master_addr = request.master_addr or self.host
+        record = AttemptRecord(
+            workflow_id=request.workflow_id, attempt=request.attempt, master_addr=master_addr,
+            master_port=request.master_port or _free_port(self.host),
+            start_step=min(steps) if steps else current.start_step, launched_at=time.time(),
+            ranks=dict(alive), chain_id=request.chain_id, survivors=set(alive),
+        )
+        for path in (layout.progress_dir(record.attempt), layout.logs_dir(record.attempt),
+                     layout.rejoin_file(0).parent):
+            path.mkdir(parents=True, exist_ok=True)
+        self._attempts[request.workflow_id] = record
+        self._save_record(record)
+        world_size = request.num_nodes * request.ranks_per_node
+        for rank in sorted(alive):
+            # The live rank moves its progress to the new attempt's file, as a fresh launch would write it.
+            protocol.Rejoin(attempt=record.attempt, master_addr=record.master_addr,
+                            master_port=record.master_port, world_size=world_size,
+                            progress_file=str(layout.progress_file(record.attempt, rank)),
+                            checkpoint_request_file=str(layout.checkpoint_request_file(record.attempt)),
+                            ).write(layout.rejoin_file(rank))
+        standby = current.standby if current.standby is not None and not current.standby.poll() else None
+        current.standby = None  # it moves to the new attempt's record: as a rank, or to be stopped with it
+        used_standby = False
+        for local_rank in range(request.ranks_per_node):
+            rank = request.node_rank * request.ranks_per_node + local_rank
+            if rank in alive:
+                continue
+            extra = {protocol.ENV_JOIN: protocol.JOIN_YES, protocol.ENV_RESTORE_STEP: str(record.start_step),
+                     protocol.ENV_REJOIN_TIMEOUT_S: str(request.rejoin_timeout_s)}
+            if standby is not None:
+                # The standby has the interpreter and torch loaded: give it this rank's role.
+                env = self._rank_env(record, layout, request, local_rank, extra)
+                protocol.StandbyRole(env).write(layout.standby_file(current.attempt))
+                self._track(record, rank, standby.pid, standby.popen)
+                standby, used_standby = None, True
+            else:
+                await self._spawn(record, layout, request, cwd, local_rank, extra)
+        record.standby = standby
+        if record.standby is None:
+            self._start_standby(record, layout, request, cwd)
+        log.info("in-process restart of %s attempt %d -> %d on %s: kept ranks %s, restarted %s%s (group %s:%d)",
+                 request.workflow_id, request.from_attempt, record.attempt, self.node, sorted(alive),
+                 sorted(set(record.ranks) - set(alive)), " (one from the standby)" if used_standby else "",
+                 record.master_addr, record.master_port)
+        return RejoinRanksResult(node=self.node, master_addr=record.master_addr, master_port=record.master_port,
+                                 survivors=sorted(alive), joiners=sorted(set(record.ranks) - set(alive)),
+                                 step=min(steps) if steps else None)
+
+    def _check_allowed(self, request: RankGroupInput, cwd: Path) -> list[str]:
+        """Run only programs this agent's own configuration allows (`--allow`): a spec is user input. The
+        program is found with this agent's own PATH (a bare name) or in the ranks' working directory (a relative
+        path), never with the spec's `env.PATH`, and the argv returned names it by that absolute path: the
+        program checked is the program executed. Env names that would change what runs or what it loads
+        (`EXEC_ENV_PATTERNS`) need this node's operator's `--allow-env`."""
+        def bad_spec(message: str) -> ApplicationError:
+            return ApplicationError(f"{message} (node {self.node})", type=ErrorType.BAD_SPEC, non_retryable=True)
+
+        problems = exec_problems(request.entrypoint, request.env, request.working_dir)
+        if problems:
+            raise bad_spec("; ".join(problems))
+        refused = [name for name in request.env if exec_env_refused(name, self.allowed_env)]
+        if refused:
+            raise bad_spec("; ".join(
+                f"env.{name}: changes what the ranks run or load, which this node's --allow list decides; "
+                f"leave it out, or ask the node's operator to allow it with --allow-env {name}" for name in refused))
+        name = request.entrypoint[0]
+        if os.sep in name:
+            found: str | None = str(cwd / name)  # as exec would see it: relative to the ranks' directory
+        else:
+            found = shutil.which(name, path=os.environ.get("PATH", os.defpath))  # the agent's PATH
+        if found is None or not os.path.isfile(found) or not os.access(found, os.X_OK):
+            raise bad_spec(f"entrypoint.0: {name!r} is no executable program here (a bare name is looked up with "
+                           f"the agent's own PATH, never the spec's env.PATH)")
+        program = _program_path(found)
+        if "*" not in self.allowed:
+            # Both the path as named (a venv's python is a symlink) and its target may match.
+            candidates = {program, Path(os.path.realpath(found))}
+            roots = {p for allowed in self.allowed for p in (_program_path(allowed), Path(os.path.realpath(allowed)))}
+            if not any(path == root or root in path.parents for path in candidates for root in roots):
+                raise ApplicationError(
+                    f"entrypoint {name!r} is not allowed on node {self.node} (allowed: {', '.join(self.allowed)}); "
+                    f"ask the node's operator to add it with --allow",
+                    type=ErrorType.ENTRYPOINT_NOT_ALLOWED,
+                    non_retryable=True,
+                )
+        return [str(program), *request.entrypoint[1:]]
+
+    @activity.defn(name="stop_ranks")
+    async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
+        """Stop the run's ranks on this node (whole process groups): SIGTERM, then SIGKILL after the grace."""
+        record = self._record(request.workflow_id)
+        if record is None or (request.attempt is not None and record.attempt > request.attempt):
+            return StopRanksResult(stopped=0)
+        return StopRanksResult(stopped=await self._stop_record(record, request.grace_s))
+
+    @staticmethod
+    def _drop_uncommitted_shards(layout: RunLayout, restore_step: int) -> None:
+        """Local shards newer than the restored step belong to a dead attempt: the new attempt will write
+        its own, and must never report the old ones as its checkpoint."""
+        if not layout.checkpoint_dir.is_dir():
+            return
+        for step_dir in layout.checkpoint_dir.glob("step-*"):
+            if int(step_dir.name.removeprefix("step-")) > restore_step:
+                shutil.rmtree(step_dir, ignore_errors=True)

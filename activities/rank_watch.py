@@ -1,0 +1,313 @@
+"""The watch: `watch_ranks` follows this node's ranks and returns on the first event (exit, hang, checkpoint
+ready, all finished); beside it, it uploads the complete steps and, for a relaunch, downloads and launches first.
+
+What the watch judges (is a rank hung, which steps are complete, which exit is a failure) is pure, in
+`activities.progress`; this module reads the files and processes those judgements need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.models import (
+    DownloadShardsInput,
+    DownloadShardsResult,
+    LaunchRanksInput,
+    NodeCheckpointRecord,
+    RequestCheckpointInput,
+    RequestCheckpointResult,
+    WatchCheckpoints,
+    WatchEvent,
+    WatchEventKind,
+    WatchRanksInput,
+)
+from activities.paths import RunLayout
+from activities.progress import (
+    COLLECTIVE_WAIT_GRACE_S,
+    complete_steps,
+    failed_rank,
+    fault_time,
+    find_hung_rank,
+    first_step_time,
+    process_state_words,
+    slowest_step,
+)
+from activities.rank_launch import RankLaunch
+from activities.rank_logs import exception_line, failure_signature, read_tail
+from activities.rank_records import AttemptRecord, _read_finish, _read_report, describe_exit, log
+from trainguard import protocol
+from trainguard.error_types import ErrorType
+from trainguard.procs import state as process_state
+
+UPLOAD_RETRY_S = 5.0
+"""A watch's upload that failed on a store error is tried again after this long (the store may be out;
+the committer waits for the step meanwhile)."""
+
+FINAL_UPLOAD_MARGIN_S = 30.0
+"""A finished node retries its last uploads against a store that is out until this long past the watch's
+`max_duration_s` (its start-to-close timeout leaves 60 s): the last checkpoint is the one a rerun resumes from."""
+
+DOWNLOAD_RETRY_INITIAL_S = 2.0
+DOWNLOAD_RETRY_MAX_S = 30.0
+"""A watch that launches retries a download the store fails as the transfer policy would (2 s doubling to
+30 s): an outage heals; bad bytes (a non-retryable error) never do, and fail the watch at once."""
+
+
+def _log_fields(log_path: Path, rank: int, exit_code: int | None, reported: str | None = None) -> dict[str, object]:
+    """What a rank's exit event says about it from its log: the tail, and, for an exit the rank chose (a
+    positive code: an exception, `sys.exit`), the failure's signature and its exception in the detail. An
+    error the rank helper itself reported (`reported`, e.g. a checkpoint step it skipped) is named first."""
+    tail = read_tail(log_path)
+    chosen = exit_code is not None and exit_code > 0
+    exception = reported or (exception_line(tail) if chosen else None)
+    detail = f"rank {rank} {describe_exit(exit_code)}" + (f": {exception}" if exception else "")
+    return {"detail": detail, "log_path": str(log_path), "log_tail": tail,
+            "failure_signature": failure_signature(tail) if chosen else None}
+
+
+
+def _upload_key(record: AttemptRecord, step: int) -> tuple[str, str, int, int]:
+    """An upload is one step of one attempt of one run: a rerun of a closed workflow id starts again at attempt
+    1, and its chain id tells its uploads from the earlier run's."""
+    return record.workflow_id, record.chain_id, record.attempt, step
+
+
+
+class RankWatch(RankLaunch):
+    """Watch a run's attempt on this node, with the checkpoint transfers the watch carries."""
+
+    @activity.defn(name="watch_ranks")
+    async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
+        """Watch this node's ranks; return on the first event (exit, hang, checkpoint ready, all finished).
+        With `request.launch`, launch the attempt's ranks here first (downloading their shards first with
+        `request.download`), unless this node already runs that attempt."""
+        if request.launch is not None:
+            await self._launch_from_watch(request, request.launch)
+        record = self._record(request.workflow_id)
+        if record is None or record.attempt != request.attempt:
+            raise ApplicationError(
+                f"node {self.node} has no ranks of {request.workflow_id} attempt {request.attempt}",
+                type=ErrorType.NO_SUCH_ATTEMPT,
+                non_retryable=True,
+            )
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        health = request.health
+        started = time.monotonic()
+        next_gpu_check = started + health.gpu_check_interval_s
+        alive_reported = -1
+        local_ranks = set(record.ranks)
+        next_heartbeat = 0.0
+        while True:
+            now = time.time()
+            reports = {r: _read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
+            if record.first_step_at is None:
+                record.first_step_at = first_step_time(reports, record.start_step)
+            node_step = slowest_step(reports, record.start_step)
+            if time.monotonic() >= next_heartbeat:  # a large run's watches heartbeat less often
+                next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
+                activity.heartbeat(protocol.WatchHeartbeat(
+                    node=self.node, attempt=record.attempt,
+                    steps={r: (rep.step if rep else None) for r, rep in reports.items()}).to_json())
+
+            def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
+                return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,
+                                  step=node_step, restore_tiers=record.restore_tiers, **fields)  # type: ignore[arg-type]
+
+            ready = complete_steps(self._saved_steps(layout), local_ranks, max(request.reported_step,
+                                                                                 record.start_step))
+            compute = {r: rep.compute_s for r, rep in reports.items() if rep is not None and rep.compute_s}
+            if ready and request.checkpoints is None:
+                return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready, rank_compute_s=compute)
+            if ready and request.checkpoints is not None:
+                self._upload_ready(record, request.checkpoints, ready, compute, node_step)
+            if request.report_start and record.first_step_at is not None:
+                return event(WatchEventKind.STARTED)
+
+            if self.health.injected is not None or time.monotonic() >= next_gpu_check:
+                next_gpu_check = time.monotonic() + health.gpu_check_interval_s
+                gpu = await asyncio.to_thread(self.health.check)
+                if gpu.available and not gpu.healthy:
+                    return event(WatchEventKind.GPU_UNHEALTHY, detail=gpu.detail,
+                                 fault_at=self.health.injected_at)
+
+            failed = failed_rank({r: record.ranks[r].exit_code for r in sorted(local_ranks)
+                                  if record.ranks[r].poll()}, reports)
+            if failed is not None:
+                proc, report = record.ranks[failed], reports[failed]
+                return event(WatchEventKind.RANK_EXITED, rank=failed, exit_code=proc.exit_code,
+                             fault_at=fault_time(record.faults.get(failed), report, record.launched_at),
+                             occurred_at=record.faults.get(failed) or proc.exited_at,
+                             **_log_fields(layout.log_file(record.attempt, failed), failed, proc.exit_code,
+                                           report.error if report else None))
+
+            if all(record.ranks[r].poll() for r in local_ranks):
+                # Every rank here is done: nothing is left for a standby to replace.
+                await self._stop_standby(record)
+                first = min(local_ranks)
+                finish = _read_finish(layout.progress_file(record.attempt, first))
+                if request.checkpoints is not None:  # FINISHED: the node's checkpoints are in the store
+                    await self._upload_all(record, request.checkpoints, ready, compute, node_step,
+                                           until=started + request.max_duration_s + FINAL_UPLOAD_MARGIN_S)
+                return event(WatchEventKind.FINISHED, state_digest=finish.digest,
+                             mean_step_s=finish.mean_step_s)
+
+            record.last_watched = time.monotonic()
+            running = {r for r in local_ranks if not record.ranks[r].poll()}
+            if len(running) != alive_reported:
+                alive_reported = len(running)
+                activity.metric_meter().create_gauge("trainguard_ranks_alive", "Rank processes alive").set(
+                    alive_reported, {"node": self.node})
+            states = {r: process_state(record.ranks[r].pid) for r in running}
+            hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states,
+                                  grace_s=0.0 if request.evidence else COLLECTIVE_WAIT_GRACE_S)
+            if hung is not None:
+                rank, silent = hung
+                report = reports[rank]
+                state = process_state_words(states[rank])
+                fault_at = fault_time(record.faults.get(rank), report, record.launched_at)
+                log_path = layout.log_file(record.attempt, rank)
+                evidence = (await self.hang_evidence(record, layout, request.checkpoints)
+                            if request.evidence_with_event and self.hang_evidence is not None else [])
+                return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at, evidence=evidence,
+                             occurred_at=record.faults.get(rank), log_path=str(log_path),
+                             log_tail=read_tail(log_path),
+                             detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
+                                    f"{report.step if report else 'none'}; process {state})")
+
+            if time.monotonic() - started > request.max_duration_s:
+                return event(WatchEventKind.KEEPALIVE)
+            await asyncio.sleep(health.poll_interval_s)
+
+    async def _launch_from_watch(self, request: WatchRanksInput, launch: LaunchRanksInput) -> None:
+        """The launch a relaunch's watch carries: idempotent by attempt, as `launch_ranks` is (a watch started
+        again after a keepalive or a controller restart launches nothing twice)."""
+        current = self._record(request.workflow_id)
+        if current is not None and current.chain_id == launch.chain_id and current.attempt >= launch.attempt:
+            return  # launched already; a newer attempt here fails the watch just below (NoSuchAttempt)
+        tiers: list[str] = []
+        if request.download is not None:
+            restored = await self._download_for_launch(request.download, request.download_timeout_s)
+            launch = launch.model_copy(update={"restore_dir": restored.restore_dir})
+            tiers = sorted(set(restored.tiers.values()))
+        await self.launch_ranks(launch)
+        record = self._record(request.workflow_id)
+        if record is not None and tiers:
+            record.restore_tiers = tiers
+            self._save_record(record)
+
+    async def _download_for_launch(self, request: DownloadShardsInput, timeout_s: float) -> DownloadShardsResult:
+        """Download as `download_shards` does, heartbeating the watch meanwhile (one shard can take longer
+        than the watch's heartbeat timeout), retrying what the store fails until `timeout_s`."""
+        if self.downloader is None:
+            raise ApplicationError(f"node {self.node} has no checkpoint tier to restore from",
+                                   type=ErrorType.NO_LOCAL_SHARDS, non_retryable=True)
+        deadline, delay = time.monotonic() + timeout_s, DOWNLOAD_RETRY_INITIAL_S
+        while True:
+            task = asyncio.ensure_future(self.downloader(request))
+            while not task.done():
+                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt, downloading=True).to_json())
+                await asyncio.wait([task], timeout=1.0)
+            error = task.exception()
+            if error is None:
+                return task.result()
+            if (isinstance(error, ApplicationError) and error.non_retryable) or time.monotonic() + delay > deadline:
+                raise error
+            log.warning("download for attempt %d of %s failed, retrying in %.0fs: %s", request.attempt,
+                        request.workflow_id, delay, error)
+            resume = time.monotonic() + delay
+            while time.monotonic() < resume:  # the watch's heartbeat timeout is shorter than the backoff
+                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt, downloading=True).to_json())
+                await asyncio.sleep(min(1.0, resume - time.monotonic()))
+            delay = min(DOWNLOAD_RETRY_MAX_S, delay * 2)
+
+    def _upload_ready(self, record: AttemptRecord, target: WatchCheckpoints, steps: list[int],
+                      compute: dict[int, float], node_step: int) -> None:
+        """Start the upload of every complete local step not uploaded yet (or whose upload failed more than
+        `UPLOAD_RETRY_S` ago and can heal). The upload runs beside the watch, which keeps polling."""
+        if self.uploader is None:
+            return
+        for old in [k for k, t in self._uploads.items() if k[0] == record.workflow_id and t.done()
+                    and k[1:3] != (record.chain_id, record.attempt)]:
+            del self._uploads[old]  # an earlier attempt's: nothing asks about it again
+            self._upload_failed_at.pop(old, None)
+        for step in steps:
+            key = _upload_key(record, step)
+            task = self._uploads.get(key)
+            if task is not None and not task.done():
+                continue
+            if task is not None:
+                error = task.exception()
+                if error is None:
+                    continue
+                if isinstance(error, ApplicationError) and error.non_retryable:
+                    continue  # bad bytes never heal: the step stays uncommitted, an older one restores
+                if time.monotonic() - self._upload_failed_at.get(key, 0.0) < UPLOAD_RETRY_S:
+                    continue
+            self._uploads[key] = asyncio.ensure_future(self._upload(record, target, step, compute, node_step))
+
+    async def _upload(self, record: AttemptRecord, target: WatchCheckpoints, step: int,
+                      compute: dict[int, float], node_step: int) -> NodeCheckpointRecord:
+        assert self.uploader is not None
+        key = _upload_key(record, step)
+        try:
+            return await self.uploader(record.workflow_id, record.attempt, target, step, compute, node_step,
+                                       record.chain_id)
+        except BaseException as error:
+            self._upload_failed_at[key] = time.monotonic()
+            log.warning("upload of step %d of %s attempt %d failed: %s", step, record.workflow_id,
+                        record.attempt, error)
+            raise
+
+    async def _upload_all(self, record: AttemptRecord, target: WatchCheckpoints, steps: list[int],
+                          compute: dict[int, float], node_step: int, until: float) -> None:
+        """The ranks are done: upload every complete step not uploaded yet, retrying a store that is out
+        until `until` (monotonic), heartbeating meanwhile, so the run's last checkpoint is not lost to an
+        outage that ends after its last step."""
+        while time.monotonic() < until:
+            self._upload_ready(record, target, steps, compute, node_step)
+            tasks = [self._uploads[key] for key in (_upload_key(record, s) for s in steps) if key in self._uploads]
+            pending = [t for t in tasks if not t.done()]
+            retryable = [t for t in tasks if t.done() and (error := t.exception()) is not None
+                         and not (isinstance(error, ApplicationError) and error.non_retryable)]
+            if not pending and not retryable:
+                return
+            activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=record.attempt, uploading=len(pending)).to_json())
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+            else:
+                await asyncio.sleep(1.0)
+        log.warning("%s attempt %d: the store is still out; finishing without the last uploads",
+                    record.workflow_id, record.attempt)
+
+    @staticmethod
+    def _saved_steps(layout: RunLayout) -> dict[int, set[int]]:
+        saved: dict[int, set[int]] = {}
+        if not layout.checkpoint_dir.is_dir():
+            return saved
+        for step_dir in layout.checkpoint_dir.iterdir():
+            if not step_dir.name.startswith("step-"):
+                continue
+            step = int(step_dir.name.removeprefix("step-"))
+            saved[step] = {int(p.stem.removeprefix("rank-")) for p in step_dir.glob("rank-*.json")}
+        return saved
+
+
+    @activity.defn(name="request_checkpoint")
+    async def request_checkpoint(self, request: RequestCheckpointInput) -> RequestCheckpointResult:
+        """Report where this node's ranks are; with a step, ask them to checkpoint at it. Idempotent."""
+        record = self._record(request.workflow_id)
+        if record is None or record.attempt != request.attempt:
+            raise ApplicationError(f"node {self.node} runs no attempt {request.attempt} of {request.workflow_id}",
+                                   type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
+        layout = RunLayout.of(self.workdir, request.workflow_id)
+        reports = [r for r in (_read_report(layout.progress_file(record.attempt, rank)) for rank in record.ranks) if r]
+        if request.step is not None:
+            protocol.CheckpointRequest(request.step).write(layout.checkpoint_request_file(record.attempt))
+        times = [r.step_time_s for r in reports if r.step_time_s]
+        return RequestCheckpointResult(node=self.node, step=max((r.step for r in reports), default=-1),
+                                       step_time_s=max(times) if times else None)
