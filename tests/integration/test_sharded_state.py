@@ -159,7 +159,12 @@ async def test_fsdp_crash_and_hang_end_with_the_fault_free_digest_and_the_run_gr
         grown = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
     finally:
         await client.uncordon("node-1")
-    assert grown.attempts == 3 and grown.final_checkpoint is not None
+    # One incident, the lost node, then the shrink and the grow-back. Where its peer's crash in the collective
+    # came first, the relaunch that followed it (no stop first: agents fence by attempt) is how node-1 was
+    # found lost, in attempt 2, which never trained.
+    [lost] = grown.incidents
+    assert lost.kind is IncidentKind.NODE_UNRESPONSIVE and lost.node == "node-1", lost
+    assert grown.attempts == lost.attempt + 2 and grown.final_checkpoint is not None
     assert grown.final_checkpoint.world_size == 2
     logged = digests(log)
     for kind, step, world in logged:
