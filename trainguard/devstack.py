@@ -6,6 +6,9 @@ as the S3 store, a controller worker, and node agents for a pool of simulated no
 working directory (nodes share no disk: shards travel between them only through S3). Data lives under
 `.trainguard/` or `$TRAINGUARD_HOME`. Every process is recorded by PID and start time, so `down` stops
 exactly what `up` started.
+
+Over 500 lines on purpose: `up`, `down` and `status` share one record of what runs (ports, PIDs and start
+times), and split apart each would need it; hosts mode's network setup lives in `trainguard.hosts`.
 """
 
 from __future__ import annotations
