@@ -4,6 +4,11 @@ Validate the spec, reserve the nodes, restore the newest committed checkpoint, l
 node's agent, watch them, commit checkpoints as they come, and on an incident let the pure policy decide,
 stop every rank of the attempt, and relaunch. All state lives in the workflow's history, so the run
 survives the crash of the controller that drives it.
+
+Over 500 lines: one workflow class whose methods share the run's state and a history of `workflow.patched`
+branches that committed histories replay through. What can live outside it does: the decisions
+(`workflows/policy.py`), the fan-out to nodes and their watching (`workflows/node_group.py`), the pool
+(`workflows/node_pool.py`), the details the UI shows (`workflows/run_details.py`).
 """
 
 from __future__ import annotations
