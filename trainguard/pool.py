@@ -21,12 +21,29 @@ from trainguard.models import PoolNode, PoolStatus, RegisterNodeRequest
 T = TypeVar("T")
 
 
+LOOKUP_BUSY_FIRST_RETRY_S = 0.1
+LOOKUP_BUSY_MAX_RETRY_S = 2.0
+"""A namespace refuses requests past its rate limit (RESOURCE_EXHAUSTED, "namespace rate limit exceeded"):
+looking up 4,096 nodes' queues at a run's start, beside the agents' heartbeats, reached it on the dev server,
+and the lookup failed the reservation. Refused lookups are asked again soon, jittered and backing off."""
+
+
 async def has_pollers(client: Client, task_queue: str, kind: TaskQueueType.ValueType, max_idle_s: float) -> bool:
     """Whether a worker polled `task_queue` within `max_idle_s` (as the server saw it)."""
-    response = await client.workflow_service.describe_task_queue(
-        DescribeTaskQueueRequest(namespace=client.namespace, task_queue=TaskQueue(name=task_queue),
-                                 task_queue_type=kind)
-    )
+    from temporalio.service import RPCError, RPCStatusCode
+
+    request = DescribeTaskQueueRequest(namespace=client.namespace, task_queue=TaskQueue(name=task_queue),
+                                       task_queue_type=kind)
+    delay = LOOKUP_BUSY_FIRST_RETRY_S
+    while True:
+        try:
+            response = await client.workflow_service.describe_task_queue(request)
+            break
+        except RPCError as error:
+            if error.status is not RPCStatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(LOOKUP_BUSY_MAX_RETRY_S, delay * 2)
     now = time.time()
     return any(now - p.last_access_time.ToSeconds() <= max_idle_s for p in response.pollers)
 
