@@ -14,7 +14,7 @@ For each N, a private Temporal dev server (`infra/bench/stack.py`, Temporal only
 
 QUEUES: the stand-ins do not poll one `trainguard-node-<node>` queue per node (4,096 Workers is too heavy).
 In both processes, before any worker starts, `trainguard.node_task_queue` (and every module's reference to it)
-is replaced by a routing onto shared queues (`--queues`, else one per 16 nodes, 16 to 100), by
+is replaced by a routing onto shared queues (`--queues`, else one per 16 nodes, 16 to 64), by
 crc32(node) % queues. The Temporal cost of an activity (its events, the pending count, its payloads) does not
 depend on which queue it is on; how long a burst of them waits to be matched does (see `NODES_PER_QUEUE`).
 Past 1,024 nodes a simulated step lasts N/1,024 times `--step-time` (`LARGE_RUN_NODES`).
@@ -96,14 +96,15 @@ would at thousands of nodes (the README says 5 s there). Left to the SDK it is 0
 timeout, 2 s of slack: at 4,096 nodes sharing two cores with the server, late heartbeats read as lost nodes."""
 
 NODES_PER_QUEUE = 16
-MAX_QUEUES = 100
-"""Without `--queues`, a size gets a shared queue per 16 nodes, at least 16 and at most 100 (polls are bounded
+MAX_QUEUES = 64
+"""Without `--queues`, a size gets a shared queue per 16 nodes, at least 16 and at most 64 (polls are bounded
 by `NAMESPACE_POLLS` in all). A real agent polls a queue of its own; the fewer nodes share a queue here, the
 nearer that is. With 16 queues (256 nodes each) at 4,096 nodes, the first launch's 4,095 launching watches
 mostly found no poll waiting, queued in the dev server's backlog, and 1,100 were not matched within 30 s: the
 run never got going; with 64 queues every one was matched (p95 13.7 s) and the run completed. At 1,024 nodes,
 16 queues: launching watches matched p95 13.9 s after they were scheduled, relaunch p95 18.3 s; 64 queues:
-7.8 s and 13.4 s."""
+7.8 s and 13.4 s. At 4,096 nodes on 100 queues (11 polls each) the dev server, at a full core, let three live
+nodes' first heartbeats arrive past their 61 s timeout, and the run paused without spares."""
 
 LARGE_RUN_NODES = 1024
 """Past this size a simulated step lasts proportionally longer (`step_s_for`): each checkpoint interval of a
@@ -663,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-time", type=float, default=0.05,
                         help="simulated seconds per step (default 0.05; x N/1,024 past 1,024 nodes)")
     parser.add_argument("--queues", type=int, default=None, help="shared task queues the nodes are routed onto "
-                                                                  "(default one per 16 nodes, 16 to 100)")
+                                                                  "(default one per 16 nodes, 16 to 64)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="give up on a size after this long (default 120 + 0.15 s per node)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
@@ -692,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"node-scale benchmark: {opts.nodes} nodes x {opts.ranks_per_node} ranks, {opts.checkpoints} checkpoints "
         f"every {opts.every_steps} steps of {opts.step_time}s, a crash and a lost node; {os.cpu_count()} CPUs, "
         f"load {load_before[0]:.2f}")
-    say(f"queues: node activities routed onto {opts.queues or 'one per 16 nodes (16 to 100)'} shared queues by crc32(node) % "
+    say(f"queues: node activities routed onto {opts.queues or 'one per 16 nodes (16 to 64)'} shared queues by crc32(node) % "
         f"queues (trainguard.node_task_queue replaced in the controller and the stand-ins' process); an "
         f"activity's Temporal cost does not depend on its queue")
     sizes = []
