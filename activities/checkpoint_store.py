@@ -387,7 +387,7 @@ class StoreActivities:
     def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:
         """Commit what is complete, then apply retention. Returns (commits, whether a step is partly
-        uploaded, whether any node record is new since the last pass)."""
+        uploaded by this attempt, whether any node record is new since the last pass)."""
         client = s3_client()
         commits: list[CommittedCheckpoint] = []
         pending = changed = False
@@ -412,7 +412,9 @@ class StoreActivities:
                 continue
             if done is not None:
                 commits.append(done)
-            elif found:
+            elif any(r.attempt == request.attempt for r in found):
+                # Only this attempt's nodes still upload (an agent fences older attempts): half a step left by
+                # an older one is not waited for again, as after a relaunch in which nothing trained.
                 pending = True
         if commits:
             self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import hashlib
 import json
 from typing import Any
@@ -194,6 +195,25 @@ async def test_drain_mode_returns_once_uploads_go_quiet_and_commits_what_arrives
     _upload(store, 20, 0, 1, attempt=2)
     quiet = request.model_copy(update={"after_step": 10, "quiet_s": 0.2})
     assert (await ActivityEnvironment().run(committer, quiet)).commits == []
+
+
+async def test_the_last_pass_of_an_attempt_that_never_trained_does_not_wait_on_an_older_half_step(
+        store: MemoryStore) -> None:
+    """A relaunch whose attempt never trained (a node did not take it up): the half step its predecessor
+    left, which that attempt's last pass already waited on, is not waited on for another `quiet_s`."""
+    from temporalio.testing import ActivityEnvironment
+
+    _upload(store, 10, 0, 1, attempt=1)
+    committer = StoreActivities().commit_checkpoints
+    last_pass = _request(2, 2, attempt=2, min_attempt=2, max_duration_s=60.0, quiet_s=30.0, poll_interval_s=0.01)
+    began = time.monotonic()
+    assert (await ActivityEnvironment().run(committer, last_pass)).commits == []
+    assert time.monotonic() - began < 10.0, "returned at once, not after quiet_s"
+    # The attempt that left it still waits for the rest, which may yet be on its way.
+    attempt_1 = last_pass.model_copy(update={"attempt": 1, "min_attempt": 1, "quiet_s": 0.3})
+    began = time.monotonic()
+    assert (await ActivityEnvironment().run(committer, attempt_1)).commits == []
+    assert time.monotonic() - began >= 0.3
 
 
 def test_a_large_world_is_paged_and_a_node_reads_only_its_page(store: MemoryStore) -> None:
