@@ -8,6 +8,7 @@ them is seen next to the others it must stay compatible with.
 
 from __future__ import annotations
 
+import zlib
 from enum import Enum
 
 from pydantic import BaseModel, Field
@@ -407,6 +408,18 @@ class WatchRanksInput(BaseModel):
     heartbeat_every_s: float | None = None
     """Heartbeat at most this often (a large run bounds its heartbeats per second: `HEARTBEATS_PER_S` in
     `workflows/node_group.py`); None: at every poll, as the agent's worker throttles them."""
+
+    def first_heartbeat_s(self) -> float:
+        """Seconds from the watch's start to its first heartbeat. None of a large run's watches heartbeats at
+        once (its start set Temporal's heartbeat clock already), and each waits its own share of the interval,
+        from its node's name: a launch's thousands of watches start within seconds, and heartbeating together
+        they came to the server in bursts of a thousand, each a write, which a small Temporal answered 5-16 s
+        late, so a live node's three intervals passed without one recorded (a 4,096-node run paused for want
+        of spares). Between half and the whole interval: the timeout is three."""
+        if self.heartbeat_every_s is None:
+            return 0.0
+        share = zlib.crc32(self.node.encode()) % 1000 / 1000
+        return round(self.heartbeat_every_s * (0.5 + share / 2), 3)
 
 
 class WatchEvent(BaseModel):

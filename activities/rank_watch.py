@@ -101,7 +101,7 @@ class RankWatch(RankLaunch):
         next_gpu_check = started + health.gpu_check_interval_s
         alive_reported = -1
         local_ranks = set(record.ranks)
-        next_heartbeat = 0.0
+        next_heartbeat = started + request.first_heartbeat_s()
         while True:
             now = time.time()
             reports = {r: _read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}

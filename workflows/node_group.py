@@ -253,6 +253,7 @@ class NodeGroupWatch:
                    for n in request.nodes if n not in finished}
         # Nodes whose current watch is their launching one: none has come back yet.
         launching = set(watches) if request.launch is not None else set()
+        retried: set[str] = set()
         # Watches still running when the group closes are left, not cancelled: a cancel that races a watch
         # just returned is refused (ACTIVITY_UNKNOWN) and fails the workflow task. Once the group has closed,
         # each watch's next heartbeat (a second) is refused and its agent stops it; the ranks keep running,
@@ -270,8 +271,9 @@ class NodeGroupWatch:
                 try:
                     event = task.result()
                 except ActivityError as error:
-                    if node in launching and request.launch_second_chance and _not_started(error):
-                        launching.discard(node)  # once: a second miss is a lost node
+                    if (node in launching and request.launch_second_chance and node not in retried
+                            and _not_started(error)):
+                        retried.add(node)  # once: a second miss is a lost node
                         workflow.logger.warning("%s did not start its launching watch in time: scheduled again", node)
                         watches[node] = self._watch(request, node, report_start=node in starters
                                                     and node not in started, launch=True)
@@ -279,7 +281,9 @@ class NodeGroupWatch:
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
                     result.lost.append(LostNode(node=node, detail=f"node agent {how}: {failure.error}",
-                                                error_type=failure.error_type))
+                                                error_type=failure.error_type,
+                                                never_started=node in launching and _not_started(error)
+                                                and request.launch is not None and node not in request.launched))
                     continue
                 launching.discard(node)
                 if event.kind is WatchEventKind.STARTED:

@@ -104,9 +104,6 @@ class NodeGroupWatchInput(BaseModel):
     """A launching watch no agent started within its schedule-to-start timeout is scheduled once more before
     the node is taken for lost. For relaunches of thousands of nodes, whose burst a small Temporal matches
     to the last agents only after that timeout: a live node must not be cordoned for the server's pace."""
-    launch_wait_s: float | None = None
-    """How long a launching watch may wait for its agent to start it before the node is taken for lost. None:
-    `BURST_SCHEDULE_TO_START`."""
 
 
 class LostNode(BaseModel):
@@ -115,6 +112,9 @@ class LostNode(BaseModel):
     error_type: str | None = None
     """The watch's application error type, when it failed with one: a launch from the watch can fail as the
     spec's fault (`BadSpec`, `EntrypointNotAllowed`) or the checkpoint's (`CorruptCheckpoint`), not the node's."""
+    never_started: bool = False
+    """Its launching watch was never started by an agent: the node launched nothing of the attempt, so a spare
+    can take its place in the attempt's rendezvous, which its peers are still waiting in."""
 
 
 class NodeGroupWatchResult(BaseModel):

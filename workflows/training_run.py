@@ -162,6 +162,10 @@ PATCH_USER_ERROR_REASON = "user-error-reason"
 PATCH_UNRESHARDABLE = "unreshardable-checkpoint"
 """Histories before this patch shrank and grew onto any checkpoint, even one that loads only onto the world size
 that wrote it (a per-rank `torch.save` of DTensors): its ranks crash-looped until the run failed."""
+PATCH_SPARE_JOINS_LAUNCH = "spare-joins-launch"
+"""Histories before this patch relaunched once more when a node did not take up a relaunch (the node lost with
+its ranks, its peers' crash seen first): the relaunch it found it by never trained. Now a spare takes the lost
+node's place in that relaunch, joining the rendezvous its peers are waiting in: one relaunch per fault."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
@@ -331,6 +335,9 @@ class TrainingRun:
         self._symptom: tuple[Incident, str] | None = None
         """The rank fault this relaunch recovers from, with what it was first seen as, while no node has been
         stopped to prove its node reachable: a node lost before the next attempt's first step was its cause."""
+        self._joins: list[Incident] = []
+        """Lost nodes a spare replaced within the attempt they were found in (`_join_spare`): that attempt's
+        first step ends their recovery."""
 
     # ------------------------------------------------------------------------------ queries/updates
     @workflow.query
@@ -994,8 +1001,10 @@ class TrainingRun:
 
     # ----------------------------------------------------------------------------------- supervise
     def _watch_groups(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None = None,
-                      download: DownloadShardsInput | None = None) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
-        """A `NodeGroupWatch` per group; with `launch`, each node but the master launches from its first watch."""
+                      download: DownloadShardsInput | None = None,
+                      only: int | None = None) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
+        """A `NodeGroupWatch` per group (`only`: that group's alone, started again); with `launch`, each node but
+        the master launches from its first watch."""
         wid = workflow.info().workflow_id
         watch = WatchRanksInput(
             workflow_id=wid, attempt=attempt, node="", health=spec.health,
@@ -1027,7 +1036,7 @@ class TrainingRun:
                                                     launch_wait_s=launch_wait),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
-        )) for index, group in enumerate(groups_of(self._status.nodes))}
+        )) for index, group in enumerate(groups_of(self._status.nodes)) if only is None or index == only}
 
     def _committer(self, spec: RunSpec, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
         return asyncio.ensure_future(workflow.execute_activity(
@@ -1073,6 +1082,8 @@ class TrainingRun:
         spec_fault: LostNode | None = None
         corrupt: LostNode | None = None
         """A launching watch's download found the restored checkpoint corrupt."""
+        joining: list[tuple[int, LostNode]] = []
+        """Nodes that never took up their launching watch, by group: a spare may join the attempt in their place."""
         while incident is None and not paused and not continue_as_new and not drain and not grow and (
                 spec_fault is None and corrupt is None and len(finished) < len(watches)):
             pending: list[asyncio.Task[Any]] = [*(t for g, t in watches.items() if g not in finished), committer,
@@ -1100,6 +1111,9 @@ class TrainingRun:
                     if lost.error_type == ErrorType.CORRUPT_CHECKPOINT:
                         corrupt = corrupt or lost
                         continue
+                    if lost.never_started and launch is not None:
+                        joining.append((group, lost))  # a spare may take its place: decided below
+                        continue
                     found = self._lost_at_launch(lost.node, attempt, lost.detail)
                     seen.append((found.detected_at, found))
                 for event in result.incidents:
@@ -1115,6 +1129,15 @@ class TrainingRun:
                         seen.append((event.occurred_at or event.detected_at, self._rank_incident(event, attempt)))
                 if result.finished:
                     finished[group] = result
+            for group, lost in joining:
+                found = self._lost_at_launch(lost.node, attempt, lost.detail)
+                if seen or not workflow.patched(PATCH_SPARE_JOINS_LAUNCH) or not await self._join_spare(
+                        spec, attempt, found):
+                    seen.append((found.detected_at, found))
+                    continue
+                nodes = list(self._status.nodes)
+                watches.update(self._watch_groups(spec, attempt, launch, download, only=group))
+            joining.clear()
             if seen:
                 incident = min(seen, key=lambda found: found[0])[1]  # min keeps the first of equals
 
@@ -1176,6 +1199,40 @@ class TrainingRun:
             return _Outcome(False, incident)
         self._set_phase(Phase.FINISHING)
         return _Outcome(True, final_events=[e for g in sorted(finished) for e in finished[g].finished])
+
+    async def _join_spare(self, spec: RunSpec, attempt: int, incident: Incident) -> bool:
+        """A node never took up its launching watch of attempt `attempt`: it launched nothing, and its peers wait
+        for its ranks in the attempt's rendezvous. Where the policy would replace it, a spare takes its place
+        (its node rank, the same rendezvous and restore) and the attempt goes on: no relaunch of everyone, which
+        would cost a lost node found this way (its peers' crash seen first) two relaunches for one fault.
+        False: the policy decides otherwise (no spare, a spent budget), and the incident takes the usual path."""
+        now = workflow.now().timestamp()
+        merged = incident.attempt < attempt  # the lost node is the previous incident, the relaunch its cost
+        budget = RecoveryBudget(tuple(self._restart_times), self._restarts_without_checkpoint,
+                                same_failure_streak(incident, self._status.incidents))
+        decision = decide(incident.kind, incident.node, spec, self._status.nodes, self._spares, budget, now,
+                          newest=self._newest_checkpoint())
+        if decision.action is not Action.REPLACE_NODE or not incident.node or not decision.replacement:
+            return False
+        spare = decision.replacement
+        incident.action = decision.action
+        incident.detail = f"{incident.detail}; {decision.reason}; it joined attempt {attempt} in the node's place"
+        incident.resumed_step, incident.restore_tier = self._status.resumed_step, self._restore_tier
+        incident.recovery_path = "relaunch, a spare joining it"
+        self._record_incident(incident)
+        workflow.logger.info("incident %s on %s: %s joins attempt %d in its place", incident.kind.value,
+                             incident.node, spare, attempt)
+        if merged:  # the relaunch already made counts once, as it did before the symptom was taken back
+            self._restart_times.append(now)
+            self._restarts_without_checkpoint += 1
+        await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}",
+                           _lost_since(incident, len(self._status.nodes)))
+        self._replaced.append(incident.node)
+        self._spares.remove(spare)
+        self._replace(incident.node, spare)
+        self._joins.append(incident)  # its recovery ends at this attempt's first step
+        self._publish()
+        return True
 
     @staticmethod
     async def _stop_watching(watches: dict[int, asyncio.Task[NodeGroupWatchResult]]) -> None:
@@ -1250,7 +1307,8 @@ class TrainingRun:
         if started.attempt != self._status.attempt:
             return  # a late signal of an attempt already over
         for incident in self._status.incidents:
-            if incident.recovery_s is None and incident.action is not Action.REPORT and incident.attempt < started.attempt:
+            if incident.recovery_s is None and incident.action is not Action.REPORT and (
+                    incident.attempt < started.attempt or any(incident is joined for joined in self._joins)):
                 incident.recovery_s = round(max(0.0, started.first_step_at - incident.detected_at), 3)
                 workflow.metric_meter().create_histogram_float(
                     "trainguard_recovery_seconds", "Detection to the first step of the next attempt", "s"

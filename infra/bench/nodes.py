@@ -685,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from infra.bench.recovery import say, write_results
 
+    # A SIGTERM (a CI job's timeout, `kill PID`) stops it as Ctrl-C does: the run's private Temporal server and
+    # controller are stopped by PID and its folder under .bench removed, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A lost node's calls are cancelled when Temporal gives up on them: expected here, not worth a traceback.
     logging.getLogger("temporalio.activity").setLevel(logging.ERROR)

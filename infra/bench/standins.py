@@ -289,7 +289,7 @@ class StandinNodes:
         attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
         began = time.monotonic()
         uploaded = -1
-        next_heartbeat = 0.0
+        next_heartbeat = began + request.first_heartbeat_s()  # as the agent's watch
         while True:
             if request.node in self.down:
                 await asyncio.Event().wait()  # no heartbeat, no answer: the heartbeat timeout notices
@@ -326,7 +326,8 @@ class StandinNodes:
                              mean_step_s=attempt.step_s)
             if time.monotonic() - began > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
-            wait = request.heartbeat_every_s or HEARTBEAT_EVERY_S
+            wait = min(request.heartbeat_every_s or HEARTBEAT_EVERY_S,
+                       max(0.0, next_heartbeat - time.monotonic()) + 0.001)
             if attempt.started_at is not None and attempt.halted_at is None:
                 upcoming = min((step // attempt.every + 1) * attempt.every, attempt.final_step)
                 wait = min(wait, max(0.0, attempt.time_of(upcoming) - now) + 0.001)

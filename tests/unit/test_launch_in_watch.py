@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -133,21 +134,39 @@ async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launch
 async def test_a_large_runs_watch_heartbeats_only_as_often_as_the_run_asks(agent: RankActivities,
                                                                            tmp_path: Path) -> None:
     """Every heartbeat is an RPC and a write on the Temporal server: a watch asked for one every 0.5 s sends
-    three in 1.2 s of watching, where one left to its poll (every 0.05 s) sends one per poll."""
+    two or three in 1.2 s of watching, the first no sooner than its share of the interval, where one left to
+    its poll (every 0.05 s) sends one per poll, the first at once."""
     agent.downloader = Store(tmp_path)
     sleeper = ["python", "-c", "import time; time.sleep(600)"]
-    counts = []
+    counts, firsts = [], []
     for every in (None, 0.5):
-        beats: list[object] = []
+        beats: list[float] = []
         env = ActivityEnvironment()
-        env.on_heartbeat = beats.append
+        env.on_heartbeat = lambda *_: beats.append(time.monotonic())
         watch = _watch(attempt=len(counts) + 1, download=False)
         assert watch.launch is not None
         watch = watch.model_copy(update={"max_duration_s": 1.2, "heartbeat_every_s": every,
                                          "launch": watch.launch.model_copy(update={"entrypoint": sleeper})})
+        began = time.monotonic()
         event = await env.run(agent.watch_ranks, watch)
         assert event.kind is WatchEventKind.KEEPALIVE
         counts.append(len(beats))
+        firsts.append(beats[0] - began)
     every_poll, asked = counts
-    assert 2 <= asked <= 4, counts
+    assert 2 <= asked <= 3, counts
     assert every_poll >= 4 * asked, counts
+    share = watch.first_heartbeat_s()
+    assert 0.25 <= share <= 0.5 and firsts[1] >= share, (share, firsts)
+
+
+def test_a_large_runs_watches_spread_their_first_heartbeats_over_the_interval() -> None:
+    """A launch starts thousands of watches within seconds: none heartbeats at once, and their first heartbeats
+    spread over the second half of the interval, the same for a node every time (the timeout is three)."""
+    small = _watch(attempt=1, download=False)
+    assert small.first_heartbeat_s() == 0.0  # a small run's watch heartbeats at every poll, from its start
+    firsts = [small.model_copy(update={"node": f"node-{i:04d}", "heartbeat_every_s": 20.48}).first_heartbeat_s()
+              for i in range(4096)]
+    assert 10.24 <= min(firsts) and max(firsts) <= 20.48
+    assert len({round(f) for f in firsts}) >= 10, "spread over the interval, not in one burst"
+    assert firsts == [small.model_copy(update={"node": f"node-{i:04d}", "heartbeat_every_s": 20.48})
+                      .first_heartbeat_s() for i in range(4096)]

@@ -145,9 +145,11 @@ class Cluster:
     """Nodes whose agent is gone once their first attempt's ranks fail: they never answer `stop_ranks`, nor
     take up a relaunch (as a dead agent never starts either)."""
     store_down: bool = False
+    """`find_checkpoint` fails as it does once its retries against an unreachable store run out."""
     returned: set[str] = field(default_factory=set)
     """Nodes the pool has back (repaired) when a shrunk run asks to reclaim them."""
-    """`find_checkpoint` fails as it does once its retries against an unreachable store run out."""
+    node_workers: dict[str, Worker] = field(default_factory=dict)
+    """Each node's worker, as its agent: an `unreachable` node's stops polling at the relaunch."""
     ranks_per_node: int = 1
     stamp_detection: bool = False
     """Events the script gives no `detected_at` get the moment they are returned, as an agent stamps them."""
@@ -304,6 +306,10 @@ class Cluster:
         @activity.defn(name="launch_ranks")
         async def launch_ranks(request: LaunchRanksInput) -> LaunchRanksResult:
             self.calls["launch_ranks"].append(request)
+            if request.attempt > 1:  # the unreachable agents are gone: nothing polls their queues any more
+                for gone in self.unreachable:
+                    if gone in self.node_workers:
+                        await self.node_workers.pop(gone).shutdown()
             if request.node in self.unreachable and request.attempt > 1:
                 raise ApplicationError(f"no agent on {request.node}", type="Unreachable", non_retryable=True)
             if request.node in self.refuse_launch:
@@ -406,8 +412,8 @@ async def _workers(client: Client, cluster: Cluster, task_queue: str) -> AsyncIt
                                                activities=cluster.controller_activities()))
         node_activities = cluster.node_activities()
         for node in [*cluster.nodes, *cluster.spares]:
-            await stack.enter_async_context(Worker(client, task_queue=node_task_queue(node),
-                                                   activities=node_activities))
+            cluster.node_workers[node] = await stack.enter_async_context(
+                Worker(client, task_queue=node_task_queue(node), activities=node_activities))
         yield
 
 
@@ -996,8 +1002,12 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     the relaunch it cost is not counted against the restart budget twice."""
     nodes, spares = _node_ids(2), _node_ids(1)
     cluster = Cluster(nodes=nodes, spares=spares, unreachable={nodes[1]}, watch_script={
-        (1, nodes[0]): [_exited(1)],
+        (1, nodes[0]): [_exited(1).model_copy(update={"detected_at": 1_000.0})],
         (1, nodes[1]): [BLOCK],
+        # The master's ranks wait in the rendezvous until the spare's join it.
+        (2, nodes[0]): [Until(lambda: any(r.node == spares[0] for r in cluster.inputs("launch_ranks"))),
+                        _finished(25).model_copy(update={"first_step_at": 1_012.5})],
+        (2, spares[0]): [_finished(25)],
     })
 
     # One restart allowed: the one fault may cost only one.
@@ -1012,10 +1022,13 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     assert "did not answer the relaunch" in incident.detail
     assert f"after crash on {nodes[0]} (rank 0 exit code 1)" in incident.detail
     assert cluster.inputs("stop_ranks") == []
-    # Attempt 2 never ran a step (its second node never launched); attempt 3 runs on the spare.
-    assert result.attempts == 3
-    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 3), key=lambda r: r.node_rank)
-    assert [r.node for r in relaunches] == [nodes[0], spares[0]]
+    # The spare took the lost node's place in the relaunch that found it: one relaunch for the one fault, the
+    # master launched once, into the same rendezvous.
+    assert result.attempts == 2
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [(r.node, r.node_rank) for r in relaunches] == [(nodes[0], 0), (spares[0], 1)]
+    assert (relaunches[1].master_addr, relaunches[1].master_port) == (f"{nodes[0]}.cluster", 29502)  # the master's
+    assert (incident.recovery_path, incident.recovery_s) == ("relaunch, a spare joining it", 12.5)
     assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
 
 
