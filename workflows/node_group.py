@@ -1,4 +1,5 @@
-"""Fan-out to thousands of nodes through child workflows, one per group of `NODES_PER_GROUP` nodes.
+"""Fan-out to thousands of nodes through child workflows: one per group of `NODES_PER_GROUP` nodes for calls,
+of `WATCH_NODES_PER_GROUP` for watches.
 
 Temporal allows 2,000 pending activities per execution and refuses a whole workflow task that would pass
 it: a `TrainingRun` of 1,024 nodes that watched, uploaded and stopped every node itself hung at its first
@@ -39,9 +40,19 @@ with workflow.unsafe.imports_passed_through():
     )
 
 NODES_PER_GROUP = 64
-"""Nodes per child workflow. A group keeps at most one activity per node pending (128 in the overlap of a
-watch and a stop), and a 4,096-node run 64 children: both far inside the 2,000 limit, with room for growth.
-Fewer, larger groups would put more events in one history; more, smaller ones more children in the run's."""
+"""Nodes per `NodeCalls` child (and per `NodeGroupWatch` in histories before `WATCH_NODES_PER_GROUP`). A group
+keeps at most one activity per node pending, and a 4,096-node call 64 children: both far inside the 2,000 limit,
+with room for growth. Fewer, larger groups would put more events in one history; more, smaller ones more
+children in the run's."""
+
+WATCH_NODES_PER_GROUP = 16
+"""Nodes per `NodeGroupWatch`, smaller than a call group: every start and heartbeat of a watch is a write of its
+group's execution, which Temporal serializes (one lock per execution) and sheds past its rate ("busy workflow",
+an activity start retried). A relaunch starts all of a group's launching watches at once: at 64 a group, a
+4,096-node relaunch had its watch starts refused 12,596 times on the dev server (`RecordActivityTaskStarted`,
+BusyWorkflow), so its last nodes launched late and live nodes' heartbeats went unrecorded for a minute. At 16
+the same burst is spread over 256 executions (a 4,096-node run: 256 children, its pending count still far inside
+the limit; a relaunch costs its history about 4 events per group)."""
 
 GROUP_HISTORY_EVENTS = 10_000
 """A group watching for days continues as new past this (keepalives add 6 events per node per
@@ -138,6 +149,10 @@ PATCH_HANG_EVIDENCE_WITH_EVENT = "hang-evidence-with-event"
 """Watches return their node's hang evidence with the HANG event, and a group waits `GROUP_HANG_SETTLE` for
 its other nodes' (histories before it: the group returned on the first event, the run asked every node)."""
 
+PATCH_SILENT_LAUNCH_AGAIN = "silent-launch-again"
+"""A launching watch that timed out on its heartbeat with none recorded gets the second chance a late-matched one
+gets (histories before it: the node was lost at once)."""
+
 EVIDENCE_RETRY = RetryPolicy(maximum_attempts=1)
 """Evidence is asked once: the recovery waits on it, and a node that cannot answer is evidence too."""
 
@@ -184,6 +199,15 @@ def groups_of(nodes: list[str], size: int = NODES_PER_GROUP) -> list[list[str]]:
 def _not_started(error: ActivityError) -> bool:
     """The activity timed out before any agent started it."""
     return isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.SCHEDULE_TO_START
+
+
+def _never_heartbeated(error: ActivityError) -> bool:
+    """The activity timed out on its heartbeat without one heartbeat recorded. For a launching watch of a burst
+    of thousands on a busy Temporal, that is how a watch whose start was recorded but never delivered to its
+    agent ends: the server sheds a burst's starts on a busy execution ("busy workflow") and retries them, and
+    a live node read as lost in 4,096-node relaunches here, a minute after its watch was marked started."""
+    return (isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.HEARTBEAT
+            and not error.cause.last_heartbeat_details)
 
 
 def _failure(node: str, error: ActivityError) -> NodeOutcome:
@@ -272,9 +296,11 @@ class NodeGroupWatch:
                     event = task.result()
                 except ActivityError as error:
                     if (node in launching and request.launch_second_chance and node not in retried
-                            and _not_started(error)):
+                            and (_not_started(error) or (_never_heartbeated(error)
+                                                         and workflow.patched(PATCH_SILENT_LAUNCH_AGAIN)))):
                         retried.add(node)  # once: a second miss is a lost node
-                        workflow.logger.warning("%s did not start its launching watch in time: scheduled again", node)
+                        workflow.logger.warning("%s did not start its launching watch in time, or never heartbeated "
+                                                "in it: scheduled again", node)
                         watches[node] = self._watch(request, node, report_start=node in starters
                                                     and node not in started, launch=True)
                         continue

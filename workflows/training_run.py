@@ -92,6 +92,7 @@ with workflow.unsafe.imports_passed_through():
         EVIDENCE_TIMEOUT,
         NODE_CALL_RETRY,
         NODES_PER_GROUP,
+        WATCH_NODES_PER_GROUP,
         NODE_SCHEDULE_TO_START,
         PATCH_HANG_EVIDENCE_WITH_EVENT,
         STOP_TIMEOUT,
@@ -162,6 +163,15 @@ PATCH_USER_ERROR_REASON = "user-error-reason"
 PATCH_UNRESHARDABLE = "unreshardable-checkpoint"
 """Histories before this patch shrank and grew onto any checkpoint, even one that loads only onto the world size
 that wrote it (a per-rank `torch.save` of DTensors): its ranks crash-looped until the run failed."""
+PATCH_SMALL_WATCH_GROUPS = "small-watch-groups"
+"""Histories before this patch watched in groups of 64 nodes (`NODES_PER_GROUP`), now of 16
+(`WATCH_NODES_PER_GROUP`); asked only by runs of more than 16 nodes, whose groups differ."""
+PATCH_CONTINUE_BY_SPEC = "continue-by-spec"
+"""Histories before this patch continued as new whenever Temporal suggested it; the server suggests it at 4,096
+events by default, and a 4,096-node run, whose every relaunch costs its history about 5 events per watch group
+(256 of them), continued as new after two relaunches: each continue-as-new starts every node's watch again
+(4,096 activities). Now the event count is the spec's `max_history_events` (default 10,000, well inside the
+51,200 limit), and only a size suggestion (past `SUGGESTED_HISTORY_BYTES`) is taken."""
 PATCH_SPARE_JOINS_LAUNCH = "spare-joins-launch"
 """Histories before this patch relaunched once more when a node did not take up a relaunch (the node lost with
 its ranks, its peers' crash seen first): the relaunch it found it by never trained. Now a spare takes the lost
@@ -169,6 +179,10 @@ node's place in that relaunch, joining the rendezvous its peers are waiting in: 
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
+
+SUGGESTED_HISTORY_BYTES = 4 * 1024 * 1024
+"""Temporal's default size past which it suggests continue-as-new (`limit.historySize.suggestContinueAsNew`,
+4 MB; the limit is 50 MB): a suggestion from a history this large is the size's, and is taken."""
 
 DIRECT_NODE_CALLS = 4
 """Node calls this few the run makes itself, not through a `NodeCalls` child: a relaunch's master download and
@@ -1026,17 +1040,20 @@ class TrainingRun:
                        and workflow.patched(PATCH_FENCED_RELAUNCH) else None)
         if launch_wait is None and launch_wait_s(len(self._status.nodes)) > BURST_SCHEDULE_TO_START.total_seconds():
             launch_wait = launch_wait_s(len(self._status.nodes))
+        size = NODES_PER_GROUP
+        if len(self._status.nodes) > WATCH_NODES_PER_GROUP and workflow.patched(PATCH_SMALL_WATCH_GROUPS):
+            size = WATCH_NODES_PER_GROUP
         return {index: asyncio.ensure_future(workflow.execute_child_workflow(
             NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
                                                     starters=[n for n in group if n in master],
                                                     launch=launch, download=download,
-                                                    first_node_rank=index * NODES_PER_GROUP,
+                                                    first_node_rank=index * size,
                                                     launched=[n for n in group if n in master] if launch else [],
                                                     launch_second_chance=second_chance,
                                                     launch_wait_s=launch_wait),
             id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
             static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
-        )) for index, group in enumerate(groups_of(self._status.nodes)) if only is None or index == only}
+        )) for index, group in enumerate(groups_of(self._status.nodes, size)) if only is None or index == only}
 
     def _committer(self, spec: RunSpec, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
         return asyncio.ensure_future(workflow.execute_activity(
@@ -1159,8 +1176,12 @@ class TrainingRun:
                     if self._replaced and workflow.patched(PATCH_RECLAIM_SPARES):
                         await self._reclaim_spares()
                 info = workflow.info()
+                suggested = info.is_continue_as_new_suggested()
+                if (suggested and info.get_current_history_size() < SUGGESTED_HISTORY_BYTES
+                        and workflow.patched(PATCH_CONTINUE_BY_SPEC)):
+                    suggested = False  # the server's count: the spec's `max_history_events` decides that
                 continue_as_new = not drain and not grow and incident is None and len(finished) < len(watches) and (
-                    info.is_continue_as_new_suggested() or info.get_current_history_length() >= spec.max_history_events)
+                    suggested or info.get_current_history_length() >= spec.max_history_events)
                 committer = self._committer(spec, attempt)
 
         if incident is not None and incident.kind is IncidentKind.HANG and workflow.patched(PATCH_HANG_EVIDENCE):

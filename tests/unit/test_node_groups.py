@@ -113,6 +113,38 @@ async def test_a_node_matched_late_to_its_launching_watch_gets_a_second_chance_o
         assert sorted(e.node for e in result.finished) == NODES
     else:
         assert [lost.node for lost in result.lost] == [NODES[1]] and result.finished == []
+        assert result.lost[0].never_started  # it launched nothing: a spare may take its place in the attempt
+
+
+@pytest.mark.parametrize("second_chance", [True, False], ids=["thousands-of-nodes", "small-run"])
+async def test_a_launching_watch_started_but_never_heard_from_gets_a_second_chance_only_when_asked(
+        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, second_chance: bool) -> None:
+    """A busy Temporal can record a watch as started and never deliver it (its start shed and retried): no
+    heartbeat ever comes. A large run schedules such a launching watch once more; a small run's node is lost."""
+    monkeypatch.setattr(node_group, "watch_heartbeat_timeout", lambda _every: timedelta(seconds=1))
+    delivered: list[str] = []
+
+    @activity.defn(name="watch_ranks")
+    async def lost_then_delivered(request: WatchRanksInput) -> WatchEvent:
+        delivered.append(request.node)
+        if request.node == NODES[1] and delivered.count(NODES[1]) == 1:
+            await asyncio.Event().wait()  # the start that never reached its agent: silent until cancelled
+        return WatchEvent(kind=WatchEventKind.FINISHED, node=request.node, detected_at=time.time(), step=10)
+
+    queue, parent = f"tq-{uuid4()}", f"group-{uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[GroupParent, NodeGroupWatch],
+                      workflow_runner=UnsandboxedWorkflowRunner()), \
+            Worker(env.client, task_queue=node_task_queue(NODES[0]), activities=[lost_then_delivered]), \
+            Worker(env.client, task_queue=node_task_queue(NODES[1]), activities=[lost_then_delivered]):
+        result = await env.client.execute_workflow(GroupParent.run, _request(parent, second_chance), id=parent,
+                                                   task_queue=queue, result_type=NodeGroupWatchResult)
+    if second_chance:
+        assert result.lost == [] and sorted(e.node for e in result.finished) == NODES
+        assert delivered.count(NODES[1]) == 2
+    else:
+        [lost] = result.lost
+        assert (lost.node, lost.never_started) == (NODES[1], False)  # it was started: no spare joins for it
+        assert delivered.count(NODES[1]) == 1
 
 
 @pytest.mark.parametrize("second_chance", [True, False], ids=["thousands-of-nodes", "small-run"])

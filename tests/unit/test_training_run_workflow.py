@@ -336,6 +336,7 @@ class Cluster:
         @activity.defn(name="watch_ranks")
         async def watch_ranks(request: WatchRanksInput) -> WatchEvent:
             self.calls["watch_ranks"].append(request)
+            self.calls["watch_groups"].append(activity.info().workflow_id)
             if request.launch is not None:  # as the agent: a relaunch's first watch downloads and launches
                 launch = request.launch
                 if request.download is not None:
@@ -1030,6 +1031,32 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     assert (relaunches[1].master_addr, relaunches[1].master_port) == (f"{nodes[0]}.cluster", 29502)  # the master's
     assert (incident.recovery_path, incident.recovery_s) == ("relaunch, a spare joining it", 12.5)
     assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
+
+
+async def test_a_run_of_many_nodes_watches_in_groups_of_sixteen_and_relaunches_each_node_at_its_rank(
+        env: WorkflowEnvironment) -> None:
+    """A watch's every start and heartbeat is a write of its group's execution, which Temporal serializes: a run
+    watches in groups of 16 nodes (`WATCH_NODES_PER_GROUP`), and a relaunch's launching watches give each node
+    its place in the world whatever its group."""
+    nodes = _node_ids(40)
+    crash = _exited(-9, rank=35)
+    cluster = Cluster(nodes=nodes, watch_script={
+        **{(1, n): [_ready(10), BLOCK] for n in nodes},
+        (1, nodes[35]): [_ready(10), Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1), crash],
+        **{(2, n): [_finished(20)] for n in nodes},
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.attempts == 2 and [i.node for i in result.incidents] == [nodes[35]]
+    groups = {attempt: {g for g, w in zip(cluster.inputs("watch_groups"), cluster.inputs("watch_ranks"))
+                        if w.attempt == attempt} for attempt in (1, 2)}
+    assert [len(groups[1]), len(groups[2])] == [3, 3], groups  # 16 + 16 + 8 nodes
+    launched = {w.node: w.launch.node_rank for w in _by_attempt(cluster.inputs("watch_ranks"), 2)
+                if w.launch is not None}
+    assert launched == {n: i for i, n in enumerate(nodes) if i > 0}  # the master launched by an activity
 
 
 async def test_store_down_at_restore_pauses_with_an_incident_until_resumed(env: WorkflowEnvironment) -> None:
