@@ -980,11 +980,14 @@ async def test_a_replaced_node_that_returns_becomes_a_spare(env: WorkflowEnviron
         cluster.returned.add(nodes[1])  # its agent came back healthy: the pool has it again
         return True
 
+    def reclaimed() -> bool:  # the run asked the pool for it at the commit after it came back
+        return any(nodes[1] in a.spares for a in cluster.inputs("acquire_nodes"))
+
     cluster.watch_script = {
         (1, nodes[0]): [_ready(10), BLOCK],
         (1, nodes[1]): [_ready(10), _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79")],
-        (2, nodes[0]): [_ready(20), _finished(30)],
-        (2, spares[0]): [Until(repaired), _ready(20), _finished(30)],
+        (2, nodes[0]): [_ready(20), Until(reclaimed), _finished(30)],
+        (2, spares[0]): [Until(repaired), _ready(20), Until(reclaimed), _finished(30)],
     }
 
     run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
