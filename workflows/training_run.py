@@ -1348,8 +1348,12 @@ class TrainingRun:
         self._status.incidents = [i for i in self._status.incidents if i is not symptom]
         lost = self._node_lost(node, symptom.attempt, f"node agent did not answer {missed} after "
                                                       f"{symptom.kind.value} on {symptom.node} ({seen_as})")
+        # Timed from the symptom both ways, so detection_s + recovery_s is fault to first new step: measured to
+        # when the node was found instead, a node-down bench-recovery counted the relaunch's 10 s wait twice.
         lost.detected_at = symptom.detected_at
-        lost.detection_s = lost.detection_s if lost.detection_s is not None else symptom.detection_s
+        down_at = self._injected_at.get((FaultKind.NODE_DOWN, node))
+        lost.detection_s = (symptom.detection_s if down_at is None
+                            else round(max(0.0, symptom.detected_at - down_at), 3))
         return lost
 
     def _lost_at_launch(self, node: str, attempt: int, detail: str) -> Incident:

@@ -1005,7 +1005,11 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     sends no stop, so the node is found when it does not take up the relaunch: it becomes the incident, and
     the relaunch it cost is not counted against the restart budget twice."""
     nodes, spares = _node_ids(2), _node_ids(1)
-    cluster = Cluster(nodes=nodes, spares=spares, unreachable={nodes[1]}, watch_script={
+
+    async def take_it_down(handle: WorkflowHandle[Any, Any]) -> None:  # chaos: injected at 123.0 (the stand-in's)
+        await handle.execute_update(TrainingRun.inject_fault, ChaosRequest(node=nodes[1], fault="node-down"))
+
+    cluster = Cluster(nodes=nodes, spares=spares, unreachable={nodes[1]}, while_running=take_it_down, watch_script={
         (1, nodes[0]): [_exited(1).model_copy(update={"detected_at": 1_000.0})],
         (1, nodes[1]): [BLOCK],
         # The master's ranks wait in the rendezvous until the spare's join it.
@@ -1033,6 +1037,8 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     assert [(r.node, r.node_rank) for r in relaunches] == [(nodes[0], 0), (spares[0], 1)]
     assert (relaunches[1].master_addr, relaunches[1].master_port) == (f"{nodes[0]}.cluster", 29502)  # the master's
     assert (incident.recovery_path, incident.recovery_s) == ("relaunch, a spare joining it", 12.5)
+    # Timed from its first sign both ways: the fault (123.0) to the peer's crash, then to the first new step.
+    assert incident.detection_s == 877.0 and incident.detected_at == 1_000.0
     assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
 
 
