@@ -33,7 +33,7 @@ integration: $(STAMP)
 
 clean:
 	-$(BIN)/trainguard dev down
-	rm -rf .trainguard .pytest-stack
+	rm -rf .trainguard .pytest-stack .pytest-tmp
 
 .PHONY: bench-checkpoint
 bench-checkpoint: $(STAMP)

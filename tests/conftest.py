@@ -1,8 +1,22 @@
-"""Shared test setup: integration tests are marked by folder."""
+"""Shared test setup: integration tests are marked by folder, and what the tests write stays in the repo's
+ignored `.pytest-tmp/`: pytest's `tmp_path` folders (not /tmp/pytest-of-<user>) and torch's compile cache
+(not /tmp/torchinductor_<user>), for the suite and the rank processes it starts."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+SCRATCH = Path(__file__).resolve().parents[1] / ".pytest-tmp"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.option.basetemp:
+        SCRATCH.mkdir(exist_ok=True)
+        config.option.basetemp = str(SCRATCH / "pytest")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "torchinductor"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
