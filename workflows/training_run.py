@@ -1146,15 +1146,19 @@ class TrainingRun:
                         seen.append((event.occurred_at or event.detected_at, self._rank_incident(event, attempt)))
                 if result.finished:
                     finished[group] = result
+            rejoined: list[int] = []
             for group, lost in joining:
                 found = self._lost_at_launch(lost.node, attempt, lost.detail)
                 if seen or not workflow.patched(PATCH_SPARE_JOINS_LAUNCH) or not await self._join_spare(
                         spec, attempt, found):
                     seen.append((found.detected_at, found))
-                    continue
-                nodes = list(self._status.nodes)
-                watches.update(self._watch_groups(spec, attempt, launch, download, only=group))
+                elif group not in rejoined:
+                    rejoined.append(group)
             joining.clear()
+            if rejoined and not seen:  # else the incident relaunches every node, spares joined included
+                nodes = list(self._status.nodes)
+                for group in rejoined:  # one new watch of the group however many of its nodes a spare replaced
+                    watches.update(self._watch_groups(spec, attempt, launch, download, only=group))
             if seen:
                 incident = min(seen, key=lambda found: found[0])[1]  # min keeps the first of equals
 

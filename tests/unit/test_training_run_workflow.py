@@ -1042,6 +1042,39 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
 
 
+async def test_two_nodes_that_do_not_take_up_the_relaunch_are_both_replaced_within_it(
+        env: WorkflowEnvironment) -> None:
+    """Two nodes of one group lost with their ranks: each gets a spare in its place in the same relaunch, and the
+    group is watched again once, not once per spare."""
+    nodes, spares = _node_ids(3), _node_ids(2)
+
+    def both_spares_launched() -> bool:
+        return {r.node for r in _by_attempt(cluster.inputs("launch_ranks"), 2)} >= set(spares)
+
+    cluster = Cluster(nodes=nodes, spares=spares, unreachable={nodes[1], nodes[2]}, watch_script={
+        (1, nodes[0]): [_exited(1).model_copy(update={"detected_at": 1_000.0})],
+        (1, nodes[1]): [BLOCK],
+        (1, nodes[2]): [BLOCK],
+        (2, nodes[0]): [Until(both_spares_launched), _finished(25).model_copy(update={"first_step_at": 1_020.0})],
+        **{(2, spare): [_finished(25)] for spare in spares},
+    })
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.attempts == 2
+    assert sorted(i.node for i in result.incidents) == nodes[1:]
+    assert {(i.kind, i.action, i.recovery_path) for i in result.incidents} == {
+        (IncidentKind.NODE_UNRESPONSIVE, Action.REPLACE_NODE, "relaunch, a spare joining it")}
+    assert all(i.recovery_s is not None for i in result.incidents)
+    assert sorted(run.status.nodes[1:]) == sorted(spares) and sorted(run.status.cordoned) == nodes[1:]
+    # Attempt 2's watches: the first group, then one group again for the spares (or one per join when the two
+    # were found apart), never two groups watching a node at once: each spare's watch launched it once.
+    launches = [r.node for r in _by_attempt(cluster.inputs("launch_ranks"), 2)]
+    assert sorted(launches) == sorted([nodes[0], *spares]), launches
+
+
 async def test_a_run_of_many_nodes_watches_in_groups_of_sixteen_and_relaunches_each_node_at_its_rank(
         env: WorkflowEnvironment) -> None:
     """A watch's every start and heartbeat is a write of its group's execution, which Temporal serializes: a run
