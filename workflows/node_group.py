@@ -52,7 +52,7 @@ an activity start retried). A relaunch starts all of a group's launching watches
 4,096-node relaunch had its watch starts refused 12,596 times on the dev server (`RecordActivityTaskStarted`,
 BusyWorkflow), so its last nodes launched late and live nodes' heartbeats went unrecorded for a minute. At 16
 the same burst is spread over 256 executions (a 4,096-node run: 256 children, its pending count still far inside
-the limit; a relaunch costs its history about 4 events per group)."""
+the limit; a relaunch costs the run's history about 8 events per group)."""
 
 GROUP_HISTORY_EVENTS = 10_000
 """A group watching for days continues as new past this (keepalives add 6 events per node per
@@ -317,7 +317,7 @@ class NodeGroupWatch:
                     result.lost.append(LostNode(node=node, detail=f"node agent {how}: {failure.error}",
                                                 error_type=failure.error_type,
                                                 never_started=node in launching and _not_started(error)
-                                                and request.launch is not None and node not in request.launched))
+                                                and node not in request.launched))
                     continue
                 launching.discard(node)
                 if event.kind is WatchEventKind.STARTED:

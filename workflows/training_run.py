@@ -817,6 +817,14 @@ class TrainingRun:
                                    type=ErrorType.NODE_CHECK_FAILED)
         return [CheckNodeResult.model_validate(o.result) for o in outcomes]
 
+    async def _swap_in_spare(self, incident: Incident, spare: str, lost_since: float | None) -> None:
+        """The incident's node cordoned in the pool and `spare` in its place in the run."""
+        assert incident.node is not None
+        await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
+        self._replaced.append(incident.node)
+        self._spares.remove(spare)
+        self._replace(incident.node, spare)
+
     def _replace(self, node: str, spare: str) -> None:
         self._status.nodes = [spare if n == node else n for n in self._status.nodes]
         self._status.cordoned = [*self._status.cordoned, node]
@@ -1250,11 +1258,7 @@ class TrainingRun:
         if merged:  # the relaunch already made counts once, as it did before the symptom was taken back
             self._restart_times.append(now)
             self._restarts_without_checkpoint += 1
-        await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}",
-                           _lost_since(incident, len(self._status.nodes)))
-        self._replaced.append(incident.node)
-        self._spares.remove(spare)
-        self._replace(incident.node, spare)
+        await self._swap_in_spare(incident, spare, _lost_since(incident, len(self._status.nodes)))
         self._joins.append(incident)  # its recovery ends at this attempt's first step
         self._publish()
         return True
@@ -1443,10 +1447,7 @@ class TrainingRun:
             return
         lost_since = _lost_since(incident, len(self._status.nodes))
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
-            await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
-            self._replaced.append(incident.node)
-            self._spares.remove(decision.replacement)
-            self._replace(incident.node, decision.replacement)
+            await self._swap_in_spare(incident, decision.replacement, lost_since)
         if decision.action is Action.SHRINK and incident.node:
             await self._cordon(incident.node, f"{incident.kind.value}: {incident.detail}", lost_since)
             self._lost.append(incident.node)
