@@ -35,6 +35,11 @@ at a restore, and never near a payload or object-size limit."""
 NODE_RECORDS = "nodes"
 
 
+def decision_key(run_prefix: str) -> str:
+    """The run's newest relaunch decision (`AttemptDecision`), which nodes watching in place take up."""
+    return f"{run_prefix}/attempt.json"
+
+
 def node_record_key(run_prefix: str, step: int, node: str) -> str:
     return f"{step_prefix(run_prefix, step)}{NODE_RECORDS}/{node}.json"
 

@@ -29,6 +29,7 @@ from temporalio.exceptions import ApplicationError
 from activities.checkpoint_layout import (
     NODE_RECORDS,
     SHA256_METADATA,
+    decision_key,
     doomed_steps,
     manifest_body,
     manifest_header,
@@ -41,6 +42,7 @@ from activities.checkpoint_layout import (
     step_prefix,
 )
 from activities.models import (
+    AttemptDecision,
     CommitCheckpointInput,
     CommitCheckpointsInput,
     CommitCheckpointsResult,
@@ -52,6 +54,7 @@ from activities.models import (
     NodeCheckpointRecord,
     PruneCheckpointsInput,
     PruneCheckpointsResult,
+    PublishAttemptInput,
     ShardInfo,
 )
 from activities.paths import shard_name
@@ -235,6 +238,28 @@ class _CommitterState:
 
 class StoreActivities:
     """Controller-side activities: find, commit and prune checkpoints in the store."""
+
+    @activity.defn(name="publish_attempt")
+    async def publish_attempt(self, request: PublishAttemptInput) -> None:
+        """Write the run's relaunch decision for its nodes to take up. Idempotent: a decision older than the one
+        in the store (a retry that lost a race with the next relaunch) leaves the newer in place."""
+        await _heartbeating(self._publish, request)
+
+    @staticmethod
+    def _publish(request: PublishAttemptInput) -> None:
+        client, key = s3_client(), decision_key(request.run_prefix)
+        try:
+            body = client.get_object(Bucket=request.bucket, Key=key)["Body"].read()
+            there = AttemptDecision.model_validate_json(body)
+            if there.chain_id == request.decision.chain_id and there.attempt > request.decision.attempt:
+                return
+        except ClientError as error:
+            if not _is_missing(error):
+                raise _bucket_missing(error, request.bucket) or error
+        except ValueError:
+            pass  # unreadable: written over
+        client.put_object(Bucket=request.bucket, Key=key, Body=request.decision.model_dump_json().encode(),
+                          ContentType="application/json")
 
     @activity.defn(name="find_checkpoint")
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:

@@ -25,6 +25,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.checkpoint_layout import (
     SHA256_METADATA,
+    decision_key,
     manifest_key,
     node_record_key,
     restore_sources,
@@ -35,6 +36,7 @@ from activities.checkpoint_layout import (
 )
 from activities.checkpoint_store import StoreActivities, _bucket_missing, _is_missing, committed_shard, read_manifest
 from activities.models import (
+    AttemptDecision,
     DownloadShardsInput,
     DownloadShardsResult,
     NodeCheckpointRecord,
@@ -177,6 +179,8 @@ class NodeCheckpointActivities:
         self.node = node
         self.workdir = workdir
         self._peer_urls = peer_urls
+        self._decisions: dict[tuple[str, str], tuple[str, AttemptDecision | None]] = {}
+        """(bucket, key) -> the ETag and decision read last (`read_decision`)."""
         """Node -> URL of its agent's shard server (the peer tier); None: no peer tier."""
 
     async def _peers(self, request: DownloadShardsInput) -> dict[str, str]:
@@ -365,6 +369,26 @@ class NodeCheckpointActivities:
             s3_client().put_object, Bucket=target.bucket, Key=node_record_key(target.run_prefix, step, self.node),
             Body=record.model_dump_json().encode(), ContentType="application/json")
         return record
+
+    def read_decision(self, target: WatchCheckpoints) -> AttemptDecision | None:
+        """The run's newest relaunch decision, blocking; None while there is none. Asked again only for a
+        newer version than the one read last (`If-None-Match`): a watch asks every few seconds."""
+        key = (target.bucket, decision_key(target.run_prefix))
+        etag, known = self._decisions.get(key, ("", None))
+        client = s3_client()
+        try:
+            reply = client.get_object(Bucket=key[0], Key=key[1], **({"IfNoneMatch": etag} if etag else {}))
+        except ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "304" or status == 304 or code == "NotModified":
+                return known
+            if code in ("NoSuchKey", "404") or status == 404:
+                return None
+            raise
+        decision = AttemptDecision.model_validate_json(reply["Body"].read())
+        self._decisions[key] = (str(reply.get("ETag", "")), decision)
+        return decision
 
     def _newest_committed(self, workflow_id: str, target: WatchCheckpoints, before: int) -> int:
         """The newest committed step of this run older than `before` that this node still keeps locally: the

@@ -377,6 +377,33 @@ class WatchCheckpoints(BaseModel):
     run_prefix: str
 
 
+class AttemptDecision(BaseModel):
+    """The run's decision to relaunch, written to the store (`{run_prefix}/attempt.json`) for the nodes whose
+    watch is still running: each takes it up there (stops its ranks of the attempt before, downloads its shards,
+    launches the new attempt at its node rank) and goes on watching, with no new activity per node. A relaunch
+    of thousands of nodes then costs Temporal a few events, not a launching watch per node."""
+
+    workflow_id: str
+    chain_id: str
+    attempt: int
+    launch: LaunchRanksInput
+    """The attempt's launch, `node` and `node_rank` left for each node to fill in (it keeps its node rank)."""
+    download: DownloadShardsInput | None = None
+    """What each node downloads first (its `node` and `ranks` filled in); None: a start from scratch."""
+    starters: list[str] = Field(default_factory=list)
+    """Nodes whose watch returns STARTED once the attempt's first step is seen here (the run's master node)."""
+    leaving: list[str] = Field(default_factory=list)
+    """Nodes no longer in the run (replaced or cordoned): they take up nothing."""
+    launched: list[str] = Field(default_factory=list)
+    """Nodes launched by an activity of their own (the master node): their watch follows the launch."""
+
+
+class PublishAttemptInput(BaseModel):
+    bucket: str
+    run_prefix: str
+    decision: AttemptDecision
+
+
 class WatchRanksInput(BaseModel):
     workflow_id: str
     attempt: int
@@ -405,6 +432,11 @@ class WatchRanksInput(BaseModel):
     evidence_with_event: bool = False
     """On judging a hang, ask this node's ranks for their evidence right there and return it with the HANG
     event (`WatchEvent.evidence`), so the run need not ask this node again (`collect_evidence`)."""
+    follow_decisions: bool = False
+    """Read the run's `AttemptDecision` from the store (`checkpoints`' bucket and prefix) every
+    `decision_every_s` and take up a newer attempt in place, and follow a newer attempt launched here by another
+    activity, instead of failing or returning: the watch then watches that attempt (its events say which)."""
+    decision_every_s: float = 1.0
     heartbeat_every_s: float | None = None
     """Heartbeat at most this often (a large run bounds its heartbeats per second: `HEARTBEATS_PER_S` in
     `workflows/node_group.py`); None: at every poll, as the agent's worker throttles them."""
@@ -425,6 +457,9 @@ class WatchRanksInput(BaseModel):
 class WatchEvent(BaseModel):
     kind: WatchEventKind
     node: str
+    attempt: int | None = None
+    """The attempt the event is of, where a watch follows decisions (it may have taken up a newer attempt than
+    it was started for); None: the watch's own."""
     rank: int | None = None
     exit_code: int | None = None
     detail: str = ""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from activities.health import NodeHealth
-from activities.models import DownloadShardsInput, DownloadShardsResult, NodeCheckpointRecord, RankEvidence, \
+from activities.models import AttemptDecision, DownloadShardsInput, DownloadShardsResult, NodeCheckpointRecord, RankEvidence, \
     WatchCheckpoints
 from activities.paths import RunLayout
 from activities.progress import RankReport
@@ -173,8 +173,12 @@ class RankBook:
     def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
                  allowed_env: frozenset[str] = frozenset(), uploader: Uploader | None = None,
-                 downloader: Downloader | None = None) -> None:
+                 downloader: Downloader | None = None,
+                 decisions: Callable[[WatchCheckpoints], AttemptDecision | None] | None = None) -> None:
         self.node = node
+        self.decisions = decisions
+        """Reads the run's newest `AttemptDecision` from the store (`NodeCheckpointActivities.read_decision`),
+        blocking: a watch that follows decisions takes up a relaunch there."""
         self.downloader = downloader
         """Downloads the shards a launch restores from (`NodeCheckpointActivities.download_shards`)."""
         self.uploader = uploader

@@ -15,6 +15,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.models import (
+    AttemptDecision,
     DownloadShardsInput,
     DownloadShardsResult,
     LaunchRanksInput,
@@ -89,7 +90,8 @@ class RankWatch(RankLaunch):
         if request.launch is not None:
             await self._launch_from_watch(request, request.launch)
         record = self._record(request.workflow_id)
-        if record is None or record.attempt != request.attempt:
+        follow = request.follow_decisions and request.checkpoints is not None
+        if record is None or record.attempt < request.attempt or (record.attempt != request.attempt and not follow):
             raise ApplicationError(
                 f"node {self.node} has no ranks of {request.workflow_id} attempt {request.attempt}",
                 type=ErrorType.NO_SUCH_ATTEMPT,
@@ -102,7 +104,25 @@ class RankWatch(RankLaunch):
         alive_reported = -1
         local_ranks = set(record.ranks)
         next_heartbeat = started + request.first_heartbeat_s()
+        next_decision = started
+        report_start = request.report_start
         while True:
+            if follow and time.monotonic() >= next_decision:
+                assert request.checkpoints is not None
+                next_decision = time.monotonic() + request.decision_every_s
+                decision = await self._read_decision(request.checkpoints)
+                if decision is not None and self._takes_up(decision, record):
+                    await self._take_up(request, decision, record)
+            latest = self._record(request.workflow_id) if follow else None
+            if latest is not None and latest is not record and latest.attempt > record.attempt:
+                # A newer attempt launched here (taken up just above, or by the master's own launch): watch it.
+                assert request.checkpoints is not None
+                launched_here = record.attempt
+                record, local_ranks, alive_reported = latest, set(latest.ranks), -1
+                decision = await self._read_decision(request.checkpoints)
+                report_start = decision is None or decision.attempt < record.attempt or self.node in decision.starters
+                log.info("%s: watch of attempt %d follows attempt %d", request.workflow_id, launched_here,
+                         record.attempt)
             now = time.time()
             reports = {r: _read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
             if record.first_step_at is None:
@@ -116,7 +136,8 @@ class RankWatch(RankLaunch):
 
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,
-                                  step=node_step, restore_tiers=record.restore_tiers, **fields)  # type: ignore[arg-type]
+                                  step=node_step, restore_tiers=record.restore_tiers,
+                                  attempt=record.attempt if follow else None, **fields)  # type: ignore[arg-type]
 
             ready = complete_steps(self._saved_steps(layout), local_ranks, max(request.reported_step,
                                                                                  record.start_step))
@@ -125,7 +146,7 @@ class RankWatch(RankLaunch):
                 return event(WatchEventKind.CHECKPOINT_READY, checkpoint_steps=ready, rank_compute_s=compute)
             if ready and request.checkpoints is not None:
                 self._upload_ready(record, request.checkpoints, ready, compute, node_step)
-            if request.report_start and record.first_step_at is not None:
+            if report_start and record.first_step_at is not None:
                 return event(WatchEventKind.STARTED)
 
             if self.health.injected is not None or time.monotonic() >= next_gpu_check:
@@ -182,6 +203,35 @@ class RankWatch(RankLaunch):
             if time.monotonic() - started > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
             await asyncio.sleep(health.poll_interval_s)
+
+    async def _read_decision(self, target: WatchCheckpoints) -> AttemptDecision | None:
+        """The run's newest decision from the store; None when there is none, or the store cannot say now (the
+        watch reads it again at its next turn)."""
+        if self.decisions is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.decisions, target)
+        except Exception as error:  # an outage: the next read may answer
+            log.warning("reading the run's decision from %s/%s failed: %s", target.bucket, target.run_prefix, error)
+            return None
+
+    def _takes_up(self, decision: AttemptDecision, record: AttemptRecord) -> bool:
+        """A decision this node takes up in place: of its run (this chain), newer than what it runs, and its own
+        to take (not a node leaving the run, nor one launched by an activity of its own)."""
+        return (decision.workflow_id == record.workflow_id and decision.chain_id == record.chain_id
+                and decision.attempt > record.attempt and self.node not in decision.leaving
+                and self.node not in decision.launched)
+
+    async def _take_up(self, request: WatchRanksInput, decision: AttemptDecision, record: AttemptRecord) -> None:
+        """Launch the decision's attempt here at this node's rank, downloading its shards first, as a launching
+        watch would (the launch stops this node's ranks of older attempts first)."""
+        per_node = len(record.ranks)
+        node_rank = min(record.ranks) // per_node if per_node else 0
+        download = None if decision.download is None else decision.download.model_copy(update={
+            "node": self.node, "ranks": list(range(node_rank * per_node, (node_rank + 1) * per_node))})
+        log.info("%s: taking up attempt %d in place (node rank %d)", decision.workflow_id, decision.attempt, node_rank)
+        await self._launch_from_watch(request.model_copy(update={"download": download}),
+                                      decision.launch.model_copy(update={"node": self.node, "node_rank": node_rank}))
 
     async def _launch_from_watch(self, request: WatchRanksInput, launch: LaunchRanksInput) -> None:
         """The launch a relaunch's watch carries: idempotent by attempt, as `launch_ranks` is (a watch started

@@ -63,6 +63,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untype
             store.commit_checkpoint,
             store.commit_checkpoints,
             store.prune_checkpoints,
+            store.publish_attempt,
             nodes.find_node_agents,
             pool.acquire_nodes,
             pool.release_nodes,

@@ -56,7 +56,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
                            allowed_env=allowed_env, uploader=checkpoints.upload_step,
-                           downloader=checkpoints.download_shards)
+                           downloader=checkpoints.download_shards, decisions=checkpoints.read_decision)
     health = HealthActivities(node, host, node_health)
     logs = RankLogActivities(node, workdir)
     evidence = EvidenceActivities(ranks)

@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
     from trainguard.error_types import ErrorType, non_retryable
     from workflows.node_group_models import (
+        GroupReport,
         GroupStarted,
         LostNode,
         NodeCall,
@@ -273,11 +274,23 @@ async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
 class NodeGroupWatch:
     """Watch a group's nodes for one attempt; return on the first incident or lost node, or once every node
     has finished. Keepalives restart a watch here, and the group tells its run once when all its nodes have
-    run the attempt's first step."""
+    run the attempt's first step. A standing group (`NodeGroupWatchInput.standing`) reports instead of
+    returning, and watches the run's next attempts too."""
+
+    def __init__(self) -> None:
+        self._next: NodeGroupWatchInput | None = None
+
+    @workflow.signal
+    def next_attempt(self, request: NodeGroupWatchInput) -> None:
+        """A standing group's next attempt: its nodes without a watch (those it reported) and the spares that
+        join it launch from a new watch; the others have taken it up in place."""
+        if self._next is None or request.watch.attempt >= self._next.watch.attempt:
+            self._next = request
 
     @workflow.run
     async def run(self, request: NodeGroupWatchInput) -> NodeGroupWatchResult:
         started = dict(request.started)
+        started_attempt = request.watch.attempt
         finished = {e.node: e for e in request.finished}
         signalled = request.signalled
         starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
@@ -286,13 +299,28 @@ class NodeGroupWatch:
         # Nodes whose current watch is their launching one: none has come back yet.
         launching = set(watches) if request.launch is not None else set()
         retried: set[str] = set()
+        told = asyncio.ensure_future(workflow.wait_condition(lambda: self._next is not None)) if request.standing \
+            else None
         # Watches still running when the group closes are left, not cancelled: a cancel that races a watch
         # just returned is refused (ACTIVITY_UNKNOWN) and fails the workflow task. Once the group has closed,
         # each watch's next heartbeat (a second) is refused and its agent stops it; the ranks keep running,
         # as they would for a cancelled watch.
         while True:
-            if watches:
-                await workflow.wait(list(watches.values()), return_when=asyncio.FIRST_COMPLETED)
+            if told is not None and told.done():
+                assert self._next is not None
+                request, self._next = self._next.model_copy(update={"standing": True}), None
+                started, started_attempt, signalled, finished = {}, request.watch.attempt, False, {}
+                starters = [n for n in request.nodes if request.starters is None or n in request.starters]
+                watches = {n: t for n, t in watches.items() if n in request.nodes}
+                for node in request.nodes:  # a node reported, or a spare joining: it launches from a new watch
+                    if node not in watches:
+                        watches[node] = self._watch(request, node, report_start=node in starters, launch=True)
+                        launching.add(node)
+                retried = set()
+                told = asyncio.ensure_future(workflow.wait_condition(lambda: self._next is not None))
+            if watches or told is not None:
+                await workflow.wait([*watches.values(), *([told] if told is not None else [])],
+                                    return_when=asyncio.FIRST_COMPLETED)
             result = NodeGroupWatchResult()
             keepalive = False
             for node in request.nodes:  # a fixed order keeps the workflow deterministic
@@ -318,8 +346,12 @@ class NodeGroupWatch:
                                                 error_type=failure.error_type,
                                                 never_started=node in launching and _not_started(error)
                                                 and node not in request.launched))
+                    launching.discard(node)
                     continue
                 launching.discard(node)
+                of = event.attempt or request.watch.attempt
+                if of > started_attempt:  # a standing group's node took up a newer attempt in place
+                    started, started_attempt, signalled = {}, of, False
                 if event.kind is WatchEventKind.STARTED:
                     started[node] = event.first_step_at or event.detected_at
                     watches[node] = self._watch(request, node, report_start=False)
@@ -330,35 +362,50 @@ class NodeGroupWatch:
                     finished[node] = event
                     if event.first_step_at is not None:
                         started.setdefault(node, event.first_step_at)
+                elif request.standing and of < request.watch.attempt and request.launch is not None:
+                    # Its ranks of an attempt the run has left failed before it took up the next: it launches
+                    # the next from a new watch, as the nodes reported do.
+                    watches[node] = self._watch(request, node, report_start=node in starters, launch=True)
+                    launching.add(node)
                 else:
                     result.incidents.append(event)
             waiting = [n for n in starters if n not in started and n not in finished]
             if not signalled and started and not waiting:
                 signalled = True
                 await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
-                    "group_started", GroupStarted(attempt=request.watch.attempt, group=request.group,
+                    "group_started", GroupStarted(attempt=started_attempt, group=request.group,
                                                   first_step_at=min(started.values()),
                                                   all_started_at=max(started.values())))
             if result.incidents or result.lost:
                 if (request.watch.evidence_with_event and watches and not result.lost
                         and any(e.kind is WatchEventKind.HANG for e in result.incidents)
                         and workflow.patched(PATCH_HANG_EVIDENCE_WITH_EVENT)):
-                    await self._peers_hangs(request, watches, result)
-                return result
+                    for node in await self._peers_hangs(request, watches, result):
+                        if request.standing:
+                            del watches[node]  # reported: it waits for the run's next attempt
+                if not request.standing:
+                    return result
+                await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
+                    "group_report", GroupReport(group=request.group, attempt=request.watch.attempt, result=result))
+                continue
             if len(finished) == len(request.nodes):
+                if told is not None:
+                    told.cancel()
                 return NodeGroupWatchResult(finished=[finished[n] for n in request.nodes])
             info = workflow.info()
-            if keepalive and (info.is_continue_as_new_suggested()
-                              or info.get_current_history_length() > GROUP_HISTORY_EVENTS):
+            if keepalive and self._next is None and len(watches) + len(finished) == len(request.nodes) and (
+                    info.is_continue_as_new_suggested() or info.get_current_history_length() > GROUP_HISTORY_EVENTS):
                 workflow.continue_as_new(request.model_copy(update={
                     "started": started, "finished": list(finished.values()), "signalled": signalled,
                     "launch": None, "download": None}))  # every node has launched: a watch returned
 
     @staticmethod
     async def _peers_hangs(request: NodeGroupWatchInput, watches: dict[str, asyncio.Task[WatchEvent]],
-                           result: NodeGroupWatchResult) -> None:
-        """Add the hangs (and other failures) the group's other nodes report within `GROUP_HANG_SETTLE`."""
+                           result: NodeGroupWatchResult) -> list[str]:
+        """Add the hangs (and other failures) the group's other nodes report within `GROUP_HANG_SETTLE`; the
+        nodes whose watch returned one."""
         await workflow.wait(list(watches.values()), timeout=GROUP_HANG_SETTLE.total_seconds())
+        reported = []
         for node in request.nodes:  # a fixed order keeps the workflow deterministic
             task = watches.get(node)
             if task is None or not task.done() or task.exception() is not None:
@@ -366,6 +413,8 @@ class NodeGroupWatch:
             event = task.result()
             if event.kind in (WatchEventKind.HANG, WatchEventKind.RANK_EXITED, WatchEventKind.GPU_UNHEALTHY):
                 result.incidents.append(event)
+                reported.append(node)
+        return reported
 
     @staticmethod
     def _watch(request: NodeGroupWatchInput, node: str, report_start: bool,

@@ -100,6 +100,11 @@ class NodeGroupWatchInput(BaseModel):
     launch_wait_s: float | None = None
     """How long a launching watch may wait for its agent to start it before the node is taken for lost. None:
     `BURST_SCHEDULE_TO_START`."""
+    standing: bool = False
+    """The group outlives its attempt: it reports incidents and lost nodes to the run (`group_report`) and goes
+    on watching, its nodes' watches taking up the run's next attempt in place (`WatchRanksInput.follow_decisions`);
+    the run sends it the next attempt (`next_attempt`) only where a node of it has no watch left or a spare
+    joins. It returns once every node has finished."""
     launch_second_chance: bool = False
     """A launching watch no agent started within its schedule-to-start timeout is scheduled once more before
     the node is taken for lost. For relaunches of thousands of nodes, whose burst a small Temporal matches
@@ -126,3 +131,10 @@ class NodeGroupWatchResult(BaseModel):
     """Every node's FINISHED event when all of the group's ranks are done (else empty)."""
 
 
+class GroupReport(BaseModel):
+    """Signal from a standing group to its run: what its nodes reported, as a group of attempts would return it."""
+
+    group: int
+    attempt: int
+    """The newest attempt the group was told of (its events may say newer: their watches took it up in place)."""
+    result: NodeGroupWatchResult

@@ -27,6 +27,8 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
+        AttemptDecision,
+        PublishAttemptInput,
         SLOW_DUTY_MAX,
         SLOW_DUTY_MIN,
         CheckNodeInput,
@@ -98,6 +100,7 @@ with workflow.unsafe.imports_passed_through():
         STOP_TIMEOUT,
         TRANSFER_TIMEOUT,  # noqa: F401 - the upload bound retention's janitor relies on (activities/checkpoints.py)
         WATCH_MAX_DURATION_S,
+        GroupReport,
         GroupStarted,
         NodeCallKind,
         NodeCall,
@@ -176,9 +179,31 @@ PATCH_SPARE_JOINS_LAUNCH = "spare-joins-launch"
 """Histories before this patch relaunched once more when a node did not take up a relaunch (the node lost with
 its ranks, its peers' crash seen first): the relaunch it found it by never trained. Now a spare takes the lost
 node's place in that relaunch, joining the rendezvous its peers are waiting in: one relaunch per fault."""
+PATCH_STANDING_GROUPS = "standing-groups"
+"""Histories before this patch closed every watch group at an incident and started a new one per group for the
+relaunch, each node's launching watch a new activity; asked only by runs of more than
+`STANDING_GROUPS_MIN_NODES` nodes, which now relaunch in place (`STANDING_GROUPS_MIN_NODES`)."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
+
+STANDING_GROUPS_MIN_NODES = NODES_PER_GROUP + 1
+"""Runs of more nodes than one call group relaunch in place: their watch groups stand across attempts
+(`NodeGroupWatchInput.standing`), the run writes each relaunch's `AttemptDecision` to the store, and every node
+whose watch is still running takes it up there; only the nodes without a watch (those that reported, a spare
+joining) launch from a new one. At 4,096 nodes a relaunch of new groups cost the run's history 4 events per
+group (cancel the old, start the new), each its own workflow task: 46-53 s from the incident to the last node
+launched on this machine, the last launching watches matched 30 s after the first. A small run's relaunch is a
+group or two and stays as it was."""
+
+DECISION_READS_PER_S = 1000
+"""Reads of the run's decision object a run's watches make each second, at most: each node reads it every
+max(1, nodes / 1,000) s (a 4,096-node run: every 4.1 s, which bounds how late a node takes up a relaunch)."""
+
+
+def decision_every_s(num_nodes: int) -> float:
+    return max(1.0, round(num_nodes / DECISION_READS_PER_S, 3))
+
 
 SUGGESTED_HISTORY_BYTES = 4 * 1024 * 1024
 """Temporal's default size past which it suggests continue-as-new (`limit.historySize.suggestContinueAsNew`,
@@ -352,6 +377,17 @@ class TrainingRun:
         self._joins: list[Incident] = []
         """Lost nodes a spare replaced within the attempt they were found in (`_join_spare`): that attempt's
         first step ends their recovery."""
+        self._reports: list[GroupReport] = []
+        """What standing groups reported (`group_report`), not yet taken by the attempt's supervision."""
+        self._standing: dict[int, asyncio.Task[NodeGroupWatchResult]] = {}
+        """Standing groups still watching after the attempt that ended, by index, for the next to take up."""
+        self._standing_nodes: list[str] = []
+        """The run's nodes when they stood: a relaunch onto as many nodes in the same places takes them up."""
+        self._reported_groups: set[int] = set()
+        """Standing groups that reported in the attempt that ended: nodes of theirs have no watch left."""
+        self._group_ids: dict[int, str] = {}
+        self._group_requests: dict[int, NodeGroupWatchInput] = {}
+        """Each watch group's workflow id and what it was last given, by index."""
 
     # ------------------------------------------------------------------------------ queries/updates
     @workflow.query
@@ -1022,11 +1058,9 @@ class TrainingRun:
         return {node: result.restore_dir for node, result in zip(nodes, results)}
 
     # ----------------------------------------------------------------------------------- supervise
-    def _watch_groups(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None = None,
-                      download: DownloadShardsInput | None = None,
-                      only: int | None = None) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
-        """A `NodeGroupWatch` per group (`only`: that group's alone, started again); with `launch`, each node but
-        the master launches from its first watch."""
+    def _group_inputs(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None,
+                      download: DownloadShardsInput | None, standing: bool) -> list[NodeGroupWatchInput]:
+        """Each watch group's input: with `launch`, each node but the master launches from its first watch."""
         wid = workflow.info().workflow_id
         watch = WatchRanksInput(
             workflow_id=wid, attempt=attempt, node="", health=spec.health,
@@ -1036,8 +1070,8 @@ class TrainingRun:
             evidence_with_event=workflow.patched(PATCH_HANG_EVIDENCE_WITH_EVENT),
             max_duration_s=WATCH_MAX_DURATION_S,
             heartbeat_every_s=watch_heartbeat_every_s(len(self._status.nodes)),
-            checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)))
-        tag = str(workflow.uuid4())[:8]
+            checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec)),
+            follow_decisions=standing, decision_every_s=decision_every_s(len(self._status.nodes)))
         master = self._status.nodes[:1]
         second_chance = len(self._status.nodes) > FAN_OUT_GROUPS * NODES_PER_GROUP
         # A run of one group: its launching watches are a burst of at most 64, matched in well under the stop's
@@ -1048,20 +1082,109 @@ class TrainingRun:
                        and workflow.patched(PATCH_FENCED_RELAUNCH) else None)
         if launch_wait is None and launch_wait_s(len(self._status.nodes)) > BURST_SCHEDULE_TO_START.total_seconds():
             launch_wait = launch_wait_s(len(self._status.nodes))
-        size = NODES_PER_GROUP
+        size = self._watch_group_size()
+        return [NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
+                                    starters=[n for n in group if n in master], launch=launch, download=download,
+                                    first_node_rank=index * size,
+                                    launched=[n for n in group if n in master] if launch else [],
+                                    launch_second_chance=second_chance, launch_wait_s=launch_wait,
+                                    standing=standing)
+                for index, group in enumerate(groups_of(self._status.nodes, size))]
+
+    def _watch_group_size(self) -> int:
         if len(self._status.nodes) > WATCH_NODES_PER_GROUP and workflow.patched(PATCH_SMALL_WATCH_GROUPS):
-            size = WATCH_NODES_PER_GROUP
-        return {index: asyncio.ensure_future(workflow.execute_child_workflow(
-            NodeGroupWatch.run, NodeGroupWatchInput(run_workflow_id=wid, group=index, watch=watch, nodes=group,
-                                                    starters=[n for n in group if n in master],
-                                                    launch=launch, download=download,
-                                                    first_node_rank=index * size,
-                                                    launched=[n for n in group if n in master] if launch else [],
-                                                    launch_second_chance=second_chance,
-                                                    launch_wait_s=launch_wait),
-            id=f"{wid}/watch-{attempt}-{tag}-{index}", result_type=NodeGroupWatchResult,
-            static_summary=f"watch {group[0]}..{group[-1]} ({len(group)} nodes, attempt {attempt})",
-        )) for index, group in enumerate(groups_of(self._status.nodes, size)) if only is None or index == only}
+            return WATCH_NODES_PER_GROUP
+        return NODES_PER_GROUP
+
+    def _watch_groups(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None = None,
+                      download: DownloadShardsInput | None = None, only: int | None = None,
+                      standing: bool = False) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
+        """A `NodeGroupWatch` per group (`only`: that group's alone, started again); with `launch`, each node but
+        the master launches from its first watch."""
+        inputs = self._group_inputs(spec, attempt, launch, download, standing)
+        return self._start_groups(attempt, [r for r in inputs if only is None or r.group == only])
+
+    def _start_groups(self, attempt: int, inputs: list[NodeGroupWatchInput]) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
+        wid = workflow.info().workflow_id
+        tag = str(workflow.uuid4())[:8]
+        for request in inputs:
+            self._group_ids[request.group] = f"{wid}/watch-{attempt}-{tag}-{request.group}"
+            self._group_requests[request.group] = request
+        return {request.group: asyncio.ensure_future(workflow.execute_child_workflow(
+            NodeGroupWatch.run, request,
+            id=self._group_ids[request.group], result_type=NodeGroupWatchResult,
+            static_summary=f"watch {request.nodes[0]}..{request.nodes[-1]} ({len(request.nodes)} nodes, "
+                           f"attempt {attempt})",
+        )) for request in inputs}
+
+    def _stands(self) -> bool:
+        """Whether this run's watch groups stand across attempts (`STANDING_GROUPS_MIN_NODES`)."""
+        return len(self._status.nodes) >= STANDING_GROUPS_MIN_NODES and workflow.patched(PATCH_STANDING_GROUPS)
+
+    async def _take_up_groups(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None,
+                              download: DownloadShardsInput | None) -> dict[int, asyncio.Task[NodeGroupWatchResult]]:
+        """The attempt's watch groups. A run that stands relaunches in place: the groups still watching go on
+        (those with a node left without a watch, or a spare joining, are told the attempt), the decision goes to
+        the store for their nodes to take up, and only groups that closed start again."""
+        standing = self._stands()
+        kept, self._standing = self._standing, {}
+        reported, self._reported_groups = self._reported_groups, set()
+        inputs = self._group_inputs(spec, attempt, launch, download, standing)
+        for request in inputs:
+            self._group_requests[request.group] = request
+        same_places = len(self._status.nodes) == len(self._standing_nodes)
+        if not standing or launch is None or not same_places:
+            await self._stop_watching(kept)
+            return self._start_groups(attempt, inputs)
+        before = groups_of(self._standing_nodes, self._watch_group_size())
+        groups: dict[int, asyncio.Task[NodeGroupWatchResult]] = {}
+        told: list[NodeGroupWatchInput] = []
+        for request in inputs:
+            task = kept.get(request.group)
+            if task is None or task.done():
+                continue
+            groups[request.group] = task
+            if request.group in reported or before[request.group] != request.nodes:
+                told.append(request)
+        fresh = self._start_groups(attempt, [r for r in inputs if r.group not in groups])
+        wid = workflow.info().workflow_id
+        decision = AttemptDecision(
+            workflow_id=wid, chain_id=workflow.info().first_execution_run_id, attempt=attempt, launch=launch,
+            download=download, starters=self._status.nodes[:1], launched=self._status.nodes[:1],
+            leaving=[n for n in self._standing_nodes if n not in self._status.nodes])
+        await asyncio.gather(
+            *(self._tell_group(request) for request in told),
+            workflow.execute_activity(
+                "publish_attempt",
+                PublishAttemptInput(bucket=spec.checkpoint.bucket, run_prefix=self._run_prefix(spec),
+                                    decision=decision),
+                start_to_close_timeout=STORE_TIMEOUT, heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
+                retry_policy=STORE_RETRY, summary=f"publish attempt {attempt} for the nodes to take up"))
+        return {**groups, **fresh}
+
+    async def _take_reports(self, attempt: int) -> list[tuple[int, NodeGroupWatchResult]]:
+        """The standing groups' reports, less what their nodes reported of attempts before `attempt`: a group
+        not yet told of it is told now, and its nodes that reported launch from a new watch."""
+        taken, self._reports = self._reports, []
+        results = []
+        for report in taken:
+            result = report.result
+            current = [e for e in result.incidents if (e.attempt or report.attempt) >= attempt]
+            if report.attempt < attempt and report.group in self._group_requests:
+                await self._tell_group(self._group_requests[report.group])
+            if current or result.lost:
+                results.append((report.group, result.model_copy(update={"incidents": current})))
+        return results
+
+    async def _drop_standing(self) -> None:
+        """End the standing groups: what comes next is no relaunch in place."""
+        kept, self._standing = self._standing, {}
+        await self._stop_watching(kept)
+
+    async def _tell_group(self, request: NodeGroupWatchInput) -> None:
+        """A standing group's next attempt (its nodes without a watch launch from a new one)."""
+        self._group_requests[request.group] = request
+        await workflow.get_external_workflow_handle(self._group_ids[request.group]).signal("next_attempt", request)
 
     def _committer(self, spec: RunSpec, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
         return asyncio.ensure_future(workflow.execute_activity(
@@ -1094,7 +1217,10 @@ class TrainingRun:
     async def _supervise(self, spec: RunSpec, attempt: int, launch: LaunchRanksInput | None = None,
                          download: DownloadShardsInput | None = None) -> _Outcome:
         nodes = list(self._status.nodes)
-        watches = self._watch_groups(spec, attempt, launch, download)
+        watches = await self._take_up_groups(spec, attempt, launch, download)
+        reporting: set[int] = set()
+        """Standing groups that reported in this attempt."""
+        reports = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._reports)))
         committer = self._committer(spec, attempt)
         finished: dict[int, NodeGroupWatchResult] = {}
         incident: Incident | None = None
@@ -1112,22 +1238,26 @@ class TrainingRun:
         while incident is None and not paused and not continue_as_new and not drain and not grow and (
                 spec_fault is None and corrupt is None and len(finished) < len(watches)):
             pending: list[asyncio.Task[Any]] = [*(t for g, t in watches.items() if g not in finished), committer,
-                                                control]
+                                                control, reports]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             paused = control.done()
             reported = [g for g, t in watches.items() if g not in finished and t.done()]
-            if any(not watches[g].result().finished for g in reported):
+            if any(not watches[g].result().finished for g in reported) or self._reports:
                 # Give the other groups a moment to report theirs: the earliest failure of all is the cause.
                 others = [t for g, t in watches.items() if g not in finished and not t.done()]
                 if others:
                     await workflow.wait(others, timeout=INCIDENT_SETTLE.total_seconds())
                 reported = [g for g, t in watches.items() if g not in finished and t.done()]
+            results = [(g, watches[g].result()) for g in reported]
+            if reports.done():
+                results += await self._take_reports(attempt)
+                reporting.update(g for g, _ in results if g not in reported)
+                reports = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._reports)))
             # Several nodes may report at once (e.g. a controller was down meanwhile): the incident is the
             # earliest failure (by when it happened where the node knows, else when it was seen), not the
             # first node's, so a peer that failed in a collective because of it is never blamed for it.
             seen: list[tuple[float, Incident]] = []
-            for group in sorted(reported):  # a fixed order keeps the workflow deterministic
-                result = watches[group].result()
+            for group, result in sorted(results, key=lambda found: found[0]):  # a fixed order: deterministic
                 self._add_restore_tiers([*result.incidents, *result.finished])
                 for lost in result.lost:
                     if lost.error_type in SPEC_FAULTS:  # from a launching watch: the spec's fault, not the node's
@@ -1166,7 +1296,11 @@ class TrainingRun:
             if rejoined and not seen:  # else the incident relaunches every node, spares joined included
                 nodes = list(self._status.nodes)
                 for group in rejoined:  # one new watch of the group however many of its nodes a spare replaced
-                    watches.update(self._watch_groups(spec, attempt, launch, download, only=group))
+                    if group in watches and not watches[group].done() and self._group_requests[group].standing:
+                        await self._tell_group(self._group_inputs(spec, attempt, launch, download, True)[group])
+                    else:
+                        watches.update(self._watch_groups(spec, attempt, launch, download, only=group,
+                                                          standing=self._stands()))
             if seen:
                 incident = min(seen, key=lambda found: found[0])[1]  # min keeps the first of equals
 
@@ -1200,8 +1334,14 @@ class TrainingRun:
             await self._attribute_hang(spec, attempt, incident)  # first: the ranks are still where they hung
         control.cancel()
         committer.cancel()
-        await asyncio.gather(committer, control, return_exceptions=True)  # a cancel is not waited on
-        await self._stop_watching(watches)
+        reports.cancel()
+        await asyncio.gather(committer, control, reports, return_exceptions=True)  # a cancel is not waited on
+        if incident is not None and spec_fault is None and corrupt is None and self._stands():
+            # The groups stand for the relaunch to take up; `_recover` ends them if it decides otherwise.
+            self._standing = {g: t for g, t in watches.items() if not t.done()}
+            self._standing_nodes, self._reported_groups = list(self._status.nodes), reporting
+        else:
+            await self._stop_watching(watches)
         if spec_fault is not None:
             self._status.reason = f"launch failed on {spec_fault.node}: {spec_fault.detail}"
             raise ApplicationError(self._status.reason, type=ErrorType.INVALID_SPEC, non_retryable=True)
@@ -1329,6 +1469,11 @@ class TrainingRun:
         return None
 
     @workflow.signal
+    def group_report(self, report: GroupReport) -> None:
+        """A standing group's incidents and lost nodes (it goes on watching the others)."""
+        self._reports.append(report)
+
+    @workflow.signal
     def group_started(self, started: GroupStarted) -> None:
         """A node group has run the attempt's first step on every node. The first group of the attempt
         closes the previous incident's time to recover (every rank steps together, so the first step of one
@@ -1416,6 +1561,7 @@ class TrainingRun:
                 and workflow.patched(PATCH_IN_PROCESS)):
             # The live ranks stay up: the next attempt rejoins them with the crashed ones started again.
             self._warm = incident
+            await self._drop_standing()
             self._restart_times.append(now)
             self._restarts_without_checkpoint += 1
             self._set_phase(Phase.RESTORING)
@@ -1423,6 +1569,8 @@ class TrainingRun:
         reachable = [n for n in self._status.nodes if
                      not (incident.kind is IncidentKind.NODE_UNRESPONSIVE and n == incident.node)]
         fenced = decision.action in RELAUNCHES and workflow.patched(PATCH_FENCED_RELAUNCH)
+        if not fenced and self._standing:
+            await self._drop_standing()
         unreachable = [] if fenced else await self._stop_everywhere(
             reachable, attempt, f"{incident.kind.value}: {decision.action.value}",
             StopReason.INCIDENT_PAUSE if decision.action is Action.PAUSE else StopReason.INCIDENT)

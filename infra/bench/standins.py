@@ -45,6 +45,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.models import (
+    AttemptDecision,
+    PublishAttemptInput,
     CheckNodeInput,
     CheckNodeResult,
     CommitCheckpointInput,
@@ -216,9 +218,9 @@ class StandinNodes:
         found = self.attempts.get((workflow_id, attempt))
         return dict(found.launched) if found else {}
 
-    def _current(self, workflow_id: str, node: str, attempt: int) -> NodeState:
+    def _current(self, workflow_id: str, node: str, attempt: int, or_newer: bool = False) -> NodeState:
         state = self.nodes.get((workflow_id, node))
-        if state is None or state.attempt != attempt:
+        if state is None or state.attempt < attempt or (state.attempt != attempt and not or_newer):
             raise ApplicationError(f"node {node} has no ranks of {workflow_id} attempt {attempt}",
                                    type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
         return state
@@ -279,33 +281,54 @@ class StandinNodes:
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
         self._count("watch_ranks")
         await self._unless_down(request.node)
-        current = self.nodes.get((self.run_of(request.workflow_id), request.node))
+        run = self.run_of(request.workflow_id)
+        current = self.nodes.get((run, request.node))
         if request.launch is not None and (current is None or current.attempt < request.launch.attempt):
             # As the real agent: a relaunch's first watch downloads and launches the node's ranks itself.
             if request.download is not None:
                 await self.download_shards(request.download)
             await self.launch_ranks(request.launch)
-        state = self._current(self.run_of(request.workflow_id), request.node, request.attempt)
-        attempt = self.attempts[(self.run_of(request.workflow_id), request.attempt)]
+        follow = request.follow_decisions and request.checkpoints is not None
+        state = self._current(run, request.node, request.attempt, or_newer=follow)
+        attempt = self.attempts[(run, state.attempt)]
         began = time.monotonic()
         uploaded = -1
+        report_start = request.report_start
         next_heartbeat = began + request.first_heartbeat_s()  # as the agent's watch
+        next_decision = began
         while True:
             if request.node in self.down:
                 await asyncio.Event().wait()  # no heartbeat, no answer: the heartbeat timeout notices
+            if follow and time.monotonic() >= next_decision:
+                # As the real agent: take up a newer attempt the run decided (read from the store).
+                assert request.checkpoints is not None
+                next_decision = time.monotonic() + request.decision_every_s
+                decision = self.records.decision(request.checkpoints.run_prefix)
+                if (decision is not None and decision.attempt > state.attempt and request.node not in decision.leaving
+                        and request.node not in decision.launched):
+                    await self._take_up(decision, request.node, state)
+            newer = self.nodes.get((run, request.node)) if follow else None
+            if newer is not None and newer is not state and newer.attempt > state.attempt:
+                # ...or launched here by an activity of its own (the master node): watch that one.
+                assert request.checkpoints is not None
+                state, attempt, uploaded = newer, self.attempts[(run, newer.attempt)], -1
+                decision = self.records.decision(request.checkpoints.run_prefix)
+                # Launched by an activity before the decision was published: the master, which reports.
+                report_start = decision is None or decision.attempt < state.attempt or request.node in decision.starters
             now = time.time()
             step = attempt.step(now)
             first_step_at = attempt.time_of(attempt.start_step + 1) if step > attempt.start_step else None
 
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 return WatchEvent(kind=kind, node=request.node, detected_at=now, first_step_at=first_step_at,
-                                  step=step, **fields)  # type: ignore[arg-type]
+                                  step=step, attempt=state.attempt if follow else None,
+                                  **fields)  # type: ignore[arg-type]
 
             if time.monotonic() >= next_heartbeat:  # as the agent's watch: not more often than asked
                 next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
-                activity.heartbeat({"node": request.node, "attempt": request.attempt,
+                activity.heartbeat({"node": request.node, "attempt": state.attempt,
                                     "steps": {str(r): step for r in state.ranks()}})
-            if state.stopped:
+            if state.stopped and not (follow and self.nodes.get((run, request.node)) is not state):
                 rank = state.ranks()[0]
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-15, detail=f"rank {rank} stopped")
             if state.crashed is not None:
@@ -313,13 +336,13 @@ class StandinNodes:
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-9, fault_at=at, occurred_at=at,
                              detail=f"rank {rank} was killed by SIGKILL (stand-in crash)")
             ready = attempt.saved(now, max(request.reported_step, uploaded))
-            if ready and request.checkpoints is not None:
+            if ready and request.checkpoints is not None and not state.stopped:
                 # As the real agent: upload the node's shards of each saved step, then write its node record.
                 for step_saved in ready:
-                    self.records.write(request.checkpoints.run_prefix, step_saved, request.node, request.attempt,
+                    self.records.write(request.checkpoints.run_prefix, step_saved, request.node, state.attempt,
                                        state.ranks(), step)
                 uploaded = max(ready)
-            if request.report_start and first_step_at is not None:
+            if report_start and first_step_at is not None:
                 return event(WatchEventKind.STARTED)
             if step >= attempt.final_step:
                 return event(WatchEventKind.FINISHED, state_digest=digest(attempt.final_step),
@@ -328,6 +351,8 @@ class StandinNodes:
                 return event(WatchEventKind.KEEPALIVE)
             wait = min(request.heartbeat_every_s or HEARTBEAT_EVERY_S,
                        max(0.0, next_heartbeat - time.monotonic()) + 0.001)
+            if follow:
+                wait = min(wait, max(0.0, next_decision - time.monotonic()) + 0.001)
             if attempt.started_at is not None and attempt.halted_at is None:
                 upcoming = min((step // attempt.every + 1) * attempt.every, attempt.final_step)
                 wait = min(wait, max(0.0, attempt.time_of(upcoming) - now) + 0.001)
@@ -336,6 +361,14 @@ class StandinNodes:
                 await asyncio.wait_for(state.changed.wait(), wait)
             except TimeoutError:
                 pass
+
+    async def _take_up(self, decision: AttemptDecision, node: str, state: NodeState) -> None:
+        """As the real agent's watch: the run's decision, taken up in place at the node's rank."""
+        if decision.download is not None:
+            per_node = state.ranks_per_node
+            await self.download_shards(decision.download.model_copy(update={
+                "node": node, "ranks": list(range(state.node_rank * per_node, (state.node_rank + 1) * per_node))}))
+        await self.launch_ranks(decision.launch.model_copy(update={"node": node, "node_rank": state.node_rank}))
 
     @activity.defn(name="stop_ranks")
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
@@ -415,6 +448,33 @@ class NodeRecords:
 
     def read(self, run_prefix: str, step: int) -> list[dict[str, object]]:
         return [json.loads(p.read_text()) for p in self._step_dir(run_prefix, step).glob("*.json")]
+
+    def _decision_file(self, run_prefix: str) -> Path:
+        return self.root / "decisions" / f"{hashlib.sha256(run_prefix.encode()).hexdigest()[:16]}.json"
+
+    def publish(self, run_prefix: str, decision: AttemptDecision) -> None:
+        """The run's decision (`<run>/attempt.json` in the store): written whole, then renamed into place."""
+        path = self._decision_file(run_prefix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_suffix(".tmp")
+        temp.write_text(decision.model_dump_json())
+        temp.replace(path)
+
+    def decision(self, run_prefix: str) -> AttemptDecision | None:
+        """The run's decision, read at most once a `DECISION_CACHE_S` per run for all the nodes of this
+        process (each real agent reads the store's object itself)."""
+        now = time.monotonic()
+        cached = _DECISIONS.get((self.root, run_prefix))
+        if cached is not None and now - cached[0] < DECISION_CACHE_S:
+            return cached[1]
+        path = self._decision_file(run_prefix)
+        found = AttemptDecision.model_validate_json(path.read_text()) if path.is_file() else None
+        _DECISIONS[(self.root, run_prefix)] = (now, found)
+        return found
+
+
+DECISION_CACHE_S = 0.25
+_DECISIONS: dict[tuple[Path, str], tuple[float, AttemptDecision | None]] = {}
 
 
 class StandinStore:
@@ -507,6 +567,11 @@ class StandinStore:
         line = {"at": time.time(), "step": step, "attempt": attempt, "shards": shards, "workflow_id": workflow_id}
         with self.commits_file.open("a") as out:
             out.write(json.dumps(line) + "\n")
+
+    @activity.defn(name="publish_attempt")
+    async def publish_attempt(self, request: PublishAttemptInput) -> None:
+        assert self.records is not None
+        self.records.publish(request.run_prefix, request.decision)
 
     @activity.defn(name="prune_checkpoints")
     async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:

@@ -35,6 +35,7 @@ from activities.checkpoints import (
     step_prefix,
 )
 from activities.models import (
+    AttemptDecision,
     CommitCheckpointInput,
     CommitCheckpointsInput,
     CommitCheckpointsResult,
@@ -42,7 +43,9 @@ from activities.models import (
     FindCheckpointResult,
     LaunchRanksInput,
     Manifest,
+    PublishAttemptInput,
     ShardInfo,
+    WatchCheckpoints,
 )
 from activities.paths import RunLayout, shard_name
 from trainguard.client import TrainguardClient
@@ -593,3 +596,32 @@ def test_janitor_aborts_only_uploads_older_than_its_bound(stack: DevStack, prefi
             s3.abort_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload)
         except ClientError:
             pass
+
+
+def test_a_published_relaunch_is_read_back_by_the_nodes_and_never_replaced_by_an_older_one(
+        stack: DevStack, store_env: None, prefix: str, tmp_path: Path) -> None:
+    """A large run's relaunch decision goes through the real store: the node reads it back (again only when it
+    changed), and a retried publish of an older attempt leaves the newer decision in place."""
+    run_prefix = f"{prefix}/ck-decision"
+    target = WatchCheckpoints(bucket=BUCKET, run_prefix=run_prefix)
+    node = NodeCheckpointActivities("node-x", tmp_path)
+    assert node.read_decision(target) is None, "nothing published yet"
+
+    def decision(attempt: int) -> AttemptDecision:
+        launch = LaunchRanksInput(workflow_id="ck-d", chain_id="c1", attempt=attempt, node="", node_rank=0,
+                                  num_nodes=2, ranks_per_node=1, master_addr="10.0.0.1", master_port=29500,
+                                  entrypoint=["python", "train.py"], restore_step=10 * attempt)
+        return AttemptDecision(workflow_id="ck-d", chain_id="c1", attempt=attempt, launch=launch,
+                               starters=["node-a"], launched=["node-a"])
+
+    store = StoreActivities()
+    store._publish(PublishAttemptInput(bucket=BUCKET, run_prefix=run_prefix, decision=decision(3)))
+    read = node.read_decision(target)
+    assert read is not None and read.attempt == 3 and read.launch.restore_step == 30
+    assert node.read_decision(target) == read  # unchanged: answered from what it read, by its ETag
+
+    store._publish(PublishAttemptInput(bucket=BUCKET, run_prefix=run_prefix, decision=decision(2)))
+    assert node.read_decision(target).attempt == 3, "an older attempt's publish changed nothing"
+    store._publish(PublishAttemptInput(bucket=BUCKET, run_prefix=run_prefix, decision=decision(4)))
+    assert node.read_decision(target).attempt == 4
+    assert list_steps(stack.s3(), BUCKET, run_prefix) == [], "the decision is not taken for a checkpoint step"

@@ -5,6 +5,7 @@ once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -17,10 +18,12 @@ from temporalio.testing import ActivityEnvironment
 
 from activities import rank_watch
 from activities.models import (
+    AttemptDecision,
     DownloadShardsInput,
     DownloadShardsResult,
     HealthSpec,
     LaunchRanksInput,
+    WatchCheckpoints,
     WatchEventKind,
     WatchRanksInput,
 )
@@ -129,6 +132,73 @@ async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launch
     after = agent._record("wf")
     assert after is not None and after.attempt == 2
     assert not {p.pid for p in old_ranks} & {p.pid for p in after.ranks.values()}
+
+
+def _decision(attempt: int, **changes: object) -> AttemptDecision:
+    launch = _watch(attempt=attempt).launch
+    assert launch is not None
+    return AttemptDecision(workflow_id="wf", chain_id="c1", attempt=attempt,
+                           launch=launch.model_copy(update={"node": "", "node_rank": 0}),
+                           download=DownloadShardsInput(workflow_id="wf", attempt=attempt, node="", bucket="b",
+                                                        manifest_key="m"),
+                           starters=["node-a"], launched=["node-a"], **changes)  # type: ignore[arg-type]
+
+
+def _following(attempt: int = 1) -> WatchRanksInput:
+    return _watch(attempt=attempt, download=False).model_copy(update={
+        "launch": None, "follow_decisions": True, "decision_every_s": 0.05,
+        "checkpoints": WatchCheckpoints(bucket="b", run_prefix="runs/wf")})
+
+
+async def _training(agent: RankActivities) -> list[object]:
+    """Attempt 1 running on the node (alive, blocked in a sleep); its rank processes."""
+    old = _watch(attempt=1, download=False).launch
+    assert old is not None
+    await agent.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
+    record = agent._record("wf")
+    assert record is not None and record.attempt == 1
+    return list(record.ranks.values())
+
+
+async def test_a_watch_takes_up_the_runs_published_relaunch_in_place_at_its_node_rank(agent: RankActivities,
+                                                                                       tmp_path: Path) -> None:
+    """A large run relaunches in place: the watch still running attempt 1 reads the run's decision from the
+    store, stops attempt 1's ranks, downloads the shards its node rank restores and launches attempt 2, and
+    goes on watching it: its events say which attempt they are of."""
+    store = Store(tmp_path)
+    agent.downloader = store
+    old_ranks = await _training(agent)
+    published: list[AttemptDecision | None] = [None]
+    agent.decisions = lambda target: published[0] if target.run_prefix == "runs/wf" else None
+
+    async def publish_soon() -> None:
+        await asyncio.sleep(0.3)
+        published[0] = _decision(2)
+
+    publishing = asyncio.ensure_future(publish_soon())
+    event = await ActivityEnvironment().run(agent.watch_ranks, _following())
+    await publishing
+
+    assert event.kind is WatchEventKind.FINISHED and event.attempt == 2
+    assert all(p.poll() for p in old_ranks), "attempt 1's ranks were stopped"
+    record = agent._record("wf")
+    assert record is not None and record.attempt == 2 and sorted(record.ranks) == [2, 3]  # node rank 1 kept
+    assert [(c.node, c.attempt, c.ranks) for c in store.calls] == [("node-b", 2, [2, 3])]
+    log = RunLayout.of(agent.workdir, "wf").log_file(2, 2).read_text()
+    assert f"restore {store.restore_dir}" in log
+
+
+async def test_a_node_leaving_the_run_takes_up_no_relaunch(agent: RankActivities, tmp_path: Path) -> None:
+    """A node replaced in the relaunch (a straggler, say) reads the same decision and launches nothing."""
+    agent.downloader = Store(tmp_path)
+    old_ranks = await _training(agent)
+    agent.decisions = lambda target: _decision(2, leaving=["node-b"])
+    watch = _following().model_copy(update={"max_duration_s": 0.5})
+
+    event = await ActivityEnvironment().run(agent.watch_ranks, watch)
+
+    assert event.kind is WatchEventKind.KEEPALIVE and event.attempt == 1
+    assert not any(p.poll() for p in old_ranks) and agent._record("wf").attempt == 1
 
 
 async def test_a_large_runs_watch_heartbeats_only_as_often_as_the_run_asks(agent: RankActivities,

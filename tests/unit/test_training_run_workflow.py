@@ -24,6 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.models import (
+    AttemptDecision,
     CheckNodeInput,
     CheckNodeResult,
     CollectEvidenceInput,
@@ -46,6 +47,7 @@ from activities.models import (
     Manifest,
     NodeCheckpointRecord,
     PruneCheckpointsInput,
+    PublishAttemptInput,
     RankEvidence,
     RejoinRanksInput,
     RejoinRanksResult,
@@ -177,6 +179,18 @@ class Cluster:
     def inputs(self, name: str) -> list[Any]:
         return self.calls[name]
 
+    def newer_attempt(self, node: str, attempt: int) -> tuple[int, bool] | None:
+        """As an agent's watch that follows decisions: a newer attempt launched on `node` by an activity of its
+        own (the master: it reports its start), or one the run published, which the watch launches itself."""
+        launched = max((r.attempt for r in self.calls["launch_ranks"] if r.node == node), default=attempt)
+        if launched > attempt:
+            return launched, True
+        published: list[AttemptDecision] = [p.decision for p in self.calls["publish_attempt"]]
+        if published and published[-1].attempt > attempt and node not in published[-1].leaving and (
+                node not in published[-1].launched):
+            return published[-1].attempt, False
+        return None
+
     # ------------------------------------------------------------------------------ controller side
     def controller_activities(self) -> list[Any]:
         @activity.defn(name="find_node_agents")
@@ -245,8 +259,12 @@ class Cluster:
             self.calls["notify_scheduler"].append(request)
             return NotifySchedulerResult()
 
+        @activity.defn(name="publish_attempt")
+        async def publish_attempt(request: PublishAttemptInput) -> None:
+            self.calls["publish_attempt"].append(request)
+
         return [find_node_agents, find_checkpoint, commit_checkpoints,
-                acquire_nodes, release_nodes, cordon_node, notify_scheduler]
+                acquire_nodes, release_nodes, cordon_node, notify_scheduler, publish_attempt]
 
     def _commit(self, request: CommitCheckpointsInput, step: int) -> CommittedCheckpoint | None:
         records = [r for r in self.records[step].values() if request.min_attempt <= r.attempt <= request.attempt]
@@ -266,9 +284,10 @@ class Cluster:
             slow_ranks=find_stragglers(compute, request.straggler_ratio), step=step)
         return self.committed_refs[step]
 
-    def _upload_in_watch(self, request: WatchRanksInput, ready: WatchEvent) -> None:
+    def _upload_in_watch(self, request: WatchRanksInput, ready: WatchEvent, attempt: int) -> None:
         """What an agent's watch does with a complete local step: upload its shards, write its node record."""
         assert request.checkpoints is not None
+        request = request.model_copy(update={"attempt": attempt})
         [group] = [r for r in [*self.calls["launch_ranks"], *self.calls["rejoin_ranks"]]
                    if (r.node, r.attempt) == (request.node, request.attempt)]
         first = group.node_rank * self.ranks_per_node
@@ -346,7 +365,11 @@ class Cluster:
             if self.while_running is not None:
                 while_running, self.while_running = self.while_running, None
                 await while_running(self.client.get_workflow_handle(request.workflow_id))
-            script = self.watch_script.setdefault((request.attempt, request.node), [])
+            attempt, report_start = request.attempt, request.report_start
+            follow = request.follow_decisions
+            if follow:  # a watch started again after taking up a newer attempt watches that one
+                attempt = max([attempt, *(r.attempt for r in self.calls["launch_ranks"] if r.node == request.node)])
+            script = self.watch_script.setdefault((attempt, request.node), [])
             began, started = time.monotonic(), activity.info().started_time.timestamp()
 
             def now() -> float:
@@ -365,17 +388,30 @@ class Cluster:
                 if step == BLOCK:
                     while True:  # heartbeats keep it alive; the workflow's cancel (or worker shutdown) ends it
                         activity.heartbeat()
+                        newer = self.newer_attempt(request.node, attempt) if follow else None
+                        if newer is not None:
+                            break
                         await asyncio.sleep(0.05)
+                    attempt, report_start = newer
+                    if not report_start:  # taken up in place: launched here at the node's rank
+                        decision = self.calls["publish_attempt"][-1].decision
+                        [before] = [r for r in self.calls["launch_ranks"] if r.node == request.node][-1:]
+                        await launch_ranks(decision.launch.model_copy(update={"node": request.node,
+                                                                              "node_rank": before.node_rank}))
+                    script = self.watch_script.setdefault((attempt, request.node), [])
+                    continue
                 assert isinstance(step, WatchEvent)
                 trained = step.kind in (WatchEventKind.CHECKPOINT_READY, WatchEventKind.KEEPALIVE)
-                if trained and request.report_start:
+                if trained and report_start:
                     script.insert(0, step)  # the node trained: its first step comes first
-                    return _event(WatchEventKind.STARTED, first_step_at=now()).model_copy(update={"node": request.node})
+                    return _event(WatchEventKind.STARTED, first_step_at=now()).model_copy(
+                        update={"node": request.node, "attempt": attempt if follow else None})
                 if step.kind is WatchEventKind.CHECKPOINT_READY and request.checkpoints is not None:
-                    self._upload_in_watch(request, step)
+                    self._upload_in_watch(request, step, attempt)
                     continue
                 stamp = {"detected_at": now()} if self.stamp_detection and not step.detected_at else {}
-                return step.model_copy(update={"node": request.node, **stamp})
+                return step.model_copy(update={"node": request.node, **stamp,
+                                               **({"attempt": attempt} if follow else {})})
 
         @activity.defn(name="inject_fault")
         async def inject_fault(request: InjectFaultInput) -> InjectFaultResult:
@@ -1099,6 +1135,36 @@ async def test_a_run_of_many_nodes_watches_in_groups_of_sixteen_and_relaunches_e
     launched = {w.node: w.launch.node_rank for w in _by_attempt(cluster.inputs("watch_ranks"), 2)
                 if w.launch is not None}
     assert launched == {n: i for i, n in enumerate(nodes) if i > 0}  # the master launched by an activity
+
+
+async def test_a_run_of_many_nodes_relaunches_in_place_launching_only_the_node_that_reported(
+        env: WorkflowEnvironment) -> None:
+    """Past one call group of nodes, the watch groups stand across attempts: a crash's relaunch is published
+    for the nodes still watching to take up in place, each at its rank, and only the node whose watch reported
+    launches from a new watch; no group is started again, and the relaunch's first step still ends the incident."""
+    nodes = _node_ids(80)
+    crash = _exited(-9, rank=35)
+    cluster = Cluster(nodes=nodes, watch_script={
+        **{(1, n): [_ready(10), BLOCK] for n in nodes},
+        (1, nodes[35]): [_ready(10), Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1), crash],
+        **{(2, n): [_ready(20), _finished(30)] for n in nodes},
+    })
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.attempts == 2 and [i.node for i in result.incidents] == [nodes[35]]
+    assert result.incidents[0].recovery_s is not None  # the master's in-place watch reported the first step
+    [published] = cluster.inputs("publish_attempt")
+    assert published.decision.attempt == 2 and published.decision.launched == [nodes[0]]
+    assert published.decision.download is not None  # from step 10, committed before the crash
+    assert len(set(cluster.inputs("watch_groups"))) == 5  # 80 nodes in groups of 16, none started again
+    relaunched = [w.node for w in cluster.inputs("watch_ranks") if w.launch is not None and w.launch.attempt == 2]
+    assert relaunched == [nodes[35]]
+    ranks = {r.node: r.node_rank for r in _by_attempt(cluster.inputs("launch_ranks"), 2)}
+    assert ranks == {n: i for i, n in enumerate(nodes)}
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
 
 
 async def test_store_down_at_restore_pauses_with_an_incident_until_resumed(env: WorkflowEnvironment) -> None:
