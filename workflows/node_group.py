@@ -308,7 +308,11 @@ class NodeGroupWatch:
         while True:
             if told is not None and told.done():
                 assert self._next is not None
-                request, self._next = self._next.model_copy(update={"standing": True}), None
+                told_of, self._next = self._next, None
+                told = asyncio.ensure_future(workflow.wait_condition(lambda: self._next is not None))
+                if told_of.watch.attempt <= request.watch.attempt and told_of.nodes == request.nodes:
+                    continue  # nothing new (a report the run took for a previous history's, say)
+                request = told_of.model_copy(update={"standing": True})
                 started, started_attempt, signalled, finished = {}, request.watch.attempt, False, {}
                 starters = [n for n in request.nodes if request.starters is None or n in request.starters]
                 watches = {n: t for n, t in watches.items() if n in request.nodes}
@@ -317,7 +321,6 @@ class NodeGroupWatch:
                         watches[node] = self._watch(request, node, report_start=node in starters, launch=True)
                         launching.add(node)
                 retried = set()
-                told = asyncio.ensure_future(workflow.wait_condition(lambda: self._next is not None))
             if watches or told is not None:
                 await workflow.wait([*watches.values(), *([told] if told is not None else [])],
                                     return_when=asyncio.FIRST_COMPLETED)

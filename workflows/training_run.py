@@ -1184,7 +1184,11 @@ class TrainingRun:
     async def _tell_group(self, request: NodeGroupWatchInput) -> None:
         """A standing group's next attempt (its nodes without a watch launch from a new one)."""
         self._group_requests[request.group] = request
-        await workflow.get_external_workflow_handle(self._group_ids[request.group]).signal("next_attempt", request)
+        try:
+            await workflow.get_external_workflow_handle(self._group_ids[request.group]).signal("next_attempt", request)
+        except Exception as error:  # the group closed meanwhile: its result says how, and the run goes by that
+            workflow.logger.warning("could not tell watch group %d of attempt %d: %s", request.group,
+                                    request.watch.attempt, error)
 
     def _committer(self, spec: RunSpec, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
         return asyncio.ensure_future(workflow.execute_activity(

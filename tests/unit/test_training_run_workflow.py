@@ -8,11 +8,13 @@ assert on what the workflow asked the nodes and the store to do.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -1165,6 +1167,17 @@ async def test_a_run_of_many_nodes_relaunches_in_place_launching_only_the_node_t
     ranks = {r.node: r.node_rank for r in _by_attempt(cluster.inputs("launch_ranks"), 2)}
     assert ranks == {n: i for i, n in enumerate(nodes)}
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
+    if os.environ.get("TRAINGUARD_RECORD_HISTORIES"):  # the replay tests' histories of relaunching in place
+        await _record_histories(run.handle, "standing", [cluster.inputs("watch_groups")[0],
+                                                        [g for g in cluster.inputs("watch_groups") if g.endswith("-2")][0]])
+
+
+async def _record_histories(handle: WorkflowHandle[Any, Any], name: str, children: list[str]) -> None:
+    folder = Path(__file__).resolve().parents[1] / "histories"
+    (folder / f"{name}.json").write_text((await handle.fetch_history()).to_json())
+    for index, child in enumerate(dict.fromkeys(children)):
+        history = await handle._client.get_workflow_handle(child).fetch_history()
+        (folder / f"{name}-group-{index}.json").write_text(history.to_json())
 
 
 async def test_store_down_at_restore_pauses_with_an_incident_until_resumed(env: WorkflowEnvironment) -> None:
