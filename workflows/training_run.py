@@ -181,8 +181,8 @@ its ranks, its peers' crash seen first): the relaunch it found it by never train
 node's place in that relaunch, joining the rendezvous its peers are waiting in: one relaunch per fault."""
 PATCH_STANDING_GROUPS = "standing-groups"
 """Histories before this patch closed every watch group at an incident and started a new one per group for the
-relaunch, each node's launching watch a new activity; asked only by runs of more than
-`STANDING_GROUPS_MIN_NODES` nodes, which now relaunch in place (`STANDING_GROUPS_MIN_NODES`)."""
+relaunch, each node's launching watch a new activity; asked only by runs of `STANDING_GROUPS_MIN_NODES` nodes or
+more, which now relaunch in place."""
 # Node groups (workflows/node_group.py) replaced per-node activities in the run's own history: histories of
 # runs from before them cannot replay on this code at all, so they are not patched; a controller upgrade
 # across that change runs old runs to their end on the old build first (README: upgrading the controller).
