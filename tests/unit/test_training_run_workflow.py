@@ -1113,18 +1113,26 @@ async def test_two_nodes_that_do_not_take_up_the_relaunch_are_both_replaced_with
     assert sorted(launches) == sorted([nodes[0], *spares]), launches
 
 
+def _crash_after_the_first_commit(nodes: list[str], index: int, then: list[WatchScriptEntry]) -> Cluster:
+    """Every node (one rank each) saves step 10 and trains on; node `index`'s rank crashes once step 10 is
+    committed; every node's attempt 2 does `then`."""
+    cluster = Cluster(nodes=nodes)
+    cluster.watch_script = {
+        **{(1, n): [_ready(10), BLOCK] for n in nodes},
+        (1, nodes[index]): [_ready(10), Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1),
+                            _exited(-9, rank=index)],
+        **{(2, n): list(then) for n in nodes},
+    }
+    return cluster
+
+
 async def test_a_run_of_many_nodes_watches_in_groups_of_sixteen_and_relaunches_each_node_at_its_rank(
         env: WorkflowEnvironment) -> None:
     """A watch's every start and heartbeat is a write of its group's execution, which Temporal serializes: a run
     watches in groups of 16 nodes (`WATCH_NODES_PER_GROUP`), and a relaunch's launching watches give each node
     its place in the world whatever its group."""
     nodes = _node_ids(40)
-    crash = _exited(-9, rank=35)
-    cluster = Cluster(nodes=nodes, watch_script={
-        **{(1, n): [_ready(10), BLOCK] for n in nodes},
-        (1, nodes[35]): [_ready(10), Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1), crash],
-        **{(2, n): [_finished(20)] for n in nodes},
-    })
+    cluster = _crash_after_the_first_commit(nodes, 35, [_finished(20)])
 
     run = await _run(env, cluster, _spec(nodes))
 
@@ -1145,12 +1153,7 @@ async def test_a_run_of_many_nodes_relaunches_in_place_launching_only_the_node_t
     for the nodes still watching to take up in place, each at its rank, and only the node whose watch reported
     launches from a new watch; no group is started again, and the relaunch's first step still ends the incident."""
     nodes = _node_ids(80)
-    crash = _exited(-9, rank=35)
-    cluster = Cluster(nodes=nodes, watch_script={
-        **{(1, n): [_ready(10), BLOCK] for n in nodes},
-        (1, nodes[35]): [_ready(10), Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1), crash],
-        **{(2, n): [_ready(20), _finished(30)] for n in nodes},
-    })
+    cluster = _crash_after_the_first_commit(nodes, 35, [_ready(20), _finished(30)])
 
     run = await _run(env, cluster, _spec(nodes))
 
