@@ -437,6 +437,11 @@ class WatchRanksInput(BaseModel):
     `decision_every_s` and take up a newer attempt in place, and follow a newer attempt launched here by another
     activity, instead of failing or returning: the watch then watches that attempt (its events say which)."""
     decision_every_s: float = 1.0
+    after_attempt: int | None = None
+    """With `follow_decisions`: the run has this node's report of this attempt (its ranks failed or hung): report
+    nothing of it or an older one, and take up the next in place when it is published (a node leaving the run
+    returns KEEPALIVE then). A large run's every reporting node thus waits in a watch, and a fault every node
+    reports (a hang every watch judges) still relaunches with no activity per node after the decision."""
     heartbeat_every_s: float | None = None
     """Heartbeat at most this often (a large run bounds its heartbeats per second: `HEARTBEATS_PER_S` in
     `workflows/node_group.py`); None: at every poll, as the agent's worker throttles them."""

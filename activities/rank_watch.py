@@ -91,7 +91,9 @@ class RankWatch(RankLaunch):
             await self._launch_from_watch(request, request.launch)
         record = self._record(request.workflow_id)
         follow = request.follow_decisions and request.checkpoints is not None
-        if record is None or record.attempt < request.attempt or (record.attempt != request.attempt and not follow):
+        # A watch that follows decisions watches whatever attempt of the run the node runs: an older one until it
+        # takes up the newer (a watch started again just before its node read the decision), a newer one on.
+        if record is None or (record.attempt != request.attempt and not follow):
             raise ApplicationError(
                 f"node {self.node} has no ranks of {request.workflow_id} attempt {request.attempt}",
                 type=ErrorType.NO_SUCH_ATTEMPT,
@@ -106,6 +108,7 @@ class RankWatch(RankLaunch):
         next_heartbeat = started + request.first_heartbeat_s()
         next_decision = started
         report_start = request.report_start
+        decision: AttemptDecision | None = None
         while True:
             if follow and time.monotonic() >= next_decision:
                 assert request.checkpoints is not None
@@ -123,6 +126,17 @@ class RankWatch(RankLaunch):
                 report_start = decision is None or decision.attempt < record.attempt or self.node in decision.starters
                 log.info("%s: watch of attempt %d follows attempt %d", request.workflow_id, launched_here,
                          record.attempt)
+            if follow and request.after_attempt is not None and record.attempt <= request.after_attempt:
+                # Reported already: wait for the next attempt, heartbeating, or for the word that it is not ours.
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
+                    activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=record.attempt).to_json())
+                leaving = decision is not None and decision.attempt > record.attempt and self.node in decision.leaving
+                if leaving or time.monotonic() - started > request.max_duration_s:
+                    return WatchEvent(kind=WatchEventKind.KEEPALIVE, node=self.node, detected_at=time.time(),
+                                      attempt=record.attempt)
+                await asyncio.sleep(min(health.poll_interval_s, request.decision_every_s))
+                continue
             now = time.time()
             reports = {r: _read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
             if record.first_step_at is None:

@@ -310,15 +310,18 @@ class NodeGroupWatch:
                 assert self._next is not None
                 told_of, self._next = self._next, None
                 told = asyncio.ensure_future(workflow.wait_condition(lambda: self._next is not None))
-                if told_of.watch.attempt <= request.watch.attempt and told_of.nodes == request.nodes:
+                idle = [n for n in told_of.nodes if n not in watches and n not in finished]
+                if told_of.watch.attempt <= request.watch.attempt and told_of.nodes == request.nodes and not idle:
                     continue  # nothing new (a report the run took for a previous history's, say)
+                if told_of.watch.attempt > request.watch.attempt:
+                    started, started_attempt, signalled, finished = {}, told_of.watch.attempt, False, {}
                 request = told_of.model_copy(update={"standing": True})
-                started, started_attempt, signalled, finished = {}, request.watch.attempt, False, {}
                 starters = [n for n in request.nodes if request.starters is None or n in request.starters]
                 watches = {n: t for n, t in watches.items() if n in request.nodes}
                 for node in request.nodes:  # a node reported, or a spare joining: it launches from a new watch
-                    if node not in watches:
-                        watches[node] = self._watch(request, node, report_start=node in starters, launch=True)
+                    if node not in watches and node not in finished:
+                        watches[node] = self._watch(request, node, report_start=node in starters
+                                                    and node not in started, launch=True)
                         launching.add(node)
                 retried = set()
             if watches or told is not None:
@@ -388,6 +391,10 @@ class NodeGroupWatch:
                             del watches[node]  # reported: it waits for the run's next attempt
                 if not request.standing:
                     return result
+                for event in result.incidents:  # each waits in a watch to take up the next attempt in place
+                    if event.node not in watches:
+                        watches[event.node] = self._watch(request, event.node, report_start=False,
+                                                          after=event.attempt or request.watch.attempt)
                 await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
                     "group_report", GroupReport(group=request.group, attempt=request.watch.attempt, result=result))
                 continue
@@ -421,9 +428,10 @@ class NodeGroupWatch:
 
     @staticmethod
     def _watch(request: NodeGroupWatchInput, node: str, report_start: bool,
-               launch: bool = False) -> asyncio.Task[WatchEvent]:
-        """`node`'s watch; its first (`launch`) also launches the node's ranks when the group launches them."""
-        update: dict[str, object] = {"node": node, "report_start": report_start}
+               launch: bool = False, after: int | None = None) -> asyncio.Task[WatchEvent]:
+        """`node`'s watch; its first (`launch`) also launches the node's ranks when the group launches them;
+        `after`: one that reports nothing of that attempt (`WatchRanksInput.after_attempt`)."""
+        update: dict[str, object] = {"node": node, "report_start": report_start, "after_attempt": after}
         launches = launch and request.launch is not None and node not in request.launched
         if launches:
             assert request.launch is not None

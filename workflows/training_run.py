@@ -1170,7 +1170,7 @@ class TrainingRun:
         for report in taken:
             result = report.result
             current = [e for e in result.incidents if (e.attempt or report.attempt) >= attempt]
-            if report.attempt < attempt and report.group in self._group_requests:
+            if (report.attempt < attempt or len(current) < len(result.incidents)) and report.group in self._group_requests:
                 await self._tell_group(self._group_requests[report.group])
             if current or result.lost:
                 results.append((report.group, result.model_copy(update={"incidents": current})))

@@ -38,6 +38,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,8 +220,10 @@ class StandinNodes:
         return dict(found.launched) if found else {}
 
     def _current(self, workflow_id: str, node: str, attempt: int, or_newer: bool = False) -> NodeState:
+        """The node's state of the run at `attempt` (`or_newer`: at any attempt, as a watch that follows
+        decisions takes it)."""
         state = self.nodes.get((workflow_id, node))
-        if state is None or state.attempt < attempt or (state.attempt != attempt and not or_newer):
+        if state is None or (state.attempt != attempt and not or_newer):
             raise ApplicationError(f"node {node} has no ranks of {workflow_id} attempt {attempt}",
                                    type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
         return state
@@ -289,13 +292,14 @@ class StandinNodes:
                 await self.download_shards(request.download)
             await self.launch_ranks(request.launch)
         follow = request.follow_decisions and request.checkpoints is not None
-        state = self._current(run, request.node, request.attempt, or_newer=follow)
+        state = self._current(run, request.node, request.attempt, or_newer=follow)  # as the agent's watch
         attempt = self.attempts[(run, state.attempt)]
         began = time.monotonic()
         uploaded = -1
         report_start = request.report_start
         next_heartbeat = began + request.first_heartbeat_s()  # as the agent's watch
         next_decision = began
+        decision: AttemptDecision | None = None
         while True:
             if request.node in self.down:
                 await asyncio.Event().wait()  # no heartbeat, no answer: the heartbeat timeout notices
@@ -315,6 +319,19 @@ class StandinNodes:
                 decision = self.records.decision(request.checkpoints.run_prefix)
                 # Launched by an activity before the decision was published: the master, which reports.
                 report_start = decision is None or decision.attempt < state.attempt or request.node in decision.starters
+            if follow and request.after_attempt is not None and state.attempt <= request.after_attempt:
+                # As the agent's watch: reported already, it waits for the next attempt (or for its leaving).
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
+                    activity.heartbeat({"node": request.node, "attempt": state.attempt})
+                leaving = decision is not None and decision.attempt > state.attempt and request.node in decision.leaving
+                if leaving or time.monotonic() - began > request.max_duration_s:
+                    return WatchEvent(kind=WatchEventKind.KEEPALIVE, node=request.node, detected_at=time.time(),
+                                      attempt=state.attempt)
+                state.changed.clear()
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(state.changed.wait(), max(0.0, next_decision - time.monotonic()) + 0.001)
+                continue
             now = time.time()
             step = attempt.step(now)
             first_step_at = attempt.time_of(attempt.start_step + 1) if step > attempt.start_step else None

@@ -201,6 +201,35 @@ async def test_a_node_leaving_the_run_takes_up_no_relaunch(agent: RankActivities
     assert not any(p.poll() for p in old_ranks) and agent._record("wf").attempt == 1
 
 
+async def test_a_node_that_reported_waits_in_its_watch_and_takes_up_the_relaunch(agent: RankActivities,
+                                                                                   tmp_path: Path) -> None:
+    """Its ranks of attempt 1 failed and the run has that report: the watch the group starts next reports
+    nothing of attempt 1 (the exit again would be a second incident), and launches attempt 2 once published;
+    a node the decision says is leaving returns at once instead."""
+    store = Store(tmp_path)
+    agent.downloader = store
+    failed = _watch(attempt=1, download=False).launch
+    assert failed is not None
+    await agent.launch_ranks(failed.model_copy(update={"entrypoint": ["python", "-c", "raise SystemExit(3)"]}))
+    published: list[AttemptDecision | None] = [None]
+    agent.decisions = lambda target: published[0]
+
+    async def publish_soon() -> None:
+        await asyncio.sleep(0.5)  # the old ranks have exited by then: the watch must not report it
+        published[0] = _decision(2)
+
+    publishing = asyncio.ensure_future(publish_soon())
+    event = await ActivityEnvironment().run(agent.watch_ranks, _following().model_copy(update={"after_attempt": 1}))
+    await publishing
+    assert event.kind is WatchEventKind.FINISHED and event.attempt == 2
+    assert [(c.node, c.ranks) for c in store.calls] == [("node-b", [2, 3])]
+
+    agent.decisions = lambda target: _decision(3, leaving=["node-b"])
+    left = await ActivityEnvironment().run(agent.watch_ranks, _following(attempt=2).model_copy(
+        update={"after_attempt": 2}))
+    assert left.kind is WatchEventKind.KEEPALIVE and agent._record("wf").attempt == 2
+
+
 async def test_a_large_runs_watch_heartbeats_only_as_often_as_the_run_asks(agent: RankActivities,
                                                                            tmp_path: Path) -> None:
     """Every heartbeat is an RPC and a write on the Temporal server: a watch asked for one every 0.5 s sends

@@ -372,6 +372,8 @@ class Cluster:
             if follow:  # a watch started again after taking up a newer attempt watches that one
                 attempt = max([attempt, *(r.attempt for r in self.calls["launch_ranks"] if r.node == request.node)])
             script = self.watch_script.setdefault((attempt, request.node), [])
+            if follow and request.after_attempt is not None and attempt <= request.after_attempt:
+                script.insert(0, BLOCK)  # reported already: it waits to take up the next attempt
             began, started = time.monotonic(), activity.info().started_time.timestamp()
 
             def now() -> float:
@@ -1147,11 +1149,12 @@ async def test_a_run_of_many_nodes_watches_in_groups_of_sixteen_and_relaunches_e
     assert launched == {n: i for i, n in enumerate(nodes) if i > 0}  # the master launched by an activity
 
 
-async def test_a_run_of_many_nodes_relaunches_in_place_launching_only_the_node_that_reported(
+async def test_a_run_of_many_nodes_relaunches_in_place_with_no_new_launching_watch(
         env: WorkflowEnvironment) -> None:
     """Past one call group of nodes, the watch groups stand across attempts: a crash's relaunch is published
-    for the nodes still watching to take up in place, each at its rank, and only the node whose watch reported
-    launches from a new watch; no group is started again, and the relaunch's first step still ends the incident."""
+    for every node to take up in place, each at its rank (the node that reported waits in a new watch for it);
+    no node launches from a launching watch, no group is started again, and the relaunch's first step still
+    ends the incident."""
     nodes = _node_ids(80)
     cluster = _crash_after_the_first_commit(nodes, 35, [_ready(20), _finished(30)])
 
@@ -1166,13 +1169,38 @@ async def test_a_run_of_many_nodes_relaunches_in_place_launching_only_the_node_t
     assert published.decision.download is not None  # from step 10, committed before the crash
     assert len(set(cluster.inputs("watch_groups"))) == 5  # 80 nodes in groups of 16, none started again
     relaunched = [w.node for w in cluster.inputs("watch_ranks") if w.launch is not None and w.launch.attempt == 2]
-    assert relaunched == [nodes[35]]
+    assert relaunched == []
+    waiting = [w.node for w in cluster.inputs("watch_ranks") if w.after_attempt is not None]
+    assert waiting == [nodes[35]]
     ranks = {r.node: r.node_rank for r in _by_attempt(cluster.inputs("launch_ranks"), 2)}
     assert ranks == {n: i for i, n in enumerate(nodes)}
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
     if os.environ.get("TRAINGUARD_RECORD_HISTORIES"):  # the replay tests' histories of relaunching in place
         await _record_histories(run.handle, "standing", [cluster.inputs("watch_groups")[0],
                                                         [g for g in cluster.inputs("watch_groups") if g.endswith("-2")][0]])
+
+
+async def test_a_fault_every_node_reports_still_relaunches_in_place(env: WorkflowEnvironment) -> None:
+    """Every node's ranks fail (peers whose collective errors out on the crash, as gloo's do): each node that
+    reported waits in a watch, and the relaunch still needs no launching watch; the earliest failure is the
+    incident."""
+    nodes = _node_ids(80)
+    cluster = _crash_after_the_first_commit(nodes, 35, [_ready(20), _finished(30)])
+    for index, node in enumerate(nodes):
+        if index != 35:  # a peer's rank fails in its next collective, after the crash
+            cluster.watch_script[(1, node)] = [_ready(10), Until(lambda: bool(cluster.inputs("commit_checkpoint"))),
+                                               _exited(1, rank=index).model_copy(update={"occurred_at": 2e9})]
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.attempts == 2 and [i.node for i in result.incidents] == [nodes[35]]
+    assert len(cluster.inputs("publish_attempt")) == 1
+    assert len(set(cluster.inputs("watch_groups"))) == 5
+    assert not [w for w in cluster.inputs("watch_ranks") if w.launch is not None and w.launch.attempt == 2]
+    ranks = {r.node: r.node_rank for r in _by_attempt(cluster.inputs("launch_ranks"), 2)}
+    assert ranks == {n: i for i, n in enumerate(nodes)}
 
 
 async def _record_histories(handle: WorkflowHandle[Any, Any], name: str, children: list[str]) -> None:
