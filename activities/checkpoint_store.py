@@ -90,6 +90,11 @@ def _is_missing(error: ClientError) -> bool:
     return _error_code(error) in ("404", "NoSuchKey", "NotFound")
 
 
+def _not_modified(error: ClientError) -> bool:
+    """A conditional read (`IfNoneMatch`) of an object that has not changed."""
+    return _error_code(error) in ("304", "NotModified")
+
+
 def _bucket_missing(error: ClientError, bucket: str) -> ApplicationError | None:
     if _error_code(error) == "NoSuchBucket":
         return ApplicationError(

@@ -34,7 +34,8 @@ from activities.checkpoint_layout import (
     step_of,
     step_prefix,
 )
-from activities.checkpoint_store import StoreActivities, _bucket_missing, _is_missing, committed_shard, read_manifest
+from activities.checkpoint_store import (StoreActivities, _bucket_missing, _is_missing, _not_modified, committed_shard,
+                                        read_manifest)
 from activities.models import (
     AttemptDecision,
     DownloadShardsInput,
@@ -179,9 +180,9 @@ class NodeCheckpointActivities:
         self.node = node
         self.workdir = workdir
         self._peer_urls = peer_urls
-        self._decisions: dict[tuple[str, str], tuple[str, AttemptDecision | None]] = {}
-        """(bucket, key) -> the ETag and decision read last (`read_decision`)."""
         """Node -> URL of its agent's shard server (the peer tier); None: no peer tier."""
+        self._decisions: dict[tuple[str, str], tuple[str, AttemptDecision]] = {}
+        """(bucket, key) -> the ETag and decision read last (`read_decision`)."""
 
     async def _peers(self, request: DownloadShardsInput) -> dict[str, str]:
         if self._peer_urls is None or not request.local_tier or all(s.node == self.node for s in request.shards):
@@ -374,16 +375,14 @@ class NodeCheckpointActivities:
         """The run's newest relaunch decision, blocking; None while there is none. Asked again only for a
         newer version than the one read last (`If-None-Match`): a watch asks every few seconds."""
         key = (target.bucket, decision_key(target.run_prefix))
-        etag, known = self._decisions.get(key, ("", None))
-        client = s3_client()
+        known = self._decisions.get(key)
         try:
-            reply = client.get_object(Bucket=key[0], Key=key[1], **({"IfNoneMatch": etag} if etag else {}))
+            reply = s3_client().get_object(Bucket=key[0], Key=key[1],
+                                           **({"IfNoneMatch": known[0]} if known else {}))
         except ClientError as error:
-            code = str(error.response.get("Error", {}).get("Code", ""))
-            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "304" or status == 304 or code == "NotModified":
-                return known
-            if code in ("NoSuchKey", "404") or status == 404:
+            if known and _not_modified(error):
+                return known[1]
+            if _is_missing(error):
                 return None
             raise
         decision = AttemptDecision.model_validate_json(reply["Body"].read())

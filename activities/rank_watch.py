@@ -110,7 +110,8 @@ class RankWatch(RankLaunch):
         report_start = request.report_start
         decision: AttemptDecision | None = None
         while True:
-            if follow and time.monotonic() >= next_decision:
+            read_now = follow and time.monotonic() >= next_decision
+            if read_now:
                 assert request.checkpoints is not None
                 next_decision = time.monotonic() + request.decision_every_s
                 decision = await self._read_decision(request.checkpoints)
@@ -122,7 +123,8 @@ class RankWatch(RankLaunch):
                 assert request.checkpoints is not None
                 launched_here = record.attempt
                 record, local_ranks, alive_reported = latest, set(latest.ranks), -1
-                decision = await self._read_decision(request.checkpoints)
+                if not read_now:  # launched by the master's own activity: is the decision out yet?
+                    decision = await self._read_decision(request.checkpoints)
                 report_start = decision is None or decision.attempt < record.attempt or self.node in decision.starters
                 log.info("%s: watch of attempt %d follows attempt %d", request.workflow_id, launched_here,
                          record.attempt)

@@ -282,8 +282,8 @@ class NodeGroupWatch:
 
     @workflow.signal
     def next_attempt(self, request: NodeGroupWatchInput) -> None:
-        """A standing group's next attempt: its nodes without a watch (those it reported) and the spares that
-        join it launch from a new watch; the others have taken it up in place."""
+        """A standing group's next attempt: the spares that join it (and any node left without a watch) launch
+        from a new watch; the others take it up in place, those that reported from the watch they wait in."""
         if self._next is None or request.watch.attempt >= self._next.watch.attempt:
             self._next = request
 
@@ -318,7 +318,7 @@ class NodeGroupWatch:
                 request = told_of.model_copy(update={"standing": True})
                 starters = [n for n in request.nodes if request.starters is None or n in request.starters]
                 watches = {n: t for n, t in watches.items() if n in request.nodes}
-                for node in request.nodes:  # a node reported, or a spare joining: it launches from a new watch
+                for node in request.nodes:  # a spare joining, or a node without a watch: it launches from a new one
                     if node not in watches and node not in finished:
                         watches[node] = self._watch(request, node, report_start=node in starters
                                                     and node not in started, launch=True)

@@ -103,8 +103,8 @@ class NodeGroupWatchInput(BaseModel):
     standing: bool = False
     """The group outlives its attempt: it reports incidents and lost nodes to the run (`group_report`) and goes
     on watching, its nodes' watches taking up the run's next attempt in place (`WatchRanksInput.follow_decisions`);
-    the run sends it the next attempt (`next_attempt`) only where a node of it has no watch left or a spare
-    joins. It returns once every node has finished."""
+    the run sends it the next attempt (`next_attempt`) where a node of it reported or a spare joins. It returns
+    once every node has finished."""
     launch_second_chance: bool = False
     """A launching watch no agent started within its schedule-to-start timeout is scheduled once more before
     the node is taken for lost. For relaunches of thousands of nodes, whose burst a small Temporal matches

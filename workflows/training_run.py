@@ -1166,14 +1166,17 @@ class TrainingRun:
         """The standing groups' reports, less what their nodes reported of attempts before `attempt`: a group
         not yet told of it is told now, and its nodes that reported launch from a new watch."""
         taken, self._reports = self._reports, []
-        results = []
+        results, behind = [], []
         for report in taken:
             result = report.result
             current = [e for e in result.incidents if (e.attempt or report.attempt) >= attempt]
-            if (report.attempt < attempt or len(current) < len(result.incidents)) and report.group in self._group_requests:
-                await self._tell_group(self._group_requests[report.group])
+            if (report.attempt < attempt or len(current) < len(result.incidents)) and report.group not in behind:
+                behind.append(report.group)
             if current or result.lost:
                 results.append((report.group, result.model_copy(update={"incidents": current})))
+        # Together: each signal's confirmation is a workflow task of the run's, and a fault every node reports
+        # after the decision brings one report per group.
+        await asyncio.gather(*(self._tell_group(self._group_requests[g]) for g in behind if g in self._group_requests))
         return results
 
     async def _drop_standing(self) -> None:

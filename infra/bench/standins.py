@@ -450,6 +450,9 @@ class NodeRecords:
     the controller's) lists and reads them, as the real committer lists and reads the store."""
 
     root: Path
+    _decisions: dict[str, tuple[float, AttemptDecision | None]] = field(default_factory=dict, compare=False,
+                                                                         repr=False)
+    """Run prefix -> when the decision was read last in this process, and what it said."""
 
     def _step_dir(self, run_prefix: str, step: int) -> Path:
         return self.root / hashlib.sha256(run_prefix.encode()).hexdigest()[:16] / f"{step:08d}"
@@ -481,17 +484,16 @@ class NodeRecords:
         """The run's decision, read at most once a `DECISION_CACHE_S` per run for all the nodes of this
         process (each real agent reads the store's object itself)."""
         now = time.monotonic()
-        cached = _DECISIONS.get((self.root, run_prefix))
+        cached = self._decisions.get(run_prefix)
         if cached is not None and now - cached[0] < DECISION_CACHE_S:
             return cached[1]
         path = self._decision_file(run_prefix)
         found = AttemptDecision.model_validate_json(path.read_text()) if path.is_file() else None
-        _DECISIONS[(self.root, run_prefix)] = (now, found)
+        self._decisions[run_prefix] = (now, found)
         return found
 
 
 DECISION_CACHE_S = 0.25
-_DECISIONS: dict[tuple[Path, str], tuple[float, AttemptDecision | None]] = {}
 
 
 class StandinStore:

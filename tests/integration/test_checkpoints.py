@@ -23,6 +23,8 @@ import pytest
 from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
+from activities.checkpoint_layout import decision_key
+from activities.checkpoint_store import _not_modified
 from activities.checkpoints import (
     NodeCheckpointActivities,
     StoreActivities,
@@ -619,6 +621,10 @@ def test_a_published_relaunch_is_read_back_by_the_nodes_and_never_replaced_by_an
     read = node.read_decision(target)
     assert read is not None and read.attempt == 3 and read.launch.restore_step == 30
     assert node.read_decision(target) == read  # unchanged: answered from what it read, by its ETag
+    etag = stack.s3().head_object(Bucket=BUCKET, Key=decision_key(run_prefix))["ETag"]
+    with pytest.raises(ClientError) as unchanged:
+        stack.s3().get_object(Bucket=BUCKET, Key=decision_key(run_prefix), IfNoneMatch=etag)
+    assert _not_modified(unchanged.value), "the store answers an unchanged decision without its body"
 
     store._publish(PublishAttemptInput(bucket=BUCKET, run_prefix=run_prefix, decision=decision(2)))
     assert node.read_decision(target).attempt == 3, "an older attempt's publish changed nothing"

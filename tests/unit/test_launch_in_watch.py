@@ -9,7 +9,7 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -134,6 +134,31 @@ async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launch
     assert not {p.pid for p in old_ranks} & {p.pid for p in after.ranks.values()}
 
 
+class Decisions:
+    """The agent's reader of the run's decision in the store: what the run has published so far."""
+
+    def __init__(self) -> None:
+        self.published: AttemptDecision | None = None
+        self.reads = 0
+
+    def __call__(self, target: WatchCheckpoints) -> AttemptDecision | None:
+        self.reads += 1
+        return self.published if target.run_prefix == "runs/wf" else None
+
+    async def publish_once_read(self, decision: AttemptDecision, after: Callable[[], bool] = lambda: True) -> None:
+        """Publish `decision` once `after()` holds and the watch has read the store since (it ran the old attempt
+        when the decision came)."""
+        deadline = time.monotonic() + 10
+        while not after():
+            assert time.monotonic() < deadline, "condition never held"
+            await asyncio.sleep(0.01)
+        seen = self.reads
+        while self.reads <= seen:
+            assert time.monotonic() < deadline, "the watch never read the store"
+            await asyncio.sleep(0.01)
+        self.published = decision
+
+
 def _decision(attempt: int, **changes: object) -> AttemptDecision:
     launch = _watch(attempt=attempt).launch
     assert launch is not None
@@ -168,14 +193,10 @@ async def test_a_watch_takes_up_the_runs_published_relaunch_in_place_at_its_node
     store = Store(tmp_path)
     agent.downloader = store
     old_ranks = await _training(agent)
-    published: list[AttemptDecision | None] = [None]
-    agent.decisions = lambda target: published[0] if target.run_prefix == "runs/wf" else None
+    decisions = Decisions()
+    agent.decisions = decisions
 
-    async def publish_soon() -> None:
-        await asyncio.sleep(0.3)
-        published[0] = _decision(2)
-
-    publishing = asyncio.ensure_future(publish_soon())
+    publishing = asyncio.ensure_future(decisions.publish_once_read(_decision(2)))
     event = await ActivityEnvironment().run(agent.watch_ranks, _following())
     await publishing
 
@@ -211,14 +232,13 @@ async def test_a_node_that_reported_waits_in_its_watch_and_takes_up_the_relaunch
     failed = _watch(attempt=1, download=False).launch
     assert failed is not None
     await agent.launch_ranks(failed.model_copy(update={"entrypoint": ["python", "-c", "raise SystemExit(3)"]}))
-    published: list[AttemptDecision | None] = [None]
-    agent.decisions = lambda target: published[0]
+    old_ranks = list(agent._record("wf").ranks.values())
+    decisions = Decisions()
+    agent.decisions = decisions
 
-    async def publish_soon() -> None:
-        await asyncio.sleep(0.5)  # the old ranks have exited by then: the watch must not report it
-        published[0] = _decision(2)
-
-    publishing = asyncio.ensure_future(publish_soon())
+    # Published only once the old ranks have exited and the watch has looked since: it must not report that.
+    publishing = asyncio.ensure_future(decisions.publish_once_read(_decision(2), after=lambda: all(
+        p.poll() for p in old_ranks)))
     event = await ActivityEnvironment().run(agent.watch_ranks, _following().model_copy(update={"after_attempt": 1}))
     await publishing
     assert event.kind is WatchEventKind.FINISHED and event.attempt == 2

@@ -399,7 +399,7 @@ class Cluster:
                     attempt, report_start = newer
                     if not report_start:  # taken up in place: launched here at the node's rank
                         decision = self.calls["publish_attempt"][-1].decision
-                        [before] = [r for r in self.calls["launch_ranks"] if r.node == request.node][-1:]
+                        before = [r for r in self.calls["launch_ranks"] if r.node == request.node][-1]
                         await launch_ranks(decision.launch.model_copy(update={"node": request.node,
                                                                               "node_rank": before.node_rank}))
                     script = self.watch_script.setdefault((attempt, request.node), [])
