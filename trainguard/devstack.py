@@ -30,6 +30,7 @@ from typing import Any
 
 from trainguard.hosts import SERVICES, HostsNetwork, HostsUnavailable, bridge_exists, unavailable_reason
 from trainguard.procs import start_time, state
+from trainguard.settings import env_flag
 from trainguard.protocol import node_attempt_files
 from trainguard.spec import parse_labels
 
@@ -147,8 +148,8 @@ class StackConfig:
             ports=Ports.from_base(int(base) if base else None),
             nodes=nodes,
             code_dir=Path.cwd(),
-            tls=env.get("TRAINGUARD_DEV_TLS", "").lower() in ("1", "true", "yes"),
-            hosts=env.get("TRAINGUARD_DEV_HOSTS", "").lower() in ("1", "true", "yes"),
+            tls=env_flag("TRAINGUARD_DEV_TLS", False, env),
+            hosts=env_flag("TRAINGUARD_DEV_HOSTS", False, env),
             labels=dev_labels(env.get("TRAINGUARD_DEV_LABELS", "")),
         )
 

@@ -10,10 +10,33 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 
 DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
+
+FLAG_TRUE = frozenset({"1", "true", "on", "yes"})
+FLAG_FALSE = frozenset({"0", "false", "off", "no"})
+"""The words a boolean environment variable may hold, in any case. Anything else is refused, never read as
+one side: `TRAINGUARD_CHAOS=OFF` once left chaos on because only lowercase `off` turned it off."""
+
+
+def parse_flag(name: str, value: str) -> bool:
+    """`value` of the boolean variable `name` (`FLAG_TRUE` / `FLAG_FALSE`, any case, surrounding blanks
+    ignored). Raises a ValueError naming the variable for anything else."""
+    word = value.strip().lower()
+    if word in FLAG_TRUE:
+        return True
+    if word in FLAG_FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: write one of on/off, true/false, yes/no, 1/0 (any case)")
+
+
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """The boolean variable `name` of `environ` (default `os.environ`); `default` when unset or empty.
+    Every boolean the workers, the CLI and the tools read from the environment comes through here."""
+    value = (os.environ if environ is None else environ).get(name, "")
+    return parse_flag(name, value) if value.strip() else default
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +87,12 @@ class Settings:
             namespace=env.get("TRAINGUARD_NAMESPACE", "default"),
             s3_endpoint=env.get("TRAINGUARD_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None,
             s3_region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
-            s3_path_style=env.get("TRAINGUARD_S3_PATH_STYLE", "1").lower() not in ("0", "false", "no"),
+            s3_path_style=env_flag("TRAINGUARD_S3_PATH_STYLE", True, env),
             metrics_address=env.get("TRAINGUARD_METRICS_ADDRESS") or None,
             tls_cert=env.get("TRAINGUARD_TLS_CERT") or None,
             tls_key=env.get("TRAINGUARD_TLS_KEY") or None,
             tls_ca=env.get("TRAINGUARD_TLS_CA") or None,
-            tls=env.get("TRAINGUARD_TLS", "").lower() in ("1", "true", "yes"),
+            tls=env_flag("TRAINGUARD_TLS", False, env),
             api_key=env.get("TRAINGUARD_API_KEY") or None,
             build_id=env.get("TRAINGUARD_BUILD_ID") or None,
             deployment=env.get("TRAINGUARD_DEPLOYMENT") or "trainguard-controller",

@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from trainguard.settings import env_flag
+
 _configured = False
 
 
 def enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
     return bool(environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")) or \
-        environ.get("TRAINGUARD_TRACING", "").lower() in ("1", "true", "yes", "on")
+        env_flag("TRAINGUARD_TRACING", False, environ)
 
 
 def interceptors(environ: dict[str, str] | os._Environ[str] = os.environ) -> list[Any]:

@@ -107,3 +107,58 @@ def test_seaweedfs_admin_grpc_port_follows_its_http_port_convention() -> None:
         assert ports.admin_grpc == ports.admin + 10_000
     with pytest.raises(ValueError, match="TRAINGUARD_PORT_BASE=60000 is too high"):
         Ports.from_base(60000)
+
+
+# ------------------------------------------------------------------------------------------ boolean flags
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", True), ("0", False), ("on", True), ("off", False), ("ON", True), ("OFF", False), ("Off", False),
+    ("true", True), ("TRUE", True), ("false", False), ("False", False), ("yes", True), ("YES", True),
+    ("no", False), ("No", False), (" off ", False), ("true\n", True),
+])
+def test_a_flag_reads_every_spelling_in_any_case(value: str, expected: bool) -> None:
+    from trainguard.settings import env_flag, parse_flag
+
+    assert parse_flag("TRAINGUARD_CHAOS", value) is expected
+    assert env_flag("TRAINGUARD_CHAOS", not expected, {"TRAINGUARD_CHAOS": value}) is expected
+
+
+@pytest.mark.parametrize("value", ["2", "offf", "of", "disabled", "y", "n", "-1", "o n", "0x0", "nein"])
+def test_a_flag_refuses_any_other_word_naming_the_variable(value: str) -> None:
+    from trainguard.settings import env_flag
+
+    with pytest.raises(ValueError, match=r"TRAINGUARD_CHAOS=.*on/off"):
+        env_flag("TRAINGUARD_CHAOS", True, {"TRAINGUARD_CHAOS": value})
+
+
+@pytest.mark.parametrize("environ, expected", [({}, True), ({"TRAINGUARD_CHAOS": ""}, True),
+                                               ({"TRAINGUARD_CHAOS": "  "}, True), ({"OTHER": "off"}, True)])
+def test_an_unset_or_empty_flag_takes_its_default(environ: dict[str, str], expected: bool) -> None:
+    from trainguard.settings import env_flag
+
+    assert env_flag("TRAINGUARD_CHAOS", True, environ) is expected
+    assert env_flag("TRAINGUARD_CHAOS", False, environ) is not expected
+
+
+@pytest.mark.parametrize("environ, field, expected", [
+    ({"TRAINGUARD_TLS": "TRUE"}, "tls", True), ({"TRAINGUARD_TLS": "on"}, "tls", True),
+    ({"TRAINGUARD_TLS": "OFF"}, "tls", False), ({"TRAINGUARD_S3_PATH_STYLE": "OFF"}, "s3_path_style", False),
+    ({"TRAINGUARD_S3_PATH_STYLE": "No"}, "s3_path_style", False), ({}, "s3_path_style", True),
+])
+def test_settings_read_their_flags_through_the_one_parser(tmp_path: Path, environ: dict[str, str], field: str,
+                                                          expected: bool) -> None:
+    settings = Settings.from_env({"TRAINGUARD_HOME": str(tmp_path), **environ})
+    assert getattr(settings, field) is expected
+
+
+@pytest.mark.parametrize("reader", ["settings", "tracing", "devstack"])
+def test_every_reader_refuses_a_misspelt_flag(tmp_path: Path, reader: str) -> None:
+    from trainguard import tracing
+    from trainguard.devstack import StackConfig
+
+    read = {"settings": lambda: Settings.from_env({"TRAINGUARD_HOME": str(tmp_path), "TRAINGUARD_TLS": "of"}),
+            "tracing": lambda: tracing.enabled({"TRAINGUARD_TRACING": "of"}),
+            "devstack": lambda: StackConfig.from_env({"TRAINGUARD_DEV_HOSTS": "of"})}[reader]
+    with pytest.raises(ValueError, match="=.of.: write one of"):
+        read()
