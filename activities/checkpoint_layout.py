@@ -20,7 +20,7 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from activities.models import Manifest, ManifestPage, ShardFile, ShardInfo
-from activities.paths import shard_name, step_dir_name
+from trainguard.protocol import shard_name, step_dir_name
 from trainguard.error_types import ErrorType
 from trainguard.rank import DCP_DIR, DCP_METADATA, FORMAT_DCP, FORMAT_TORCH, files_digest
 
@@ -156,7 +156,7 @@ def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | No
         expected = f"{step_prefix(run_prefix, step)}{name}"
         if shard.key != expected:
             return f"manifest puts the shard of rank {shard.rank} at {shard.key}, not {expected}"
-        bad = [f.name for f in shard.files or [] if not _DCP_FILE.match(f.name)]
+        bad = [f.name for f in shard.files or [] if not _DCP_FILE.fullmatch(f.name)]
         if bad:
             return f"the shard of rank {shard.rank} names a file outside the DCP layout: {bad[0]!r}"
     if manifest.state_format == FORMAT_DCP:

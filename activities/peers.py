@@ -73,7 +73,7 @@ class ShardServer:
                 if not hmac.compare_digest(offered, expected):  # the same time whatever part of it is wrong
                     self.send_error(401, "the pool's peer token is required")
                     return
-                match = SHARD_PATH.match(self.path)
+                match = SHARD_PATH.fullmatch(self.path)
                 if match is None or match.group(1) in (".", ".."):
                     self.send_error(404, "not a shard path")
                     return

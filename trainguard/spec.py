@@ -19,7 +19,11 @@ NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 NAMESPACE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
-ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+r"""Python's `$` also matches before a trailing newline, so `re.match(r"...$")` passed `HF_TOKEN\n` and `RANK\n`:
+match names whole (`is_env_name`, `fullmatch`). `\Z` keeps a caller's plain `.match` whole too. The string
+patterns above keep `$`: pydantic's engine (Rust regex) reads it as the end of the text, and they are documented
+as written; match them from Python with `re.fullmatch` (`is_node_id`)."""
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$"
 LABEL_VALUE_PATTERN = r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$"
 """A node label (`gpu=h100`, `topology.example.com/rack=r12`): Kubernetes-like, at most 63 characters each side,
@@ -101,6 +105,16 @@ and (entrypoint and env) of every launch. Temporal warns at 256 KB a payload and
 fits here leaves the rest of a payload to what travels with it."""
 
 
+def is_env_name(name: str) -> bool:
+    """Whether `name`, all of it, is an environment variable name (`ENV_NAME_PATTERN`)."""
+    return ENV_NAME_PATTERN.fullmatch(name) is not None
+
+
+def is_node_id(name: str) -> bool:
+    """Whether `name`, all of it, is a node id (`NODE_ID_PATTERN`): `node-0\\n` is not."""
+    return re.fullmatch(NODE_ID_PATTERN, name) is not None
+
+
 def exec_env_refused(name: str, allowed: frozenset[str] | set[str] = frozenset()) -> bool:
     """Whether a rank's env may not set `name` (`EXEC_ENV_PATTERNS`) on a node whose operator allowed `allowed`."""
     if name in allowed or name in PYTHON_KNOBS:
@@ -110,7 +124,8 @@ def exec_env_refused(name: str, allowed: frozenset[str] | set[str] = frozenset()
 
 def looks_secret(name: str) -> bool:
     """Whether an env name reads like a secret's (`SECRET_ENV_WORDS`)."""
-    padded = f"_{name.upper()}_"
+    # Any run of other characters separates words, so `HF_TOKEN\n` or `HF-TOKEN` reads as `HF_TOKEN`.
+    padded = f"_{re.sub(r'[^A-Z0-9]+', '_', name.upper())}_"
     return any(f"_{word}_" in padded for word in SECRET_ENV_WORDS)
 
 
@@ -137,7 +152,7 @@ def exec_problems(entrypoint: list[str], env: dict[str, str], working_dir: str |
     problems = [f"entrypoint.{i}: {p}" for i, a in enumerate(entrypoint) if (p := exec_string_problem(a))]
     problems += [f"env.{k}: the name {p}" for k in env if (p := exec_string_problem(k))]
     problems += [f"env.{k}: the value {p}" for k, v in env.items() if (p := exec_string_problem(v))]
-    problems += [f"env.{k}: the name is not NAME-like" for k in env if not ENV_NAME_PATTERN.match(k)]
+    problems += [f"env.{k}: the name is not NAME-like" for k in env if not is_env_name(k)]
     if working_dir is not None and (problem := exec_string_problem(working_dir)):
         problems.append(f"working_dir: {problem}")
     if not problems and (size := exec_bytes(entrypoint, env)) > MAX_EXEC_BYTES:
@@ -160,7 +175,7 @@ def _env_value(value: str) -> str:
 
 
 def _env_name(name: str) -> str:
-    if not ENV_NAME_PATTERN.match(name):
+    if not is_env_name(name):
         raise ValueError(f"{name!r} is not a valid environment variable name")
     if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
         raise ValueError(f"{name!r} is set by the node agent and cannot be overridden")
@@ -173,14 +188,14 @@ def _env_name(name: str) -> str:
 
 
 def _label_key(key: str) -> str:
-    if not re.match(LABEL_KEY_PATTERN, key):
+    if not re.fullmatch(LABEL_KEY_PATTERN, key):
         raise ValueError(f"{key!r} is not a label key (at most 63 of letters, digits, '-', '_', '.', '/'; "
                          f"alphanumeric at both ends)")
     return key
 
 
 def _label_value(value: str) -> str:
-    if not re.match(LABEL_VALUE_PATTERN, value):
+    if not re.fullmatch(LABEL_VALUE_PATTERN, value):
         raise ValueError(f"{value!r} is not a label value (at most 63 of letters, digits, '-', '_', '.'; "
                          f"alphanumeric at both ends)")
     return value
@@ -393,9 +408,8 @@ class RunSpec(_Strict):
     @field_validator("nodes", "spare_nodes")
     @classmethod
     def _node_ids(cls, value: list[str]) -> list[str]:
-        pattern = re.compile(NODE_ID_PATTERN)
         for index, node in enumerate(value):
-            if not pattern.match(node):
+            if not is_node_id(node):
                 raise ValueError(
                     f"item {index} {node!r} is not a node id (lowercase letters, digits and '-', max 63)"
                 )

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from trainguard.spec import (MAX_ENV_VALUE_BYTES, MAX_EXEC_BYTES, MAX_SPEC_BYTES, SpecError, exec_env_refused,
-                             exec_problems, looks_secret, parse_spec)
+from trainguard.spec import (ENV_NAME_PATTERN, MAX_ENV_VALUE_BYTES, MAX_EXEC_BYTES, MAX_SPEC_BYTES, SpecError,
+                             exec_env_refused, exec_problems, is_env_name, is_node_id, looks_secret, parse_labels,
+                             parse_spec)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -215,3 +216,57 @@ def test_a_fresh_namespace_for_a_used_id_is_valid_and_new_each_time() -> None:
     assert len(spaces) == 4
     for space in spaces:
         parse_spec({"entrypoint": ["python", "train.py"], "nodes": ["node-0"], "checkpoint": {"namespace": space}})
+
+
+# Python's `$` matches before a trailing newline: `re.match(r"...$")` once passed `HF_TOKEN\n` (its value reached
+# the history) and `RANK\n`. Every name is matched whole.
+WHOLE_NAMES = [
+    pytest.param(_with(env={"HF_TOKEN\n": "hf_x"}), ["env.HF_TOKEN\n"], id="env-secret-newline"),
+    pytest.param(_with(env={"RANK\n": "3"}), ["env.RANK\n"], id="env-reserved-newline"),
+    pytest.param(_with(env={"SEED\n": "1"}), ["env.SEED\n", "not a valid environment variable name"],
+                 id="env-newline"),
+    pytest.param(_with(env={"SEED\r\n": "1"}), ["env.SEED\r\n"], id="env-crlf"),
+    pytest.param(_with(nodes=["node-0\n"]), ["nodes", "item 0"], id="node-newline"),
+    pytest.param(_with(spare_nodes=["node-9\n"]), ["spare_nodes", "item 0"], id="spare-newline"),
+    pytest.param(_with(checkpoint={"bucket": "bucket\n"}), ["checkpoint.bucket"], id="bucket-newline"),
+    pytest.param(_with(checkpoint={"prefix": "runs\n"}), ["checkpoint.prefix"], id="prefix-newline"),
+    pytest.param(_with(checkpoint={"namespace": "ns\n"}), ["checkpoint.namespace"], id="namespace-newline"),
+    pytest.param(_with(num_nodes=1, nodes=[], node_selector={"gpu\n": "h100"}), ["node_selector"],
+                 id="label-key-newline"),
+    pytest.param(_with(num_nodes=1, nodes=[], node_selector={"gpu": "h100\n"}), ["node_selector.gpu"],
+                 id="label-value-newline"),
+]
+
+
+@pytest.mark.parametrize(("raw", "expected_fragments"), WHOLE_NAMES)
+def test_a_name_with_a_trailing_newline_is_refused(raw: dict[str, Any], expected_fragments: list[str]) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(raw)
+
+    for fragment in expected_fragments:
+        assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize(("name", "env", "node"), [
+    ("SEED", True, False), ("node-0", False, True), ("SEED\n", False, False), ("node-0\n", False, False),
+    ("\nSEED", False, False), ("SE\nED", False, False), ("", False, False), ("_", True, False), ("n", True, True), ("Node-0", False, False),
+])
+def test_names_are_matched_whole(name: str, env: bool, node: bool) -> None:
+    assert is_env_name(name) is env
+    assert (ENV_NAME_PATTERN.match(name) is not None) is env  # a caller's plain `.match` is whole too
+    assert is_node_id(name) is node
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN\n", "HF_TOKEN\r", "HF-TOKEN", "hf.token", "DB_PASSWORD "])
+def test_a_secret_name_with_a_stray_character_still_looks_secret(name: str) -> None:
+    assert looks_secret(name)
+
+
+@pytest.mark.parametrize("label", ["g\npu=h100", "gpu=h1\n00", "gpu=h100\nzone=a"])
+def test_a_node_label_with_a_newline_inside_is_refused(label: str) -> None:
+    with pytest.raises(ValueError):
+        parse_labels([label])
+
+
+def test_a_node_label_loses_the_blanks_around_it_newlines_included() -> None:
+    assert parse_labels([" gpu\n=h100\n"]) == {"gpu": "h100"}  # what is kept is whole: no newline survives
