@@ -14,6 +14,7 @@ from typing import Any
 
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, Incident, RunResult
 from trainguard.faults import FaultKind
+from trainguard.ids import validate_workflow_id
 from trainguard.spec import RunSpec, SpecError
 
 
@@ -111,6 +112,12 @@ async def _run_cmd(args: argparse.Namespace) -> int:
     from trainguard.client import TrainguardClient, load_spec
 
     if args.action == "start":
+        try:  # the id names the run's folders: `..` or `/` would wedge it or reach into another run's
+            if args.id is not None:
+                validate_workflow_id(args.id)
+        except ValueError as error:
+            print(f"trainguard run start --id: {error}", file=sys.stderr)
+            return 2
         try:  # before connecting: a bad file is the user's to fix, whether or not Temporal answers
             spec = load_spec(Path(args.spec))
         except SpecError as error:

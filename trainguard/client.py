@@ -27,6 +27,7 @@ from trainguard import NODE_GROUP_WATCH_WORKFLOW, READ_LOG_WORKFLOW_TYPE, TASK_Q
 from trainguard.connect import connect
 from trainguard.protocol import WatchHeartbeat, safe_name
 from trainguard.errors import NO_POLLER, NoController, no_controller_hint
+from trainguard.ids import validate_workflow_id
 from trainguard.models import (
     ChaosRequest,
     CheckpointNowResult,
@@ -127,6 +128,8 @@ class TrainguardClient:
         Under an id an earlier run used, the run starts fresh in a checkpoint namespace of its own
         (`<id>.<random>`), unless `resume` (or the spec's `checkpoint.namespace`) says where to restore from:
         `resume` restores the earlier run's newest checkpoint."""
+        if workflow_id is not None:
+            validate_workflow_id(workflow_id)
         parsed = load_spec(spec)
         workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
         if not resume and parsed.checkpoint.namespace is None and await self.earlier_run(workflow_id):
