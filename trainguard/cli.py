@@ -235,11 +235,11 @@ async def _nodes_cmd(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------- demo
 async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_s: float,
                    client_env: dict[str, str] | None = None) -> RunResult:
-    from trainguard.client import TrainguardClient
+    from trainguard.client import TrainguardClient, load_spec
     from trainguard.settings import Settings
 
     client = await TrainguardClient.connect(Settings.from_env({**os.environ, **(client_env or {})}))
-    spec = json.loads(spec_path.read_text())
+    spec = load_spec(spec_path)
     run_id = await client.start_run(spec, workflow_id=f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"started {run_id}: {ui_url}/namespaces/default/workflows/{run_id}", flush=True)
     crashed = False

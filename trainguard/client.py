@@ -76,6 +76,33 @@ def node_of_rank(status: RunStatus, rank: int) -> str:
     return status.nodes[rank // per_node]
 
 
+@dataclass(frozen=True, slots=True)
+class _HugeNumber:
+    """An integer in a spec file with more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300
+    by default): kept as its size, so the error names its field instead of the conversion's bare
+    `Exceeds the limit (4300 digits)`."""
+
+    digits: int
+
+
+def _json_int(text: str) -> int | _HugeNumber:
+    try:
+        return int(text)
+    except ValueError:  # json hands over only well-formed integers: the only failure is their length
+        return _HugeNumber(len(text.lstrip("-")))
+
+
+def _find_huge_number(value: Any, path: str = "") -> tuple[str, int] | None:
+    """The dotted path (`checkpoint.every_steps`, `nodes.3`) and size of the first `_HugeNumber` in `value`."""
+    if isinstance(value, _HugeNumber):
+        return path or "(spec)", value.digits
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _find_huge_number(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
+
+
 def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
     """Validate a spec, or a spec file (UTF-8 JSON, a byte-order mark allowed). Raises `SpecError`; for a file,
     its message starts with the file's name, whether the file cannot be read, is not JSON, or is a bad spec."""
@@ -89,12 +116,15 @@ def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
     except UnicodeDecodeError as error:
         raise SpecError(f"{source}: not UTF-8 text (byte {error.start}): save the spec as UTF-8 JSON") from None
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, parse_int=_json_int)
     except json.JSONDecodeError as error:
         raise SpecError(f"{source}: not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") \
             from None
     except RecursionError:
         raise SpecError(f"{source}: not valid JSON: nested too deeply") from None
+    if (huge := _find_huge_number(raw)) is not None:
+        path, digits = huge
+        raise SpecError(f"{source}: {path}: a number of {digits} digits, too large for any field") from None
     try:
         return parse_spec(raw)
     except SpecError as error:

@@ -58,6 +58,38 @@ def test_a_bad_file_names_itself_and_exits_2(tmp_path: Path, capsys: pytest.Capt
     assert err.startswith(f"{path}: ") and fragment in err
 
 
+HUGE = "9" * 5001  # past Python's 4,300-digit limit on converting text to int
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('{"entrypoint": ["python"], "nodes": ["node-0"], "checkpoint": {"every_steps": %s}}' % HUGE,
+     "checkpoint.every_steps: a number of 5001 digits"),
+    ('{"entrypoint": ["python"], "nodes": ["node-0"], "ranks_per_node": -%s}' % HUGE,
+     "ranks_per_node: a number of 5001 digits"),
+    ('{"entrypoint": ["python"], "nodes": ["node-0", %s]}' % HUGE, "nodes.1: a number of 5001 digits"),
+    ('{"entrypoint": ["python"], "nodes": ["node-0"], "env": {"SEED": %s}}' % HUGE, "env.SEED: a number"),
+    (HUGE, "(spec): a number of 5001 digits"),
+])
+def test_a_huge_number_names_the_file_and_the_field_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                text: str, fragment: str) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(text)
+
+    code, out, err = _check(path, capsys)
+
+    assert code == 2 and out == ""
+    assert err.startswith(f"{path}: ") and fragment in err and "Exceeds the limit" not in err
+
+
+def test_a_long_but_convertible_number_is_left_to_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text('{"entrypoint": ["python"], "nodes": ["node-0"], "ranks_per_node": %s}' % ("9" * 4000))
+
+    code, _, err = _check(path, capsys)
+
+    assert code == 2 and "ranks_per_node: Input should be less than or equal to 256" in err
+
+
 def test_env_a_node_agent_refuses_is_valid_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "spec.json"
     path.write_text(json.dumps({**GOOD, "env": {"LD_PRELOAD": "/x.so", "SEED": "1"}}))
