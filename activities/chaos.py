@@ -21,18 +21,29 @@ from temporalio.exceptions import ApplicationError
 from activities.checkpoint_layout import object_name, shard_objects, step_of
 from activities.checkpoint_store import read_manifest
 from activities.evidence import evidence_base
+from activities.health import NodeHealth
 from activities.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, InjectFaultInput, InjectFaultResult, ShardInfo
-from activities.paths import RunLayout
-from activities.rank_records import AttemptRecord, RankBook, RankProcess, _kill_group, log
+from activities.rank_records import AttemptRecord, RankBook, RankProcess, kill_group, log
 from trainguard import evidence as channel
 from trainguard.error_types import ErrorType
 from trainguard.evidence import mode_of as hang_mode_of
 from trainguard.faults import SIGNALLED, FaultKind, choices as fault_choices
+from trainguard.protocol import RunLayout
 from trainguard.settings import s3_client
 
 
-class RankChaos(RankBook):
+class RankChaos:
     """The agent's side of `inject_fault`."""
+
+    def __init__(self, book: RankBook, health: NodeHealth, enabled: bool = True) -> None:
+        self.book = book
+        self.node = book.node
+        self.health = health
+        """The node's GPU health, shared with the watch: an injected GPU fault fails its next check."""
+        self.chaos = enabled
+        """False for an agent started with `--no-chaos`: every fault is refused."""
+        self._slowdowns: dict[int, asyncio.Task[None]] = {}
+        """Pid -> the duty cycle that slows it (`slow`)."""
 
     @activity.defn(name="inject_fault")
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
@@ -49,7 +60,7 @@ class RankChaos(RankBook):
                 raise ApplicationError("corrupt needs the checkpoint's bucket and manifest key",
                                        type=ErrorType.BAD_FAULT,
                                        non_retryable=True)
-            layout = RunLayout.of(self.workdir, request.workflow_id)
+            layout = RunLayout.of(self.book.workdir, request.workflow_id)
             shard = await asyncio.to_thread(corrupt_shard, request.bucket, request.manifest_key, self.node,
                                             request.rank, layout.local_step_dir(step_of(request.manifest_key)))
             return InjectFaultResult(node=self.node, rank=shard.rank, pid=-1, injected_at=now,
@@ -57,12 +68,12 @@ class RankChaos(RankBook):
         if request.fault == FaultKind.NODE_DOWN:
             # Reply first, then die with every rank: the machine is gone as far as the run can tell.
             asyncio.get_running_loop().call_later(0.3, self._die)
-            record = self._record(request.workflow_id)
+            record = self.book.record(request.workflow_id)
             if record is not None:
                 for rank in record.ranks:
                     record.faults.setdefault(rank, now)
             return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
-        record = self._record(request.workflow_id)
+        record = self.book.record(request.workflow_id)
         live = {r: p for r, p in (record.ranks.items() if record else []) if not p.poll()}
         if not live:
             raise ApplicationError(
@@ -89,7 +100,7 @@ class RankChaos(RankBook):
             return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=now)
         mode = hang_mode_of(request.fault)
         if mode is not None and mode != "stop":  # carried out by the rank's own helper
-            await asyncio.to_thread(inject_hang, RunLayout.of(self.workdir, request.workflow_id), record, rank,
+            await asyncio.to_thread(inject_hang, RunLayout.of(self.book.workdir, request.workflow_id), record, rank,
                                     mode)
             injected_at = record.faults.setdefault(rank, now)
             log.info("chaos: hang --mode %s rank %d (pid %d) of %s on %s", mode, rank, pid, request.workflow_id,
@@ -128,10 +139,10 @@ class RankChaos(RankBook):
                 pass
 
     def _die(self) -> None:
-        for record in self._attempts.values():
+        for record in self.book.attempts.values():
             for proc in [*record.ranks.values(), *([record.standby] if record.standby else [])]:
                 if not proc.poll():
-                    _kill_group(proc.pid, signal.SIGKILL)
+                    kill_group(proc.pid, signal.SIGKILL)
         log.warning("chaos: node-down on %s: agent and ranks killed", self.node)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -57,10 +57,10 @@ from activities.models import (
     PublishAttemptInput,
     ShardInfo,
 )
-from activities.paths import shard_name
 from activities.progress import find_stragglers
 from trainguard.error_types import ErrorType
 from trainguard.models import CheckpointRef
+from trainguard.protocol import shard_name
 from trainguard.rank import DCP_METADATA, FORMAT_DCP
 from trainguard.settings import s3_client
 
@@ -70,7 +70,7 @@ log = logging.getLogger("activities.checkpoints")
 ORPHANED_UPLOAD_AGE_S = 3600.0
 """A multipart upload under a run's prefix initiated longer ago than this is abandoned, and aborted.
 
-An upload lives at most one `upload_shards` attempt (TRANSFER_TIMEOUT, 30 min, in workflows/training_run.py;
+An upload lives at most one watch's upload of a step (TRANSFER_TIMEOUT, 30 min, in workflows/training_run.py;
 boto3 starts a new upload on a retry, never resumes one). Twice that leaves room for clock skew between the
 store (which stamps `Initiated`) and the controller, so an upload still in flight is never aborted under
 its writer.
@@ -315,12 +315,10 @@ class StoreActivities:
             return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, skipped=skipped)
         return FindCheckpointResult(skipped=skipped)
 
-    @activity.defn(name="commit_checkpoint")
-    async def commit_checkpoint(self, request: CommitCheckpointInput) -> CheckpointRef:
-        """Write the manifest, last, once every shard is verified in the store. Idempotent."""
-        return await _heartbeating(self._commit, request)
-
     def _commit(self, request: CommitCheckpointInput) -> CheckpointRef:
+        """Write the manifest of a step whose shards the caller lists, last, once every shard is verified in
+        the store. Idempotent. No workflow commits this way any more (the committer, `commit_checkpoints`,
+        reads the nodes' records instead): tests and the checkpoint benchmark do."""
         client = s3_client()
         ranks = sorted(s.rank for s in request.shards)
         if ranks != list(range(request.world_size)):
@@ -502,12 +500,9 @@ class StoreActivities:
         return CommittedCheckpoint(ref=ref, slow_ranks=find_stragglers(compute, request.straggler_ratio),
                                    step=min((r.node_step for r in records), default=step))
 
-    @activity.defn(name="prune_checkpoints")
-    async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
-        """Keep the newest `keep_last` committed checkpoints; delete older ones, manifest first."""
-        return await _heartbeating(self._prune, request)
-
     def _prune(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
+        """Retention, after each committer pass that commits: keep the newest `keep_last` committed
+        checkpoints; delete older ones, manifest first."""
         client = s3_client()
         steps = list_steps(client, request.bucket, request.run_prefix)
         committed = [s for s in steps if self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]

@@ -46,9 +46,9 @@ from activities.models import (
     UploadShardsResult,
     WatchCheckpoints,
 )
-from activities.paths import RunLayout, shard_meta_name, shard_name
 from activities.peers import fetch_from_peer
 from trainguard.error_types import ErrorType
+from trainguard.protocol import RunLayout, shard_meta_name, shard_name, step_of_dir_name
 from trainguard.rank import FORMAT_DCP, sha256_file
 from trainguard.settings import s3_client
 
@@ -193,9 +193,9 @@ class NodeCheckpointActivities:
             log.warning("peer tier: cannot look up the peers' shard servers: %s", error)
             return {}
 
-    @activity.defn(name="upload_shards")
     async def upload_shards(self, request: UploadShardsInput) -> UploadShardsResult:
-        """Upload this node's shards of one step (multipart, parallel), each with its sha256. Idempotent."""
+        """Upload this node's shards of one step (multipart, parallel), each with its sha256. Idempotent. Called
+        by `upload_step`, from inside a watch (whose heartbeat it sends): no workflow schedules it."""
         layout = RunLayout.of(self.workdir, request.workflow_id)
         step_dir = layout.local_step_dir(request.step)
         metas = sorted(step_dir.glob("rank-*.json"))
@@ -216,7 +216,8 @@ class NodeCheckpointActivities:
         # The local tier keeps the newest committed step (older ones are in S3). Only copies older than it go: an
         # older, uncommitted step may still be waiting for its own upload (uploads can finish out of order).
         for old in layout.checkpoint_dir.glob("step-*"):
-            if int(old.name.removeprefix("step-")) < request.committed_step:
+            step = step_of_dir_name(old.name)  # None: the rank's own entry (a `step-latest` link), left alone
+            if step is not None and step < request.committed_step and not old.is_symlink():
                 shutil.rmtree(old, ignore_errors=True)
         return UploadShardsResult(
             shards=shards, num_bytes=sum(s.size_bytes for s in shards), seconds=time.monotonic() - started

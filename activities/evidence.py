@@ -18,14 +18,12 @@ from typing import TYPE_CHECKING, Any
 from temporalio import activity
 
 from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence, WatchCheckpoints
-from activities.paths import RunLayout
 from trainguard import evidence as channel
 from trainguard.procs import state as process_state
-from trainguard.protocol import read_progress
+from trainguard.protocol import RunLayout, read_progress
 
 if TYPE_CHECKING:
-    from activities.rank_records import AttemptRecord
-    from activities.ranks import RankActivities
+    from activities.rank_records import AttemptRecord, RankBook
 
 log = logging.getLogger(__name__)
 
@@ -171,29 +169,28 @@ def _stacks_text(node: str, rank: int, state: str, position: channel.Position | 
 
 
 class EvidenceActivities:
-    """Hang evidence on one node; reads the attempts its `RankActivities` runs."""
+    """Hang evidence on one node; reads the attempts in the node's `RankBook`."""
 
-    def __init__(self, ranks: RankActivities, uploader: Callable[[str, str, str], None] | None = None) -> None:
-        self.ranks = ranks
+    def __init__(self, book: RankBook, uploader: Callable[[str, str, str], None] | None = None) -> None:
+        self.book = book
         self.uploader = uploader or _put_text
         """(bucket, key, text): a PUT to the store."""
         self._uploads: set[asyncio.Task[None]] = set()
-        ranks.hang_evidence = self.for_watch
 
     @activity.defn(name="collect_evidence")
     async def collect_evidence(self, request: CollectEvidenceInput) -> CollectEvidenceResult:
         """Every local rank's stacks and collective position, before anything is stopped. Idempotent: a
         retry asks again (the ranks are still where they were, or gone)."""
-        record = self.ranks._record(request.workflow_id)
+        record = self.book.record(request.workflow_id)
         if record is None or record.attempt != request.attempt:
-            return CollectEvidenceResult(node=self.ranks.node)
-        layout = RunLayout.of(self.ranks.workdir, request.workflow_id)
+            return CollectEvidenceResult(node=self.book.node)
+        layout = RunLayout.of(self.book.workdir, request.workflow_id)
         found = await self.gather(record, layout, request.bucket, request.run_prefix)
-        return CollectEvidenceResult(node=self.ranks.node, ranks=found)
+        return CollectEvidenceResult(node=self.book.node, ranks=found)
 
     async def for_watch(self, record: AttemptRecord, layout: RunLayout,
                         target: WatchCheckpoints | None) -> list[RankEvidence]:
-        """`RankActivities.hang_evidence`: the evidence a watch that judged a hang returns with its event, the
+        """`RankWatch.hang_evidence`: the evidence a watch that judged a hang returns with its event, the
         stacks stored where the run's checkpoints are."""
         return await self.gather(record, layout, target.bucket if target else None,
                                  target.run_prefix if target else "")
@@ -201,7 +198,7 @@ class EvidenceActivities:
     async def gather(self, record: AttemptRecord, layout: RunLayout, bucket: str | None,
                      run_prefix: str) -> list[RankEvidence]:
         """Every local rank's evidence; its full stacks kept on the node and, with `bucket`, uploaded beside."""
-        found, texts = await asyncio.to_thread(collect_local, self.ranks.node, layout, record)
+        found, texts = await asyncio.to_thread(collect_local, self.book.node, layout, record)
         local_dir = layout.attempt_dir(record.attempt) / "evidence"
         for item in found:
             text = texts[item.rank]

@@ -2,16 +2,15 @@
 
 Launches are fenced by attempt: the node records the newest attempt it has seen for each run, kills ranks of
 older attempts before starting new ones, and refuses a late launch of an older attempt, so ranks of attempt k
-never run beside attempt k+1. A spec is user input: only programs the agent's `--allow` list names run.
+never run beside attempt k+1. A spec is user input: only programs the agent's `--allow` list names run, and
+whatever of it the node cannot use is the spec's fault (`activities.launch_errors`), never the node's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -22,6 +21,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.evidence import evidence_env
+from activities.launch_errors import classify_launch_error, spec_error, spec_values, working_dir
 from activities.models import (
     LaunchRanksInput,
     LaunchRanksResult,
@@ -31,22 +31,17 @@ from activities.models import (
     StopRanksInput,
     StopRanksResult,
 )
-from activities.paths import RunLayout
-from activities.rank_records import AttemptRecord, RankBook, RankProcess, _kill_group, _read_report, log
+from activities.rank_records import AttemptRecord, RankBook, RankProcess, log, read_report
 from trainguard import protocol
 from trainguard.error_types import ErrorType
 from trainguard.procs import start_time
+from trainguard.protocol import RunLayout
 from trainguard.spec import exec_env_refused, exec_problems
 
 # Variables of the agent's own environment that ranks must not inherit: storage credentials belong to the
 # agent (it uploads), never to user code; so do the pool's peer token and Temporal's keys.
 _SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_", "TRAINGUARD_PEER_TOKEN", "TRAINGUARD_CODEC_KEY",
                         "TRAINGUARD_API_KEY", "TRAINGUARD_TLS_KEY")
-
-SPEC_ERRNOS = frozenset({errno.E2BIG, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
-                         errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
-"""Exec failures the spec caused (too big, no such program, not executable, not a program): the run's fault,
-a non-retryable `BadSpec`. Any other (EMFILE, ENOMEM, EAGAIN) is the node's, and is retried."""
 
 
 def _program_path(path: str) -> Path:
@@ -63,62 +58,26 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-class RankLaunch(RankBook):
+class RankLaunch:
     """Start, restart in process, and stop the ranks of a run's attempt on this node."""
 
-    async def _stop_standby(self, record: AttemptRecord) -> None:
-        standby, record.standby = record.standby, None
-        if standby is not None and not standby.poll():
-            _kill_group(standby.pid, signal.SIGKILL)  # it holds no state: no grace
-            if standby.popen is not None:
-                await asyncio.to_thread(standby.popen.wait)
-            else:
-                while not standby.poll():
-                    await asyncio.sleep(0.02)
-        if standby is not None:
-            self._save_record(record)
-
-    async def _stop_record(self, record: AttemptRecord, grace_s: float) -> int:
-        await self._stop_standby(record)
-        live = [p for p in record.ranks.values() if not p.poll()]
-        for proc in live:
-            _kill_group(proc.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
-            _kill_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not all(p.poll() for p in live):
-            await asyncio.sleep(0.05)
-        for proc in live:
-            # The whole group, so children a rank spawned (data loader workers) go too.
-            _kill_group(proc.pid, signal.SIGKILL)
-        for proc in live:
-            if proc.popen is not None:
-                await asyncio.to_thread(proc.popen.wait)
-            else:
-                while not proc.poll():
-                    await asyncio.sleep(0.02)
-        return len(live)
-
-    async def fence(self, record: AttemptRecord, why: str) -> int:
-        """Stop an attempt's ranks that its run no longer counts on (unless a newer attempt took its place)."""
-        if self._attempts.get(record.workflow_id) is not record:
-            return 0
-        stopped = await self._stop_record(record, grace_s=2.0)
-        if stopped:
-            log.warning("fenced %d ranks of %s attempt %d on %s: %s", stopped, record.workflow_id,
-                        record.attempt, self.node, why)
-        return stopped
-
-    async def stop_all(self, grace_s: float = 2.0) -> int:
-        """Stop every rank this agent runs (on agent shutdown): ranks must never outlive their agent."""
-        stopped = 0
-        for record in list(self._attempts.values()):
-            stopped += await self._stop_record(record, grace_s)
-        return stopped
+    def __init__(self, book: RankBook, host: str, code_dir: Path, allowed: tuple[str, ...] = ("*",),
+                 allowed_env: frozenset[str] = frozenset()) -> None:
+        self.book = book
+        self.node = book.node
+        self.host = host
+        """The address peers reach this node's ranks at (a rendezvous this node hosts listens there)."""
+        self.code_dir = code_dir
+        """The ranks' directory when a spec names none (`--code-dir`)."""
+        self.allowed = allowed
+        """Programs, or folders of programs, a spec's entrypoint may name (`--allow`; `*` for any)."""
+        self.allowed_env = allowed_env
+        """Env names of `EXEC_ENV_PATTERNS` this node's operator lets a spec set (`--allow-env`)."""
 
     @activity.defn(name="launch_ranks")
     async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
         """Start this node's ranks for one attempt, with torchrun's environment and a fresh rendezvous."""
-        current = self._record(request.workflow_id)
+        current = self.book.record(request.workflow_id)
         same_run = current is not None and current.chain_id == request.chain_id
         if current is not None and same_run and current.attempt > request.attempt:
             raise ApplicationError(
@@ -138,11 +97,11 @@ class RankLaunch(RankBook):
                 adopted=True,
             )
         if current is not None:
-            stopped = await self._stop_record(current, grace_s=1.0)
+            stopped = await self.book.stop(current, grace_s=1.0)
             if stopped:
                 log.info("fenced %d ranks of %s attempt %d", stopped, request.workflow_id, current.attempt)
 
-        cwd = self._working_dir(request.working_dir)
+        cwd = working_dir(request.working_dir, self.code_dir, self.node)
         request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
         master_addr = request.master_addr or self.host
         master_port = request.master_port or _free_port(self.host)
@@ -155,9 +114,9 @@ class RankLaunch(RankBook):
             launched_at=time.time(),
             chain_id=request.chain_id,
         )
-        self._attempts[request.workflow_id] = record
-        layout = RunLayout.of(self.workdir, request.workflow_id)
-        self._drop_uncommitted_shards(layout, request.restore_step)
+        self.book.attempts[request.workflow_id] = record
+        layout = RunLayout.of(self.book.workdir, request.workflow_id)
+        drop_uncommitted_shards(layout, request.restore_step)
         for path in (layout.progress_dir(request.attempt), layout.logs_dir(request.attempt),
                      layout.checkpoint_dir, layout.tmp_dir):
             path.mkdir(parents=True, exist_ok=True)
@@ -178,18 +137,6 @@ class RankLaunch(RankBook):
             node=self.node, master_addr=master_addr, master_port=master_port,
             pids=[p.pid for p in record.ranks.values()],
         )
-
-    def _working_dir(self, working_dir: str | None) -> Path:
-        try:
-            cwd = Path(working_dir) if working_dir else self.code_dir
-            exists = cwd.is_dir()
-        except ValueError:  # a NUL byte: a spec this agent's own check below names
-            exists = False
-        if not exists:
-            raise ApplicationError(
-                f"working_dir {working_dir!r} does not exist on node {self.node}: name a directory every node "
-                f"of the run has", type=ErrorType.BAD_SPEC, non_retryable=True)
-        return cwd
 
     def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
                   local_rank: int, extra: dict[str, str]) -> dict[str, str]:
@@ -233,11 +180,9 @@ class RankLaunch(RankBook):
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        except (ValueError, TypeError, OSError) as error:
-            # ValueError: a NUL byte, a lone surrogate; OSError: what exec refused. A spec's fault is the
-            # run's, never the node's: only an exec failure the node caused is left to retry.
-            if isinstance(error, OSError) and error.errno not in SPEC_ERRNOS:
-                raise
+        except Exception as error:
+            if classify_launch_error(error) is None:
+                raise  # the node's (EMFILE, ENOMEM, EAGAIN): retried
             field = {errno.E2BIG: "entrypoint and env"}.get(getattr(error, "errno", None) or 0, "entrypoint.0")
             if not isinstance(error, OSError):
                 field = "entrypoint, env or working_dir"
@@ -258,14 +203,14 @@ class RankLaunch(RankBook):
             popen = self._start(layout, request, cwd, layout.log_file(record.attempt, rank), env)
         except Exception:
             # No half-started attempt: a retried launch would adopt the ranks that did start as the whole.
-            await self._stop_record(record, grace_s=0.5)
+            await self.book.stop(record, grace_s=0.5)
             raise
         self._track(record, rank, popen.pid, popen)
 
     def _track(self, record: AttemptRecord, rank: int, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
         record.ranks[rank] = RankProcess(rank, pid, start_time(pid), popen)
         threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
-        self._save_record(record)
+        self.book.save(record)
 
     def _start_standby(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
                        cwd: Path) -> None:
@@ -280,14 +225,14 @@ class RankLaunch(RankBook):
             log.warning("no standby process on %s: %s", self.node, error)
             return
         record.standby = RankProcess(-1, popen.pid, start_time(popen.pid), popen)
-        self._save_record(record)
+        self.book.save(record)
 
     @activity.defn(name="rejoin_ranks")
     async def rejoin_ranks(self, request: RejoinRanksInput) -> RejoinRanksResult:
         """In-process restart on this node: tell its live ranks which new process group to join, and start
         its dead ranks again as joiners that take their state from a live peer. Idempotent: a retry finds the
         node already on the new attempt and answers the same."""
-        current = self._record(request.workflow_id)
+        current = self.book.record(request.workflow_id)
         if current is not None and current.chain_id == request.chain_id and current.attempt == request.attempt:
             return RejoinRanksResult(node=self.node, master_addr=current.master_addr,
                                      master_port=current.master_port, survivors=sorted(current.survivors),
@@ -298,11 +243,11 @@ class RankLaunch(RankBook):
                 f"node {self.node} does not run attempt {request.from_attempt} of {request.workflow_id} "
                 f"(it runs {current.attempt if current else 'nothing'}): nothing to keep, relaunch instead",
                 type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
-        cwd = self._working_dir(request.working_dir)
+        cwd = working_dir(request.working_dir, self.code_dir, self.node)
         request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
-        layout = RunLayout.of(self.workdir, request.workflow_id)
+        layout = RunLayout.of(self.book.workdir, request.workflow_id)
         alive = {r: p for r, p in current.ranks.items() if not p.poll()}
-        reports = [_read_report(layout.progress_file(current.attempt, r)) for r in alive]
+        reports = [read_report(layout.progress_file(current.attempt, r)) for r in alive]
         steps = [r.step for r in reports if r is not None]
         master_addr = request.master_addr or self.host
         record = AttemptRecord(
@@ -314,8 +259,8 @@ class RankLaunch(RankBook):
         for path in (layout.progress_dir(record.attempt), layout.logs_dir(record.attempt),
                      layout.rejoin_file(0).parent):
             path.mkdir(parents=True, exist_ok=True)
-        self._attempts[request.workflow_id] = record
-        self._save_record(record)
+        self.book.attempts[request.workflow_id] = record
+        self.book.save(record)
         world_size = request.num_nodes * request.ranks_per_node
         for rank in sorted(alive):
             # The live rank moves its progress to the new attempt's file, as a fresh launch would write it.
@@ -359,7 +304,7 @@ class RankLaunch(RankBook):
         program checked is the program executed. Env names that would change what runs or what it loads
         (`EXEC_ENV_PATTERNS`) need this node's operator's `--allow-env`."""
         def bad_spec(message: str) -> ApplicationError:
-            return ApplicationError(f"{message} (node {self.node})", type=ErrorType.BAD_SPEC, non_retryable=True)
+            return spec_error(message, self.node)
 
         problems = exec_problems(request.entrypoint, request.env, request.working_dir)
         if problems:
@@ -370,17 +315,19 @@ class RankLaunch(RankBook):
                 f"env.{name}: changes what the ranks run or load, which this node's --allow list decides; "
                 f"leave it out, or ask the node's operator to allow it with --allow-env {name}" for name in refused))
         name = request.entrypoint[0]
-        if os.sep in name:
-            found: str | None = str(cwd / name)  # as exec would see it: relative to the ranks' directory
-        else:
-            found = shutil.which(name, path=os.environ.get("PATH", os.defpath))  # the agent's PATH
-        if found is None or not os.path.isfile(found) or not os.access(found, os.X_OK):
-            raise bad_spec(f"entrypoint.0: {name!r} is no executable program here (a bare name is looked up with "
-                           f"the agent's own PATH, never the spec's env.PATH)")
-        program = _program_path(found)
+        with spec_values("entrypoint.0", self.node):
+            if os.sep in name:
+                found: str | None = str(cwd / name)  # as exec would see it: relative to the ranks' directory
+            else:
+                found = shutil.which(name, path=os.environ.get("PATH", os.defpath))  # the agent's PATH
+            if found is None or not os.path.isfile(found) or not os.access(found, os.X_OK):
+                raise bad_spec(f"entrypoint.0: {name!r} is no executable program here (a bare name is looked up "
+                               f"with the agent's own PATH, never the spec's env.PATH)")
+            program = _program_path(found)
+            target = Path(os.path.realpath(found))
         if "*" not in self.allowed:
             # Both the path as named (a venv's python is a symlink) and its target may match.
-            candidates = {program, Path(os.path.realpath(found))}
+            candidates = {program, target}
             roots = {p for allowed in self.allowed for p in (_program_path(allowed), Path(os.path.realpath(allowed)))}
             if not any(path == root or root in path.parents for path in candidates for root in roots):
                 raise ApplicationError(
@@ -394,17 +341,23 @@ class RankLaunch(RankBook):
     @activity.defn(name="stop_ranks")
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
         """Stop the run's ranks on this node (whole process groups): SIGTERM, then SIGKILL after the grace."""
-        record = self._record(request.workflow_id)
+        record = self.book.record(request.workflow_id)
         if record is None or (request.attempt is not None and record.attempt > request.attempt):
             return StopRanksResult(stopped=0)
-        return StopRanksResult(stopped=await self._stop_record(record, request.grace_s))
+        return StopRanksResult(stopped=await self.book.stop(record, request.grace_s))
 
-    @staticmethod
-    def _drop_uncommitted_shards(layout: RunLayout, restore_step: int) -> None:
-        """Local shards newer than the restored step belong to a dead attempt: the new attempt will write
-        its own, and must never report the old ones as its checkpoint."""
-        if not layout.checkpoint_dir.is_dir():
-            return
-        for step_dir in layout.checkpoint_dir.glob("step-*"):
-            if int(step_dir.name.removeprefix("step-")) > restore_step:
-                shutil.rmtree(step_dir, ignore_errors=True)
+
+def drop_uncommitted_shards(layout: RunLayout, restore_step: int) -> None:
+    """Local shards newer than the restored step belong to a dead attempt: the new attempt will write its own,
+    and must never report the old ones as its checkpoint. What else the ranks left in the folder (a
+    `step-latest` symlink) is theirs, and left alone."""
+    if not layout.checkpoint_dir.is_dir():
+        return
+    for entry in layout.checkpoint_dir.glob("step-*"):
+        step = protocol.step_of_dir_name(entry.name)
+        if step is None or step <= restore_step:
+            continue
+        if entry.is_symlink() or not entry.is_dir():
+            entry.unlink(missing_ok=True)  # never followed: rmtree of a link's target would reach outside
+        else:
+            shutil.rmtree(entry, ignore_errors=True)

@@ -95,7 +95,7 @@ class RankLogActivities:
     @activity.defn(name="read_rank_log")
     async def read_rank_log(self, request: ReadRankLogInput) -> ReadRankLogResult:
         """A chunk of one rank's log: read-only, so any retry is harmless."""
-        from activities.paths import RunLayout
+        from trainguard.protocol import RunLayout
 
         layout = RunLayout.of(self.workdir, request.workflow_id)
         attempt = request.attempt

@@ -1,9 +1,9 @@
-"""The agent's rank processes and its in-memory record of each run's attempt on this node.
+"""The agent's rank processes and its book of each run's attempt on this node.
 
-`RankBook` holds what one node agent knows (its attempts, its uploads, its slowdowns) and the bookkeeping
-every other part uses: reconcile after an agent restart, find and save an attempt's record. Launch and stop
-(`activities.rank_launch`), the watch (`activities.rank_watch`) and chaos (`activities.chaos`) build on it;
-`activities.ranks.RankActivities` puts them together.
+`RankBook` is the one piece of state the node's rank activities share: its attempts, adopted again after an
+agent restart, saved as each changes, and stopped together (ranks never outlive their agent). Launch and stop
+(`activities.rank_launch`), the watch (`activities.rank_watch`) and chaos (`activities.chaos`) are activity
+classes of their own, each holding a reference to the node's one book; `workers.node_agent` builds them.
 """
 
 from __future__ import annotations
@@ -15,24 +15,16 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from activities.health import NodeHealth
-from activities.models import AttemptDecision, DownloadShardsInput, DownloadShardsResult, NodeCheckpointRecord, RankEvidence, \
-    WatchCheckpoints
-from activities.paths import RunLayout
 from activities.progress import RankReport
 from trainguard import protocol
 from trainguard.procs import start_time
+from trainguard.protocol import RunLayout
 
 log = logging.getLogger("activities.ranks")
 """The agent's rank logs keep the name they always had, whichever part of it logs."""
-
-Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int, str], Awaitable[NodeCheckpointRecord]]
-"""(workflow id, attempt, where, step, rank compute times, node step, chain id) -> the node record written."""
-Downloader = Callable[[DownloadShardsInput], Awaitable[DownloadShardsResult]]
 
 
 def describe_exit(code: int | None) -> str:
@@ -132,8 +124,7 @@ class AttemptRecord:
         return record
 
 
-
-def _kill_group(pid: int, sig: int) -> None:
+def kill_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)  # ranks lead their own process group (start_new_session)
     except ProcessLookupError:
@@ -142,7 +133,7 @@ def _kill_group(pid: int, sig: int) -> None:
         log.warning("no permission to signal process group %s", pid)
 
 
-def _read_report(path: Path) -> RankReport | None:
+def read_report(path: Path) -> RankReport | None:
     data = protocol.read_progress(path)
     if data is None:
         return None
@@ -158,50 +149,23 @@ def _read_report(path: Path) -> RankReport | None:
     )
 
 
-def _read_finish(path: Path) -> protocol.Finish:
+def read_finish(path: Path) -> protocol.Finish:
     return protocol.read_finish(path)
 
 
-def _write_json(path: Path, payload: object) -> None:
-    """Whole or not at all (ranks and agents read these while they change)."""
-    protocol.write_json(path, payload)
-
-
 class RankBook:
-    """What one node agent knows of the ranks it runs, and its bookkeeping. One instance per node agent."""
+    """What one node agent knows of the ranks it runs: each run's attempt on this node and its processes. One
+    per node agent, shared by reference by its launch (`activities.rank_launch`), watch
+    (`activities.rank_watch`), chaos (`activities.chaos`) and evidence activities, which keep no attempts of
+    their own."""
 
-    def __init__(self, node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
-                 allowed: tuple[str, ...] = ("*",), chaos: bool = True,
-                 allowed_env: frozenset[str] = frozenset(), uploader: Uploader | None = None,
-                 downloader: Downloader | None = None,
-                 decisions: Callable[[WatchCheckpoints], AttemptDecision | None] | None = None) -> None:
+    def __init__(self, node: str, workdir: Path) -> None:
         self.node = node
-        self.decisions = decisions
-        """Reads the run's newest `AttemptDecision` from the store (`NodeCheckpointActivities.read_decision`),
-        blocking: a watch that follows decisions takes up a relaunch there."""
-        self.downloader = downloader
-        """Downloads the shards a launch restores from (`NodeCheckpointActivities.download_shards`)."""
-        self.uploader = uploader
-        """Uploads a complete local step and writes its node record (`NodeCheckpointActivities.upload_step`)."""
-        self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
-        """`_upload_key` -> its upload, started by a watch and outliving it."""
-        self._upload_failed_at: dict[tuple[str, str, int, int], float] = {}
-        self.allowed = allowed
-        self.allowed_env = allowed_env
-        """Env names of `EXEC_ENV_PATTERNS` this node's operator lets a spec set (`--allow-env`)."""
-        self.chaos = chaos
         self.workdir = workdir
-        self.host = host
-        self.code_dir = code_dir
-        self.health = health or NodeHealth()
-        self._attempts: dict[str, AttemptRecord] = {}
-        self._slowdowns: dict[int, asyncio.Task[None]] = {}
-        self.hang_evidence: Callable[[AttemptRecord, RunLayout, WatchCheckpoints | None],
-                                     Awaitable[list[RankEvidence]]] | None = None
-        """Set by `EvidenceActivities`: a watch that judges a hang takes its ranks' evidence with it."""
+        self.attempts: dict[str, AttemptRecord] = {}
+        """Workflow id -> the newest attempt of that run this node has launched."""
         self._reconcile()
 
-    # ------------------------------------------------------------------------------- bookkeeping
     def _reconcile(self) -> None:
         """After an agent restart: adopt the ranks it had launched that are still alive."""
         runs = self.workdir / protocol.RUNS_DIR
@@ -215,20 +179,71 @@ class RankBook:
             alive = [p for p in record.ranks.values() if not p.poll()]
             if alive:
                 log.info("adopting %d live ranks of %s attempt %d", len(alive), record.workflow_id, record.attempt)
-            self._attempts[record.workflow_id] = record
+            self.attempts[record.workflow_id] = record
 
-    def _record(self, workflow_id: str) -> AttemptRecord | None:
-        return self._attempts.get(workflow_id)
+    def record(self, workflow_id: str) -> AttemptRecord | None:
+        return self.attempts.get(workflow_id)
 
-    def _save_record(self, record: AttemptRecord) -> None:
+    def save(self, record: AttemptRecord) -> None:
+        """Write `record`'s `ranks.json`, so an agent that restarts adopts its ranks."""
         layout = RunLayout.of(self.workdir, record.workflow_id)
         layout.root.mkdir(parents=True, exist_ok=True)
-        _write_json(layout.ranks_file, record.to_json())
+        protocol.write_json(layout.ranks_file, record.to_json())
 
     def unwatched(self, idle_s: float) -> list[AttemptRecord]:
         """Attempts with live ranks that no watch has looked at for `idle_s`: after a partition heals (or a
         long controller outage), ranks of an attempt the run has since replaced elsewhere."""
         now = time.monotonic()
-        return [r for r in self._attempts.values() if now - r.last_watched > idle_s and (
+        return [r for r in self.attempts.values() if now - r.last_watched > idle_s and (
             any(not p.poll() for p in r.ranks.values()) or (r.standby is not None and not r.standby.poll()))]
 
+    async def stop_standby(self, record: AttemptRecord) -> None:
+        standby, record.standby = record.standby, None
+        if standby is not None and not standby.poll():
+            kill_group(standby.pid, signal.SIGKILL)  # it holds no state: no grace
+            if standby.popen is not None:
+                await asyncio.to_thread(standby.popen.wait)
+            else:
+                while not standby.poll():
+                    await asyncio.sleep(0.02)
+        if standby is not None:
+            self.save(record)
+
+    async def stop(self, record: AttemptRecord, grace_s: float) -> int:
+        """Stop `record`'s ranks (whole process groups) and its standby: SIGTERM, then SIGKILL after the
+        grace. Returns how many ranks were still running."""
+        await self.stop_standby(record)
+        live = [p for p in record.ranks.values() if not p.poll()]
+        for proc in live:
+            kill_group(proc.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
+            kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(p.poll() for p in live):
+            await asyncio.sleep(0.05)
+        for proc in live:
+            # The whole group, so children a rank spawned (data loader workers) go too.
+            kill_group(proc.pid, signal.SIGKILL)
+        for proc in live:
+            if proc.popen is not None:
+                await asyncio.to_thread(proc.popen.wait)
+            else:
+                while not proc.poll():
+                    await asyncio.sleep(0.02)
+        return len(live)
+
+    async def fence(self, record: AttemptRecord, why: str) -> int:
+        """Stop an attempt's ranks that its run no longer counts on (unless a newer attempt took its place)."""
+        if self.attempts.get(record.workflow_id) is not record:
+            return 0
+        stopped = await self.stop(record, grace_s=2.0)
+        if stopped:
+            log.warning("fenced %d ranks of %s attempt %d on %s: %s", stopped, record.workflow_id,
+                        record.attempt, self.node, why)
+        return stopped
+
+    async def stop_all(self, grace_s: float = 2.0) -> int:
+        """Stop every rank this agent runs (on agent shutdown): ranks must never outlive their agent."""
+        stopped = 0
+        for record in list(self.attempts.values()):
+            stopped += await self.stop(record, grace_s)
+        return stopped

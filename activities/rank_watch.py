@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.health import NodeHealth
 from activities.models import (
     AttemptDecision,
     DownloadShardsInput,
     DownloadShardsResult,
     LaunchRanksInput,
     NodeCheckpointRecord,
+    RankEvidence,
     RequestCheckpointInput,
     RequestCheckpointResult,
     WatchCheckpoints,
@@ -27,7 +30,6 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
-from activities.paths import RunLayout
 from activities.progress import (
     COLLECTIVE_WAIT_GRACE_S,
     complete_steps,
@@ -40,10 +42,18 @@ from activities.progress import (
 )
 from activities.rank_launch import RankLaunch
 from activities.rank_logs import exception_line, failure_signature, read_tail
-from activities.rank_records import AttemptRecord, _read_finish, _read_report, describe_exit, log
+from activities.rank_records import AttemptRecord, RankBook, describe_exit, log, read_finish, read_report
 from trainguard import protocol
 from trainguard.error_types import ErrorType
 from trainguard.procs import state as process_state
+from trainguard.protocol import RunLayout
+
+Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int, str], Awaitable[NodeCheckpointRecord]]
+"""(workflow id, attempt, where, step, rank compute times, node step, chain id) -> the node record written."""
+Downloader = Callable[[DownloadShardsInput], Awaitable[DownloadShardsResult]]
+Decisions = Callable[[WatchCheckpoints], AttemptDecision | None]
+"""Reads the run's newest `AttemptDecision` from the store, blocking (`NodeCheckpointActivities.read_decision`)."""
+HangEvidence = Callable[[AttemptRecord, RunLayout, WatchCheckpoints | None], Awaitable[list[RankEvidence]]]
 
 UPLOAD_RETRY_S = 5.0
 """A watch's upload that failed on a store error is tried again after this long (the store may be out;
@@ -79,8 +89,28 @@ def _upload_key(record: AttemptRecord, step: int) -> tuple[str, str, int, int]:
 
 
 
-class RankWatch(RankLaunch):
+class RankWatch:
     """Watch a run's attempt on this node, with the checkpoint transfers the watch carries."""
+
+    def __init__(self, book: RankBook, launch: RankLaunch, health: NodeHealth | None = None,
+                 uploader: Uploader | None = None, downloader: Downloader | None = None,
+                 decisions: Decisions | None = None, hang_evidence: HangEvidence | None = None) -> None:
+        self.book = book
+        self.node = book.node
+        self.launch = launch
+        """The node's launch: a relaunch's watch launches its ranks itself."""
+        self.health = health or NodeHealth()
+        self.uploader = uploader
+        """Uploads a complete local step and writes its node record (`NodeCheckpointActivities.upload_step`)."""
+        self.downloader = downloader
+        """Downloads the shards a launch restores from (`NodeCheckpointActivities.download_shards`)."""
+        self.decisions = decisions
+        """A watch that follows decisions takes up a relaunch the run published in the store."""
+        self.hang_evidence = hang_evidence
+        """`EvidenceActivities.for_watch`: a watch that judges a hang takes its ranks' evidence with it."""
+        self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
+        """`_upload_key` -> its upload, started by a watch and outliving it."""
+        self._upload_failed_at: dict[tuple[str, str, int, int], float] = {}
 
     @activity.defn(name="watch_ranks")
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
@@ -89,7 +119,7 @@ class RankWatch(RankLaunch):
         `request.download`), unless this node already runs that attempt."""
         if request.launch is not None:
             await self._launch_from_watch(request, request.launch)
-        record = self._record(request.workflow_id)
+        record = self.book.record(request.workflow_id)
         follow = request.follow_decisions and request.checkpoints is not None
         # A watch that follows decisions watches whatever attempt of the run the node runs: an older one until it
         # takes up the newer (a watch started again just before its node read the decision), a newer one on.
@@ -99,7 +129,7 @@ class RankWatch(RankLaunch):
                 type=ErrorType.NO_SUCH_ATTEMPT,
                 non_retryable=True,
             )
-        layout = RunLayout.of(self.workdir, request.workflow_id)
+        layout = RunLayout.of(self.book.workdir, request.workflow_id)
         health = request.health
         started = time.monotonic()
         next_gpu_check = started + health.gpu_check_interval_s
@@ -117,7 +147,7 @@ class RankWatch(RankLaunch):
                 decision = await self._read_decision(request.checkpoints)
                 if decision is not None and self._takes_up(decision, record):
                     await self._take_up(request, decision, record)
-            latest = self._record(request.workflow_id) if follow else None
+            latest = self.book.record(request.workflow_id) if follow else None
             if latest is not None and latest is not record and latest.attempt > record.attempt:
                 # A newer attempt launched here (taken up just above, or by the master's own launch): watch it.
                 assert request.checkpoints is not None
@@ -140,7 +170,7 @@ class RankWatch(RankLaunch):
                 await asyncio.sleep(min(health.poll_interval_s, request.decision_every_s))
                 continue
             now = time.time()
-            reports = {r: _read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
+            reports = {r: read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
             if record.first_step_at is None:
                 record.first_step_at = first_step_time(reports, record.start_step)
             node_step = slowest_step(reports, record.start_step)
@@ -184,9 +214,9 @@ class RankWatch(RankLaunch):
 
             if all(record.ranks[r].poll() for r in local_ranks):
                 # Every rank here is done: nothing is left for a standby to replace.
-                await self._stop_standby(record)
+                await self.book.stop_standby(record)
                 first = min(local_ranks)
-                finish = _read_finish(layout.progress_file(record.attempt, first))
+                finish = read_finish(layout.progress_file(record.attempt, first))
                 if request.checkpoints is not None:  # FINISHED: the node's checkpoints are in the store
                     await self._upload_all(record, request.checkpoints, ready, compute, node_step,
                                            until=started + request.max_duration_s + FINAL_UPLOAD_MARGIN_S)
@@ -252,7 +282,7 @@ class RankWatch(RankLaunch):
     async def _launch_from_watch(self, request: WatchRanksInput, launch: LaunchRanksInput) -> None:
         """The launch a relaunch's watch carries: idempotent by attempt, as `launch_ranks` is (a watch started
         again after a keepalive or a controller restart launches nothing twice)."""
-        current = self._record(request.workflow_id)
+        current = self.book.record(request.workflow_id)
         if current is not None and current.chain_id == launch.chain_id and current.attempt >= launch.attempt:
             return  # launched already; a newer attempt here fails the watch just below (NoSuchAttempt)
         tiers: list[str] = []
@@ -260,11 +290,11 @@ class RankWatch(RankLaunch):
             restored = await self._download_for_launch(request.download, request.download_timeout_s)
             launch = launch.model_copy(update={"restore_dir": restored.restore_dir})
             tiers = sorted(set(restored.tiers.values()))
-        await self.launch_ranks(launch)
-        record = self._record(request.workflow_id)
+        await self.launch.launch_ranks(launch)
+        record = self.book.record(request.workflow_id)
         if record is not None and tiers:
             record.restore_tiers = tiers
-            self._save_record(record)
+            self.book.save(record)
 
     async def _download_for_launch(self, request: DownloadShardsInput, timeout_s: float) -> DownloadShardsResult:
         """Download as `download_shards` does, heartbeating the watch meanwhile (one shard can take longer
@@ -352,26 +382,28 @@ class RankWatch(RankLaunch):
 
     @staticmethod
     def _saved_steps(layout: RunLayout) -> dict[int, set[int]]:
+        """Step -> the ranks whose shard of it is written (its meta file, written last, is there). Entries
+        that name no step or rank (a rank's own `step-latest`) are skipped."""
         saved: dict[int, set[int]] = {}
         if not layout.checkpoint_dir.is_dir():
             return saved
         for step_dir in layout.checkpoint_dir.iterdir():
-            if not step_dir.name.startswith("step-"):
+            step = protocol.step_of_dir_name(step_dir.name)
+            if step is None:
                 continue
-            step = int(step_dir.name.removeprefix("step-"))
-            saved[step] = {int(p.stem.removeprefix("rank-")) for p in step_dir.glob("rank-*.json")}
+            ranks = {protocol.rank_of_name(p.stem) for p in step_dir.glob("rank-*.json")}
+            saved[step] = {r for r in ranks if r is not None}
         return saved
-
 
     @activity.defn(name="request_checkpoint")
     async def request_checkpoint(self, request: RequestCheckpointInput) -> RequestCheckpointResult:
         """Report where this node's ranks are; with a step, ask them to checkpoint at it. Idempotent."""
-        record = self._record(request.workflow_id)
+        record = self.book.record(request.workflow_id)
         if record is None or record.attempt != request.attempt:
             raise ApplicationError(f"node {self.node} runs no attempt {request.attempt} of {request.workflow_id}",
                                    type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
-        layout = RunLayout.of(self.workdir, request.workflow_id)
-        reports = [r for r in (_read_report(layout.progress_file(record.attempt, rank)) for rank in record.ranks) if r]
+        layout = RunLayout.of(self.book.workdir, request.workflow_id)
+        reports = [r for r in (read_report(layout.progress_file(record.attempt, rank)) for rank in record.ranks) if r]
         if request.step is not None:
             protocol.CheckpointRequest(request.step).write(layout.checkpoint_request_file(record.attempt))
         times = [r.step_time_s for r in reports if r.step_time_s]

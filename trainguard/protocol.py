@@ -1,8 +1,8 @@
 """The contract between a node agent and the rank processes it starts: the one owner of its names.
 
-The agent (`activities.ranks`) and the rank helper (`trainguard.rank`) run in different processes, often of
-different versions during an upgrade, and talk only through environment variables and small JSON files in
-the run's directory on the node. Every name and every JSON shape they share is defined here, once, with a
+The agent (`activities.rank_launch`, `activities.rank_watch`) and the rank helper (`trainguard.rank`) run in
+different processes, often of different versions during an upgrade, and talk only through environment variables
+and small JSON files in the run's directory on the node. Every name and every JSON shape they share is defined here, once, with a
 reader and a writer, so neither side retypes a key. The dev stack, the client, the report and the test and
 benchmark harness read the same files through the same models.
 
@@ -101,9 +101,22 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of_dir_name(name: str) -> int | None:
+    """The step a `step_dir_name` names; None for anything else. A rank writes into its checkpoint folder what
+    it likes (a `step-latest` symlink): whoever lists the folder skips what is not a step, never fails on it."""
+    digits = name.removeprefix("step-")
+    return int(digits) if digits != name and digits.isascii() and digits.isdigit() else None
+
+
 def rank_name(rank: int) -> str:
     """`rank-NNNNN`: the stem of every per-rank file."""
     return f"rank-{rank:05d}"
+
+
+def rank_of_name(stem: str) -> int | None:
+    """The rank a `rank_name` stem names; None for anything else (a rank's own `rank-best.json`)."""
+    digits = stem.removeprefix("rank-")
+    return int(digits) if digits != stem and digits.isascii() and digits.isdigit() else None
 
 
 def shard_name(rank: int) -> str:

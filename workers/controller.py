@@ -11,7 +11,7 @@ import logging
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
-from activities.checkpoints import StoreActivities
+from activities.checkpoint_store import StoreActivities
 from activities.nodes import NodeActivities, PoolActivities, pool_handle
 from activities.scheduler import SchedulerActivities
 from trainguard import TASK_QUEUE
@@ -60,9 +60,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untype
         workflows=[TrainingRun, NodePool, NodeCalls, NodeGroupWatch, ReadRankLog],
         activities=[
             store.find_checkpoint,
-            store.commit_checkpoint,
             store.commit_checkpoints,
-            store.prune_checkpoints,
             store.publish_attempt,
             nodes.find_node_agents,
             pool.acquire_nodes,

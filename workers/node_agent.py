@@ -14,18 +14,22 @@ import asyncio
 import logging
 import os
 import re
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from temporalio.worker import Worker
 
-from activities.checkpoints import NodeCheckpointActivities
+from activities.chaos import RankChaos
+from activities.checkpoint_transfers import NodeCheckpointActivities
+from activities.evidence import EvidenceActivities
 from activities.health import HealthActivities, NodeHealth
 from activities.nodes import peer_urls, register_node
 from activities.peers import PEER_TOKEN_ENV, ShardServer, peer_token
+from activities.rank_launch import RankLaunch
 from activities.rank_logs import RankLogActivities
-from activities.evidence import EvidenceActivities
-from activities.ranks import RankActivities
+from activities.rank_records import RankBook
+from activities.rank_watch import Decisions, Downloader, RankWatch, Uploader
 from trainguard import node_task_queue
 from trainguard.connect import connect
 from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_ID_PATTERN, NODE_LABELS_ENV, parse_labels
@@ -47,41 +51,70 @@ counts against the namespace's concurrent-poller limit (1,200 per frontend on a 
 `frontend.namespaceCount`; 20,000 on Temporal Cloud): 4,096 agents at 5 each would be 20,480."""
 
 
+@dataclass(frozen=True, slots=True)
+class NodeRanks:
+    """A node agent's rank activities, each holding the node's one `RankBook` (its attempts and processes)."""
+
+    book: RankBook
+    launch: RankLaunch
+    """`launch_ranks`, `rejoin_ranks`, `stop_ranks`."""
+    watch: RankWatch
+    """`watch_ranks`, `request_checkpoint`."""
+    chaos: RankChaos
+    """`inject_fault`."""
+    evidence: EvidenceActivities
+    """`collect_evidence`; a watch that judges a hang takes the same evidence with its event."""
+
+
+def node_ranks(node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
+               allowed: tuple[str, ...] = ("*",), chaos: bool = True, allowed_env: frozenset[str] = frozenset(),
+               uploader: Uploader | None = None, downloader: Downloader | None = None,
+               decisions: Decisions | None = None) -> NodeRanks:
+    """The rank activities of one node agent around one book: the book adopts the ranks a previous agent on
+    this workdir left running, and every activity sees the attempts the others launch."""
+    health = health or NodeHealth()
+    book = RankBook(node, workdir)
+    launch = RankLaunch(book, host, code_dir, allowed=allowed, allowed_env=allowed_env)
+    evidence = EvidenceActivities(book)
+    watch = RankWatch(book, launch, health, uploader=uploader, downloader=downloader, decisions=decisions,
+                      hang_evidence=evidence.for_watch)
+    return NodeRanks(book=book, launch=launch, watch=watch, chaos=RankChaos(book, health, enabled=chaos),
+                     evidence=evidence)
+
+
 def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
                  peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> tuple[Worker, RankActivities]:
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> tuple[Worker, RankBook]:
     node_health = NodeHealth()
     node_health.xid.start()  # XID events as they happen; without NVML it starts nothing
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
-    ranks = RankActivities(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
-                           allowed_env=allowed_env, uploader=checkpoints.upload_step,
-                           downloader=checkpoints.download_shards, decisions=checkpoints.read_decision)
+    ranks = node_ranks(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
+                       allowed_env=allowed_env, uploader=checkpoints.upload_step,
+                       downloader=checkpoints.download_shards, decisions=checkpoints.read_decision)
     health = HealthActivities(node, host, node_health)
     logs = RankLogActivities(node, workdir)
-    evidence = EvidenceActivities(ranks)
     worker = Worker(
         client,
         task_queue=node_task_queue(node),
         activities=[
-            ranks.launch_ranks,
-            ranks.rejoin_ranks,
-            ranks.watch_ranks,
-            ranks.stop_ranks,
-            ranks.inject_fault,
-            ranks.request_checkpoint,
-            checkpoints.upload_shards,
+            ranks.launch.launch_ranks,
+            ranks.launch.rejoin_ranks,
+            ranks.launch.stop_ranks,
+            ranks.watch.watch_ranks,
+            ranks.watch.request_checkpoint,
+            ranks.chaos.inject_fault,
+            ranks.evidence.collect_evidence,
             checkpoints.download_shards,
             health.check_node,
             logs.read_rank_log,
-            evidence.collect_evidence,
         ],
         max_concurrent_activities=64,
         max_concurrent_activity_task_polls=AGENT_POLLS,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_heartbeat_throttle_interval=timedelta(seconds=heartbeat_interval_s),
     )
-    return worker, ranks
+    return worker, ranks.book
 
 
 ORPHAN_CHECK_INTERVAL_S = 5.0
@@ -90,14 +123,14 @@ ORPHAN_IDLE_S = 30.0
 restart or a continue-as-new takes to watch them again, so a healthy run is asked rarely."""
 
 
-async def fence_orphans(client, ranks: RankActivities) -> None:  # type: ignore[no-untyped-def]
+async def fence_orphans(client, ranks: RankBook) -> None:  # type: ignore[no-untyped-def]
     """Every `ORPHAN_CHECK_INTERVAL_S`: `check_orphans`."""
     while True:
         await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
         await check_orphans(client, ranks)
 
 
-async def check_orphans(client, ranks: RankActivities, idle_s: float = ORPHAN_IDLE_S) -> int:  # type: ignore[no-untyped-def]
+async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) -> int:  # type: ignore[no-untyped-def]
     """The run's workflow is the authority on which ranks should live. Ranks that no watch has looked at
     for `idle_s` are checked against it: if the run has ended, moved to a newer attempt, or left this node
     (a partition that has healed, after the run replaced the node), they are stopped, so no stale attempt

@@ -377,9 +377,10 @@ def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: d
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    from activities import checkpoints
+    from activities.checkpoint_layout import manifest_key, step_prefix
+    from activities.checkpoint_transfers import PART_SIZE_BYTES, TRANSFER_CONCURRENCY, NodeCheckpointActivities
     from activities.models import ShardInfo
-    from activities.paths import shard_name
+    from trainguard.protocol import shard_name
     from trainguard.rank import sha256_file
     from trainguard.settings import s3_client
 
@@ -388,10 +389,10 @@ def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: d
         aws_access_key_id=creds["access_key"], aws_secret_access_key=creds["secret_key"],
         config=Config(s3={"addressing_style": "path"}),
     )
-    config = TransferConfig(multipart_threshold=checkpoints.PART_SIZE_BYTES,
-                            multipart_chunksize=checkpoints.PART_SIZE_BYTES,
-                            max_concurrency=checkpoints.TRANSFER_CONCURRENCY, use_threads=True)
-    node = checkpoints.NodeCheckpointActivities("bench", work / "node")
+    config = TransferConfig(multipart_threshold=PART_SIZE_BYTES,
+                            multipart_chunksize=PART_SIZE_BYTES,
+                            max_concurrency=TRANSFER_CONCURRENCY, use_threads=True)
+    node = NodeCheckpointActivities("bench", work / "node")
     # Newer _upload_one also takes the step's manifest key (it refuses to overwrite a committed shard).
     upload_takes_manifest = "manifest" in inspect.signature(node._upload_one).parameters
     upload_digest: Callable[[Path], object] = sha256_file  # what both directions compute on the way
@@ -402,7 +403,7 @@ def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: d
         return ShardInfo(rank=0, key=key, size_bytes=meta["size_bytes"], sha256=meta["sha256"], node="bench")
 
     def tg_up(run_prefix: str, key: str) -> float:
-        extra = (checkpoints.manifest_key(run_prefix, BENCH_STEP),) if upload_takes_manifest else ()
+        extra = (manifest_key(run_prefix, BENCH_STEP),) if upload_takes_manifest else ()
         return _timed(lambda: node._upload_one(BUCKET, shard, info(key), *extra))
 
     def raw_up(_run_prefix: str, key: str) -> float:
@@ -420,7 +421,7 @@ def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: d
     def one_round(tag: str, tg_first: bool) -> tuple[float, float, float, float]:
         # Keys in trainguard's layout (<run prefix>/step-00000001/rank-00000.pt), one run prefix per side.
         prefixes = {who: f"{prefix}/{tag}-{who}" for who in ("tg", "raw")}
-        keys = {who: checkpoints.step_prefix(p, BENCH_STEP) + shard_name(0) for who, p in prefixes.items()}
+        keys = {who: step_prefix(p, BENCH_STEP) + shard_name(0) for who, p in prefixes.items()}
         ups = [("tg", tg_up), ("raw", raw_up)]
         downs = [("tg", tg_down), ("raw", raw_down)]
         if not tg_first:
@@ -463,8 +464,11 @@ def _ddp_checkpoint(state: dict[str, Any], work: Path, run_prefix: str, replicat
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from activities import checkpoints
+    from activities.checkpoint_layout import manifest_key, shard_from_meta, step_prefix
+    from activities.checkpoint_store import StoreActivities
+    from activities.checkpoint_transfers import NodeCheckpointActivities
     from activities.models import CommitCheckpointInput
+    from trainguard import protocol
     from trainguard.rank import RankRun
     from trainguard.settings import s3_client
 
@@ -490,16 +494,16 @@ def _ddp_checkpoint(state: dict[str, Any], work: Path, run_prefix: str, replicat
     with ThreadPoolExecutor(max_workers=world) as pool:
         list(pool.map(save, runs))
     written = time.perf_counter()
-    prefix = checkpoints.step_prefix(run_prefix, step)
-    manifest = checkpoints.manifest_key(run_prefix, step)
-    node = checkpoints.NodeCheckpointActivities("bench", work / "agent")
+    prefix = step_prefix(run_prefix, step)
+    manifest = manifest_key(run_prefix, step)
+    node = NodeCheckpointActivities("bench", work / "agent")
 
     def upload(node_index: int) -> list[Any]:
         """What one node's watch does for the step: each of its ranks' shards, one after another."""
         step_dir = node_dirs[node_index] / "checkpoints" / f"step-{step:08d}"
         shards = []
         for meta_path in sorted(step_dir.glob("rank-*.json")):
-            shard = checkpoints.shard_from_meta(json.loads(meta_path.read_text()), prefix, f"node-{node_index}")
+            shard = shard_from_meta(json.loads(meta_path.read_text()), prefix, f"node-{node_index}")
             node._upload_shard(BUCKET, step_dir, shard, manifest)
             shards.append(shard)
         return shards
@@ -507,7 +511,7 @@ def _ddp_checkpoint(state: dict[str, Any], work: Path, run_prefix: str, replicat
     with ThreadPoolExecutor(max_workers=DDP_NODES) as pool:
         shards = [s for found in pool.map(upload, range(DDP_NODES)) for s in found]
     uploaded = time.perf_counter()
-    checkpoints.StoreActivities()._commit(CommitCheckpointInput(
+    StoreActivities()._commit(CommitCheckpointInput(
         bucket=BUCKET, run_prefix=run_prefix, workflow_id="bench", attempt=1, step=step, world_size=world,
         shards=shards))
     committed = time.perf_counter()
@@ -735,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     import torch
 
-    from activities.checkpoints import PART_SIZE_BYTES, TRANSFER_CONCURRENCY
+    from activities.checkpoint_transfers import PART_SIZE_BYTES, TRANSFER_CONCURRENCY
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     work = BENCH_DIR / f"run-{secrets.token_hex(4)}"

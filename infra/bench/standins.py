@@ -9,10 +9,8 @@ contract changes only its method changes:
   start stepping once every node of the attempt has launched (the rendezvous), at `--step-time` seconds a step,
   save a checkpoint every `checkpoint_every` steps, and finish at the step the entrypoint names
   (`standin --steps N --step-time S`).
-- `StandinStore`: `find_checkpoint` and the committer (`commit_checkpoints`) over manifests kept in memory
-  (plus `commit_checkpoint` and `prune_checkpoints`, which the real controller still registers for runs of
-  older builds)
-  in the controller process; every commit is appended to a JSON-lines file the benchmark reads.
+- `StandinStore`: `find_checkpoint`, the committer (`commit_checkpoints`) and `publish_attempt` over manifests
+  kept in memory, in the controller process; every commit is appended to a JSON-lines file the benchmark reads.
 
 Queues: serving 4,096 `trainguard-node-<node>` queues would take 4,096 Workers. `install_routing` replaces
 `trainguard.node_task_queue` (and every module's own reference to it) by `shared_queue`, which maps each node
@@ -20,7 +18,7 @@ onto one of a few shared queues by crc32(node) % num_queues, in the controller p
 process alike, before any worker starts. The Temporal cost of an activity (its events, the pending count, its
 payloads) does not depend on which queue it is on.
 
-Faults, as the real agent carries them out (`activities/ranks.py`):
+Faults, as the real agent carries them out (`activities/chaos.py`):
 - `crash`: one rank of the node exits (-9); the node's watch reports RANK_EXITED. Ranks on other nodes stop
   stepping (they block in the next collective) but do not exit, until the run stops them.
 - `node-down`: the node's watch stops heartbeating and never returns, so Temporal times it out (the watch's
@@ -50,7 +48,6 @@ from activities.models import (
     PublishAttemptInput,
     CheckNodeInput,
     CheckNodeResult,
-    CommitCheckpointInput,
     CommitCheckpointsInput,
     CommitCheckpointsResult,
     CommittedCheckpoint,
@@ -64,8 +61,6 @@ from activities.models import (
     LaunchRanksInput,
     LaunchRanksResult,
     Manifest,
-    PruneCheckpointsInput,
-    PruneCheckpointsResult,
     RejoinRanksInput,
     RejoinRanksResult,
     RequestCheckpointInput,
@@ -520,22 +515,9 @@ class StandinStore:
         newest = max(usable, key=lambda m: m.step)
         return FindCheckpointResult(manifest=newest, manifest_key=manifest_key(request.run_prefix, newest.step))
 
-    @activity.defn(name="commit_checkpoint")
-    async def commit_checkpoint(self, request: CommitCheckpointInput) -> CheckpointRef:
-        steps = self.manifests.setdefault(request.run_prefix, {})
-        if request.step not in steps:
-            steps[request.step] = Manifest(workflow_id=request.workflow_id, step=request.step,
-                                           world_size=request.world_size, attempt=request.attempt,
-                                           shards=sorted(request.shards, key=lambda s: s.rank),
-                                           created_at=time.time())
-            self._log(request.step, request.attempt, len(request.shards), request.workflow_id)
-        return CheckpointRef(step=request.step, manifest_key=manifest_key(request.run_prefix, request.step),
-                             bucket=request.bucket, world_size=request.world_size,
-                             total_bytes=sum(s.size_bytes for s in request.shards))
-
     @activity.defn(name="commit_checkpoints")
     async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
-        """As the real committer (`activities/checkpoints.py`): commit each step whose node records of the
+        """As the real committer (`activities/checkpoint_store.py`): commit each step whose node records of the
         attempts sharing the live state cover the world, keep `keep_last`, return the commits."""
         assert self.records is not None
         deadline = time.monotonic() + request.max_duration_s
@@ -591,12 +573,3 @@ class StandinStore:
     async def publish_attempt(self, request: PublishAttemptInput) -> None:
         assert self.records is not None
         self.records.publish(request.run_prefix, request.decision)
-
-    @activity.defn(name="prune_checkpoints")
-    async def prune_checkpoints(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
-        steps = self.manifests.get(request.run_prefix, {})
-        keep = set(sorted(steps)[-request.keep_last:]) | set(request.protect_steps)
-        deleted = [s for s in sorted(steps) if s not in keep]
-        for step in deleted:
-            del steps[step]
-        return PruneCheckpointsResult(deleted_steps=deleted)

@@ -20,10 +20,10 @@ import pytest
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from activities.paths import RunLayout
 from trainguard import TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack, _start_time
+from trainguard.protocol import RunLayout
 from trainguard.spec import MAX_ENV_VALUE_BYTES, MAX_EXEC_BYTES, SpecError, exec_env_refused, parse_spec
 
 from .conftest import NODES, make_spec

@@ -23,19 +23,16 @@ import pytest
 from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
-from activities.checkpoint_layout import decision_key
-from activities.checkpoint_store import _not_modified
-from activities.checkpoints import (
-    NodeCheckpointActivities,
+from activities.checkpoint_layout import decision_key, manifest_key, manifest_problem, step_prefix
+from activities.checkpoint_store import (
     StoreActivities,
+    _not_modified,
     abort_orphaned_uploads,
     check_shard_in_store,
     list_steps,
-    manifest_key,
-    manifest_problem,
     read_manifest,
-    step_prefix,
 )
+from activities.checkpoint_transfers import NodeCheckpointActivities
 from activities.models import (
     AttemptDecision,
     CommitCheckpointInput,
@@ -49,10 +46,10 @@ from activities.models import (
     ShardInfo,
     WatchCheckpoints,
 )
-from activities.paths import RunLayout, shard_name
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import CheckpointRef, IncidentKind, RunResult
+from trainguard.protocol import RunLayout, shard_name
 
 from .conftest import NODES, activity_failures, make_spec
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 
-from activities.paths import RunLayout
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
 from trainguard.hosts import Direction, unavailable_reason
 from trainguard.models import Action, IncidentKind, Phase, RunResult
+from trainguard.protocol import RunLayout
 from trainguard.settings import Settings
 
 from .conftest import (REPO, RUN_TIMEOUT_S, activity_failures, checkpointed, live_rank_pids, make_spec,

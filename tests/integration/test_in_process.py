@@ -10,10 +10,10 @@ import json
 import uuid
 from typing import Any
 
-from activities.paths import RunLayout
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import IncidentKind, RunResult
+from trainguard.protocol import RunLayout
 
 from .conftest import RUN_TIMEOUT_S, checkpointed, live_rank_pids, make_spec, wait_until
 

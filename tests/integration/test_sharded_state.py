@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from temporalio.client import WorkflowFailureError
 
-from activities.checkpoints import read_manifest, shard_objects
+from activities.checkpoint_layout import shard_objects
+from activities.checkpoint_store import read_manifest
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import Action, IncidentKind, Phase, RunResult

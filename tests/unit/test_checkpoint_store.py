@@ -11,16 +11,9 @@ import pytest
 from botocore.exceptions import ClientError
 
 from activities import checkpoint_store, checkpoint_transfers
-from activities.checkpoints import (
-    ORPHANED_UPLOAD_AGE_S,
-    StoreActivities,
-    abort_orphaned_uploads,
-    committed_shard,
-    doomed_steps,
-    local_digests,
-    manifest_problem,
-    step_of,
-)
+from activities.checkpoint_layout import doomed_steps, manifest_problem, step_of
+from activities.checkpoint_store import ORPHANED_UPLOAD_AGE_S, StoreActivities, abort_orphaned_uploads, committed_shard
+from activities.checkpoint_transfers import local_digests
 from activities.models import Manifest, PruneCheckpointsInput, ShardInfo
 
 RUN = "runs/wf-1"
@@ -304,7 +297,7 @@ def test_manifest_problem_of_dcp_and_replicated_checkpoints(manifest: Manifest, 
 
 
 def test_a_torch_save_of_dtensors_is_a_checkpoint_that_cannot_be_resharded() -> None:
-    from activities.checkpoints import reshardable_of, shard_from_meta
+    from activities.checkpoint_layout import reshardable_of, shard_from_meta
 
     meta = {"rank": 1, "step": 10, "size_bytes": 7, "sha256": "ab" * 32}
     plain = shard_from_meta(meta, f"{RUN}/step-00000010/", "node-1")
@@ -315,7 +308,7 @@ def test_a_torch_save_of_dtensors_is_a_checkpoint_that_cannot_be_resharded() -> 
 
 
 def test_a_dcp_checkpoint_restores_from_every_shard_a_replica_from_its_original() -> None:
-    from activities.checkpoints import restore_sources
+    from activities.checkpoint_layout import restore_sources
 
     dcp = _dcp_manifest(world_size=2)
     assert sorted(restore_sources(dcp, [0]).keys()) == [0, 1], "one rank after a shrink reads both shards"
@@ -326,7 +319,7 @@ def test_a_dcp_checkpoint_restores_from_every_shard_a_replica_from_its_original(
 
 
 def test_a_dcp_shard_is_its_files_in_the_store_and_a_replica_is_none() -> None:
-    from activities.checkpoints import shard_from_meta, shard_objects
+    from activities.checkpoint_layout import shard_from_meta, shard_objects
 
     shard = _dcp_manifest().shards[0]
     meta = {"rank": 0, "format": "dcp", "sha256": shard.sha256,

@@ -13,12 +13,12 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.models import InjectFaultInput, LaunchRanksInput
-from activities.ranks import RankActivities
 from trainguard.error_types import ErrorType, non_retryable
 from trainguard.faults import FaultKind, parse_fault
 from workflows.node_group import TRANSFER_RETRY
 from workflows.node_pool import SCHEDULER_RETRY
 from workflows.rank_log import READ_LOG_RETRY
+from workers.node_agent import node_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("trainguard", "activities", "workflows", "workers", "infra")
@@ -80,17 +80,17 @@ def test_fault_names_parse_and_exit_is_none_of_them() -> None:
 
 
 async def test_the_agent_refuses_an_unknown_fault_and_leaves_the_rank_running(tmp_path: Path) -> None:
-    agent = RankActivities("node-a", tmp_path / "agent", "127.0.0.1", tmp_path,
+    agent = node_ranks("node-a", tmp_path / "agent", "127.0.0.1", tmp_path,
                            allowed=(str(Path(sys.executable).parent),))
     try:
-        await agent.launch_ranks(LaunchRanksInput(
+        await agent.launch.launch_ranks(LaunchRanksInput(
             workflow_id="wf", chain_id="c1", attempt=1, node="node-a", node_rank=0, num_nodes=1, ranks_per_node=1,
             entrypoint=[sys.executable, "-c", "import time; time.sleep(60)"]))
         with pytest.raises(ApplicationError) as refused:
-            await agent.inject_fault(InjectFaultInput(workflow_id="wf", node="node-a", fault="exit"))
+            await agent.chaos.inject_fault(InjectFaultInput(workflow_id="wf", node="node-a", fault="exit"))
         assert refused.value.type == ErrorType.BAD_FAULT and refused.value.non_retryable
         assert "node-down" in refused.value.message and "exit" not in refused.value.message.split(";")[1]
-        pid = agent._record("wf").ranks[0].pid  # type: ignore[union-attr]
+        pid = agent.book.record("wf").ranks[0].pid  # type: ignore[union-attr]
         os.kill(pid, 0)  # still alive: the refused fault did nothing
     finally:
-        await agent.stop_all(grace_s=0.5)
+        await agent.book.stop_all(grace_s=0.5)

@@ -16,9 +16,9 @@ import pytest
 
 from activities.chaos import inject_hang
 from activities.evidence import collect_local, evidence_env
-from activities.paths import RunLayout
-from activities.ranks import AttemptRecord, RankProcess
+from activities.rank_records import AttemptRecord, RankProcess
 from trainguard.procs import start_time
+from trainguard.protocol import RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -149,18 +149,18 @@ async def test_a_watch_asked_for_evidence_returns_its_hang_with_every_local_rank
 
     from activities.evidence import EvidenceActivities
     from activities.models import WatchEventKind, WatchRanksInput
-    from activities.ranks import RankActivities
     from trainguard.spec import HealthSpec
+    from workers.node_agent import node_ranks
 
     layout, record = ranks
-    agent = RankActivities("node-0", tmp_path, "127.0.0.1", REPO)
-    agent._attempts["wf"] = record
-    EvidenceActivities(agent, uploader=lambda *_: None)
+    agent = node_ranks("node-0", tmp_path, "127.0.0.1", REPO)
+    agent.book.attempts["wf"] = record
+    agent.watch.hang_evidence = EvidenceActivities(agent.book, uploader=lambda *_: None).for_watch
     inject_hang(layout, record, 1, "python")
     request = WatchRanksInput(workflow_id="wf", attempt=1, node="node-0", evidence=True, evidence_with_event=True,
                               health=HealthSpec(hang_floor_s=0.5, poll_interval_s=0.05))
 
-    event = await ActivityEnvironment().run(agent.watch_ranks, request)
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, request)
 
     assert (event.kind, event.rank) == (WatchEventKind.HANG, 1)
     assert [e.rank for e in event.evidence] == [0, 1]

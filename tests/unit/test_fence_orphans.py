@@ -14,10 +14,10 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.models import LaunchRanksInput
-from activities.ranks import RankActivities
+from activities.rank_records import RankBook
 from trainguard.models import RunStatus
 from trainguard.procs import start_time
-from workers.node_agent import check_orphans
+from workers.node_agent import check_orphans, node_ranks
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -49,13 +49,13 @@ class FakeClient:
 
 
 @pytest.fixture
-async def agent(tmp_path: Path) -> AsyncIterator[tuple[RankActivities, int]]:
-    ranks = RankActivities("node-p", tmp_path, "127.0.0.1", tmp_path)
-    launched = await ranks.launch_ranks(LaunchRanksInput(
+async def agent(tmp_path: Path) -> AsyncIterator[tuple[RankBook, int]]:
+    ranks = node_ranks("node-p", tmp_path, "127.0.0.1", tmp_path)
+    launched = await ranks.launch.launch_ranks(LaunchRanksInput(
         workflow_id="wf", chain_id="c", attempt=2, node="node-p", node_rank=1, num_nodes=2, ranks_per_node=1,
         entrypoint=SLEEPER))
-    yield ranks, launched.pids[0]
-    await ranks.stop_all(grace_s=0.5)
+    yield ranks.book, launched.pids[0]
+    await ranks.book.stop_all(grace_s=0.5)
 
 
 @pytest.mark.parametrize("run", [
@@ -63,7 +63,7 @@ async def agent(tmp_path: Path) -> AsyncIterator[tuple[RankActivities, int]]:
     FakeRun(answer=RunStatus(nodes=["node-0", "node-2"], attempt=3)),  # replaced by a spare
     FakeRun(answer=RunStatus(nodes=["node-0", "node-p"], attempt=3)),  # relaunched without telling us
 ], ids=["run-ended", "node-replaced", "newer-attempt"])
-async def test_ranks_the_run_moved_on_from_are_stopped(agent: tuple[RankActivities, int], run: FakeRun) -> None:
+async def test_ranks_the_run_moved_on_from_are_stopped(agent: tuple[RankBook, int], run: FakeRun) -> None:
     ranks, pid = agent
     assert await check_orphans(FakeClient(run), ranks, idle_s=0.0) == 1
     assert start_time(pid) is None
@@ -73,13 +73,13 @@ async def test_ranks_the_run_moved_on_from_are_stopped(agent: tuple[RankActiviti
     FakeRun(unreachable=True),  # still cut off, or Temporal is down: never stop training for that
     FakeRun(answer=RunStatus(nodes=["node-0", "node-p"], attempt=2)),  # the run still counts on them
 ], ids=["cannot-ask", "still-current"])
-async def test_ranks_are_kept_unless_the_run_says_otherwise(agent: tuple[RankActivities, int], run: FakeRun) -> None:
+async def test_ranks_are_kept_unless_the_run_says_otherwise(agent: tuple[RankBook, int], run: FakeRun) -> None:
     ranks, pid = agent
     assert await check_orphans(FakeClient(run), ranks, idle_s=0.0) == 0
     assert start_time(pid) is not None
 
 
-async def test_watched_ranks_are_not_asked_about(agent: tuple[RankActivities, int]) -> None:
+async def test_watched_ranks_are_not_asked_about(agent: tuple[RankBook, int]) -> None:
     ranks, pid = agent
     assert await check_orphans(FakeClient(FakeRun(WorkflowExecutionStatus.COMPLETED)), ranks, idle_s=30.0) == 0
     assert start_time(pid) is not None

@@ -27,8 +27,8 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
-from activities.paths import RunLayout
-from activities.ranks import RankActivities
+from trainguard.protocol import RunLayout
+from workers.node_agent import NodeRanks, node_ranks
 
 PRINT_RESTORE = "import os; print('restore', os.environ.get('TRAINGUARD_RESTORE_DIR'))"
 
@@ -50,12 +50,12 @@ class Store:
 
 
 @pytest.fixture
-async def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RankActivities]:
+async def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[NodeRanks]:
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setattr(rank_watch, "DOWNLOAD_RETRY_INITIAL_S", 0.05)
-    made = RankActivities("node-b", tmp_path / "agent", "127.0.0.1", tmp_path)
+    made = node_ranks("node-b", tmp_path / "agent", "127.0.0.1", tmp_path)
     yield made
-    await made.stop_all(grace_s=0.5)
+    await made.book.stop_all(grace_s=0.5)
 
 
 def _watch(attempt: int = 2, download: bool = True) -> WatchRanksInput:
@@ -69,67 +69,67 @@ def _watch(attempt: int = 2, download: bool = True) -> WatchRanksInput:
 
 
 async def test_the_first_watch_launches_from_the_restored_shards_and_a_second_launches_nothing(
-        agent: RankActivities, tmp_path: Path) -> None:
+        agent: NodeRanks, tmp_path: Path) -> None:
     store = Store(tmp_path)
-    agent.downloader = store
-    event = await ActivityEnvironment().run(agent.watch_ranks, _watch())
+    agent.watch.downloader = store
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, _watch())
     assert event.kind is WatchEventKind.FINISHED
-    record = agent._record("wf")
+    record = agent.book.record("wf")
     assert record is not None and record.attempt == 2 and sorted(record.ranks) == [2, 3]
-    log = RunLayout.of(agent.workdir, "wf").log_file(2, 2).read_text()
+    log = RunLayout.of(agent.book.workdir, "wf").log_file(2, 2).read_text()
     assert f"restore {store.restore_dir}" in log, "the ranks restore from what the watch downloaded"
     pids = sorted(p.pid for p in record.ranks.values())
 
-    again = await ActivityEnvironment().run(agent.watch_ranks, _watch())
+    again = await ActivityEnvironment().run(agent.watch.watch_ranks, _watch())
     assert again.kind is WatchEventKind.FINISHED
-    assert sorted(p.pid for p in agent._record("wf").ranks.values()) == pids, "nothing launched twice"
+    assert sorted(p.pid for p in agent.book.record("wf").ranks.values()) == pids, "nothing launched twice"
     assert len(store.calls) == 1, "nor downloaded twice"
 
 
-async def test_a_store_outage_is_ridden_out_inside_the_watch(agent: RankActivities, tmp_path: Path) -> None:
+async def test_a_store_outage_is_ridden_out_inside_the_watch(agent: NodeRanks, tmp_path: Path) -> None:
     store = Store(tmp_path, transient=2)
-    agent.downloader = store
-    event = await ActivityEnvironment().run(agent.watch_ranks, _watch())
+    agent.watch.downloader = store
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, _watch())
     assert event.kind is WatchEventKind.FINISHED and len(store.calls) == 3
 
 
-async def test_bad_bytes_fail_the_watch_at_once_and_launch_nothing(agent: RankActivities, tmp_path: Path) -> None:
+async def test_bad_bytes_fail_the_watch_at_once_and_launch_nothing(agent: NodeRanks, tmp_path: Path) -> None:
     store = Store(tmp_path, corrupt=True)
-    agent.downloader = store
+    agent.watch.downloader = store
     with pytest.raises(ApplicationError) as failed:
-        await ActivityEnvironment().run(agent.watch_ranks, _watch())
+        await ActivityEnvironment().run(agent.watch.watch_ranks, _watch())
     assert failed.value.type == "CorruptCheckpoint" and len(store.calls) == 1
-    assert agent._record("wf") is None, "no rank of the attempt started"
+    assert agent.book.record("wf") is None, "no rank of the attempt started"
 
 
-async def test_a_watch_never_launches_an_older_attempt_than_the_node_runs(agent: RankActivities,
+async def test_a_watch_never_launches_an_older_attempt_than_the_node_runs(agent: NodeRanks,
                                                                           tmp_path: Path) -> None:
-    agent.downloader = Store(tmp_path)
-    await ActivityEnvironment().run(agent.watch_ranks, _watch(attempt=3, download=False))
+    agent.watch.downloader = Store(tmp_path)
+    await ActivityEnvironment().run(agent.watch.watch_ranks, _watch(attempt=3, download=False))
     with pytest.raises(ApplicationError) as stale:
-        await ActivityEnvironment().run(agent.watch_ranks, _watch(attempt=2, download=False))
+        await ActivityEnvironment().run(agent.watch.watch_ranks, _watch(attempt=2, download=False))
     assert stale.value.type == "NoSuchAttempt"
-    assert agent._record("wf").attempt == 3
+    assert agent.book.record("wf").attempt == 3
 
 
-async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launching(agent: RankActivities,
+async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launching(agent: NodeRanks,
                                                                                     tmp_path: Path) -> None:
     """A relaunch sends no stop to a node that stays in the run: its launching watch fences the old attempt.
     Its ranks (alive, blocked in a sleep) must be gone before the new ones start, never beside them."""
-    agent.downloader = Store(tmp_path)
+    agent.watch.downloader = Store(tmp_path)
     old = _watch(attempt=1, download=False).launch
     assert old is not None
-    await agent.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
-    before = agent._record("wf")
+    await agent.launch.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
+    before = agent.book.record("wf")
     assert before is not None and before.attempt == 1
     old_ranks = list(before.ranks.values())
     assert not any(p.poll() for p in old_ranks), "attempt 1 runs"
 
-    event = await ActivityEnvironment().run(agent.watch_ranks, _watch(attempt=2, download=False))
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, _watch(attempt=2, download=False))
 
     assert event.kind is WatchEventKind.FINISHED
     assert all(p.poll() for p in old_ranks), "attempt 1's ranks were stopped"
-    after = agent._record("wf")
+    after = agent.book.record("wf")
     assert after is not None and after.attempt == 2
     assert not {p.pid for p in old_ranks} & {p.pid for p in after.ranks.values()}
 
@@ -175,87 +175,87 @@ def _following(attempt: int = 1) -> WatchRanksInput:
         "checkpoints": WatchCheckpoints(bucket="b", run_prefix="runs/wf")})
 
 
-async def _training(agent: RankActivities) -> list[object]:
+async def _training(agent: NodeRanks) -> list[object]:
     """Attempt 1 running on the node (alive, blocked in a sleep); its rank processes."""
     old = _watch(attempt=1, download=False).launch
     assert old is not None
-    await agent.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
-    record = agent._record("wf")
+    await agent.launch.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
+    record = agent.book.record("wf")
     assert record is not None and record.attempt == 1
     return list(record.ranks.values())
 
 
-async def test_a_watch_takes_up_the_runs_published_relaunch_in_place_at_its_node_rank(agent: RankActivities,
+async def test_a_watch_takes_up_the_runs_published_relaunch_in_place_at_its_node_rank(agent: NodeRanks,
                                                                                        tmp_path: Path) -> None:
     """A large run relaunches in place: the watch still running attempt 1 reads the run's decision from the
     store, stops attempt 1's ranks, downloads the shards its node rank restores and launches attempt 2, and
     goes on watching it: its events say which attempt they are of."""
     store = Store(tmp_path)
-    agent.downloader = store
+    agent.watch.downloader = store
     old_ranks = await _training(agent)
     decisions = Decisions()
-    agent.decisions = decisions
+    agent.watch.decisions = decisions
 
     publishing = asyncio.ensure_future(decisions.publish_once_read(_decision(2)))
-    event = await ActivityEnvironment().run(agent.watch_ranks, _following())
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, _following())
     await publishing
 
     assert event.kind is WatchEventKind.FINISHED and event.attempt == 2
     assert all(p.poll() for p in old_ranks), "attempt 1's ranks were stopped"
-    record = agent._record("wf")
+    record = agent.book.record("wf")
     assert record is not None and record.attempt == 2 and sorted(record.ranks) == [2, 3]  # node rank 1 kept
     assert [(c.node, c.attempt, c.ranks) for c in store.calls] == [("node-b", 2, [2, 3])]
-    log = RunLayout.of(agent.workdir, "wf").log_file(2, 2).read_text()
+    log = RunLayout.of(agent.book.workdir, "wf").log_file(2, 2).read_text()
     assert f"restore {store.restore_dir}" in log
 
 
-async def test_a_node_leaving_the_run_takes_up_no_relaunch(agent: RankActivities, tmp_path: Path) -> None:
+async def test_a_node_leaving_the_run_takes_up_no_relaunch(agent: NodeRanks, tmp_path: Path) -> None:
     """A node replaced in the relaunch (a straggler, say) reads the same decision and launches nothing."""
-    agent.downloader = Store(tmp_path)
+    agent.watch.downloader = Store(tmp_path)
     old_ranks = await _training(agent)
-    agent.decisions = lambda target: _decision(2, leaving=["node-b"])
+    agent.watch.decisions = lambda target: _decision(2, leaving=["node-b"])
     watch = _following().model_copy(update={"max_duration_s": 0.5})
 
-    event = await ActivityEnvironment().run(agent.watch_ranks, watch)
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, watch)
 
     assert event.kind is WatchEventKind.KEEPALIVE and event.attempt == 1
-    assert not any(p.poll() for p in old_ranks) and agent._record("wf").attempt == 1
+    assert not any(p.poll() for p in old_ranks) and agent.book.record("wf").attempt == 1
 
 
-async def test_a_node_that_reported_waits_in_its_watch_and_takes_up_the_relaunch(agent: RankActivities,
+async def test_a_node_that_reported_waits_in_its_watch_and_takes_up_the_relaunch(agent: NodeRanks,
                                                                                    tmp_path: Path) -> None:
     """Its ranks of attempt 1 failed and the run has that report: the watch the group starts next reports
     nothing of attempt 1 (the exit again would be a second incident), and launches attempt 2 once published;
     a node the decision says is leaving returns at once instead."""
     store = Store(tmp_path)
-    agent.downloader = store
+    agent.watch.downloader = store
     failed = _watch(attempt=1, download=False).launch
     assert failed is not None
-    await agent.launch_ranks(failed.model_copy(update={"entrypoint": ["python", "-c", "raise SystemExit(3)"]}))
-    old_ranks = list(agent._record("wf").ranks.values())
+    await agent.launch.launch_ranks(failed.model_copy(update={"entrypoint": ["python", "-c", "raise SystemExit(3)"]}))
+    old_ranks = list(agent.book.record("wf").ranks.values())
     decisions = Decisions()
-    agent.decisions = decisions
+    agent.watch.decisions = decisions
 
     # Published only once the old ranks have exited and the watch has looked since: it must not report that.
     publishing = asyncio.ensure_future(decisions.publish_once_read(_decision(2), after=lambda: all(
         p.poll() for p in old_ranks)))
-    event = await ActivityEnvironment().run(agent.watch_ranks, _following().model_copy(update={"after_attempt": 1}))
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, _following().model_copy(update={"after_attempt": 1}))
     await publishing
     assert event.kind is WatchEventKind.FINISHED and event.attempt == 2
     assert [(c.node, c.ranks) for c in store.calls] == [("node-b", [2, 3])]
 
-    agent.decisions = lambda target: _decision(3, leaving=["node-b"])
-    left = await ActivityEnvironment().run(agent.watch_ranks, _following(attempt=2).model_copy(
+    agent.watch.decisions = lambda target: _decision(3, leaving=["node-b"])
+    left = await ActivityEnvironment().run(agent.watch.watch_ranks, _following(attempt=2).model_copy(
         update={"after_attempt": 2}))
-    assert left.kind is WatchEventKind.KEEPALIVE and agent._record("wf").attempt == 2
+    assert left.kind is WatchEventKind.KEEPALIVE and agent.book.record("wf").attempt == 2
 
 
-async def test_a_large_runs_watch_heartbeats_only_as_often_as_the_run_asks(agent: RankActivities,
+async def test_a_large_runs_watch_heartbeats_only_as_often_as_the_run_asks(agent: NodeRanks,
                                                                            tmp_path: Path) -> None:
     """Every heartbeat is an RPC and a write on the Temporal server: a watch asked for one every 0.5 s sends
     two or three in 1.2 s of watching, the first no sooner than its share of the interval, where one left to
     its poll (every 0.05 s) sends one per poll, the first at once."""
-    agent.downloader = Store(tmp_path)
+    agent.watch.downloader = Store(tmp_path)
     sleeper = ["python", "-c", "import time; time.sleep(600)"]
     counts, firsts = [], []
     for every in (None, 0.5):
@@ -267,7 +267,7 @@ async def test_a_large_runs_watch_heartbeats_only_as_often_as_the_run_asks(agent
         watch = watch.model_copy(update={"max_duration_s": 1.2, "heartbeat_every_s": every,
                                          "launch": watch.launch.model_copy(update={"entrypoint": sleeper})})
         began = time.monotonic()
-        event = await env.run(agent.watch_ranks, watch)
+        event = await env.run(agent.watch.watch_ranks, watch)
         assert event.kind is WatchEventKind.KEEPALIVE
         counts.append(len(beats))
         firsts.append(beats[0] - began)

@@ -16,29 +16,29 @@ from temporalio.exceptions import ApplicationError
 
 from activities import rank_launch
 from activities.models import LaunchRanksInput
-from activities.paths import RunLayout
-from activities.ranks import RankActivities
 from trainguard.procs import start_time
+from trainguard.protocol import RunLayout
+from workers.node_agent import NodeRanks, node_ranks
 
 VENV_BIN = str(Path(sys.executable).parent)
 WHO = "import os, sys; print('exe', sys.executable); print('token', os.environ.get('TRAINGUARD_PEER_TOKEN'))"
-AgentFactory = Callable[..., RankActivities]
+AgentFactory = Callable[..., NodeRanks]
 
 
 @pytest.fixture
 async def make_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AgentFactory]:
     monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")  # as the dev stack's agents
-    made: list[RankActivities] = []
+    made: list[NodeRanks] = []
 
-    def make(allowed: tuple[str, ...] = (VENV_BIN,), allowed_env: frozenset[str] = frozenset()) -> RankActivities:
-        agent = RankActivities("node-a", tmp_path / "agent", "127.0.0.1", tmp_path, allowed=allowed,
+    def make(allowed: tuple[str, ...] = (VENV_BIN,), allowed_env: frozenset[str] = frozenset()) -> NodeRanks:
+        agent = node_ranks("node-a", tmp_path / "agent", "127.0.0.1", tmp_path, allowed=allowed,
                                allowed_env=allowed_env)
         made.append(agent)
         return agent
 
     yield make
     for agent in made:
-        await agent.stop_all(grace_s=0.5)
+        await agent.book.stop_all(grace_s=0.5)
 
 
 def _launch(entrypoint: list[str], **changes: object) -> LaunchRanksInput:
@@ -48,15 +48,15 @@ def _launch(entrypoint: list[str], **changes: object) -> LaunchRanksInput:
     return LaunchRanksInput(**fields)  # type: ignore[arg-type]
 
 
-async def _refused(agent: RankActivities, request: LaunchRanksInput) -> ApplicationError:
+async def _refused(agent: NodeRanks, request: LaunchRanksInput) -> ApplicationError:
     with pytest.raises(ApplicationError) as refused:
-        await agent.launch_ranks(request)
+        await agent.launch.launch_ranks(request)
     assert refused.value.non_retryable
     return refused.value
 
 
-async def _log(agent: RankActivities, rank: int = 0) -> str:
-    path = RunLayout.of(agent.workdir, "wf").log_file(1, rank)
+async def _log(agent: NodeRanks, rank: int = 0) -> str:
+    path = RunLayout.of(agent.book.workdir, "wf").log_file(1, rank)
     for _ in range(500):
         if path.exists() and "token" in path.read_text():
             return path.read_text()
@@ -88,7 +88,7 @@ async def test_an_allowed_spec_path_still_never_picks_the_program(make_agent: Ag
                                                                    tmp_path: Path) -> None:
     agent = make_agent(allowed_env=frozenset({"PATH"}))
 
-    await agent.launch_ranks(_launch(["python", "-c", WHO], env={"PATH": f"{impostor}:{VENV_BIN}"}))
+    await agent.launch.launch_ranks(_launch(["python", "-c", WHO], env={"PATH": f"{impostor}:{VENV_BIN}"}))
 
     log = await _log(agent)
     assert f"exe {shutil_which_python()}" in log  # the agent's python, by the absolute path it checked
@@ -113,7 +113,7 @@ async def test_env_that_changes_what_runs_needs_the_operator(make_agent: AgentFa
     assert refused.type == "BadSpec" and f"env.{name}" in refused.message and "SEED" not in refused.message
 
     allowed = make_agent(allowed_env=frozenset({name}))
-    assert len((await allowed.launch_ranks(request)).pids) == 2
+    assert len((await allowed.launch.launch_ranks(request)).pids) == 2
 
 
 async def test_ranks_never_inherit_the_pools_peer_token(make_agent: AgentFactory,
@@ -121,7 +121,7 @@ async def test_ranks_never_inherit_the_pools_peer_token(make_agent: AgentFactory
     monkeypatch.setenv("TRAINGUARD_PEER_TOKEN", "pool-secret-0123456789abcdef")
     agent = make_agent()
 
-    await agent.launch_ranks(_launch(["python", "-c", WHO]))
+    await agent.launch.launch_ranks(_launch(["python", "-c", WHO]))
 
     assert "token None" in await _log(agent)
 
@@ -149,7 +149,7 @@ async def test_what_exec_cannot_take_is_a_bad_spec_naming_the_field(make_agent: 
     refused = await _refused(agent, request)
 
     assert refused.type == "BadSpec" and field in refused.message
-    record = agent._record("wf")
+    record = agent.book.record("wf")
     assert record is None or not [p for p in record.ranks.values() if start_time(p.pid) is not None]
 
 
@@ -173,7 +173,7 @@ async def test_a_relative_program_is_found_in_the_working_dir_it_runs_in(make_ag
     (tmp_path / "bin").mkdir()  # the same relative name from the agent's own directory is not what runs
     agent = make_agent(allowed=(str(work / "bin"),))
 
-    await agent.launch_ranks(_launch(["bin/train"], working_dir=str(work)))
+    await agent.launch.launch_ranks(_launch(["bin/train"], working_dir=str(work)))
 
     assert "token ok" in await _log(agent)
 
@@ -192,7 +192,7 @@ async def test_an_exec_failure_is_the_runs_only_when_the_spec_caused_it(
     monkeypatch.setattr(rank_launch.subprocess, "Popen", popen)
 
     with pytest.raises(Exception) as caught:
-        await make_agent().launch_ranks(_launch(["python", "-c", "pass"]))
+        await make_agent().launch.launch_ranks(_launch(["python", "-c", "pass"]))
 
     if bad_spec:
         assert isinstance(caught.value, ApplicationError) and caught.value.type == "BadSpec"

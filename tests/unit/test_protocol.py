@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.ranks import AttemptRecord, RankProcess, _read_finish, _read_report
+from activities.rank_records import AttemptRecord, RankProcess, read_finish, read_report
 from trainguard import protocol
 from trainguard.rank import RankRun
 
@@ -28,14 +28,14 @@ def test_the_agent_reads_the_progress_and_finish_the_rank_helper_writes(tmp_path
     env = _rank_env(tmp_path, **{protocol.ENV_RESTORE_STEP: "7"})
     run = RankRun(env)  # its first report, at once: the step it resumes from
     path = Path(env[protocol.ENV_PROGRESS_FILE])
-    report = _read_report(path)
+    report = read_report(path)
     assert report is not None and (report.rank, report.step, report.finished) == (1, 7, False)
-    assert _read_finish(path) == protocol.Finish()
+    assert read_finish(path) == protocol.Finish()
     run.step_done(8, compute_s=0.25)
     run.finish(digest="abc")  # always written, however soon after the step
-    report = _read_report(path)
+    report = read_report(path)
     assert report is not None and (report.step, report.compute_s, report.finished) == (8, 0.25, True)
-    assert _read_finish(path).digest == "abc"
+    assert read_finish(path).digest == "abc"
 
 
 def test_progress_json_keeps_the_keys_older_agents_read(tmp_path: Path) -> None:

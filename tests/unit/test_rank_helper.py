@@ -461,7 +461,7 @@ def test_a_save_held_up_by_a_write_whose_peer_died_is_judged_by_the_plain_hang_b
     import threading
 
     from activities.progress import silence_bound_s
-    from activities.ranks import _read_report
+    from activities.rank_records import read_report
     from trainguard.spec import HealthSpec
 
     peer_gone = threading.Event()
@@ -484,7 +484,7 @@ def test_a_save_held_up_by_a_write_whose_peer_died_is_judged_by_the_plain_hang_b
     next_save.join(0.3)
     try:
         assert next_save.is_alive(), "the next save waits for the write before it"
-        report = _read_report(Path(env["TRAINGUARD_PROGRESS_FILE"]))
+        report = read_report(Path(env["TRAINGUARD_PROGRESS_FILE"]))
         assert report is not None and report.step > 0 and not report.saving
         health = HealthSpec(checkpoint_grace_s=60.0)
         assert silence_bound_s(report, 0, health) == silence_bound_s(report, 0, health.model_copy(

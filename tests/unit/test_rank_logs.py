@@ -11,7 +11,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.models import WatchEventKind, WatchRanksInput
 from activities.rank_logs import exception_line, failure_signature, read_tail
-from activities.ranks import RankActivities
+from workers.node_agent import node_ranks
 
 TRACEBACK = """step 9 done
 Traceback (most recent call last):
@@ -69,16 +69,16 @@ async def test_a_rank_that_raises_is_reported_with_its_traceback_log_and_signatu
     """The node agent's own watch, on a real process: the exit event carries what the rank printed."""
     from activities.models import LaunchRanksInput
 
-    agent = RankActivities("node-a", tmp_path / "agent", "127.0.0.1", tmp_path,
+    agent = node_ranks("node-a", tmp_path / "agent", "127.0.0.1", tmp_path,
                            allowed=(str(Path(sys.executable).parent),))
     try:
-        await agent.launch_ranks(LaunchRanksInput(
+        await agent.launch.launch_ranks(LaunchRanksInput(
             workflow_id="wf", chain_id="c1", attempt=1, node="node-a", node_rank=0, num_nodes=1,
             ranks_per_node=1, entrypoint=[sys.executable, "-c", SCRIPT]))
-        event = await ActivityEnvironment().run(agent.watch_ranks, WatchRanksInput(
+        event = await ActivityEnvironment().run(agent.watch.watch_ranks, WatchRanksInput(
             workflow_id="wf", attempt=1, node="node-a", max_duration_s=30))
     finally:
-        await agent.stop_all(grace_s=0.5)
+        await agent.book.stop_all(grace_s=0.5)
     assert event.kind is WatchEventKind.RANK_EXITED and event.exit_code == 1
     assert event.detail == "rank 0 exited with code 1: ValueError: boom at step 10"
     assert event.log_path is not None and event.log_path.endswith("attempt-0001/logs/rank-00000.log")
@@ -88,8 +88,8 @@ async def test_a_rank_that_raises_is_reported_with_its_traceback_log_and_signatu
 
 
 async def test_the_agent_reads_a_ranks_log_newest_attempt_first_from_an_offset_or_its_tail(tmp_path: Path) -> None:
-    from activities.paths import RunLayout
     from activities.rank_logs import RankLogActivities, ReadRankLogInput
+    from trainguard.protocol import RunLayout
 
     layout = RunLayout.of(tmp_path, "wf")
     for attempt, text in ((1, "first attempt\n"), (2, "second attempt\nline 2\n")):

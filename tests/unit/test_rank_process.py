@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from activities.ranks import RankProcess
+from activities.rank_records import RankProcess
 from trainguard.procs import start_time
 
 

@@ -15,18 +15,18 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.models import LaunchRanksInput, RejoinRanksInput, StopRanksInput
-from activities.paths import RunLayout
-from activities.ranks import RankActivities
 from trainguard.procs import start_time
+from trainguard.protocol import RunLayout
+from workers.node_agent import NodeRanks, node_ranks
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
 @pytest.fixture
-async def agent(tmp_path: Path) -> AsyncIterator[RankActivities]:
-    ranks = RankActivities("node-a", tmp_path, "127.0.0.1", tmp_path)
+async def agent(tmp_path: Path) -> AsyncIterator[NodeRanks]:
+    ranks = node_ranks("node-a", tmp_path, "127.0.0.1", tmp_path)
     yield ranks
-    await ranks.stop_all(grace_s=0.5)
+    await ranks.book.stop_all(grace_s=0.5)
 
 
 def _rejoin(**changes: object) -> RejoinRanksInput:
@@ -37,9 +37,9 @@ def _rejoin(**changes: object) -> RejoinRanksInput:
     return RejoinRanksInput(**fields)  # type: ignore[arg-type]
 
 
-async def test_live_ranks_are_kept_and_the_dead_one_restarts_as_a_joiner(agent: RankActivities,
+async def test_live_ranks_are_kept_and_the_dead_one_restarts_as_a_joiner(agent: NodeRanks,
                                                                         tmp_path: Path) -> None:
-    launched = await agent.launch_ranks(LaunchRanksInput(
+    launched = await agent.launch.launch_ranks(LaunchRanksInput(
         workflow_id="wf", chain_id="c1", attempt=1, node="node-a", node_rank=0, num_nodes=1, ranks_per_node=2,
         entrypoint=SLEEPER, rejoin_timeout_s=30.0))
     live_pid, dead_pid = launched.pids
@@ -50,7 +50,7 @@ async def test_live_ranks_are_kept_and_the_dead_one_restarts_as_a_joiner(agent: 
     while start_time(dead_pid) is not None:  # a zombie counts as gone
         await asyncio.sleep(0.01)
 
-    result = await agent.rejoin_ranks(_rejoin())
+    result = await agent.launch.rejoin_ranks(_rejoin())
 
     assert (result.survivors, result.joiners) == ([0], [1])
     assert result.master_port != launched.master_port  # a fresh group, never the broken one's port
@@ -67,21 +67,21 @@ async def test_live_ranks_are_kept_and_the_dead_one_restarts_as_a_joiner(agent: 
     assert (role["RANK"], role["TRAINGUARD_JOIN"], role["MASTER_PORT"]) == ("1", "1", str(result.master_port))
     assert record["standby"]["pid"] not in (standby_pid, live_pid)
 
-    again = await agent.rejoin_ranks(_rejoin())  # a retry after a lost completion
+    again = await agent.launch.rejoin_ranks(_rejoin())  # a retry after a lost completion
     assert (again.survivors, again.joiners, again.master_port) == ([0], [1], result.master_port)
     assert {item["pid"] for item in json.loads(layout.ranks_file.read_text())["ranks"]} == set(pids.values())
 
-    await agent.stop_ranks(StopRanksInput(workflow_id="wf", node="node-a", attempt=2))
+    await agent.launch.stop_ranks(StopRanksInput(workflow_id="wf", node="node-a", attempt=2))
     for pid in [*pids.values(), record["standby"]["pid"]]:  # the standby goes with the ranks
         assert start_time(pid) is None
 
 
-async def test_a_node_not_running_the_attempt_refuses_so_the_run_relaunches(agent: RankActivities) -> None:
+async def test_a_node_not_running_the_attempt_refuses_so_the_run_relaunches(agent: NodeRanks) -> None:
     with pytest.raises(ApplicationError) as refused:
-        await agent.rejoin_ranks(_rejoin())
+        await agent.launch.rejoin_ranks(_rejoin())
     assert refused.value.type == "NoSuchAttempt" and refused.value.non_retryable
-    await agent.launch_ranks(LaunchRanksInput(
+    await agent.launch.launch_ranks(LaunchRanksInput(
         workflow_id="wf", chain_id="c1", attempt=3, node="node-a", node_rank=0, num_nodes=1, ranks_per_node=1,
         entrypoint=SLEEPER))
     with pytest.raises(ApplicationError, match="runs 3"):
-        await agent.rejoin_ranks(_rejoin(from_attempt=1, attempt=2))
+        await agent.launch.rejoin_ranks(_rejoin(from_attempt=1, attempt=2))

@@ -25,6 +25,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.checkpoint_layout import reshardable_of
 from activities.models import (
     AttemptDecision,
     CheckNodeInput,
@@ -61,10 +62,9 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
-from trainguard import node_task_queue
-from activities.checkpoints import reshardable_of
 from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
+from trainguard import node_task_queue
 from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
 from trainguard.models import (
     Action,
