@@ -66,9 +66,9 @@ def working_dir(path: str | None, default: Path, node: str) -> Path:
     `BadSpec`, whatever the OS says of it), or the agent's own `default` (`--code-dir`), whose absence is the
     node's."""
     if not path:
-        if not default.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, f"the agent's --code-dir is no directory on node {node}",
-                                     str(default))
+        if not default.is_dir():  # the operator's to mend: retried, then the node's
+            raise ApplicationError(f"the agent's --code-dir {str(default)!r} is no directory on node {node}",
+                                   type=ErrorType.NODE_UNAVAILABLE)
         return default
     reason = "does not exist"
     try:

@@ -199,3 +199,25 @@ async def test_an_exec_failure_is_the_runs_only_when_the_spec_caused_it(
         assert caught.value.non_retryable and caught.value.message.startswith(("entrypoint", "env"))
     else:
         assert caught.value is error
+
+
+async def test_a_working_dir_the_os_cannot_look_up_is_the_specs_fault_not_the_nodes(
+        make_agent: AgentFactory, tmp_path: Path) -> None:
+    refused = await _refused(make_agent(), _launch(["python", "-c", "pass"], working_dir=str(tmp_path / ("x" * 300))))
+
+    assert refused.type == "BadSpec" and refused.message.startswith("working_dir ")
+    assert "File name too long" in refused.message
+
+
+async def test_a_ranks_own_step_latest_link_does_not_fail_the_next_launch(make_agent: AgentFactory,
+                                                                         tmp_path: Path) -> None:
+    agent = make_agent()
+    layout = RunLayout.of(agent.book.workdir, "wf")
+    for step in (10, 20):
+        layout.local_step_dir(step).mkdir(parents=True)
+    (layout.checkpoint_dir / "step-latest").symlink_to(layout.local_step_dir(20))
+
+    launched = await agent.launch.launch_ranks(_launch(["python", "-c", WHO], restore_step=10))
+
+    assert len(launched.pids) == 2
+    assert sorted(p.name for p in layout.checkpoint_dir.iterdir()) == ["step-00000010", "step-latest"]
