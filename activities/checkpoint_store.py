@@ -70,7 +70,7 @@ log = logging.getLogger("activities.checkpoints")
 ORPHANED_UPLOAD_AGE_S = 3600.0
 """A multipart upload under a run's prefix initiated longer ago than this is abandoned, and aborted.
 
-An upload lives at most one watch's upload of a step (TRANSFER_TIMEOUT, 30 min, in workflows/training_run.py;
+An upload lives at most one watch's upload of a step (TRANSFER_TIMEOUT, 30 min, in workflows/node_group.py;
 boto3 starts a new upload on a retry, never resumes one). Twice that leaves room for clock skew between the
 store (which stamps `Initiated`) and the controller, so an upload still in flight is never aborted under
 its writer.

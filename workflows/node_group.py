@@ -146,14 +146,6 @@ collective), so the others judge their hang within a poll or two, each with its 
 has every node's evidence at once and asks no node again, and no watch completes under the group's closing
 workflow task (which would fail that task and retry it). Past this, the run asks the nodes not heard from."""
 
-PATCH_HANG_EVIDENCE_WITH_EVENT = "hang-evidence-with-event"
-"""Watches return their node's hang evidence with the HANG event, and a group waits `GROUP_HANG_SETTLE` for
-its other nodes' (histories before it: the group returned on the first event, the run asked every node)."""
-
-PATCH_SILENT_LAUNCH_AGAIN = "silent-launch-again"
-"""A launching watch that timed out on its heartbeat with none recorded gets the second chance a late-matched one
-gets (histories before it: the node was lost at once)."""
-
 EVIDENCE_RETRY = RetryPolicy(maximum_attempts=1)
 """Evidence is asked once: the recovery waits on it, and a node that cannot answer is evidence too."""
 
@@ -338,8 +330,7 @@ class NodeGroupWatch:
                     event = task.result()
                 except ActivityError as error:
                     if (node in launching and request.launch_second_chance and node not in retried
-                            and (_not_started(error) or (_never_heartbeated(error)
-                                                         and workflow.patched(PATCH_SILENT_LAUNCH_AGAIN)))):
+                            and (_not_started(error) or _never_heartbeated(error))):
                         retried.add(node)  # once: a second miss is a lost node
                         workflow.logger.warning("%s did not start its launching watch in time, or never heartbeated "
                                                 "in it: scheduled again", node)
@@ -384,8 +375,7 @@ class NodeGroupWatch:
                                                   all_started_at=max(started.values())))
             if result.incidents or result.lost:
                 if (request.watch.evidence_with_event and watches and not result.lost
-                        and any(e.kind is WatchEventKind.HANG for e in result.incidents)
-                        and workflow.patched(PATCH_HANG_EVIDENCE_WITH_EVENT)):
+                        and any(e.kind is WatchEventKind.HANG for e in result.incidents)):
                     for node in await self._peers_hangs(request, watches, result):
                         if request.standing:
                             del watches[node]  # reported: it waits for the run's next attempt

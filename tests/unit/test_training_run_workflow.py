@@ -79,7 +79,8 @@ from trainguard.models import (
 )
 from workflows.node_pool import grant, release
 from workflows.node_group import NodeCalls, NodeGroupWatch
-from workflows.training_run import DIRECT_NODE_CALLS, TrainingRun
+from workflows.run_nodes import DIRECT_NODE_CALLS
+from workflows.training_run import TrainingRun
 
 RUN_TIMEOUT_S = 20.0
 """Real seconds a single run may take before the test gives up (they take well under one)."""

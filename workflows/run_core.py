@@ -1,0 +1,167 @@
+"""`RunCore`: the run's state, spec and the few helpers every part of a `TrainingRun` shares.
+
+The run's parts (`RunNodes`, `Watches`, `Attempts`, `Supervisor`, `Recovery`) are small managers composed
+around one `RunCore`: the state lives here once, and only `RunState` crosses continue-as-new.
+"""
+
+from __future__ import annotations
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import WatchEvent, WatchEventKind
+    from trainguard import search_attributes
+    from trainguard.faults import FaultKind
+    from trainguard.models import INCIDENT_TAILS_KEPT, CheckpointRef, Incident, IncidentKind, Phase, RunStatus
+    from trainguard.spec import RunSpec
+    from workflows.policy import classify_exit, next_phase
+    from workflows.run_details import run_details
+    from workflows.run_state import Live, RunState
+
+
+def cause_text(error: BaseException) -> str:
+    """The innermost readable cause of an activity or child failure."""
+    cause = error.__cause__
+    while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
+        cause = cause.__cause__
+    return str(cause or error)
+
+
+def error_type(error: BaseException) -> str | None:
+    cause = error.__cause__
+    return cause.type if isinstance(cause, ApplicationError) else None
+
+
+def injected_key(fault: str, node: str) -> str:
+    return f"{fault}@{node}"
+
+
+class RunCore:
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+        self.live = Live()
+        self.spec: RunSpec | None = None
+
+    # ------------------------------------------------------------------------------------------ shared
+    @property
+    def status(self) -> RunStatus:
+        return self.state.status
+
+    @property
+    def the_spec(self) -> RunSpec:
+        assert self.spec is not None, "the run's spec is parsed before any part acts"
+        return self.spec
+
+    @staticmethod
+    def wid() -> str:
+        return workflow.info().workflow_id
+
+    def run_prefix(self) -> str:
+        spec = self.the_spec
+        return f"{spec.checkpoint.prefix}/{spec.checkpoint.namespace or self.wid()}"
+
+    def set_phase(self, phase: Phase) -> None:
+        if phase is not self.status.phase:
+            self.status.phase = next_phase(self.status.phase, phase)
+            self.publish()
+
+    def publish(self) -> None:
+        """Phase, committed step and incident count as search attributes, for filtering runs; and the run's
+        current details (phase, attempt, step, nodes, last incident) for the Web UI."""
+        workflow.set_current_details(run_details(self.status, self.state.spares))
+        if not self.state.publish_search_attributes:
+            return
+        committed = self.status.latest_checkpoint.step if self.status.latest_checkpoint else 0
+        workflow.upsert_search_attributes([
+            search_attributes.PHASE.value_set(self.status.phase.value),
+            search_attributes.STEP.value_set(committed),
+            search_attributes.INCIDENTS.value_set(len(self.status.incidents)),
+        ])
+
+    def fail(self, reason: str, kind: str, phase: bool = False) -> ApplicationError:
+        """The error that ends the run, its reason in the status."""
+        self.status.reason = reason
+        if phase:
+            self.set_phase(Phase.FAILED)
+        return ApplicationError(reason, type=kind, non_retryable=True)
+
+    def count_restart(self, now: float) -> None:
+        self.state.restart_times.append(now)
+        self.state.restarts_without_checkpoint += 1
+
+    def take_back_restart(self) -> None:
+        self.state.restart_times = self.state.restart_times[:-1]
+        self.state.restarts_without_checkpoint = max(0, self.state.restarts_without_checkpoint - 1)
+
+    def replace(self, node: str, spare: str) -> None:
+        self.status.nodes = [spare if n == node else n for n in self.status.nodes]
+        self.status.cordoned = [*self.status.cordoned, node]
+
+    def committed(self, ref: CheckpointRef) -> None:
+        """The committer already applied retention; the history records the commit."""
+        if ref.step > self.state.last_committed_step:
+            self.state.last_committed_step = ref.step
+            self.state.restarts_without_checkpoint = 0
+            self.status.latest_checkpoint = ref
+            self.status.step = max(self.status.step, ref.step)
+            self.publish()
+
+    # --------------------------------------------------------------------------------------- incidents
+    def record_incident(self, incident: Incident) -> None:
+        if incident in self.status.incidents:
+            return
+        self.status.incidents = [*self.status.incidents, incident]
+        workflow.set_current_details(run_details(self.status, self.state.spares))
+        for older in self.status.incidents[:-INCIDENT_TAILS_KEPT]:
+            older.log_tail = ""
+        meter = workflow.metric_meter()  # replay-safe: nothing is emitted while replaying
+        labels = {"kind": incident.kind.value, "action": incident.action.value}
+        meter.create_counter("trainguard_incidents", "Incidents by kind and action").add(1, labels)
+        if incident.detection_s is not None:
+            meter.create_histogram_float("trainguard_detection_seconds", "Fault to detection", "s").record(
+                incident.detection_s, {"kind": incident.kind.value})
+
+    def rank_incident(self, event: WatchEvent, attempt: int) -> Incident:
+        if event.kind is WatchEventKind.GPU_UNHEALTHY:
+            return Incident(kind=IncidentKind.GPU_UNHEALTHY, node=event.node, attempt=attempt, detail=event.detail,
+                            detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
+                            detected_at=event.detected_at)
+        kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
+        detection = None if event.fault_at is None else round(max(0.0, event.detected_at - event.fault_at), 3)
+        return Incident(kind=kind, node=event.node, rank=event.rank, attempt=attempt, detail=event.detail,
+                        detection_s=detection, detected_at=event.detected_at, log_path=event.log_path,
+                        log_tail=event.log_tail, signature=event.failure_signature)
+
+    def node_lost(self, node: str, attempt: int, detail: str) -> Incident:
+        """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it
+        (`node-down`); otherwise the time of the agent's last heartbeat is not known here, and it is left out."""
+        now = workflow.now().timestamp()
+        down_at = self.state.injected_at.get(injected_key(FaultKind.NODE_DOWN, node))
+        return Incident(kind=IncidentKind.NODE_UNRESPONSIVE, node=node, attempt=attempt, detail=detail,
+                        detection_s=None if down_at is None else round(max(0.0, now - down_at), 3),
+                        detected_at=now)
+
+    def symptom_of_lost_node(self, symptom: Incident, node: str, seen_as: str, missed: str = "the stop") -> Incident:
+        """One fault, one incident: a rank fault whose node then did not answer is taken back, and the lost
+        node is the incident, timed from the symptom (its first sign), with the symptom in its detail."""
+        self.status.incidents = [i for i in self.status.incidents if i is not symptom]
+        lost = self.node_lost(node, symptom.attempt, f"node agent did not answer {missed} after "
+                                                     f"{symptom.kind.value} on {symptom.node} ({seen_as})")
+        # Timed from the symptom both ways, so detection_s + recovery_s is fault to first new step: measured to
+        # when the node was found instead, a node-down bench-recovery counted the relaunch's 10 s wait twice.
+        lost.detected_at = symptom.detected_at
+        down_at = self.state.injected_at.get(injected_key(FaultKind.NODE_DOWN, node))
+        lost.detection_s = (symptom.detection_s if down_at is None
+                            else round(max(0.0, symptom.detected_at - down_at), 3))
+        return lost
+
+    def lost_at_launch(self, node: str, attempt: int, detail: str) -> Incident:
+        """A node lost while attempt `attempt` restores, launches or runs. Before its first step, and after a
+        rank fault that no stop proved harmless to its node (a fenced relaunch), the fault was this node's
+        symptom: one incident, the lost node, and the relaunch it cost is not counted twice."""
+        symptom, self.live.symptom = self.live.symptom, None
+        if symptom is None or symptom[0].attempt != attempt - 1 or symptom[0].recovery_s is not None:
+            return self.node_lost(node, attempt, detail)
+        self.take_back_restart()
+        return self.symptom_of_lost_node(symptom[0], node, symptom[1], missed=f"the relaunch ({detail})")

@@ -1,0 +1,326 @@
+"""`RunNodes`: everything a run asks of its nodes and of the node pool, each call written once.
+
+Node calls fan out one activity per node (through `NodeCalls` children past a handful) and come back typed:
+one pydantic model in per call kind and one out (`RESULT_TYPES`), validated here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import (
+        CheckNodeInput,
+        CheckNodeResult,
+        CollectEvidenceResult,
+        DownloadShardsResult,
+        FindNodeAgentsInput,
+        FindNodeAgentsResult,
+        InjectFaultInput,
+        InjectFaultResult,
+        LaunchRanksResult,
+        NotifySchedulerInput,
+        NotifySchedulerResult,
+        RejoinRanksResult,
+        RequestCheckpointInput,
+        RequestCheckpointResult,
+        SchedulerAction,
+        StopRanksInput,
+        StopRanksResult,
+    )
+    from trainguard import node_task_queue
+    from trainguard.error_types import ErrorType
+    from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, Action, ChaosRequest, Incident,
+                                   IncidentKind, NodeRequest, PoolNode, StopReason)
+    from workflows.node_group import (NODE_CALL_RETRY, NODE_SCHEDULE_TO_START, STOP_TIMEOUT,
+                                      NodeCalls, call_nodes, groups_of, watch_heartbeat_every_s,
+                                      watch_heartbeat_timeout)
+    from workflows.node_group_models import NodeCall, NodeCallKind, NodeCallsInput, NodeCallsResult
+    from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT, pool_request
+    from workflows.run_core import RunCore, injected_key
+    from workflows.run_decisions import lost_since
+
+DIRECT_NODE_CALLS = 4
+"""Node calls this few the run makes itself, not through a `NodeCalls` child: a relaunch's master download and
+launch, a small run's every call. A child's start and end cost the run two workflow tasks more than the
+activities do, on the path every recovery waits on; four activities are nothing to the run's pending count."""
+
+FAN_OUT_GROUPS = 8
+"""Node-call groups a run keeps open at once: 512 node activities, which a dev server on two cores matches to
+their agents within seconds; the 64 groups of a 4,096-node check all at once left 1,309 checks waiting past
+their schedule-to-start timeout, and the run took those nodes for dead."""
+
+STORE_TIMEOUT = timedelta(minutes=2)
+"""Listing, HEADs and a small manifest PUT."""
+STORE_HEARTBEAT_TIMEOUT = timedelta(seconds=15)
+"""Find, commit and prune heartbeat every 2 s: a controller killed mid-call costs 15 s, not `STORE_TIMEOUT`."""
+STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                          maximum_interval=timedelta(seconds=20), maximum_attempts=12)
+"""About three minutes of retries against a flaky store before the run reports it."""
+
+RESERVE_POLL_INTERVAL = timedelta(seconds=2)
+"""How often a run waiting for nodes leased to other runs asks the pool again."""
+POOL_TIMEOUT = timedelta(seconds=30)
+"""One update on the node pool workflow: milliseconds when the controller is up."""
+POOL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
+"""The pool lives in the same Temporal as the run: retry until it answers (each call is idempotent)."""
+
+RESULT_TYPES: dict[NodeCallKind, type[BaseModel]] = {
+    NodeCallKind.CHECK: CheckNodeResult,
+    NodeCallKind.DOWNLOAD: DownloadShardsResult,
+    NodeCallKind.LAUNCH: LaunchRanksResult,
+    NodeCallKind.REJOIN: RejoinRanksResult,
+    NodeCallKind.STOP: StopRanksResult,
+    NodeCallKind.REQUEST_CHECKPOINT: RequestCheckpointResult,
+    NodeCallKind.COLLECT_EVIDENCE: CollectEvidenceResult,
+}
+"""What each node call answers: the one place a node's answer is validated."""
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def node_silence_s(num_nodes: int) -> float:
+    """How long before it was found lost the run may last have heard from a node: a watch's heartbeat times
+    out `watch_heartbeat_timeout` after the last one (10 s up to 200 nodes); a stop its agent never picked up
+    waited `NODE_SCHEDULE_TO_START`."""
+    heartbeat = watch_heartbeat_timeout(watch_heartbeat_every_s(num_nodes))
+    return max(heartbeat, NODE_SCHEDULE_TO_START).total_seconds()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAnswer(Generic[R]):
+    node: str
+    result: R | None
+    """None when the call failed."""
+    error: str | None = None
+    error_type: str | None = None
+
+
+class RunNodes:
+    def __init__(self, core: RunCore) -> None:
+        self.core = core
+
+    # --------------------------------------------------------------------------------------- fan-out
+    async def fan_out(self, kind: NodeCallKind, calls: list[tuple[str, BaseModel]], summary: str,
+                      result_type: type[R]) -> list[NodeAnswer[R]]:
+        """One activity of `kind` per node, in the calls' order; past `DIRECT_NODE_CALLS`, through a `NodeCalls`
+        child per group of nodes so no execution holds more than a group's activities."""
+        assert RESULT_TYPES[kind] is result_type, f"{kind.value} answers {RESULT_TYPES[kind].__name__}"
+        wire = [NodeCall(node=node, input=request.model_dump(mode="json")) for node, request in calls]
+        if len(wire) <= DIRECT_NODE_CALLS:
+            outcomes = (await call_nodes(NodeCallsInput(kind=kind, summary=summary, calls=wire))).outcomes
+        else:
+            tag, chunks = str(workflow.uuid4())[:8], groups_of(wire)
+            # Past FAN_OUT_GROUPS groups the rest wait for a free slot: thousands of node activities queued at
+            # once wait longer than NODE_SCHEDULE_TO_START to be matched to their agents, and read as dead nodes.
+            limit = asyncio.Semaphore(min(len(chunks), FAN_OUT_GROUPS))
+            # A check reaches every node at once: past one window of slots, its last calls are matched late.
+            second_chance = kind is NodeCallKind.CHECK and len(chunks) > FAN_OUT_GROUPS
+
+            async def one(index: int, chunk: list[NodeCall]) -> NodeCallsResult:
+                async with limit:
+                    return await workflow.execute_child_workflow(
+                        NodeCalls.run, NodeCallsInput(kind=kind, calls=chunk, summary=summary,
+                                                      second_chance=second_chance),
+                        id=f"{self.core.wid()}/{kind.value}-{tag}-{index}", result_type=NodeCallsResult,
+                        static_summary=f"{kind.value} on {chunk[0].node}..{chunk[-1].node} ({len(chunk)} nodes)")
+
+            results = await asyncio.gather(*(one(index, chunk) for index, chunk in enumerate(chunks)))
+            outcomes = [outcome for result in results for outcome in result.outcomes]
+        return [NodeAnswer(o.node, None if o.result is None else result_type.model_validate(o.result),
+                           o.error, o.error_type) for o in outcomes]
+
+    async def stop_everywhere(self, nodes: list[str], attempt: int | None, why: str,
+                              reason: StopReason = StopReason.INCIDENT) -> list[str]:
+        """Stop the ranks on these nodes; returns the nodes whose agent could not be reached (they are fenced
+        instead: an agent kills older attempts before any launch). `why` is the UI's, `reason` the report's."""
+        wid = self.core.wid()
+        answers = await self.fan_out(NodeCallKind.STOP, [
+            (n, StopRanksInput(workflow_id=wid, node=n, attempt=attempt, reason=reason)) for n in nodes],
+            f"stop ranks on {{node}}: {why}", StopRanksResult)
+        for answer in answers:
+            if answer.result is None:
+                workflow.logger.warning("could not stop ranks on %s: %s", answer.node, answer.error)
+        return [a.node for a in answers if a.result is None]
+
+    async def request_checkpoint(self, attempt: int, nodes: list[str],
+                                 step: int | None) -> list[RequestCheckpointResult]:
+        wid = self.core.wid()
+        answers = await self.fan_out(
+            NodeCallKind.REQUEST_CHECKPOINT,
+            [(n, RequestCheckpointInput(workflow_id=wid, attempt=attempt, node=n, step=step)) for n in nodes],
+            "checkpoint now on {node}" + (f" at step {step}" if step is not None else ""), RequestCheckpointResult)
+        failed = [f"{a.node}: {a.error}" for a in answers if a.result is None]
+        if failed:
+            raise ApplicationError(f"checkpoint request failed on {'; '.join(failed[:3])}",
+                                   type=ErrorType.NODE_UNAVAILABLE)
+        return [a.result for a in answers if a.result is not None]
+
+    async def inject_fault(self, request: ChaosRequest) -> InjectFaultResult:
+        newest = self.core.status.latest_checkpoint
+        result: InjectFaultResult = await workflow.execute_activity(
+            "inject_fault",
+            InjectFaultInput(workflow_id=self.core.wid(), node=request.node, rank=request.rank,
+                             fault=request.fault, slow_duty=request.slow_duty,
+                             bucket=newest.bucket if newest else None,
+                             manifest_key=newest.manifest_key if newest else None),
+            task_queue=node_task_queue(request.node),
+            start_to_close_timeout=STOP_TIMEOUT,
+            schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
+            retry_policy=NODE_CALL_RETRY,
+            result_type=InjectFaultResult,
+            summary=f"chaos {request.fault} on {request.node}",
+        )
+        self.core.state.injected_at[injected_key(request.fault, request.node)] = result.injected_at
+        return result
+
+    # ------------------------------------------------------------------------------------------ pool
+    async def _pool(self, name: str, request: BaseModel, result_type: type, summary: str):  # type: ignore[no-untyped-def]
+        return await workflow.execute_activity(
+            name, request, start_to_close_timeout=POOL_TIMEOUT, retry_policy=POOL_RETRY,
+            result_type=result_type, summary=summary,
+        )
+
+    async def reserve(self) -> None:
+        """Find the nodes' agents, lease the nodes (spares in cordoned named nodes' places), check their GPUs."""
+        core, spec = self.core, self.core.the_spec
+        found: FindNodeAgentsResult = await workflow.execute_activity(
+            "find_node_agents", FindNodeAgentsInput(nodes=spec.nodes + spec.spare_nodes),
+            start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY, result_type=FindNodeAgentsResult,
+            summary="find node agents",
+        )
+        core.state.publish_search_attributes = found.search_attributes
+        unknown = [f"nodes.{i} {n!r}" for i, n in enumerate(spec.nodes) if n in found.missing]
+        if unknown:
+            raise core.fail(f"invalid run spec: {', '.join(unknown)}: no node agent polls "
+                            f"{', '.join(node_task_queue(n) for n in spec.nodes if n in found.missing)} "
+                            f"(unknown node)", ErrorType.INVALID_SPEC, phase=True)
+        spares = await self._acquire([n for n in spec.spare_nodes if n not in found.missing])
+        for check in await self.check_nodes(core.status.nodes):
+            if check.gpu.available and not check.gpu.healthy:
+                core.record_incident(Incident(kind=IncidentKind.GPU_UNHEALTHY, node=check.node,
+                                              detail=check.gpu.detail, action=Action.REPLACE_NODE))
+                await self.cordon(check.node, f"GPU checks failed: {check.gpu.detail}")
+                if not spares:
+                    raise core.fail(f"node {check.node} failed its GPU checks and no spare is left: "
+                                    f"{check.gpu.detail}", ErrorType.NO_HEALTHY_NODES)
+                core.replace(check.node, spares.pop(0))
+        core.state.spares = spares
+
+    async def _acquire(self, spares: list[str]) -> list[str]:
+        """Lease the nodes from the pool; wait (bounded) for nodes other runs hold; fail on cordoned ones."""
+        core, spec = self.core, self.core.the_spec
+        waited = 0.0
+        request = pool_request(spec, AcquireNodesRequest(run_id=core.wid(), nodes=spec.nodes, spares=spares))
+        while True:
+            lease = await self._pool("acquire_nodes", request, AcquireNodesResult, "lease nodes from the pool")
+            if lease.granted:
+                core.state.leased = True
+                core.status.reason = None
+                if lease.nodes:
+                    self._take_lease(lease)
+                return lease.spares
+            if lease.unsatisfiable:
+                raise core.fail(f"{lease.unsatisfiable}: register more nodes, uncordon some, or ask for fewer",
+                                ErrorType.NODES_UNAVAILABLE)
+            if lease.cordoned and not (lease.busy or lease.unregistered):
+                where = ", ".join(f"nodes.{spec.nodes.index(n)} {n!r} is cordoned ({why})"
+                                  for n, why in lease.cordoned.items())
+                raise core.fail(f"{where}: uncordon it (`trainguard nodes uncordon NODE`) or add a spare to take "
+                                f"its place or choose another node", ErrorType.NODES_CORDONED)
+            waiting = [f"{n} (leased to {run})" for n, run in lease.busy.items()]
+            waiting += [f"{n} (agent not registered yet)" for n in lease.unregistered]
+            if waited >= spec.reserve_timeout_s:
+                raise core.fail(f"nodes still unavailable after {waited:.0f}s: {', '.join(waiting)}",
+                                ErrorType.NODES_UNAVAILABLE)
+            core.status.reason = f"waiting for {', '.join(waiting)}"
+            await workflow.sleep(RESERVE_POLL_INTERVAL)
+            waited += RESERVE_POLL_INTERVAL.total_seconds()
+
+    def _take_lease(self, lease: AcquireNodesResult) -> None:
+        """Train on the nodes the pool granted; a cordoned named node a spare replaced is out of the run (and
+        taken back as a spare once repaired, as a node replaced later would be)."""
+        core = self.core
+        for named, spare in lease.replaced.items():
+            workflow.logger.info("%s is cordoned: spare %s takes its place", named, spare)
+            core.status.cordoned = [*core.status.cordoned, named]
+            core.state.replaced = [*core.state.replaced, named]
+        core.status.replaced_at_start = dict(lease.replaced)
+        core.status.nodes = list(lease.nodes)
+        core.spec = core.the_spec.resolved(lease.nodes)
+        core.publish()
+
+    async def check_nodes(self, nodes: list[str]) -> list[CheckNodeResult]:
+        wid = self.core.wid()
+        answers = await self.fan_out(NodeCallKind.CHECK, [(n, CheckNodeInput(workflow_id=wid, node=n)) for n in nodes],
+                                     "check {node}", CheckNodeResult)
+        for answer in answers:
+            if answer.result is None:
+                # A node that cannot answer its check fails the reservation, and the run with it.
+                raise self.core.fail(f"node {answer.node} did not answer its check: {answer.error}",
+                                     ErrorType.NODE_CHECK_FAILED)
+        return [a.result for a in answers if a.result is not None]
+
+    async def cordon(self, node: str, reason: str, since: float | None = None) -> None:
+        result: PoolNode = await self._pool(
+            "cordon_node", NodeRequest(node=node, run_id=self.core.wid(), reason=reason, lost_since=since),
+            PoolNode, f"cordon {node}: {reason[:80]}")
+        if result.cordoned is None:
+            workflow.logger.info("%s registered again since the run last heard from it: not cordoned", node)
+            return
+        # The cluster's scheduler hears about it too (Slurm drain, Kubernetes cordon + taint; off by default),
+        # in the background: recovery never waits on it.
+        self.core.live.background.append(workflow.start_activity(
+            "notify_scheduler",
+            NotifySchedulerInput(node=node, action=SchedulerAction.CORDON, reason=reason, run_id=self.core.wid()),
+            start_to_close_timeout=SCHEDULER_TIMEOUT,
+            schedule_to_close_timeout=SCHEDULER_SCHEDULE_TO_CLOSE,
+            retry_policy=SCHEDULER_RETRY,
+            result_type=NotifySchedulerResult,
+            summary=f"tell the scheduler: cordon {node}",
+        ))
+
+    async def release(self, node: str | None = None) -> None:
+        if self.core.state.leased:
+            await self._pool("release_nodes", NodeRequest(run_id=self.core.wid(), node=node), list[str],
+                             f"release {node or 'nodes'}")
+
+    async def reclaim(self, nodes: list[str]) -> list[str]:
+        """Nodes this run lost or had replaced that the pool has back (uncordoned, agent healthy): leased to
+        this run again."""
+        got: AcquireNodesResult = await self._pool(
+            "acquire_nodes", AcquireNodesRequest(run_id=self.core.wid(), nodes=[], spares=nodes),
+            AcquireNodesResult, f"reclaim {', '.join(nodes)}")
+        return [n for n in nodes if n in got.spares]
+
+    async def reclaim_spares(self) -> None:
+        """A node a spare replaced is back: it becomes one of this run's spares."""
+        state = self.core.state
+        back = await self.reclaim(state.replaced)
+        if back:
+            state.replaced = [n for n in state.replaced if n not in back]
+            state.spares = [*state.spares, *back]
+            state.status.cordoned = [n for n in state.status.cordoned if n not in back]
+            workflow.logger.info("%s back as spare", ", ".join(back))
+
+    async def cordon_lost(self, incident: Incident) -> None:
+        """Cordon the incident's node; a node found lost only if its agent has not registered since."""
+        assert incident.node is not None
+        since = lost_since(incident, node_silence_s(len(self.core.status.nodes)))
+        await self.cordon(incident.node, f"{incident.kind.value}: {incident.detail}", since)
+
+    async def swap_in_spare(self, incident: Incident, spare: str) -> None:
+        """The incident's node cordoned in the pool and `spare` in its place in the run."""
+        assert incident.node is not None
+        await self.cordon_lost(incident)
+        self.core.state.replaced.append(incident.node)
+        self.core.state.spares.remove(spare)
+        self.core.replace(incident.node, spare)

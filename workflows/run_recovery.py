@@ -1,0 +1,126 @@
+"""`Recovery`: what the run does between attempts.
+
+On an incident the pure policy (`workflows/policy.py`) decides; the decision is recorded first, then carried
+out by idempotent activities: relaunch (each staying node's launch stops its old ranks, fenced by attempt),
+replace a node with a spare, shrink, pause for an operator, or stop. At a committed checkpoint the run also
+moves off drained nodes and grows back onto returned ones; a paused run waits for `resume` or `abort`.
+"""
+
+from __future__ import annotations
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from trainguard.error_types import ErrorType
+    from trainguard.models import Action, Incident, IncidentKind, Phase, StopReason
+    from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak
+    from workflows.run_core import RunCore
+    from workflows.run_decisions import stop_reason
+    from workflows.run_nodes import RunNodes
+    from workflows.run_watch import Watches
+
+RELAUNCHES = frozenset({Action.RESTART, Action.REPLACE_NODE, Action.SHRINK})
+"""Decisions after which every node of the run launches the next attempt."""
+
+
+class Recovery:
+    def __init__(self, core: RunCore, nodes: RunNodes, watches: Watches) -> None:
+        self.core, self.nodes, self.watches = core, nodes, watches
+
+    async def recover(self, attempt: int, incident: Incident) -> None:
+        core, spec, state = self.core, self.core.the_spec, self.core.state
+        core.set_phase(Phase.RECOVERING)
+        core.live.symptom = None
+        now = workflow.now().timestamp()
+        same = same_failure_streak(incident, core.status.incidents)
+        decision: Decision = decide(
+            incident.kind, incident.node, spec, core.status.nodes, state.spares,
+            RecoveryBudget(tuple(state.restart_times), state.restarts_without_checkpoint, same), now,
+            persisted=incident.kind is IncidentKind.STRAGGLER, newest=core.status.latest_checkpoint,
+        )
+        seen_as = incident.detail
+        incident.action = decision.action
+        incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
+        decision = stop_reason(decision, incident, seen_as, same_failures=same,
+                               max_same_failure=spec.restarts.max_same_failure,
+                               rank_fault=incident.kind in RANK_FAULTS)
+        core.record_incident(incident)
+        workflow.logger.info("incident %s on %s rank %s: %s", incident.kind.value, incident.node, incident.rank,
+                             decision.reason)
+        if decision.action is Action.RESTART and incident.kind is IncidentKind.CRASH and spec.restarts.in_process:
+            # The live ranks stay up: the next attempt rejoins them with the crashed ones started again.
+            state.warm = incident
+            await self.watches.drop_standing()
+            core.count_restart(now)
+            core.set_phase(Phase.RESTORING)
+            return
+        reachable = [n for n in core.status.nodes if
+                     not (incident.kind is IncidentKind.NODE_UNRESPONSIVE and n == incident.node)]
+        if decision.action not in RELAUNCHES:  # a relaunch stops the old ranks as it launches (fenced)
+            await self.watches.drop_standing()
+            await self.nodes.stop_everywhere(
+                reachable, attempt, f"{incident.kind.value}: {decision.action.value}",
+                StopReason.INCIDENT_PAUSE if decision.action is Action.PAUSE else StopReason.INCIDENT)
+        if decision.action is Action.STOP:
+            raise core.fail(decision.reason, ErrorType.RUN_STOPPED)
+        if decision.action is Action.PAUSE:
+            core.status.reason = decision.reason
+            await self.wait_for_operator()
+            return
+        if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
+            await self.nodes.swap_in_spare(incident, decision.replacement)
+        if decision.action is Action.SHRINK and incident.node:
+            await self.nodes.cordon_lost(incident)
+            state.lost.append(incident.node)
+            core.status.nodes = [n for n in core.status.nodes if n != incident.node]
+            core.status.cordoned = [*core.status.cordoned, incident.node]
+            core.status.world_size = len(core.status.nodes) * spec.ranks_per_node
+        # Every node staying in the run stops this attempt's ranks as it launches the next one; those leaving
+        # it (a straggler or a sick GPU replaced) are stopped here. A lost node is found by the relaunch.
+        leaving = [n for n in reachable if n not in core.status.nodes]
+        if leaving:
+            await self.nodes.stop_everywhere(leaving, attempt, f"{incident.kind.value}: {decision.action.value}")
+        if decision.action is Action.RESTART and incident.kind in RANK_FAULTS:
+            core.live.symptom = (incident, seen_as)
+        core.count_restart(now)
+        core.set_phase(Phase.RESTORING)
+
+    async def move_off_drained(self, attempt: int) -> None:
+        """At a checkpoint boundary: stop the attempt, put spares in the drained nodes' places, relaunch."""
+        core, intents = self.core, self.core.state.intents
+        core.set_phase(Phase.RECOVERING)
+        # The nodes that stay are stopped by their own launch of the next attempt (fenced by attempt).
+        leaving = [n for n in core.status.nodes if n in intents.draining]
+        await self.nodes.stop_everywhere(leaving, attempt, f"drain {', '.join(intents.draining)}", StopReason.DRAIN)
+        for node in [n for n in intents.draining if n in core.status.nodes]:
+            core.replace(node, core.state.spares.pop(0))
+            await self.nodes.release(node)
+        intents.draining.clear()
+        core.set_phase(Phase.RESTORING)
+
+    def grow_back(self, returned: list[str]) -> None:
+        """At a checkpoint boundary: relaunch with the returned nodes in their places (each staying node's
+        launch stops its shrunk attempt); the restore maps the smaller world's shards onto the larger one."""
+        core, spec = self.core, self.core.the_spec
+        core.set_phase(Phase.RECOVERING)
+        core.status.nodes = [n for n in spec.nodes if n in core.status.nodes or n in returned]
+        core.state.lost = [n for n in core.state.lost if n not in returned]
+        core.status.cordoned = [n for n in core.status.cordoned if n not in returned]
+        core.status.world_size = len(core.status.nodes) * spec.ranks_per_node
+        workflow.logger.info("grow back onto %s: %d nodes", ", ".join(returned), len(core.status.nodes))
+        core.set_phase(Phase.RESTORING)
+
+    async def wait_for_operator(self) -> None:
+        """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails)."""
+        core, intents = self.core, self.core.state.intents
+        core.set_phase(Phase.PAUSED)
+        # A resume accepted while the pause was on its way is kept: the run goes straight back.
+        intents.pause = False
+        await workflow.wait_condition(lambda: intents.resume or intents.abort_reason is not None)
+        if intents.abort_reason is not None:
+            raise core.fail(intents.abort_reason, ErrorType.ABORTED)
+        intents.resume = False
+        core.status.reason = None
+        core.state.restart_times.clear()
+        core.state.restarts_without_checkpoint = 0
+        core.set_phase(Phase.RESTORING)

@@ -1,0 +1,152 @@
+"""What a `TrainingRun` carries across continue-as-new, and the one place its input is parsed.
+
+`RunState` owns everything a later history needs: the status users query, the budgets spent, the nodes lost
+and replaced, the checkpoints known corrupt, and the operator's requests not yet acted on. The workflow holds
+one and hands it to `continue_as_new` whole: there is no field-by-field copy to forget a field in.
+`Live` holds what each history rebuilds (tasks, watch groups, references into this attempt's incidents), each
+field saying why it need not be carried. A unit test fails when the workflow grows state in neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import RankEvidence
+    from trainguard.ids import validate_workflow_id
+    from trainguard.models import Incident, RunStatus
+    from trainguard.spec import RunSpec, SpecError, parse_spec
+    from workflows.node_group_models import GroupReport, NodeGroupWatchInput, NodeGroupWatchResult
+
+
+class OperatorIntents(BaseModel):
+    """Operator requests accepted by an update and not yet acted on: the loop acts on them, and a request
+    accepted just before the run continues as new is acted on in the next history."""
+
+    pause: bool = False
+    """`pause` was accepted: stop the ranks at the supervisor's next look and wait for `resume`."""
+    resume: bool = False
+    """`resume` was accepted (while paused, or while a pause was on its way)."""
+    abort_reason: str | None = None
+    """`abort` was accepted: the paused run fails with this reason."""
+    draining: list[str] = Field(default_factory=list)
+    """Nodes to move off at the next committed checkpoint (`drain_node`)."""
+
+
+class RunState(BaseModel):
+    """Everything a run carries into its next history when it continues as new (its ranks keep running)."""
+
+    status: RunStatus = Field(default_factory=RunStatus)
+    """What the `status` query answers: phase, attempt, nodes, incidents, newest checkpoint."""
+    started_at: float = 0.0
+    """Workflow-clock time of the run's first start request, so wall time and goodput span every history."""
+    spares: list[str] = Field(default_factory=list)
+    """Spare nodes the run holds."""
+    leased: bool = False
+    """The pool has leased nodes to the run: it releases them when the run ends."""
+    launched: bool = False
+    """Ranks may be running somewhere: the run stops them when it ends."""
+    restart_times: list[float] = Field(default_factory=list)
+    """Workflow-clock times of the relaunches the restart budget counts."""
+    restarts_without_checkpoint: int = 0
+    last_committed_step: int = -1
+    state_since_attempt: int = 1
+    """The attempt the live ranks' state comes from: the last relaunch (in-process restarts keep it)."""
+    straggler_streak: dict[int, int] = Field(default_factory=dict)
+    """Rank -> consecutive checkpoint intervals it was slow in."""
+    lost: list[str] = Field(default_factory=list)
+    """Nodes a shrink left behind, to grow back onto when they return."""
+    replaced: list[str] = Field(default_factory=list)
+    """Nodes a spare replaced, to take back as spares when they return."""
+    corrupt_steps: list[int] = Field(default_factory=list)
+    """Checkpoints found corrupt: no restore of this run loads them again."""
+    restore_tier: str | None = None
+    """Where the current attempt's restore read its shards from (`local`, `peer`, `store`, joined by `+`)."""
+    warm: Incident | None = None
+    """A crash the next attempt recovers from in process (its live ranks keep their state)."""
+    injected_at: dict[str, float] = Field(default_factory=dict)
+    """`fault@node` -> when chaos injected it: a node-down or slow rank is timed from there when noticed."""
+    publish_search_attributes: bool = False
+    """The namespace has trainguard's search attributes registered."""
+    continued: int = 0
+    """How many times the run has continued as new."""
+    intents: OperatorIntents = Field(default_factory=OperatorIntents)
+
+
+@dataclass
+class Live:
+    """What one history of the run rebuilds rather than carries. The run continues as new only from a quiet
+    supervisor (no incident, no relaunch under way) after its watch groups and background activities ended, so
+    none of this holds anything a later history needs."""
+
+    background: list[asyncio.Task[Any]] = field(default_factory=list)
+    """Activities nobody waits on (a scheduler's cordon): awaited before the run ends or continues."""
+    restored_by: list[Incident] = field(default_factory=list)
+    """Incidents this attempt's restore recovers, to add the restore tiers of launching watches to: the
+    launches are over once a checkpoint committed, and only then may the run continue as new."""
+    symptom: tuple[Incident, str] | None = None
+    """The rank fault a relaunch recovers from, with what it was first seen as, while no stop proved its node
+    reachable; a committed checkpoint since makes it moot."""
+    joins: list[Incident] = field(default_factory=list)
+    """Lost nodes a spare replaced within the attempt: its first step ends their recovery (long past at a
+    continue-as-new)."""
+    event_evidence: dict[str, list[RankEvidence]] = field(default_factory=dict)
+    """Hang evidence watches brought with their events, by node: per incident."""
+    reports: list[GroupReport] = field(default_factory=list)
+    """What standing groups reported, not yet taken by the supervisor. Groups end before continue-as-new."""
+    standing: dict[int, asyncio.Task[NodeGroupWatchResult]] = field(default_factory=dict)
+    """Standing groups still watching after the attempt that ended, for the relaunch to take up."""
+    standing_nodes: list[str] = field(default_factory=list)
+    """The run's nodes when they stood: a relaunch onto as many nodes in the same places takes them up."""
+    reported_groups: set[int] = field(default_factory=set)
+    """Standing groups that reported in the attempt that ended: nodes of theirs have no watch left."""
+    group_ids: dict[int, str] = field(default_factory=dict)
+    group_requests: dict[int, NodeGroupWatchInput] = field(default_factory=dict)
+    """Each watch group's workflow id and what it was last given, by index."""
+
+
+class RunInputError(ValueError):
+    """A start input the run refuses: a bad spec, or state only a continue-as-new may carry."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunInput:
+    spec: RunSpec
+    carried: RunState | None
+    """None: a fresh start."""
+
+
+def continued_input(spec: RunSpec, state: RunState) -> dict[str, Any]:
+    """The input of the run's next history."""
+    return {"spec": spec.model_dump(mode="json"), "carried": state.model_dump(mode="json")}
+
+
+def parse_run_input(raw: Any, *, continued: bool, workflow_id: str) -> RunInput:
+    """The run's input, parsed once. A start request gives a spec; only the run's own continue-as-new
+    (`continued`) may carry state, and what it carries is validated before anything acts on it."""
+    try:
+        validate_workflow_id(workflow_id)
+    except ValueError as error:
+        raise RunInputError(f"invalid workflow id: {error}") from None
+    carried: RunState | None = None
+    if isinstance(raw, dict) and "carried" in raw:
+        if not continued:
+            raise RunInputError("invalid run input: `carried` is the run's own continue-as-new state; "
+                                "start a run with its spec alone")
+        if set(raw) != {"spec", "carried"}:
+            raise RunInputError(f"invalid carried input: unexpected keys {sorted(set(raw) - {'spec', 'carried'})}")
+        try:
+            carried = RunState.model_validate(raw["carried"])
+        except ValidationError as error:
+            raise RunInputError(f"invalid carried state: {error}") from None
+        raw = raw["spec"]
+    try:
+        spec = parse_spec(raw)
+    except SpecError as error:
+        raise RunInputError(str(error)) from None
+    return RunInput(spec=spec, carried=carried)

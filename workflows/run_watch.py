@@ -1,0 +1,233 @@
+"""`Watches`: a run's watch groups (`NodeGroupWatch` children) and its checkpoint committer.
+
+Each attempt is watched by a group per `WATCH_NODES_PER_GROUP` nodes. Runs of more nodes than one call group
+(`STANDING_GROUPS_MIN_NODES`) relaunch in place: their groups stand across attempts, the run writes each
+relaunch's `AttemptDecision` to the store, and every node still watching takes it up there; only nodes without
+a watch launch from a new one. At 4,096 nodes a relaunch of new groups cost the run's history 4 events per
+group, each its own workflow task: 46-53 s from the incident to the last node launched on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError
+from temporalio.workflow import ActivityCancellationType
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import (AttemptDecision, CommitCheckpointsInput, CommitCheckpointsResult,
+                                   DownloadShardsInput, LaunchRanksInput, PublishAttemptInput, WatchCheckpoints,
+                                   WatchRanksInput)
+    from workflows.node_group import (BURST_SCHEDULE_TO_START, NODE_SCHEDULE_TO_START,
+                                      NODES_PER_GROUP, WATCH_MAX_DURATION_S, WATCH_NODES_PER_GROUP,
+                                      NodeGroupWatch, groups_of, launch_wait_s, watch_heartbeat_every_s)
+    from workflows.node_group_models import NodeGroupWatchInput, NodeGroupWatchResult
+    from workflows.run_core import RunCore, cause_text
+    from workflows.run_decisions import decision_every_s
+    from workflows.run_nodes import FAN_OUT_GROUPS, STORE_HEARTBEAT_TIMEOUT, STORE_RETRY, STORE_TIMEOUT
+
+STANDING_GROUPS_MIN_NODES = NODES_PER_GROUP + 1
+"""Runs of more nodes than one call group relaunch in place (see the module's docstring); a small run's
+relaunch is a group or two and starts them anew."""
+
+DRAIN_TIMEOUT = timedelta(seconds=30)
+"""After an incident, pause or drain: how long uploads already under way may take to finish and commit."""
+DRAIN_MARGIN = timedelta(seconds=10)
+"""What the last pass may take beyond `DRAIN_TIMEOUT`: its final look at the store and a manifest write."""
+DRAIN_QUIET_S = 3.0
+"""...and the drain ends sooner once no node has reported a new upload for this long."""
+COMMITTER_MAX_DURATION_S = 600.0
+"""The committer returns after this long even if nothing was committed, so no activity runs unbounded."""
+COMMITTER_TIMEOUT = timedelta(seconds=COMMITTER_MAX_DURATION_S + 120)
+"""Its last pass may still be writing a manifest (pages first) when the duration ends."""
+
+Groups = dict[int, "asyncio.Task[NodeGroupWatchResult]"]
+
+
+class Watches:
+    def __init__(self, core: RunCore) -> None:
+        self.core = core
+
+    def stands(self) -> bool:
+        """Whether this run's watch groups stand across attempts (`STANDING_GROUPS_MIN_NODES`)."""
+        return len(self.core.status.nodes) >= STANDING_GROUPS_MIN_NODES
+
+    def inputs(self, attempt: int, launch: LaunchRanksInput | None, download: DownloadShardsInput | None,
+               standing: bool) -> list[NodeGroupWatchInput]:
+        """Each watch group's input: with `launch`, each node but the master launches from its first watch."""
+        core, spec = self.core, self.core.the_spec
+        nodes = core.status.nodes
+        watch = WatchRanksInput(
+            workflow_id=core.wid(), attempt=attempt, node="", health=spec.health,
+            # Steps up to the newest commit need no upload again (after continue-as-new too).
+            reported_step=max(core.status.resumed_step, core.state.last_committed_step),
+            evidence=True, evidence_with_event=True,
+            max_duration_s=WATCH_MAX_DURATION_S,
+            heartbeat_every_s=watch_heartbeat_every_s(len(nodes)),
+            checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix()),
+            follow_decisions=standing, decision_every_s=decision_every_s(len(nodes)))
+        master = nodes[:1]
+        second_chance = len(nodes) > FAN_OUT_GROUPS * NODES_PER_GROUP
+        # A run of one call group: its launching watches are a burst of at most 64, matched in well under the
+        # stop's 10 s even on a loaded machine, and that is how fast a node lost with its ranks (its peers' crash
+        # seen first) is found. Larger relaunches wait 30 s (at 256 nodes, load 16, 10 s read a live node as
+        # lost); past 3,000 nodes the wait grows with the burst (`launch_wait_s`).
+        launch_wait: float | None = NODE_SCHEDULE_TO_START.total_seconds() if len(nodes) <= NODES_PER_GROUP else None
+        if launch_wait is None and launch_wait_s(len(nodes)) > BURST_SCHEDULE_TO_START.total_seconds():
+            launch_wait = launch_wait_s(len(nodes))
+        return [NodeGroupWatchInput(run_workflow_id=core.wid(), group=index, watch=watch, nodes=group,
+                                    starters=[n for n in group if n in master], launch=launch, download=download,
+                                    first_node_rank=index * WATCH_NODES_PER_GROUP,
+                                    launched=[n for n in group if n in master] if launch else [],
+                                    launch_second_chance=second_chance, launch_wait_s=launch_wait,
+                                    standing=standing)
+                for index, group in enumerate(groups_of(nodes, WATCH_NODES_PER_GROUP))]
+
+    def start(self, attempt: int, inputs: list[NodeGroupWatchInput]) -> Groups:
+        live = self.core.live
+        tag = str(workflow.uuid4())[:8]
+        for request in inputs:
+            live.group_ids[request.group] = f"{self.core.wid()}/watch-{attempt}-{tag}-{request.group}"
+            live.group_requests[request.group] = request
+        return {request.group: asyncio.ensure_future(workflow.execute_child_workflow(
+            NodeGroupWatch.run, request,
+            id=live.group_ids[request.group], result_type=NodeGroupWatchResult,
+            static_summary=f"watch {request.nodes[0]}..{request.nodes[-1]} ({len(request.nodes)} nodes, "
+                           f"attempt {attempt})",
+        )) for request in inputs}
+
+    def start_again(self, attempt: int, group: int, launch: LaunchRanksInput | None,
+                    download: DownloadShardsInput | None) -> Groups:
+        """One group's watch started anew (a spare joined it)."""
+        inputs = self.inputs(attempt, launch, download, self.stands())
+        return self.start(attempt, [r for r in inputs if r.group == group])
+
+    async def take_up(self, attempt: int, launch: LaunchRanksInput | None,
+                      download: DownloadShardsInput | None) -> Groups:
+        """The attempt's watch groups. A run that stands relaunches in place: the groups still watching go on
+        (those with a node left without a watch, or a spare joining, are told the attempt), the decision goes to
+        the store for their nodes to take up, and only groups that closed start again."""
+        core, live = self.core, self.core.live
+        standing = self.stands()
+        kept, live.standing = live.standing, {}
+        reported, live.reported_groups = live.reported_groups, set()
+        inputs = self.inputs(attempt, launch, download, standing)
+        for request in inputs:
+            live.group_requests[request.group] = request
+        if not standing or launch is None or len(core.status.nodes) != len(live.standing_nodes):
+            await self.stop(kept)
+            return self.start(attempt, inputs)
+        before = groups_of(live.standing_nodes, WATCH_NODES_PER_GROUP)
+        groups: Groups = {}
+        told: list[NodeGroupWatchInput] = []
+        for request in inputs:
+            task = kept.get(request.group)
+            if task is None or task.done():
+                continue
+            groups[request.group] = task
+            if request.group in reported or before[request.group] != request.nodes:
+                told.append(request)
+        fresh = self.start(attempt, [r for r in inputs if r.group not in groups])
+        spec = core.the_spec
+        decision = AttemptDecision(
+            workflow_id=core.wid(), chain_id=workflow.info().first_execution_run_id, attempt=attempt, launch=launch,
+            download=download, starters=core.status.nodes[:1], launched=core.status.nodes[:1],
+            leaving=[n for n in live.standing_nodes if n not in core.status.nodes])
+        await asyncio.gather(
+            *(self.tell(request) for request in told),
+            workflow.execute_activity(
+                "publish_attempt",
+                PublishAttemptInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(), decision=decision),
+                start_to_close_timeout=STORE_TIMEOUT, heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
+                retry_policy=STORE_RETRY, summary=f"publish attempt {attempt} for the nodes to take up"))
+        return {**groups, **fresh}
+
+    async def take_reports(self, attempt: int) -> list[tuple[int, NodeGroupWatchResult]]:
+        """The standing groups' reports, less what their nodes reported of attempts before `attempt`: a group
+        not yet told of it is told now, and its nodes that reported launch from a new watch."""
+        live = self.core.live
+        taken, live.reports = live.reports, []
+        results, behind = [], []
+        for report in taken:
+            result = report.result
+            current = [e for e in result.incidents if (e.attempt or report.attempt) >= attempt]
+            if (report.attempt < attempt or len(current) < len(result.incidents)) and report.group not in behind:
+                behind.append(report.group)
+            if current or result.lost:
+                results.append((report.group, result.model_copy(update={"incidents": current})))
+        # Together: each signal's confirmation is a workflow task of the run's, and a fault every node reports
+        # after the decision brings one report per group.
+        await asyncio.gather(*(self.tell(live.group_requests[g]) for g in behind if g in live.group_requests))
+        return results
+
+    def keep_standing(self, watches: Groups, reporting: set[int]) -> None:
+        """The groups stand for the relaunch to take up; `drop_standing` ends them if it decides otherwise."""
+        live = self.core.live
+        live.standing = {g: t for g, t in watches.items() if not t.done()}
+        live.standing_nodes, live.reported_groups = list(self.core.status.nodes), reporting
+
+    async def drop_standing(self) -> None:
+        """End the standing groups: what comes next is no relaunch in place."""
+        kept, self.core.live.standing = self.core.live.standing, {}
+        await self.stop(kept)
+
+    async def tell(self, request: NodeGroupWatchInput) -> None:
+        """A standing group's next attempt (its nodes without a watch launch from a new one)."""
+        live = self.core.live
+        live.group_requests[request.group] = request
+        try:
+            await workflow.get_external_workflow_handle(live.group_ids[request.group]).signal("next_attempt", request)
+        except Exception as error:  # the group closed meanwhile: its result says how, and the run goes by that
+            workflow.logger.warning("could not tell watch group %d of attempt %d: %s", request.group,
+                                    request.watch.attempt, error)
+
+    @staticmethod
+    async def stop(watches: Groups) -> None:
+        """Cancel the groups still watching (their ranks keep running) and wait until they have ended."""
+        running = [t for t in watches.values() if not t.done()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+    # ------------------------------------------------------------------------------------- committer
+    def committer(self, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
+        core, spec = self.core, self.core.the_spec
+        state = core.state
+        return asyncio.ensure_future(workflow.execute_activity(
+            "commit_checkpoints",
+            CommitCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(),
+                                   workflow_id=core.wid(), attempt=attempt,
+                                   chain_id=workflow.info().first_execution_run_id,
+                                   min_attempt=min(state.state_since_attempt, attempt),
+                                   world_size=core.status.world_size, num_nodes=len(core.status.nodes),
+                                   after_step=state.last_committed_step, keep_last=spec.checkpoint.keep_last,
+                                   straggler_ratio=spec.health.straggler_ratio,
+                                   max_duration_s=DRAIN_TIMEOUT.total_seconds() if quiet_s else COMMITTER_MAX_DURATION_S,
+                                   quiet_s=quiet_s),
+            start_to_close_timeout=COMMITTER_TIMEOUT,
+            # The last pass is bounded whatever the store does: with the store down its retries would hold
+            # recovery for minutes, for a checkpoint the run can do without.
+            schedule_to_close_timeout=DRAIN_TIMEOUT + DRAIN_MARGIN if quiet_s else None,
+            heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
+            retry_policy=STORE_RETRY,
+            result_type=CommitCheckpointsResult,
+            summary=(f"commit the checkpoints left (attempt {attempt})" if quiet_s else
+                     f"commit checkpoints after step {state.last_committed_step} (attempt {attempt})"),
+            # Given up without a cancel request: a cancel racing the committer's own return is refused
+            # (ACTIVITY_UNKNOWN) and fails the workflow task. An abandoned committer is harmless (its commits
+            # are idempotent, and the next pass finds them), and stops at its next heartbeat once the run closes.
+            cancellation_type=ActivityCancellationType.ABANDON,
+        ))
+
+    async def commit_the_rest(self, attempt: int) -> None:
+        """One last committer pass, bounded by `DRAIN_TIMEOUT` and ending once uploads go quiet: with the
+        store down, an upload retries for hours, and recovery must not wait on a checkpoint it can do without."""
+        try:
+            result = await self.committer(attempt, quiet_s=DRAIN_QUIET_S)
+        except ActivityError as error:
+            workflow.logger.warning("last commit pass failed: %s", cause_text(error))
+            return
+        for commit in result.commits:
+            self.core.committed(commit.ref)
