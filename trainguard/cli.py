@@ -76,8 +76,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
 def _warn_exec_env(source: str, spec: RunSpec) -> None:
     """Names node agents refuse unless their operator allows them: the spec is valid, but say so before it runs."""
     for name in spec.exec_env():
-        print(f"{source}: warning: env.{name} changes what the ranks run or load; node agents refuse it unless "
-              f"their operator allows it (--allow-env {name})", file=sys.stderr)
+        print(f"{source}: warning: env.{name} can change what the ranks run or load or where they write; node "
+              f"agents refuse it unless their operator allows it (--allow-env {name})", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------ run

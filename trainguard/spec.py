@@ -6,13 +6,15 @@ by the workers from their own environment.
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from typing import Annotated, Any
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+# Re-exported for the node agent and older imports; the policy's home is `trainguard.env_policy`.
+from trainguard.env_policy import EXEC_ENV_PATTERNS as EXEC_ENV_PATTERNS, PYTHON_KNOBS as PYTHON_KNOBS
+from trainguard.env_policy import exec_env_refused as exec_env_refused
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -47,39 +49,6 @@ RESERVED_ENV = frozenset(
 )
 RESERVED_ENV_PREFIX = "TRAINGUARD_"
 
-EXEC_ENV_PATTERNS: tuple[str, ...] = (
-    "PATH",
-    "LD_*", "DYLD_*",
-    "PYTHON*",
-    "HOME",
-    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "IFS",
-    "GCONV_PATH",
-    "OPENSSL_CONF", "OPENSSL_ENGINES", "OPENSSL_MODULES",
-    "CUDA_INJECTION64_PATH", "NCCL_*_PLUGIN",
-    "PERL5LIB", "PERLLIB", "PERL5OPT", "PERL5DB",
-    "RUBYLIB", "RUBYOPT",
-    "NODE_OPTIONS", "NODE_PATH",
-    "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH",
-)
-"""Environment names (shell-style patterns, case as the loader reads them) that change which program runs or
-what code it loads, so a spec setting them could run what the node's `--allow` list forbids: `PATH` (which
-program a bare name is), the dynamic loader's `LD_*` (`LD_PRELOAD`, `LD_LIBRARY_PATH`, `LD_AUDIT`) and macOS's
-`DYLD_*`, Python's `PYTHON*` (`PYTHONPATH`, `PYTHONHOME`, `PYTHONSTARTUP`, `PYTHONINSPECT`, `PYTHONUSERBASE`,
-`PYTHONWARNINGS` imports the categories it names, `PYTHONBREAKPOINT` a callable), `HOME` (Python's user
-site-packages run their `.pth` files at start-up), what shells run before a script (`BASH_ENV`, `ENV`,
-`SHELLOPTS` / `BASHOPTS` with `PS4`, `IFS`), libraries that load a shared object a variable names (glibc's
-iconv `GCONV_PATH`, OpenSSL's config, engines and providers, CUDA's injection hook, NCCL's net, tuner,
-profiler and env plugins), and the start-up hooks of the other runtimes helper scripts use (Perl, Ruby,
-Node, Java). Tuning knobs that change how, not what, stay allowed (`OMP_NUM_THREADS`, `MALLOC_ARENA_MAX`,
-`GLIBC_TUNABLES`, `NCCL_DEBUG`, `CUDA_VISIBLE_DEVICES`). Spec validation cannot know what a node's operator
-allows, so the node agent enforces this list: it refuses such a name unless its operator allowed it by name
-(`--allow-env NAME`), and the run fails as a user error naming `env.NAME`."""
-
-PYTHON_KNOBS = frozenset({"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE",
-                          "PYTHONUTF8"})
-"""`PYTHON*` names exempt from `EXEC_ENV_PATTERNS`: they change buffering, hashing, crash dumps, bytecode files
-and the text encoding, never what is imported, and training scripts set them for logs and reproducibility."""
-
 SECRET_ENV_WORDS: tuple[str, ...] = (
     "SECRET", "SECRETS", "TOKEN", "PASSWORD", "PASSWORDS", "PASSWD", "PASS", "PASSPHRASE", "CREDENTIAL",
     "CREDENTIALS", "API_KEY", "APIKEY", "PRIVATE_KEY", "ACCESS_KEY", "PGPASSWORD", "MYSQL_PWD",
@@ -113,13 +82,6 @@ def is_env_name(name: str) -> bool:
 def is_node_id(name: str) -> bool:
     """Whether `name`, all of it, is a node id (`NODE_ID_PATTERN`): `node-0\\n` is not."""
     return re.fullmatch(NODE_ID_PATTERN, name) is not None
-
-
-def exec_env_refused(name: str, allowed: frozenset[str] | set[str] = frozenset()) -> bool:
-    """Whether a rank's env may not set `name` (`EXEC_ENV_PATTERNS`) on a node whose operator allowed `allowed`."""
-    if name in allowed or name in PYTHON_KNOBS:
-        return False
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in EXEC_ENV_PATTERNS)
 
 
 def looks_secret(name: str) -> bool:
@@ -378,7 +340,8 @@ class RunSpec(_Strict):
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
     """Extra environment for every rank. Not for secrets (the spec is stored in workflow history): names that
     look like a secret's are refused (`SECRET_ENV_WORDS`), so are the agent's own (`RESERVED_ENV`,
-    `TRAINGUARD_*`); node agents refuse names that change what runs (`EXEC_ENV_PATTERNS`) unless allowed."""
+    `TRAINGUARD_*`); node agents refuse names that change what runs, what it loads or where it writes
+    (`trainguard.env_policy`) unless their operator allows them."""
 
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpoint settings."""
@@ -443,7 +406,7 @@ class RunSpec(_Strict):
         return self
 
     def exec_env(self) -> list[str]:
-        """The env names node agents refuse unless their operator allows them (`EXEC_ENV_PATTERNS`)."""
+        """The env names node agents refuse unless their operator allows them (`trainguard.env_policy`)."""
         return [name for name in self.env if exec_env_refused(name)]
 
     @property
