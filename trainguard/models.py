@@ -222,36 +222,6 @@ class OperatorResult(BaseModel):
     """The run's phase when the request was accepted."""
 
 
-class CarriedState(BaseModel):
-    """What a run carries into its next history when it continues as new (ranks keep running)."""
-
-    attempt: int
-    nodes: list[str]
-    cordoned: list[str] = Field(default_factory=list)
-    spares: list[str] = Field(default_factory=list)
-    incidents: list[Incident] = Field(default_factory=list)
-    restart_times: list[float] = Field(default_factory=list)
-    restarts_without_checkpoint: int = 0
-    last_committed_step: int = -1
-    latest_checkpoint: CheckpointRef | None = None
-    started_at: float = 0.0
-    """Workflow-clock time the run first started, so wall time and goodput span every history."""
-    resumed_step: int = 0
-    step: int = 0
-    straggler_streak: dict[int, int] = Field(default_factory=dict)
-    publish_search_attributes: bool = False
-    continued: int = 0
-    """How many times the run has continued as new."""
-    lost: list[str] = Field(default_factory=list)
-    """Nodes a shrink left behind, to grow back onto when they return."""
-    replaced: list[str] = Field(default_factory=list)
-    """Nodes a spare replaced, to take back as spares when they return."""
-    state_since_attempt: int = 0
-    """The attempt the live ranks' state comes from (the last relaunch); 0: the carried attempt."""
-    replaced_at_start: dict[str, str] = Field(default_factory=dict)
-    """`RunStatus.replaced_at_start`, kept for the status."""
-
-
 class DrainRequest(BaseModel):
     """Input of the `drain_node` update."""
 

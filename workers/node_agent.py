@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +31,8 @@ from activities.rank_records import RankBook
 from activities.rank_watch import Decisions, Downloader, RankWatch, Uploader
 from trainguard import node_task_queue
 from trainguard.connect import connect
-from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_ID_PATTERN, NODE_LABELS_ENV, parse_labels
+from trainguard.settings import env_flag
+from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_LABELS_ENV, is_node_id, parse_labels
 from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
 
 log = logging.getLogger("trainguard.node_agent")
@@ -203,14 +203,18 @@ async def main() -> None:
                         help="a label this node registers in the pool with, which runs choose nodes by "
                              f"(`node_selector`), e.g. gpu=h100 (repeatable). Also {NODE_LABELS_ENV}, "
                              "separated by ','. None by default.")
-    parser.add_argument("--no-chaos", action="store_true", default=os.environ.get("TRAINGUARD_CHAOS") == "off",
-                        help="refuse fault injection (production); also TRAINGUARD_CHAOS=off")
+    try:
+        chaos_on = env_flag("TRAINGUARD_CHAOS", True)
+    except ValueError as error:
+        parser.error(str(error))
+    parser.add_argument("--no-chaos", action="store_true", default=not chaos_on,
+                        help="refuse fault injection (production); also TRAINGUARD_CHAOS=off (any case)")
     args = parser.parse_args()
     allowed = tuple(args.allow) + tuple(
         p for p in os.environ.get("TRAINGUARD_ALLOWED_ENTRYPOINTS", "").split(os.pathsep) if p)
     if not allowed:
         parser.error("no entrypoint is allowed: pass --allow PROGRAM_OR_DIR (or --allow '*')")
-    if not re.match(NODE_ID_PATTERN, args.node):
+    if not is_node_id(args.node):
         parser.error(f"--node {args.node!r}: lowercase letters, digits and '-', at most 63 characters")
     allowed_env = frozenset(args.allow_env) | frozenset(
         n.strip() for n in os.environ.get("TRAINGUARD_ALLOWED_ENV", "").split(",") if n.strip())

@@ -262,6 +262,13 @@ async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
 
 
 
+async def _tell_started(run_workflow_id: str, started: GroupStarted) -> None:
+    try:
+        await workflow.get_external_workflow_handle(run_workflow_id).signal("group_started", started)
+    except Exception as error:  # the run closed meanwhile: nobody to tell
+        workflow.logger.warning("could not tell run %s its group started: %s", run_workflow_id, error)
+
+
 @workflow.defn(name=NODE_GROUP_WATCH_WORKFLOW, sandboxed=SANDBOXED)
 class NodeGroupWatch:
     """Watch a group's nodes for one attempt; return on the first incident or lost node, or once every node
@@ -271,6 +278,7 @@ class NodeGroupWatch:
 
     def __init__(self) -> None:
         self._next: NodeGroupWatchInput | None = None
+        self._signals: list[asyncio.Task[None]] = []
 
     @workflow.signal
     def next_attempt(self, request: NodeGroupWatchInput) -> None:
@@ -369,10 +377,12 @@ class NodeGroupWatch:
             waiting = [n for n in starters if n not in started and n not in finished]
             if not signalled and started and not waiting:
                 signalled = True
-                await workflow.get_external_workflow_handle(request.run_workflow_id).signal(
-                    "group_started", GroupStarted(attempt=started_attempt, group=request.group,
-                                                  first_step_at=min(started.values()),
-                                                  all_started_at=max(started.values())))
+                # Not awaited: a cancel of the group that arrives while its signal is in flight would be
+                # swallowed if the signal then succeeds (the SDK resolves the signal, not the cancel), and the
+                # group would watch on while its run waits for it to close.
+                self._signals.append(asyncio.ensure_future(_tell_started(request.run_workflow_id, GroupStarted(
+                    attempt=started_attempt, group=request.group, first_step_at=min(started.values()),
+                    all_started_at=max(started.values())))))
             if result.incidents or result.lost:
                 if (request.watch.evidence_with_event and watches and not result.lost
                         and any(e.kind is WatchEventKind.HANG for e in result.incidents)):

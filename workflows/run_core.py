@@ -12,6 +12,7 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities.models import WatchEvent, WatchEventKind
     from trainguard import search_attributes
+    from trainguard.error_types import ErrorType
     from trainguard.faults import FaultKind
     from trainguard.models import INCIDENT_TAILS_KEPT, CheckpointRef, Incident, IncidentKind, Phase, RunStatus
     from trainguard.spec import RunSpec
@@ -79,7 +80,7 @@ class RunCore:
             search_attributes.INCIDENTS.value_set(len(self.status.incidents)),
         ])
 
-    def fail(self, reason: str, kind: str, phase: bool = False) -> ApplicationError:
+    def fail(self, reason: str, kind: ErrorType, phase: bool = False) -> ApplicationError:
         """The error that ends the run, its reason in the status."""
         self.status.reason = reason
         if phase:

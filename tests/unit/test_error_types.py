@@ -32,7 +32,12 @@ def untyped_errors(path: Path, root: Path = REPO) -> list[str]:
     """`ApplicationError(...)` calls whose `type` is not an `ErrorType` member, and retry policies whose
     non-retryable list is not `non_retryable(...)`."""
     bad = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    # A helper's parameter typed `ErrorType` counts as a member: its callers pass one (a type checker holds them).
+    typed = {(fn.lineno, arg.arg) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for arg in fn.args.args if arg.annotation is not None and ast.unparse(arg.annotation) == "ErrorType"}
+    typed_names = {name for _, name in typed}
+    for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         callee = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
@@ -40,7 +45,8 @@ def untyped_errors(path: Path, root: Path = REPO) -> list[str]:
         if callee == "ApplicationError":
             kind = _keyword(node, "type")
             member = isinstance(kind, ast.Attribute) and isinstance(kind.value, ast.Name) \
-                and kind.value.id == "ErrorType" and kind.attr in ErrorType.__members__
+                and kind.value.id == "ErrorType" and kind.attr in ErrorType.__members__ \
+                or isinstance(kind, ast.Name) and kind.id in typed_names
             if kind is not None and not member:
                 bad.append(f"{where}: ApplicationError type {ast.unparse(kind)} is not an ErrorType member")
         if callee == "RetryPolicy":

@@ -341,7 +341,7 @@ def test_a_continued_chain_is_one_run() -> None:
     _watch(first, "node-0", 1, T0 + 0.7, T0 + 10.0, kind="checkpoint_ready", step=50, first_step_at=T0 + 2.0,
            detected_at=T0 + 10.0)
     first.continued(T0 + 10.1)
-    carried = {"attempt": 1, "nodes": ["node-0"], "started_at": T0, "incidents": []}
+    carried = {"status": {"attempt": 1, "nodes": ["node-0"], "incidents": []}, "started_at": T0}
     second = FakeHistory(T0 + 10.1, {"spec": {}, "carried": carried}, continued_from="run-1")
     _watch(second, "node-0", 1, T0 + 10.2, T0 + 20.0, kind="finished", step=100, first_step_at=T0 + 2.0,
            detected_at=T0 + 20.0, mean_step_s=0.18)
@@ -357,8 +357,8 @@ def test_a_continued_chain_is_one_run() -> None:
 
 
 def test_only_the_newest_run_readable_reports_the_rest_as_earlier_runs() -> None:
-    carried = {"attempt": 3, "nodes": ["node-0"], "started_at": T0 - 100.0,
-               "incidents": [CRASH.model_dump(mode="json")]}
+    carried = {"status": {"attempt": 3, "nodes": ["node-0"], "incidents": [CRASH.model_dump(mode="json")]},
+               "started_at": T0 - 100.0}
     latest = FakeHistory(T0, {"spec": {}, "carried": carried}, continued_from="gone")
     _watch(latest, "node-0", 3, T0, T0 + 5.0, kind="checkpoint_ready", step=500, detected_at=T0 + 5.0)
     report = report_from_histories("r", [spans_from_events(latest.events)], now=T0 + 10.0,

@@ -54,6 +54,8 @@ from activities.models import (
     RankEvidence,
     RejoinRanksInput,
     RejoinRanksResult,
+    RequestCheckpointInput,
+    RequestCheckpointResult,
     ShardInfo,
     StopRanksInput,
     StopRanksResult,
@@ -69,6 +71,8 @@ from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeReque
 from trainguard.models import (
     Action,
     ChaosRequest,
+    DrainRequest,
+    StopReason,
     CheckpointRef,
     IncidentKind,
     OperatorRequest,
@@ -178,6 +182,15 @@ class Cluster:
     pool: dict[str, PoolNode] | None = None
     """The node pool's state, leased by its real rules (`workflows.node_pool.grant`); None: every lease is
     granted as asked."""
+    hold: dict[str, asyncio.Event] = field(default_factory=dict)
+    """Activity name -> an event its next call waits for (heartbeating) before it answers: an update's handler
+    held in flight."""
+
+    async def _held(self, name: str) -> None:
+        gate = self.hold.pop(name, None)
+        while gate is not None and not gate.is_set():
+            activity.heartbeat()
+            await asyncio.sleep(0.01)
 
     def inputs(self, name: str) -> list[Any]:
         return self.calls[name]
@@ -421,6 +434,7 @@ class Cluster:
         @activity.defn(name="inject_fault")
         async def inject_fault(request: InjectFaultInput) -> InjectFaultResult:
             self.calls["inject_fault"].append(request)
+            await self._held("inject_fault")
             return InjectFaultResult(node=request.node, rank=request.rank or 0, pid=1000, injected_at=123.0)
 
         @activity.defn(name="stop_ranks")
@@ -438,8 +452,14 @@ class Cluster:
                      for e in self.evidence.get(request.node, [])]
             return CollectEvidenceResult(node=request.node, ranks=ranks)
 
+        @activity.defn(name="request_checkpoint")
+        async def request_checkpoint(request: RequestCheckpointInput) -> RequestCheckpointResult:
+            self.calls["request_checkpoint"].append(request)
+            await self._held("request_checkpoint")
+            return RequestCheckpointResult(node=request.node, step=25, step_time_s=0.5)
+
         return [check_node, download_shards, launch_ranks, rejoin_ranks, watch_ranks, inject_fault,
-                stop_ranks, collect_evidence]
+                stop_ranks, collect_evidence, request_checkpoint]
 
 
 def _manifest_key(run_prefix: str, step: int) -> str:
@@ -1669,3 +1689,141 @@ async def test_a_hang_only_some_watches_brought_evidence_for_asks_only_the_other
     [incident] = run.outcome.incidents
     assert (incident.node, incident.rank) == (nodes[1], 1)
     assert [c.node for c in cluster.inputs("collect_evidence")] == [nodes[1]]
+
+
+# ------------------------------------------------------------------- controls at the continue-as-new boundary
+
+
+def _trains_through_continue_as_new(cluster: Cluster, node: str, commits: int = 40) -> list[WatchScriptEntry]:
+    """A watch that readies a checkpoint each time the one before committed: enough commits for a run with
+    `max_history_events: 100` to continue as new, then blocks (still training)."""
+    script: list[WatchScriptEntry] = []
+    for k in range(1, commits + 1):
+        script += [_ready(10 * k), Until(lambda k=k: len(cluster.inputs("commit_checkpoint")) >= k)]
+    return [*script, BLOCK]
+
+
+async def _continuing_as_new(handle: WorkflowHandle[Any, Any]) -> None:
+    """Until the run has decided to continue as new and waits for its handlers: a committer returned commits,
+    the task that took them completed, and no committer followed (the loop starts one while it goes on)."""
+    from temporalio.api.enums.v1 import EventType
+
+    while True:
+        events = (await handle.fetch_history()).events
+        scheduled = {e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                     and e.activity_task_scheduled_event_attributes.activity_type.name == "commit_checkpoints"}
+        done = [e for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+                and e.activity_task_completed_event_attributes.scheduled_event_id in scheduled]
+        if (len(events) >= 100 and len(done) == len(scheduled)
+                and events[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED):
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_a_drain_and_a_fault_sent_at_the_continue_as_new_boundary_each_take_effect_once(
+        env: WorkflowEnvironment) -> None:
+    """A `checkpoint_now` in flight holds the continue-as-new until its handler finishes; a fault injected and a
+    drain accepted while the run waits are each done once: the fault by its handler before the run continues,
+    the drain carried into the next history, where it moves the run off the node."""
+    from temporalio.client import WorkflowUpdateStage
+
+    nodes, spare = _node_ids(1), "node-spare"
+    cluster = Cluster(nodes=nodes, spares=[spare])
+    cluster.watch_script = {(1, nodes[0]): _trains_through_continue_as_new(cluster, nodes[0])}
+    release = cluster.hold["request_checkpoint"] = asyncio.Event()
+    first_run: list[str | None] = []
+
+    async def at_the_boundary(handle: WorkflowHandle[Any, Any]) -> None:
+        await _wait_for_phase(handle, Phase.RUNNING)
+        first_run.append((await handle.describe()).run_id)
+        await handle.start_update(TrainingRun.checkpoint_now, OperatorRequest(),
+                                  wait_for_stage=WorkflowUpdateStage.ACCEPTED)
+        await _continuing_as_new(handle)
+        await handle.execute_update(TrainingRun.inject_fault, ChaosRequest(node=nodes[0], fault="slow"))
+        await handle.execute_update(TrainingRun.drain_node, DrainRequest(node=nodes[0]))
+        release.set()
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=[spare], max_history_events=100),
+                     operator=at_the_boundary)
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert (await run.handle.describe()).run_id != first_run[0], "the run continued as new"
+    assert len(cluster.inputs("inject_fault")) == 1
+    drains = [s for s in cluster.inputs("stop_ranks") if s.reason is StopReason.DRAIN]
+    assert [s.node for s in drains] == [nodes[0]]
+    assert run.status.nodes == [spare] and result.attempts == 2
+
+
+async def test_a_pause_and_resume_sent_at_the_continue_as_new_boundary_pause_once_and_go_on(
+        env: WorkflowEnvironment) -> None:
+    """`checkpoint_now` in flight holds the continue-as-new; a pause and a resume accepted meanwhile are
+    carried: the next history stops the ranks once and relaunches, and the checkpoint request is made once."""
+    from temporalio.client import WorkflowUpdateStage
+
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes)
+    cluster.watch_script = {(1, nodes[0]): _trains_through_continue_as_new(cluster, nodes[0])}
+    release = cluster.hold["request_checkpoint"] = asyncio.Event()
+    answers: list[Any] = []
+
+    async def at_the_boundary(handle: WorkflowHandle[Any, Any]) -> None:
+        await _wait_for_phase(handle, Phase.RUNNING)
+        update = await handle.start_update(TrainingRun.checkpoint_now, OperatorRequest(),
+                                           wait_for_stage=WorkflowUpdateStage.ACCEPTED)
+        await _continuing_as_new(handle)
+        for control in (TrainingRun.pause, TrainingRun.resume):
+            answers.append((await handle.execute_update(control, OperatorRequest(reason="at the boundary"))).phase)
+        release.set()
+        answers.append(await update.result())
+
+    run = await _run(env, cluster, _spec(nodes, max_history_events=100), operator=at_the_boundary)
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert answers[:2] == [Phase.RUNNING, Phase.RUNNING]
+    target = answers[2].step
+    assert [(r.step) for r in cluster.inputs("request_checkpoint")] == [None, target]
+    pauses = [s for s in cluster.inputs("stop_ranks") if s.reason is StopReason.OPERATOR_PAUSE]
+    assert len(pauses) == 1 and result.attempts == 2
+
+
+async def test_a_shrunk_run_whose_node_returns_at_its_final_commit_finishes(env: WorkflowEnvironment) -> None:
+    """Growing back never outranks finishing: the node is back in the pool when the last checkpoint commits,
+    and the ranks finish right after it; the run completes instead of cancelling finished ranks to regrow."""
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes)
+    committed = Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1)
+
+    def repaired() -> bool:
+        cluster.returned.add(nodes[1])
+        return True
+
+    last_committed = Until(lambda: any(c.step == 20 for c in cluster.inputs("commit_checkpoint")))
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), committed, ApplicationError("agent lost its ranks", type="AgentLost")],
+        (2, nodes[0]): [Until(repaired), _ready(20), last_committed, _finished(20)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, min_nodes=1))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.attempts == 2 and result.steps_completed == 20
+    assert _by_attempt(cluster.inputs("launch_ranks"), 3) == []
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
+    assert run.status.nodes == [nodes[0]]
+
+
+async def test_a_start_input_that_carries_state_is_refused(env: WorkflowEnvironment) -> None:
+    """Only the run's own continue-as-new carries state: a start request with `carried` (which could name
+    nodes the pool never leased it) fails at once, naming the field."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes)
+    forged = {"spec": _spec(nodes), "carried": {"status": {"nodes": ["someone-elses-node"], "attempt": 1}}}
+
+    run = await _run(env, cluster, forged)
+
+    assert "carried" in _failure_message(run.outcome)
+    assert cluster.inputs("launch_ranks") == [] and cluster.inputs("acquire_nodes") == []

@@ -260,7 +260,8 @@ def report_from_histories(workflow_id: str, histories: Sequence[RunHistory], *, 
         if status is not None:
             incidents = list(status.incidents)
         elif isinstance(carried, dict) and latest is histories[0]:
-            incidents = [Incident.model_validate(i) for i in carried.get("incidents", [])]
+            # `RunState` (workflows/run_state.py): the status it carries holds the incidents.
+            incidents = [Incident.model_validate(i) for i in (carried.get("status") or {}).get("incidents", [])]
         else:
             incidents = []
             notes.append("incidents unknown: the run has no result and its status query did not answer")
