@@ -2,9 +2,9 @@
 
 The agent (`activities.rank_launch`, `activities.rank_watch`) and the rank helper (`trainguard.rank`) run in
 different processes, often of different versions during an upgrade, and talk only through environment variables
-and small JSON files in the run's directory on the node. Every name and every JSON shape they share is defined here, once, with a
-reader and a writer, so neither side retypes a key. The dev stack, the client, the report and the test and
-benchmark harness read the same files through the same models.
+and small JSON files in the run's directory on the node. Every name and every JSON shape they share is defined
+here, once, with a reader and a writer, so neither side retypes a key. The dev stack, the client, the report
+and the test and benchmark harness read the same files through the same models.
 
 Standard library only: the rank helper imports it inside the user's training script.
 

@@ -119,7 +119,8 @@ async def test_a_relaunchs_watch_stops_the_previous_attempts_ranks_before_launch
     agent.watch.downloader = Store(tmp_path)
     old = _watch(attempt=1, download=False).launch
     assert old is not None
-    await agent.launch.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
+    await agent.launch.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c",
+                                                                          "import time; time.sleep(600)"]}))
     before = agent.book.record("wf")
     assert before is not None and before.attempt == 1
     old_ranks = list(before.ranks.values())
@@ -179,7 +180,8 @@ async def _training(agent: NodeRanks) -> list[object]:
     """Attempt 1 running on the node (alive, blocked in a sleep); its rank processes."""
     old = _watch(attempt=1, download=False).launch
     assert old is not None
-    await agent.launch.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c", "import time; time.sleep(600)"]}))
+    await agent.launch.launch_ranks(old.model_copy(update={"entrypoint": ["python", "-c",
+                                                                          "import time; time.sleep(600)"]}))
     record = agent.book.record("wf")
     assert record is not None and record.attempt == 1
     return list(record.ranks.values())
@@ -239,7 +241,8 @@ async def test_a_node_that_reported_waits_in_its_watch_and_takes_up_the_relaunch
     # Published only once the old ranks have exited and the watch has looked since: it must not report that.
     publishing = asyncio.ensure_future(decisions.publish_once_read(_decision(2), after=lambda: all(
         p.poll() for p in old_ranks)))
-    event = await ActivityEnvironment().run(agent.watch.watch_ranks, _following().model_copy(update={"after_attempt": 1}))
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks,
+                                            _following().model_copy(update={"after_attempt": 1}))
     await publishing
     assert event.kind is WatchEventKind.FINISHED and event.attempt == 2
     assert [(c.node, c.ranks) for c in store.calls] == [("node-b", [2, 3])]
