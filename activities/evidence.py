@@ -21,6 +21,7 @@ from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankE
 from trainguard import evidence as channel
 from trainguard.procs import state as process_state
 from trainguard.protocol import RunLayout, read_progress
+from trainguard.redact import redact_model
 
 if TYPE_CHECKING:
     from activities.rank_records import AttemptRecord, RankBook
@@ -186,7 +187,8 @@ class EvidenceActivities:
             return CollectEvidenceResult(node=self.book.node)
         layout = RunLayout.of(self.book.workdir, request.workflow_id)
         found = await self.gather(record, layout, request.bucket, request.run_prefix)
-        return CollectEvidenceResult(node=self.book.node, ranks=found)
+        # Redacted like a watch's event: a rank names its own frames, and the result goes to the history.
+        return redact_model(CollectEvidenceResult(node=self.book.node, ranks=found))
 
     async def for_watch(self, record: AttemptRecord, layout: RunLayout,
                         target: WatchCheckpoints | None) -> list[RankEvidence]:

@@ -36,12 +36,23 @@ from trainguard import protocol
 from trainguard.error_types import ErrorType
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
+from trainguard.run_as import RunAs
+from trainguard.settings import held_secret_values
 from trainguard.spec import exec_env_refused, exec_problems
 
 # Variables of the agent's own environment that ranks must not inherit: storage credentials belong to the
-# agent (it uploads), never to user code; so do the pool's peer token and Temporal's keys.
+# agent (it uploads), never to user code; so do the pool's peer token and Temporal's keys. They cover
+# `trainguard.settings.AGENT_SECRET_ENV`; a variable holding the value of a held secret under another name
+# is left out too.
 _SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_", "TRAINGUARD_PEER_TOKEN", "TRAINGUARD_CODEC_KEY",
                         "TRAINGUARD_API_KEY", "TRAINGUARD_TLS_KEY")
+
+
+def inherited_env(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:
+    """What ranks inherit of the agent's environment (`environ`, default `os.environ`): all but its secrets."""
+    held = set(held_secret_values())
+    return {k: v for k, v in (os.environ if environ is None else environ).items()
+            if not k.startswith(_SECRET_ENV_PREFIXES) and v.strip() not in held}
 
 
 def _program_path(path: str) -> Path:
@@ -62,7 +73,7 @@ class RankLaunch:
     """Start, restart in process, and stop the ranks of a run's attempt on this node."""
 
     def __init__(self, book: RankBook, host: str, code_dir: Path, allowed: tuple[str, ...] = ("*",),
-                 allowed_env: frozenset[str] = frozenset()) -> None:
+                 allowed_env: frozenset[str] = frozenset(), run_as: RunAs | None = None) -> None:
         self.book = book
         self.node = book.node
         self.host = host
@@ -73,6 +84,8 @@ class RankLaunch:
         """Programs, or folders of programs, a spec's entrypoint may name (`--allow`; `*` for any)."""
         self.allowed_env = allowed_env
         """Env names of `EXEC_ENV_PATTERNS` this node's operator lets a spec set (`--allow-env`)."""
+        self.run_as = run_as
+        """The user ranks run as (`--run-as`); None runs them as the agent's own user, secrets in reach."""
 
     @activity.defn(name="launch_ranks")
     async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
@@ -117,9 +130,8 @@ class RankLaunch:
         self.book.attempts[request.workflow_id] = record
         layout = RunLayout.of(self.book.workdir, request.workflow_id)
         drop_uncommitted_shards(layout, request.restore_step)
-        for path in (layout.progress_dir(request.attempt), layout.logs_dir(request.attempt),
-                     layout.checkpoint_dir, layout.tmp_dir):
-            path.mkdir(parents=True, exist_ok=True)
+        layout.logs_dir(request.attempt).mkdir(parents=True, exist_ok=True)
+        self._rank_folders(layout, request.attempt)
         extra = {protocol.ENV_RESTORE_STEP: str(request.restore_step)}
         if request.restore_dir:
             extra[protocol.ENV_RESTORE_DIR] = request.restore_dir
@@ -137,6 +149,16 @@ class RankLaunch:
             node=self.node, master_addr=master_addr, master_port=master_port,
             pids=[p.pid for p in record.ranks.values()],
         )
+
+    def _rank_folders(self, layout: RunLayout, attempt: int) -> None:
+        """The folders ranks of `attempt` write into (progress, shards, temporary files, hang evidence), made,
+        and given to the run-as user. Logs are the agent's: it opens each rank's log and hands it over open."""
+        folders = (layout.progress_dir(attempt), layout.checkpoint_dir, layout.tmp_dir,
+                   layout.attempt_dir(attempt) / "evidence")
+        for path in folders:
+            path.mkdir(parents=True, exist_ok=True)
+        if self.run_as is not None:
+            self.run_as.own(*folders)
 
     def _rank_env(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
                   local_rank: int, extra: dict[str, str]) -> dict[str, str]:
@@ -162,9 +184,12 @@ class RankLaunch:
 
     def _start(self, layout: RunLayout, request: RankGroupInput, cwd: Path, log_path: Path,
                env: dict[str, str]) -> subprocess.Popen[bytes]:
-        """The entrypoint in a session of its own (so its whole tree can be signalled), without the agent's
-        secrets in its environment."""
-        full = {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
+        """The entrypoint in a session of its own (so its whole tree can be signalled), as the run-as user,
+        without the agent's secrets in its environment."""
+        full = inherited_env()
+        if self.run_as is not None:
+            # The agent's HOME is not theirs to write: caches (torch, pip, matplotlib) go to the run's tmp.
+            full.update({"HOME": str(layout.tmp_dir), "USER": self.run_as.name, "LOGNAME": self.run_as.name})
         full.setdefault("OMP_NUM_THREADS", "1")
         full.update(request.env)
         full.update({"TMPDIR": str(layout.tmp_dir), protocol.ENV_WORKFLOW_ID: request.workflow_id,
@@ -179,6 +204,7 @@ class RankLaunch:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                **(self.run_as.popen_args() if self.run_as is not None else {}),  # type: ignore[arg-type]
             )
         except Exception as error:
             if classify_launch_error(error) is None:
@@ -256,9 +282,9 @@ class RankLaunch:
             start_step=min(steps) if steps else current.start_step, launched_at=time.time(),
             ranks=dict(alive), chain_id=request.chain_id, survivors=set(alive),
         )
-        for path in (layout.progress_dir(record.attempt), layout.logs_dir(record.attempt),
-                     layout.rejoin_file(0).parent):
+        for path in (layout.logs_dir(record.attempt), layout.rejoin_file(0).parent):
             path.mkdir(parents=True, exist_ok=True)
+        self._rank_folders(layout, record.attempt)
         self.book.attempts[request.workflow_id] = record
         self.book.save(record)
         world_size = request.num_nodes * request.ranks_per_node

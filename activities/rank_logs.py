@@ -16,6 +16,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from trainguard.error_types import ErrorType
+from trainguard.redact import redact
 # The read's models are the client's too: defined in trainguard.models, re-exported here.
 from trainguard.models import LOG_CHUNK_MAX_BYTES, ReadRankLogInput, ReadRankLogResult  # noqa: F401
 
@@ -37,8 +38,13 @@ SIGNATURE_MAX_CHARS = 300
 
 
 def read_tail(path: Path, max_lines: int = TAIL_MAX_LINES, max_bytes: int = TAIL_MAX_BYTES) -> str:
-    """The last `max_lines` lines of `path`, at most `max_bytes` of them (cut at a line start), as text;
+    """The last `max_lines` lines of `path`, at most `max_bytes` of them (cut at a line start), as text,
+    redacted (`trainguard.redact`: a rank may print any secret it finds, and the tail goes to the history);
     empty when the file is missing or unreadable (a log is evidence, never a reason to fail a watch)."""
+    return redact(_tail(path, max_lines, max_bytes))
+
+
+def _tail(path: Path, max_lines: int, max_bytes: int) -> str:
     try:
         with path.open("rb") as handle:
             handle.seek(0, 2)
@@ -117,5 +123,8 @@ class RankLogActivities:
             raise ApplicationError(f"node {self.node} has no log of rank {request.rank} of {request.workflow_id} "
                                    f"attempt {attempt} ({path})",
                                    type=ErrorType.NO_SUCH_LOG, non_retryable=True) from None
-        return ReadRankLogResult(node=self.node, rank=request.rank, path=str(path), attempt=attempt, text=data.decode("utf-8", errors="replace"),
+        # Redacted: the chunk is this activity's result, in the history of whatever asked for it. Offsets stay
+        # the file's.
+        return ReadRankLogResult(node=self.node, rank=request.rank, path=str(path), attempt=attempt,
+                                 text=redact(data.decode("utf-8", errors="replace")),
                                  next_offset=start + len(data), size=size)

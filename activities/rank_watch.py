@@ -47,6 +47,7 @@ from trainguard import protocol
 from trainguard.error_types import ErrorType
 from trainguard.procs import state as process_state
 from trainguard.protocol import RunLayout
+from trainguard.redact import redact_model
 
 Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int, str], Awaitable[NodeCheckpointRecord]]
 """(workflow id, attempt, where, step, rank compute times, node step, chain id) -> the node record written."""
@@ -181,9 +182,11 @@ class RankWatch:
                     steps={r: (rep.step if rep else None) for r, rep in reports.items()}).to_json())
 
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
-                return WatchEvent(kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at,
-                                  step=node_step, restore_tiers=record.restore_tiers,
-                                  attempt=record.attempt if follow else None, **fields)  # type: ignore[arg-type]
+                # Redacted of the agent's secrets and secret-looking values: ranks write what its texts carry.
+                return redact_model(WatchEvent(
+                    kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at, step=node_step,
+                    restore_tiers=record.restore_tiers, attempt=record.attempt if follow else None,
+                    **fields))  # type: ignore[arg-type]
 
             ready = complete_steps(self._saved_steps(layout), local_ranks, max(request.reported_step,
                                                                                  record.start_step))

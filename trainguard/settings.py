@@ -1,7 +1,12 @@
 """Connection settings for workers, the CLI and the client, read from the environment.
 
 Secrets (S3 keys) come from the standard AWS chain (`AWS_ACCESS_KEY_ID`, profiles, instance roles) in the
-worker's own environment, never from a run spec or a workflow input.
+worker's own environment, never from a run spec or a workflow input. A node agent takes its secrets out of
+its environment once it has connected (`hold_agent_secrets`): they live in this module's memory, so nothing
+the agent starts inherits them and every text it sends to Temporal is redacted of them
+(`trainguard.redact`). Dropping them from `os.environ` does not change `/proc/<agent>/environ` (the kernel
+keeps the block the process started with): what keeps ranks from reading it is a uid of their own
+(`--run-as`), since only the same uid or root may read a process's environ.
 """
 
 from __future__ import annotations
@@ -10,10 +15,54 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Mapping, MutableMapping
 
 
 DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
+
+AGENT_SECRET_ENV = ("TRAINGUARD_PEER_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                    "AWS_SECURITY_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN", "TRAINGUARD_API_KEY",
+                    "TRAINGUARD_CODEC_KEY", "TEMPORAL_API_KEY")
+"""The variables a node agent holds in memory instead of its environment (`hold_agent_secrets`). The AWS key
+id travels with its secret: boto3 takes a pair from one source."""
+
+STILL_READ_FROM_ENVIRON = frozenset({"TRAINGUARD_PEER_TOKEN"})
+"""Held, and left in `os.environ` too, because code outside this module still reads them there lazily:
+`activities.peers.fetch_from_peer` asks `peer_token()` for the pool's token at each fetch. Ranks never
+inherit them (the launch builds their environment without any name of `AGENT_SECRET_ENV`); drop the name from
+here once its reader asks `agent_secret`."""
+
+_held: dict[str, str] = {}
+"""Name -> value of what `hold_agent_secrets` took; process-wide, like the environment it replaces."""
+
+
+def hold_agent_secrets(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Move the `AGENT_SECRET_ENV` variables set in `environ` (default `os.environ`) into this module's memory
+    and out of `environ` (but `STILL_READ_FROM_ENVIRON`). Returns what it holds now. Call it once the agent
+    has connected to Temporal (the connection read its API and codec keys)."""
+    env = os.environ if environ is None else environ
+    for name in AGENT_SECRET_ENV:
+        value = env.get(name, "")
+        if value.strip():
+            _held[name] = value.strip()
+        if name not in STILL_READ_FROM_ENVIRON:
+            env.pop(name, None)
+    return dict(_held)
+
+
+def agent_secret(name: str) -> str | None:
+    """The secret `name` the agent holds, else the environment's (a worker that holds none); None when unset."""
+    return _held.get(name) or os.environ.get(name, "").strip() or None
+
+
+def held_secret_values() -> list[str]:
+    """Every secret value this process holds: what `trainguard.redact` blanks out of texts for Temporal."""
+    return [value for name, value in _held.items() if name in AGENT_SECRET_ENV]
+
+
+def forget_agent_secrets() -> None:
+    """Tests: hold nothing again."""
+    _held.clear()
 
 FLAG_TRUE = frozenset({"1", "true", "on", "yes"})
 FLAG_FALSE = frozenset({"0", "false", "off", "no"})
@@ -75,7 +124,7 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
-        env = dict(os.environ if environ is None else environ)
+        env = {**_held, **os.environ} if environ is None else dict(environ)
         address, source = env.get("TRAINGUARD_TEMPORAL_ADDRESS", ""), "TRAINGUARD_TEMPORAL_ADDRESS"
         if not address:
             from trainguard.devstack import stack_address
@@ -122,7 +171,8 @@ _S3_CLIENT_ATTEMPTS = 3
 
 
 @lru_cache(maxsize=4)
-def _client(endpoint: str | None, region: str, path_style: bool) -> Any:
+def _client(endpoint: str | None, region: str, path_style: bool,
+            keys: tuple[str, str, str | None] | None = None) -> Any:
     import boto3
     from botocore.config import Config
 
@@ -134,10 +184,22 @@ def _client(endpoint: str | None, region: str, path_style: bool) -> Any:
         s3={"addressing_style": "path" if path_style else "auto"},
         max_pool_connections=32,
     )
-    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+    session = (boto3.session.Session() if keys is None else
+               boto3.session.Session(aws_access_key_id=keys[0], aws_secret_access_key=keys[1],
+                                     aws_session_token=keys[2]))
+    return session.client("s3", endpoint_url=endpoint, config=config)
+
+
+def _held_keys() -> tuple[str, str, str | None] | None:
+    """The S3 key pair a node agent holds (`hold_agent_secrets`), for boto3, which would look for it in the
+    environment; None leaves boto3 its own chain (profiles, instance roles, web identity)."""
+    key_id, secret = _held.get("AWS_ACCESS_KEY_ID"), _held.get("AWS_SECRET_ACCESS_KEY")
+    if not (key_id and secret):
+        return None
+    return key_id, secret, _held.get("AWS_SESSION_TOKEN") or _held.get("AWS_SECURITY_TOKEN")
 
 
 def s3_client(settings: Settings | None = None) -> Any:
     """A thread-safe boto3 S3 client for the configured store."""
     settings = settings or Settings.from_env()
-    return _client(settings.s3_endpoint, settings.s3_region, settings.s3_path_style)
+    return _client(settings.s3_endpoint, settings.s3_region, settings.s3_path_style, _held_keys())

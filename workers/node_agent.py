@@ -1,10 +1,14 @@
 """The node agent: one per training node, polling `trainguard-node-<node-id>`.
 
-    python -m workers.node_agent --node node-0 --workdir /var/lib/trainguard [--host 10.0.0.5]
+    python -m workers.node_agent --node node-0 --workdir /var/lib/trainguard [--host 10.0.0.5] [--run-as USER]
 
 It launches, watches and stops this node's ranks, checks its GPUs, and moves its checkpoint shards to and
 from S3. It never imports torch (its own memory stays small). On SIGTERM it stops its ranks before exiting:
 ranks never outlive their agent.
+
+Its secrets (S3 keys, the peer token, Temporal's keys) leave its environment once it has connected
+(`trainguard.settings.hold_agent_secrets`), and ranks run as another, unprivileged user (`--run-as`), so they
+can read neither the agent's environment nor its memory (`trainguard.run_as`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from activities.rank_records import RankBook
 from activities.rank_watch import Decisions, Downloader, RankWatch, Uploader
 from trainguard import node_task_queue
 from trainguard.connect import connect
-from trainguard.settings import env_flag
+from trainguard.run_as import RUN_AS_ENV, RunAs, run_as_from
+from trainguard.settings import env_flag, hold_agent_secrets
 from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_LABELS_ENV, is_node_id, parse_labels
 from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
 
@@ -69,12 +74,12 @@ class NodeRanks:
 def node_ranks(node: str, workdir: Path, host: str, code_dir: Path, health: NodeHealth | None = None,
                allowed: tuple[str, ...] = ("*",), chaos: bool = True, allowed_env: frozenset[str] = frozenset(),
                uploader: Uploader | None = None, downloader: Downloader | None = None,
-               decisions: Decisions | None = None) -> NodeRanks:
+               decisions: Decisions | None = None, run_as: RunAs | None = None) -> NodeRanks:
     """The rank activities of one node agent around one book: the book adopts the ranks a previous agent on
     this workdir left running, and every activity sees the attempts the others launch."""
     health = health or NodeHealth()
     book = RankBook(node, workdir)
-    launch = RankLaunch(book, host, code_dir, allowed=allowed, allowed_env=allowed_env)
+    launch = RankLaunch(book, host, code_dir, allowed=allowed, allowed_env=allowed_env, run_as=run_as)
     evidence = EvidenceActivities(book)
     watch = RankWatch(book, launch, health, uploader=uploader, downloader=downloader, decisions=decisions,
                       hang_evidence=evidence.for_watch)
@@ -85,13 +90,15 @@ def node_ranks(node: str, workdir: Path, host: str, code_dir: Path, health: Node
 def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
                  peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> tuple[Worker, RankBook]:
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 run_as: RunAs | None = None) -> tuple[Worker, RankBook]:
     node_health = NodeHealth()
     node_health.xid.start()  # XID events as they happen; without NVML it starts nothing
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
     ranks = node_ranks(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
                        allowed_env=allowed_env, uploader=checkpoints.upload_step,
-                       downloader=checkpoints.download_shards, decisions=checkpoints.read_decision)
+                       downloader=checkpoints.download_shards, decisions=checkpoints.read_decision,
+                       run_as=run_as)
     health = HealthActivities(node, host, node_health)
     logs = RankLogActivities(node, workdir)
     worker = Worker(
@@ -161,6 +168,23 @@ async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) 
     return stopped
 
 
+def run_as_problem(run_as: RunAs, workdir: Path, code_dir: Path, allowed: tuple[str, ...]) -> str | None:
+    """Why ranks as `run_as` could not run here (the agent cannot switch users, or a folder they need is
+    closed to them), or None. Checked at start: otherwise every launch would fail, each as if the spec's."""
+    if os.geteuid() != 0:
+        return (f"--run-as {run_as.name}: the agent runs as uid {os.geteuid()}, and only root can start ranks as "
+                f"another user; run the agent as root, or leave --run-as out")
+    needs = [(workdir, os.X_OK, "--workdir"), (code_dir, os.R_OK | os.X_OK, "--code-dir")]
+    for program in (a for a in allowed if a != "*"):
+        needs += [(Path(program), os.X_OK, "--allow"), (Path(os.path.realpath(program)), os.X_OK, "--allow")]
+    for path, need, option in needs:
+        closed = run_as.unreachable(path, need)
+        if closed is not None:
+            return (f"{option} {path}: ranks run as {run_as.name} (uid {run_as.uid}) cannot reach it: {closed} is "
+                    f"missing or closed to that user; open it (e.g. chmod o+x on a folder), or choose other paths")
+    return None
+
+
 REGISTER_RETRY_S = 2.0
 """The pool answers once a controller runs; until then keep asking (agents may start first)."""
 
@@ -209,6 +233,10 @@ async def main() -> None:
         parser.error(str(error))
     parser.add_argument("--no-chaos", action="store_true", default=not chaos_on,
                         help="refuse fault injection (production); also TRAINGUARD_CHAOS=off (any case)")
+    parser.add_argument("--run-as", default=os.environ.get(RUN_AS_ENV, ""), metavar="USER",
+                        help="the unprivileged user ranks run as (a name or uid; the agent must be root), so they "
+                             "cannot read the agent's environment, memory or secrets. Also "
+                             f"{RUN_AS_ENV}. Unset, ranks run as the agent's own user.")
     args = parser.parse_args()
     allowed = tuple(args.allow) + tuple(
         p for p in os.environ.get("TRAINGUARD_ALLOWED_ENTRYPOINTS", "").split(os.pathsep) if p)
@@ -228,9 +256,21 @@ async def main() -> None:
         token = peer_token()
     except ValueError as error:
         parser.error(str(error))
+    try:
+        run_as = run_as_from(args.run_as)
+    except ValueError as error:
+        parser.error(str(error))
     setup_logging(f"node-agent[{args.node}]")
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if run_as is None:
+        log.warning("ranks run as this agent's own user (uid %d): they can read its environment and secrets "
+                    "(/proc/<agent>/environ); start the agent as root with --run-as USER (%s)", os.geteuid(),
+                    RUN_AS_ENV)
+    elif problem := run_as_problem(run_as, args.workdir.resolve(), args.code_dir.resolve(), allowed):
+        parser.error(problem)
     client = await connect()
+    # Connected (the client has read Temporal's keys): the secrets leave the environment for memory.
+    hold_agent_secrets()
     server = None
     if args.peer_port >= 0 and token is None:
         log.warning("peer tier off on %s: no %s in the environment (give every agent of the pool the same one)",
@@ -239,9 +279,10 @@ async def main() -> None:
         server = ShardServer(args.workdir, args.host, token, args.peer_port).start()
     worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve(),
                                  allowed=allowed, chaos=not args.no_chaos, peer_tier=server is not None,
-                                 allowed_env=allowed_env)
+                                 allowed_env=allowed_env, run_as=run_as)
     stop = stop_event()
-    log.info("node agent %s polling %s", args.node, node_task_queue(args.node))
+    log.info("node agent %s polling %s%s", args.node, node_task_queue(args.node),
+             f" (ranks run as {run_as.name}, uid {run_as.uid})" if run_as else "")
     try:
         async with worker:
             registration = asyncio.create_task(

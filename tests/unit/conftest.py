@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -19,3 +22,13 @@ async def env() -> AsyncIterator[WorkflowEnvironment]:
     )
     yield environment
     await environment.shutdown()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A fresh folder every user may enter (pytest's own are 0700, below a 0700 `pytest-of-<user>`): for tests
+    whose processes run as another user (`--run-as`). Removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="trainguard-open-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
