@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -93,6 +93,10 @@ def _is_missing(error: ClientError) -> bool:
 def _not_modified(error: ClientError) -> bool:
     """A conditional read (`IfNoneMatch`) of an object that has not changed."""
     return _error_code(error) in ("304", "NotModified")
+
+
+STORE_ERROR_POLL_S = 5.0
+"""How often a committer whose store is out tries it again (it heartbeats meanwhile)."""
 
 
 def _bucket_missing(error: ClientError, bucket: str) -> ApplicationError | None:
@@ -399,18 +403,27 @@ class StoreActivities:
         deadline = time.monotonic() + request.max_duration_s
         state = _CommitterState()
         last_change = time.monotonic()
+        store_error: str | None = None
         while True:
             activity.heartbeat()
-            commits, pending, changed = await asyncio.to_thread(self._commit_pass, request, state)
+            try:
+                commits, pending, changed = await asyncio.to_thread(self._commit_pass, request, state)
+                store_error = None
+            except (BotoCoreError, ClientError, OSError) as error:
+                # The store is out (or refuses writes): keep polling to the deadline, and say why nothing
+                # committed, so the run can tell its operator (a missing bucket is the spec's: raised as such).
+                store_error = f"{type(error).__name__}: {error}"[:300]
+                log.warning("commit pass over s3://%s/%s failed: %s", request.bucket, request.run_prefix, error)
+                commits, pending, changed = [], True, False
             if commits:
                 return CommitCheckpointsResult(commits=commits)
             now = time.monotonic()
             last_change = now if changed else last_change
             if now >= deadline:
-                return CommitCheckpointsResult()
+                return CommitCheckpointsResult(store_error=store_error)
             if request.quiet_s is not None and (not pending or now - last_change >= request.quiet_s):
-                return CommitCheckpointsResult()
-            await asyncio.sleep(request.poll_interval_s)
+                return CommitCheckpointsResult(store_error=store_error)
+            await asyncio.sleep(request.poll_interval_s if store_error is None else STORE_ERROR_POLL_S)
 
     def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:

@@ -263,6 +263,9 @@ class CommittedCheckpoint(BaseModel):
 class CommitCheckpointsResult(BaseModel):
     commits: list[CommittedCheckpoint] = Field(default_factory=list)
     """Oldest first; empty when `max_duration_s` passed with nothing to commit."""
+    store_error: str | None = None
+    """The last error the committer met reading or writing the store in this call (it goes on polling through
+    them); None when its last pass reached the store."""
 
 
 class PruneCheckpointsInput(BaseModel):
@@ -488,6 +491,9 @@ class WatchEvent(BaseModel):
     restore_tiers: list[str] = Field(default_factory=list)
     """Where this node's ranks of the attempt restored from, when its watch downloaded their shards: the run
     learns the tiers of nodes that launched from their watch from their events."""
+    upload_error: str | None = None
+    """KEEPALIVE: the node's uploads to the store are failing; the last error. Reported at most every
+    `UPLOAD_ERROR_REPORT_S` per node, so an outage costs the run's history little."""
     log_path: str | None = None
     """RANK_EXITED, HANG: the rank's log on its node (stdout and stderr of the attempt)."""
     log_tail: str = ""

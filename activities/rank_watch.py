@@ -56,6 +56,10 @@ Decisions = Callable[[WatchCheckpoints], AttemptDecision | None]
 """Reads the run's newest `AttemptDecision` from the store, blocking (`NodeCheckpointActivities.read_decision`)."""
 HangEvidence = Callable[[AttemptRecord, RunLayout, WatchCheckpoints | None], Awaitable[list[RankEvidence]]]
 
+UPLOAD_ERROR_REPORT_S = 60.0
+"""A node whose uploads keep failing tells its run (a KEEPALIVE with `upload_error`) at most this often: the
+run's status names the error within a minute, and a long outage costs its history one event per node a minute."""
+
 UPLOAD_RETRY_S = 5.0
 """A watch's upload that failed on a store error is tried again after this long (the store may be out;
 the committer waits for the step meanwhile)."""
@@ -112,6 +116,10 @@ class RankWatch:
         self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
         """`_upload_key` -> its upload, started by a watch and outliving it."""
         self._upload_failed_at: dict[tuple[str, str, int, int], float] = {}
+        self._upload_error: dict[str, str] = {}
+        """Run -> the last failed upload's error, until an upload of the run succeeds."""
+        self._upload_error_told: dict[str, float] = {}
+        """Run -> when a watch last told the run of it (monotonic)."""
 
     @activity.defn(name="watch_ranks")
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
@@ -249,6 +257,9 @@ class RankWatch:
                              detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
                                     f"{report.step if report else 'none'}; process {state})")
 
+            trouble = self._upload_trouble(record.workflow_id)
+            if trouble is not None:
+                return event(WatchEventKind.KEEPALIVE, upload_error=trouble)
             if time.monotonic() - started > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
             await asyncio.sleep(health.poll_interval_s)
@@ -354,13 +365,26 @@ class RankWatch:
         assert self.uploader is not None
         key = _upload_key(record, step)
         try:
-            return await self.uploader(record.workflow_id, record.attempt, target, step, compute, node_step,
-                                       record.chain_id)
+            uploaded = await self.uploader(record.workflow_id, record.attempt, target, step, compute, node_step,
+                                           record.chain_id)
         except BaseException as error:
             self._upload_failed_at[key] = time.monotonic()
+            if not isinstance(error, asyncio.CancelledError):
+                self._upload_error[record.workflow_id] = f"{type(error).__name__}: {error}"[:300]
             log.warning("upload of step %d of %s attempt %d failed: %s", step, record.workflow_id,
                         record.attempt, error)
             raise
+        self._upload_error.pop(record.workflow_id, None)
+        return uploaded
+
+    def _upload_trouble(self, workflow_id: str) -> str | None:
+        """The run's failing uploads, when it is time to tell the run again (`UPLOAD_ERROR_REPORT_S`)."""
+        error = self._upload_error.get(workflow_id)
+        told = self._upload_error_told.get(workflow_id)
+        if error is None or (told is not None and time.monotonic() - told < UPLOAD_ERROR_REPORT_S):
+            return None
+        self._upload_error_told[workflow_id] = time.monotonic()
+        return error
 
     async def _upload_all(self, record: AttemptRecord, target: WatchCheckpoints, steps: list[int],
                           compute: dict[int, float], node_step: int, until: float) -> None:

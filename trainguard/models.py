@@ -194,6 +194,14 @@ class RunStatus(BaseModel):
     replaced_at_start: dict[str, str] = Field(default_factory=dict)
     """Named nodes that were cordoned when the run started -> the spare that took each one's place (they are
     in `cordoned` too). Empty when none was."""
+    last_commit_at: float | None = None
+    """Unix time (workflow clock) the newest checkpoint committed; None before the first."""
+    checkpoint_age_s: float | None = None
+    """Seconds since the newest commit (or since training started, before the first), as of the query."""
+    store_error: str | None = None
+    """The last store error the committer met since the newest commit; None when it reaches the store."""
+    upload_errors: dict[str, str] = Field(default_factory=dict)
+    """Node -> its last failed upload since the newest commit (at most `UPLOAD_ERRORS_KEPT` nodes)."""
 
 
 class ChaosRequest(BaseModel):

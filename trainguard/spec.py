@@ -220,6 +220,11 @@ class CheckpointSpec(_Strict):
     """How long finding the checkpoint to restore may retry against an unreachable store before the run
     records a `storage_unavailable` incident and pauses for an operator. Default 180."""
 
+    stale_after_s: float | None = Field(None, ge=1, le=7 * 86_400)
+    """How long the run may go without committing a checkpoint before it records a `storage_unavailable`
+    incident (training goes on; the incident closes when a checkpoint commits again). Default: three checkpoint
+    intervals as measured between the last two commits, at least 300 s; 900 s before two commits."""
+
     local_tier: bool = True
     """Restore from a node's own copy of the shards it wrote (verified against the manifest) before the
     store. Off: every restore reads the store (a node whose disk cannot be trusted). Default on."""

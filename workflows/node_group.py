@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_group_models import (
         GroupReport,
         GroupStarted,
+        UploadTrouble,
         LostNode,
         NodeCall,
         NodeCallKind,
@@ -262,11 +263,11 @@ async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
 
 
 
-async def _tell_started(run_workflow_id: str, started: GroupStarted) -> None:
+async def _tell_run(run_workflow_id: str, signal: str, message: GroupStarted | UploadTrouble) -> None:
     try:
-        await workflow.get_external_workflow_handle(run_workflow_id).signal("group_started", started)
+        await workflow.get_external_workflow_handle(run_workflow_id).signal(signal, message)
     except Exception as error:  # the run closed meanwhile: nobody to tell
-        workflow.logger.warning("could not tell run %s its group started: %s", run_workflow_id, error)
+        workflow.logger.warning("could not signal %s to run %s: %s", signal, run_workflow_id, error)
 
 
 @workflow.defn(name=NODE_GROUP_WATCH_WORKFLOW, sandboxed=SANDBOXED)
@@ -363,6 +364,10 @@ class NodeGroupWatch:
                 elif event.kind is WatchEventKind.KEEPALIVE:
                     keepalive = True
                     watches[node] = self._watch(request, node, report_start=node in starters and node not in started)
+                    if event.upload_error:  # the run's status names it; not awaited, as `_tell_started`
+                        self._signals.append(asyncio.ensure_future(_tell_run(
+                            request.run_workflow_id, "upload_trouble",
+                            UploadTrouble(node=node, error=event.upload_error, at=event.detected_at))))
                 elif event.kind is WatchEventKind.FINISHED:
                     finished[node] = event
                     if event.first_step_at is not None:
@@ -380,7 +385,7 @@ class NodeGroupWatch:
                 # Not awaited: a cancel of the group that arrives while its signal is in flight would be
                 # swallowed if the signal then succeeds (the SDK resolves the signal, not the cancel), and the
                 # group would watch on while its run waits for it to close.
-                self._signals.append(asyncio.ensure_future(_tell_started(request.run_workflow_id, GroupStarted(
+                self._signals.append(asyncio.ensure_future(_tell_run(request.run_workflow_id, "group_started", GroupStarted(
                     attempt=started_attempt, group=request.group, first_step_at=min(started.values()),
                     all_started_at=max(started.values())))))
             if result.incidents or result.lost:

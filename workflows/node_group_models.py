@@ -71,6 +71,16 @@ class GroupStarted(BaseModel):
     """Unix time by which every node of the group had run a step of the attempt."""
 
 
+class UploadTrouble(BaseModel):
+    """Signal from a group to its run: a node's uploads to the store keep failing."""
+
+    node: str
+    error: str
+    """The last failed upload's error, as the node saw it."""
+    at: float
+    """Unix time the node reported it."""
+
+
 class NodeGroupWatchInput(BaseModel):
     run_workflow_id: str
     """The run to signal `group_started` to (by workflow id: it survives the run's continue-as-new)."""

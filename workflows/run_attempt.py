@@ -107,6 +107,8 @@ class Attempts:
                 raise core.fail(first.error or "bad spec", ErrorType.INVALID_SPEC)
             return Outcome(False, core.lost_at_launch(first.node, attempt, f"launch failed: {first.error}"))
         core.set_phase(Phase.RUNNING)
+        if core.state.commit_clock_from is None:  # training starts: from now on, work without a commit is at risk
+            core.state.commit_clock_from = workflow.now().timestamp()
         if len(nodes) == 1:
             return await self.supervisor.supervise(attempt)
         template = launch(0, first.result).model_copy(update={"node": "", "node_rank": 0, "restore_dir": None})

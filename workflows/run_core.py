@@ -14,7 +14,8 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import search_attributes
     from trainguard.error_types import ErrorType
     from trainguard.faults import FaultKind
-    from trainguard.models import INCIDENT_TAILS_KEPT, CheckpointRef, Incident, IncidentKind, Phase, RunStatus
+    from trainguard.models import (INCIDENT_TAILS_KEPT, Action, CheckpointRef, Incident, IncidentKind, Phase,
+                                   RunStatus)
     from trainguard.spec import RunSpec
     from workflows.policy import classify_exit, next_phase
     from workflows.run_details import run_details
@@ -102,11 +103,29 @@ class RunCore:
     def committed(self, ref: CheckpointRef) -> None:
         """The committer already applied retention; the history records the commit."""
         if ref.step > self.state.last_committed_step:
+            now = workflow.now().timestamp()
             self.state.last_committed_step = ref.step
             self.state.restarts_without_checkpoint = 0
+            self.state.commit_times = [*self.state.commit_times[-1:], now]
+            self.state.commit_clock_from = now
             self.status.latest_checkpoint = ref
+            self.status.last_commit_at = now
+            self.status.store_error, self.status.upload_errors = None, {}
             self.status.step = max(self.status.step, ref.step)
+            for incident in self.open_storage_incidents():  # checkpoints commit again: recovered
+                incident.recovery_s = round(max(0.0, now - incident.detected_at), 3)
             self.publish()
+
+    def open_storage_incidents(self) -> list[Incident]:
+        """Storage incidents of checkpoints going stale that no commit has closed yet."""
+        return [i for i in self.status.incidents if i.kind is IncidentKind.STORAGE_UNAVAILABLE
+                and i.action is Action.REPORT and i.recovery_s is None]
+
+    def checkpoint_age_s(self) -> float | None:
+        """Seconds the run has gone without a commit (the clock starts at its first launch, and again at a
+        resume); None before it launched."""
+        since = self.state.commit_clock_from
+        return None if since is None else round(max(0.0, workflow.now().timestamp() - since), 3)
 
     # --------------------------------------------------------------------------------------- incidents
     def record_incident(self, incident: Incident) -> None:

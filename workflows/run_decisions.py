@@ -102,6 +102,34 @@ def stop_reason(decision: Decision, incident: Incident, seen_as: str, *, same_fa
     return decision
 
 
+STALE_DEFAULT_S = 900.0
+"""Before two commits have measured the interval: how long a run may go without one."""
+STALE_FLOOR_S = 300.0
+STALE_INTERVALS = 3
+
+
+def stale_after_s(configured: float | None, commit_times: Sequence[float]) -> float:
+    """How long a run may go without committing a checkpoint before it is a storage incident: the spec's
+    `checkpoint.stale_after_s`, else three intervals as measured between the last two commits (at least
+    `STALE_FLOOR_S`), else `STALE_DEFAULT_S`."""
+    if configured is not None:
+        return configured
+    if len(commit_times) >= 2:
+        return max(STALE_FLOOR_S, STALE_INTERVALS * (commit_times[-1] - commit_times[-2]))
+    return STALE_DEFAULT_S
+
+
+def storage_trouble(*, store_error: str | None, upload_errors: dict[str, str], shown: int = 3) -> str:
+    """Why checkpoints are not committing, as the committer and the nodes saw it."""
+    if store_error:
+        return f"the committer: {store_error}"
+    if upload_errors:
+        named = "; ".join(f"{node}: {error}" for node, error in sorted(upload_errors.items())[:shown])
+        more = f" (and {len(upload_errors) - shown} more nodes)" if len(upload_errors) > shown else ""
+        return f"uploads failing on {named}{more}"
+    return "no node finished uploading a checkpoint step"
+
+
 def grow_or_finish(returned: Sequence[str], *, groups_ended: int) -> list[str]:
     """Nodes a shrink left behind are back: grow onto them at this checkpoint, unless a watch group has ended.
     Finishing wins: a group ends when its ranks all finished (the training is done, and growing would cancel

@@ -121,6 +121,7 @@ class Recovery:
             raise core.fail(intents.abort_reason, ErrorType.ABORTED)
         intents.resume = False
         core.status.reason = None
+        core.state.commit_clock_from = workflow.now().timestamp()  # paused time put no training at risk
         core.state.restart_times.clear()
         core.state.restarts_without_checkpoint = 0
         core.set_phase(Phase.RESTORING)

@@ -65,6 +65,10 @@ class RunState(BaseModel):
     """Nodes a spare replaced, to take back as spares when they return."""
     corrupt_steps: list[int] = Field(default_factory=list)
     """Checkpoints found corrupt: no restore of this run loads them again."""
+    commit_times: list[float] = Field(default_factory=list)
+    """Workflow-clock times of the last two commits: the interval the staleness bound is measured in."""
+    commit_clock_from: float | None = None
+    """Since when the run counts as without a commit: the newest commit, the first launch, or a resume."""
     restore_tier: str | None = None
     """Where the current attempt's restore read its shards from (`local`, `peer`, `store`, joined by `+`)."""
     warm: Incident | None = None

@@ -30,7 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.policy import RecoveryBudget, decide, may_change_world_size, same_failure_streak
     from workflows.run_core import RunCore, cause_text, injected_key
     from workflows.run_decisions import (Ending, attempt_ending, continue_as_new_due, earliest_incident,
-                                         grow_or_finish, judge_stragglers)
+                                         grow_or_finish, judge_stragglers, stale_after_s, storage_trouble)
     from workflows.run_nodes import RunNodes
     from workflows.run_watch import Groups, Watches
 
@@ -204,10 +204,11 @@ class Supervisor:
     async def _take_commits(self, attempt: int, committer: asyncio.Task[Any], seen: _Seen, watches: Groups) -> None:
         core, spec, state = self.core, self.core.the_spec, self.core.state
         try:
-            commits = committer.result().commits
+            result = committer.result()
+            commits, store_error = result.commits, result.store_error
         except ActivityError as error:
             workflow.logger.warning("committer failed: %s", cause_text(error))
-            commits = []
+            commits, store_error = [], cause_text(error)
         for commit in commits:
             core.committed(commit.ref)
             core.status.step = max(core.status.step, commit.step)
@@ -227,6 +228,8 @@ class Supervisor:
                         await self.nodes.release(node)
             if state.replaced:
                 await self.nodes.reclaim_spares()
+        if not commits:
+            self._judge_storage(attempt, store_error)
         info = workflow.info()
         seen.continue_as_new = (not seen.drain and not seen.grow and seen.incident is None
                                 and len(seen.finished) < len(watches) and continue_as_new_due(
@@ -234,6 +237,26 @@ class Supervisor:
                                     history_bytes=info.get_current_history_size(),
                                     history_events=info.get_current_history_length(),
                                     max_events=spec.max_history_events))
+
+    def _judge_storage(self, attempt: int, store_error: str | None) -> None:
+        """A committer came back with nothing: past the staleness bound, checkpoints that stopped committing are
+        an incident naming the store and the error (training goes on; the next commit closes it)."""
+        core, spec, state = self.core, self.core.the_spec, self.core.state
+        core.status.store_error = store_error
+        age = core.checkpoint_age_s()
+        bound = stale_after_s(spec.checkpoint.stale_after_s, state.commit_times)
+        if age is not None:
+            workflow.metric_meter().create_gauge_float(
+                "trainguard_checkpoint_age_seconds", "Seconds since the run's newest committed checkpoint", "s"
+            ).set(age, {"workflow_id": core.wid()})
+        if age is None or age < bound or core.open_storage_incidents():
+            return
+        why = storage_trouble(store_error=store_error, upload_errors=core.status.upload_errors)
+        now = workflow.now().timestamp()
+        core.record_incident(Incident(
+            kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt, action=Action.REPORT, detected_at=now,
+            detail=f"no checkpoint committed for {age:.0f}s (bound {bound:.0f}s) to "
+                   f"s3://{spec.checkpoint.bucket}/{core.run_prefix()}: {why}; training goes on"))
 
     def _add_restore_tiers(self, events: list[WatchEvent]) -> None:
         state = self.core.state

@@ -25,7 +25,7 @@ with workflow.unsafe.imports_passed_through():
                                       NodeGroupWatch, groups_of, launch_wait_s, watch_heartbeat_every_s)
     from workflows.node_group_models import NodeGroupWatchInput, NodeGroupWatchResult
     from workflows.run_core import RunCore, cause_text
-    from workflows.run_decisions import decision_every_s
+    from workflows.run_decisions import decision_every_s, stale_after_s
     from workflows.run_nodes import FAN_OUT_GROUPS, STORE_HEARTBEAT_TIMEOUT, STORE_RETRY, STORE_TIMEOUT
 
 STANDING_GROUPS_MIN_NODES = NODES_PER_GROUP + 1
@@ -40,6 +40,8 @@ DRAIN_QUIET_S = 3.0
 """...and the drain ends sooner once no node has reported a new upload for this long."""
 COMMITTER_MAX_DURATION_S = 600.0
 """The committer returns after this long even if nothing was committed, so no activity runs unbounded."""
+COMMITTER_MIN_DURATION_S = 1.0
+"""...and at least this long (a run already past its staleness bound still gives the store a moment)."""
 COMMITTER_TIMEOUT = timedelta(seconds=COMMITTER_MAX_DURATION_S + 120)
 """Its last pass may still be writing a manifest (pages first) when the duration ends."""
 
@@ -204,7 +206,7 @@ class Watches:
                                    world_size=core.status.world_size, num_nodes=len(core.status.nodes),
                                    after_step=state.last_committed_step, keep_last=spec.checkpoint.keep_last,
                                    straggler_ratio=spec.health.straggler_ratio,
-                                   max_duration_s=DRAIN_TIMEOUT.total_seconds() if quiet_s else COMMITTER_MAX_DURATION_S,
+                                   max_duration_s=DRAIN_TIMEOUT.total_seconds() if quiet_s else self._until_stale(),
                                    quiet_s=quiet_s),
             start_to_close_timeout=COMMITTER_TIMEOUT,
             # The last pass is bounded whatever the store does: with the store down its retries would hold
@@ -220,6 +222,16 @@ class Watches:
             # are idempotent, and the next pass finds them), and stops at its next heartbeat once the run closes.
             cancellation_type=ActivityCancellationType.ABANDON,
         ))
+
+    def _until_stale(self) -> float:
+        """The committer comes back by the time checkpoints would go stale, so the run notices within the bound
+        (`Supervisor._judge_storage`), and within `COMMITTER_MAX_DURATION_S` in any case."""
+        core = self.core
+        if core.open_storage_incidents():  # noticed already: a long outage costs the history no more passes
+            return COMMITTER_MAX_DURATION_S
+        bound = stale_after_s(core.the_spec.checkpoint.stale_after_s, core.state.commit_times)
+        age = core.checkpoint_age_s() or 0.0
+        return round(min(COMMITTER_MAX_DURATION_S, max(COMMITTER_MIN_DURATION_S, bound - age)), 3)
 
     async def commit_the_rest(self, attempt: int) -> None:
         """One last committer pass, bounded by `DRAIN_TIMEOUT` and ending once uploads go quiet: with the

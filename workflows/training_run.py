@@ -27,7 +27,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.faults import FaultKind, choices as fault_choices, parse_fault
     from trainguard.models import (Action, ChaosRequest, CheckpointNowResult, DrainRequest, OperatorRequest,
                                    OperatorResult, Phase, RunResult, RunStatus, StopReason)
-    from workflows.node_group_models import GroupReport, GroupStarted
+    from workflows.node_group_models import GroupReport, GroupStarted, UploadTrouble
     from workflows.run_attempt import Attempts
     from workflows.run_core import RunCore, cause_text
     from workflows.run_nodes import RunNodes
@@ -40,6 +40,11 @@ CHECKPOINT_NOW_AHEAD_S = 2.0
 """`checkpoint_now` asks for a step about this far ahead of the master's: the request reaches every node (a
 child workflow and an activity round trip per group, tens of milliseconds, more on a loaded machine) well
 before the ranks get there."""
+
+
+UPLOAD_ERRORS_KEPT = 16
+"""Nodes whose failing uploads the status names, at most: an outage of every node of a large run would
+otherwise put thousands of errors into every status answer and the state carried across continue-as-new."""
 
 
 @workflow.defn(name=WORKFLOW_TYPE)
@@ -55,7 +60,8 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------------ queries
     @workflow.query
     def status(self) -> RunStatus:
-        return self.core.status.model_copy(update={"spares": list(self.core.state.spares)})
+        return self.core.status.model_copy(update={"spares": list(self.core.state.spares),
+                                                   "checkpoint_age_s": self.core.checkpoint_age_s()})
 
     # ------------------------------------------------------------------------------- operator updates
     @workflow.update
@@ -147,6 +153,13 @@ class TrainingRun:
     def group_report(self, report: GroupReport) -> None:
         """A standing group's incidents and lost nodes (it goes on watching the others)."""
         self.core.live.reports.append(report)
+
+    @workflow.signal
+    def upload_trouble(self, trouble: UploadTrouble) -> None:
+        """A node's uploads keep failing: the status names the error until a checkpoint commits again."""
+        errors = self.core.status.upload_errors
+        if trouble.node in errors or len(errors) < UPLOAD_ERRORS_KEPT:
+            errors[trouble.node] = trouble.error
 
     @workflow.signal
     def group_started(self, started: GroupStarted) -> None:

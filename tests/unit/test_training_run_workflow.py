@@ -182,6 +182,8 @@ class Cluster:
     pool: dict[str, PoolNode] | None = None
     """The node pool's state, leased by its real rules (`workflows.node_pool.grant`); None: every lease is
     granted as asked."""
+    store_out: str | None = None
+    """While set, the committer cannot reach the store: it polls to its deadline and returns this error."""
     hold: dict[str, asyncio.Event] = field(default_factory=dict)
     """Activity name -> an event its next call waits for (heartbeating) before it answers: an update's handler
     held in flight."""
@@ -237,6 +239,12 @@ class Cluster:
             self.calls["commit_checkpoints"].append(request)
             deadline = time.monotonic() + (0.05 if request.quiet_s is not None else request.max_duration_s)
             while True:
+                if self.store_out is not None:
+                    if time.monotonic() >= deadline:
+                        return CommitCheckpointsResult(store_error=self.store_out)
+                    activity.heartbeat()
+                    await asyncio.sleep(0.01)
+                    continue
                 # As the real committer, a pass finds a step an abandoned pass committed again (its commit is
                 # idempotent): a run that gave up on that pass still hears of it.
                 commits = [c for step in sorted(self.records) if step > request.after_step
@@ -1827,3 +1835,44 @@ async def test_a_start_input_that_carries_state_is_refused(env: WorkflowEnvironm
 
     assert "carried" in _failure_message(run.outcome)
     assert cluster.inputs("launch_ranks") == [] and cluster.inputs("acquire_nodes") == []
+
+
+async def test_checkpoints_that_stop_committing_are_an_incident_until_they_commit_again(
+        env: WorkflowEnvironment) -> None:
+    """The store refuses every write: past `checkpoint.stale_after_s` without a commit the run records a
+    `storage_unavailable` incident naming the store and the error, and trains on; the next commit closes it."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, store_out="ClientError: An error occurred (InternalError) when calling PutObject")
+
+    def store_back() -> bool:
+        cluster.store_out = None
+        return True
+
+    # Once the run has judged the first pass (a second committer started), the store is back.
+    back = Until(lambda: len(cluster.inputs("commit_checkpoints")) >= 2 and store_back())
+    cluster.watch_script = {(1, nodes[0]): [_ready(10), back, BLOCK]}
+    seen: list[RunStatus] = []
+
+    async def watch_status(handle: WorkflowHandle[Any, Any]) -> None:
+        while not (status := await handle.query(TrainingRun.status)).incidents:
+            await asyncio.sleep(0.02)
+        seen.append(status)
+        while (await handle.query(TrainingRun.status)).latest_checkpoint is None:
+            await asyncio.sleep(0.02)
+        await handle.execute_update(TrainingRun.pause, OperatorRequest())  # done: end the test's run
+        await _wait_for_phase(handle, Phase.PAUSED)
+        await handle.execute_update(TrainingRun.abort, OperatorRequest(reason="test over"))
+
+    run = await _run(env, cluster, _spec(nodes, checkpoint={"every_steps": 10, "stale_after_s": 2}),
+                     operator=watch_status)
+
+    [status] = seen
+    [incident] = status.incidents
+    assert (incident.kind, incident.action) == (IncidentKind.STORAGE_UNAVAILABLE, Action.REPORT)
+    assert "no checkpoint committed for" in incident.detail and "(bound 2s)" in incident.detail
+    assert "s3://" in incident.detail and "InternalError" in incident.detail
+    assert status.phase is Phase.RUNNING, "training goes on"
+    assert status.store_error is not None and status.checkpoint_age_s is not None and status.checkpoint_age_s >= 2
+    [closed] = run.status.incidents
+    assert closed.recovery_s is not None, "the commit that came next closed it"
+    assert run.status.store_error is None and run.status.last_commit_at is not None
