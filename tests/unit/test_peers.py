@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,79 @@ def test_an_unreachable_peer_is_a_reason_not_an_error(tmp_path: Path) -> None:
     body = b"x" * 10
     problem = fetch_from_peer("http://127.0.0.1:9", RUN, _shard(body), tmp_path / "restored.pt", token=TOKEN)
     assert problem is not None and not (tmp_path / "restored.pt").exists()
+
+
+# ------------------------------------------------------------------- what a connection can hold before its token
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` (EOF or reset) within `seconds`, reading whatever it sends first."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except socket.timeout:
+        return False
+    except OSError:  # reset
+        return True
+    return True
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_idle_connections_are_capped_and_closed_after_the_timeout_and_a_request_is_still_served(
+        tmp_path: Path) -> None:
+    """The finding: idle sockets without a token held a thread and a descriptor each, forever, until the
+    agent ran out of descriptors (EMFILE) and its launches cordoned the node."""
+    body = b"shard bytes"
+    step = tmp_path / "agent" / "runs" / RUN / "checkpoints" / "step-00000050"
+    step.mkdir(parents=True)
+    (step / "rank-00001.pt").write_bytes(body)
+    (step / "rank-00001.json").write_text("{}")
+    threads_before, fds_before = threading.active_count(), _open_fds()
+    server = ShardServer(tmp_path / "agent", "127.0.0.1", TOKEN, request_timeout_s=1.0, max_connections=8).start()
+    host, port = server.url.removeprefix("http://").split(":")
+    try:
+        idle = [socket.create_connection((host, int(port))) for _ in range(8)]
+        trickle = idle[0]
+        _wait_for(lambda: server.open_connections == 8)  # every idle one accepted, holding a slot
+        excess = [socket.create_connection((host, int(port))) for _ in range(20)]
+        started = time.monotonic()
+        assert all(_closed_within(s, 0.5) for s in excess)  # refused at once, not after the timeout
+        assert time.monotonic() - started < 0.9
+        trickle.sendall(b"GET /runs/")  # bytes now and then do not extend the request's deadline
+        time.sleep(0.4)
+        trickle.sendall(b"wf-1/")
+        assert all(_closed_within(s, 2.0) for s in idle)  # closed by the deadline, not by the client
+        assert time.monotonic() - started < 2.5
+
+        target = tmp_path / "restored.pt"
+        assert fetch_from_peer(server.url, RUN, _shard(body), target, token=TOKEN) is None
+        assert target.read_bytes() == body
+        for sock in [*idle, *excess]:
+            sock.close()
+        _wait_for(lambda: server.open_connections == 0)
+        assert threading.active_count() <= threads_before + 1  # the server's own thread; no handler left
+        assert _open_fds() <= fds_before + 1  # its listening socket
+    finally:
+        server.stop()
+
+
+def test_a_request_without_the_token_is_answered_before_the_path_is_looked_at(
+        peer: tuple[ShardServer, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    server, _ = peer
+    looked: list[str] = []
+    monkeypatch.setattr(Path, "is_file", lambda self: looked.append(str(self)) or True)
+    request = urllib.request.Request(server.url + "/runs/wf-1/step-00000050/rank-00001.pt")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)  # noqa: S310
+    assert refused.value.code == 401 and looked == []
