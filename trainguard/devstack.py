@@ -30,6 +30,7 @@ from typing import Any
 
 from trainguard.hosts import SERVICES, HostsNetwork, HostsUnavailable, bridge_exists, unavailable_reason
 from trainguard.procs import start_time, state
+from trainguard.run_as import RUN_AS_ENV, RunAs
 from trainguard.settings import env_flag
 from trainguard.protocol import node_attempt_files
 from trainguard.spec import parse_labels
@@ -42,6 +43,10 @@ STOP_GRACE_S = 10.0
 # look that old. Liveness of our own processes is checked by PID alongside.
 POLLER_IDLE_S = 90.0
 
+
+DEV_RANKS_USER = "nobody"
+"""The user a stack started as root runs its ranks as when `TRAINGUARD_RUN_AS` names none: Debian's and most
+distributions' unprivileged user, which owns nothing."""
 
 ADMIN_GRPC_OFFSET = 10_000
 """SeaweedFS's gRPC-port convention (HTTP port + 10000), which its admin's plugin worker assumes."""
@@ -137,6 +142,10 @@ class StackConfig:
     labels: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """Node -> the labels its agent registers with (`--label`), for specs with a `node_selector`. From
     `TRAINGUARD_DEV_LABELS`, e.g. `node-0:zone=a,gpu=h100;node-1:zone=b`. Default none."""
+    run_as: str | None = None
+    """`TRAINGUARD_RUN_AS`: the user the agents run ranks as (`--run-as`); empty for none. Unset, a stack
+    started as root runs them as `DEV_RANKS_USER` when that user can run this interpreter and reach the stack's
+    folders, and says why not otherwise (`DevStack.ranks_user`)."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StackConfig:
@@ -151,6 +160,7 @@ class StackConfig:
             tls=env_flag("TRAINGUARD_DEV_TLS", False, env),
             hosts=env_flag("TRAINGUARD_DEV_HOSTS", False, env),
             labels=dev_labels(env.get("TRAINGUARD_DEV_LABELS", "")),
+            run_as=env.get(RUN_AS_ENV),
         )
 
     @property
@@ -350,6 +360,10 @@ class DevStack:
         self._wait_http(f"{cfg.ui_url}/api/v1/namespaces", "Temporal Web UI")
         self._ensure_bucket(DEFAULT_BUCKET)
         env = self.worker_env()
+        (self.home / "nodes").mkdir(parents=True, exist_ok=True)
+        ranks_user, why = self.ranks_user()
+        if ranks_user is None:
+            echo(f"ranks run as the agents' own user, and can read their secrets: {why}")
         self._spawn("controller", [sys.executable, "-m", "workers.controller"], cwd=cfg.code_dir,
                     env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{ports.metrics}"})
         for index, node in enumerate(cfg.nodes):
@@ -367,6 +381,7 @@ class DevStack:
                 "--host", host, "--code-dir", str(cfg.code_dir),
                 # The dev pool runs the venv's programs (python, torchrun) and nothing else.
                 "--allow", str(Path(sys.executable).parent),
+                *(["--run-as", ranks_user] if ranks_user else []),
                 *(f"--label={k}={v}" for k, v in cfg.labels.get(node, {}).items()),
             ], env=agent_env, cwd=cfg.code_dir)
         self._wait_workers()
@@ -381,6 +396,32 @@ class DevStack:
         if cfg.tls:
             echo("Temporal over mutual TLS: clients need " +
                  " ".join(f"{k}={v}" for k, v in self.client_env().items()))
+
+    def ranks_user(self) -> tuple[str | None, str]:
+        """(the user the agents run ranks as, or None for their own; why). Set, `TRAINGUARD_RUN_AS` decides (the
+        agents refuse to start if that user cannot reach what ranks need). Unset, a stack started as root picks
+        `DEV_RANKS_USER` if that user can run this interpreter, read its libraries and the code, and reach the
+        nodes' folders; otherwise ranks run as root, and the reason says what to open."""
+        if self.config.run_as is not None:
+            return (self.config.run_as.strip() or None), f"{RUN_AS_ENV}={self.config.run_as!r}"
+        if os.geteuid() != 0:
+            return None, f"the stack runs as uid {os.geteuid()}: only root can start ranks as another user"
+        try:
+            user = RunAs.named(DEV_RANKS_USER)
+        except ValueError as error:
+            return None, str(error)
+        import sysconfig
+
+        paths = sysconfig.get_paths()
+        needs = [(Path(os.path.realpath(sys.executable)), os.X_OK), (Path(paths["stdlib"]), os.R_OK | os.X_OK),
+                 (Path(paths["purelib"]), os.R_OK | os.X_OK), (self.config.code_dir, os.R_OK | os.X_OK),
+                 (self.home / "nodes", os.X_OK)]
+        for path, need in needs:
+            closed = user.unreachable(path, need)
+            if closed is not None:
+                return None, (f"{user.name} cannot reach {path} ({closed} is closed to it): open it (chmod o+x on "
+                              f"the folder), or set {RUN_AS_ENV} to a user who can")
+        return user.name, f"{user.name} (uid {user.uid}), chosen for a stack started as root"
 
     def node_address(self, node: str) -> str:
         """The address node `node`'s agent advertises (`--host`): loopback, or its own in hosts mode."""
