@@ -126,19 +126,35 @@ def test_secret_is_a_marked_template_left_out_of_kustomize(objects: list[dict[st
     assert not any("s3-credentials" in r or "rbac" in r for r in resources)
 
 
+RANK_USER_CAPABILITIES = {"SETUID", "SETGID", "CHOWN", "KILL", "DAC_OVERRIDE", "FOWNER"}
+"""What the node agent needs to start ranks as another user (`--run-as`) and mind them; nothing else has any."""
+
+
 def test_no_container_is_privileged(objects: list[dict[str, Any]]) -> None:
     for workload in (o for o in objects if o["kind"] in ("Deployment", "DaemonSet")):
         pod = pod_spec(workload)
-        assert pod["securityContext"]["runAsNonRoot"] is True
+        agent = workload["metadata"]["name"] == "trainguard-node-agent"
+        assert pod["securityContext"]["runAsNonRoot"] is not agent
         for container in containers(workload):
             context = container["securityContext"]
             assert context.get("privileged", False) is False, container["name"]
             assert context["allowPrivilegeEscalation"] is False, container["name"]
             assert context["capabilities"]["drop"] == ["ALL"], container["name"]
-            assert set(context["capabilities"].get("add", [])) <= {"CHOWN"}, container["name"]
+            allowed = RANK_USER_CAPABILITIES if agent else {"CHOWN"}
+            assert set(context["capabilities"].get("add", [])) <= allowed, container["name"]
         for container in pod["containers"]:
-            assert pod["securityContext"]["runAsUser"] != 0 and "runAsUser" not in container["securityContext"]
+            assert (pod["securityContext"]["runAsUser"] == 0) is agent
+            assert "runAsUser" not in container["securityContext"]
             assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_node_agent_runs_ranks_as_the_images_rank_user(objects: list[dict[str, Any]]) -> None:
+    """Root only to start ranks as another user: the image has that user, the agent is told to use it."""
+    agent = find(objects, "DaemonSet", "trainguard-node-agent")
+    (container,) = pod_spec(agent)["containers"]
+    user = env_of(container)["TRAINGUARD_RUN_AS"]
+    assert re.search(rf"useradd --uid (?!0 )\d+ .*\b{user}$", (K8S / "Dockerfile").read_text(), flags=re.MULTILINE)
+    assert set(container["securityContext"]["capabilities"]["add"]) == RANK_USER_CAPABILITIES
 
 
 def test_controller(objects: list[dict[str, Any]]) -> None:
