@@ -172,3 +172,19 @@ async def test_a_rank_printing_secrets_then_exiting_yields_an_incident_without_t
     assert "step 3 loss 0.25 (a line nobody redacts)" in event.log_tail  # the tail did come through
     assert "RuntimeError: could not authenticate with [redacted]" in event.detail
     assert event.failure_signature is not None and "[redacted]" in event.failure_signature
+
+
+@needs_root
+def test_the_agent_refuses_to_start_when_the_run_as_user_cannot_reach_its_folders(open_dir: Path) -> None:
+    from workers.node_agent import run_as_problem
+
+    nobody = RunAs.named("nobody")
+    closed = open_dir / "closed"
+    (closed / "work").mkdir(parents=True)
+    closed.chmod(0o700)
+
+    problem = run_as_problem(nobody, closed / "work", open_dir, (SYSTEM_PYTHON,))
+
+    assert problem is not None and f"--workdir {closed / 'work'}" in problem and f"{closed} is" in problem
+    assert run_as_problem(nobody, open_dir, open_dir, (SYSTEM_PYTHON, "*")) is None
+    assert "--allow /root/x" in (run_as_problem(nobody, open_dir, open_dir, ("/root/x",)) or "")
