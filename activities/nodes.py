@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from temporalio import activity
@@ -129,6 +130,82 @@ async def acquire_live_nodes(client: Client, request: AcquireNodesRequest,
     return lease
 
 
+# ---------------------------------------------------------------------------------- closed runs' leases
+
+
+RECLAIM_AFTER_CLOSED_S = 45.0
+"""A closed run's nodes are taken back this long after it closed, not at once: its ranks may still run until
+each agent fences them (`workers.node_agent`: ranks no watch looked at for `ORPHAN_IDLE_S` (30 s), checked every
+`ORPHAN_CHECK_INTERVAL_S` (5 s)), and a run launched beside them would share their GPUs."""
+RECLAIM_RECHECK_S = 30.0
+"""A lessee found running (or closed too recently) is described again no sooner than this: a run waiting for
+its nodes asks the pool every 2 s, and each ask must not cost a describe per lessee."""
+RECLAIM_RUNS_PER_LEASE = 16
+"""Lessees one lease describes at most: a count request names at most `BUSY_SHOWN` (10) busy nodes' runs, a
+named one every busy node's; more are described on the run's next ask."""
+RECLAIM_DESCRIBE_TIMEOUT_S = 10.0
+"""One describe; a lessee Temporal does not answer for is kept (an outage must not take a live run's nodes)."""
+
+
+def lessees_to_check(busy: Iterable[str], run_id: str, checked: dict[str, float], now: float) -> list[str]:
+    """The runs holding nodes a lease wanted that are due a look (`RECLAIM_RECHECK_S` since the last), in
+    order, at most `RECLAIM_RUNS_PER_LEASE`; never the asking run."""
+    due = [r for r in dict.fromkeys(busy) if r and r != run_id and now - checked.get(r, -RECLAIM_RECHECK_S)
+           >= RECLAIM_RECHECK_S]
+    return due[:RECLAIM_RUNS_PER_LEASE]
+
+
+def reclaimable(running: bool, closed_at: float | None, now: float) -> bool:
+    """Whether a lessee's nodes go back to the pool: its workflow is closed (terminated, failed, cancelled,
+    timed out, completed without releasing), or gone from Temporal (`closed_at` None: past retention), for
+    at least `RECLAIM_AFTER_CLOSED_S`."""
+    return not running and (closed_at is None or now - closed_at >= RECLAIM_AFTER_CLOSED_S)
+
+
+class LeaseReclaimer:
+    """Frees the leases of closed runs that a lease finds in its way. A run that ends releases its nodes; a run
+    terminated (`temporal workflow terminate`, a parent's close policy) never does, and its nodes stayed leased
+    forever. Bounded (a few describes per lease, each lessee at most every `RECLAIM_RECHECK_S`) and idempotent
+    (a release of a run holding nothing frees nothing)."""
+
+    def __init__(self, client: Client, release: Callable[[NodeRequest], Awaitable[list[str]]],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.client, self.release, self.clock = client, release, clock
+        self.checked: dict[str, float] = {}
+
+    async def reclaim(self, lease: AcquireNodesResult, run_id: str) -> list[str]:
+        """Free the nodes of the closed runs among `lease.busy`'s lessees; returns the nodes freed."""
+        now = self.clock()
+        due = lessees_to_check(lease.busy.values(), run_id, self.checked, now)
+        freed: list[str] = []
+        for lessee, (running, closed_at) in zip(due, await asyncio.gather(*(self._state(r) for r in due))):
+            self.checked[lessee] = now
+            if running is None or not reclaimable(running, closed_at, now):
+                continue
+            nodes = await self.release(NodeRequest(run_id=lessee))
+            activity.logger.warning("run %s is closed and still held %s: given back to the pool",
+                                    lessee, ", ".join(nodes) or "nothing")
+            freed += nodes
+        if len(self.checked) > 16 * RECLAIM_RUNS_PER_LEASE:  # forget old looks: a long-lived controller
+            self.checked = {r: t for r, t in self.checked.items() if now - t < RECLAIM_RECHECK_S}
+        return freed
+
+    async def _state(self, lessee: str) -> tuple[bool | None, float | None]:
+        """(running, close time) of the lessee's latest execution; (None, None) when Temporal did not say."""
+        from temporalio.client import WorkflowExecutionStatus
+        from temporalio.service import RPCError, RPCStatusCode
+
+        try:
+            described = await asyncio.wait_for(self.client.get_workflow_handle(lessee).describe(),
+                                               RECLAIM_DESCRIBE_TIMEOUT_S)
+        except RPCError as error:
+            return (False, None) if error.status is RPCStatusCode.NOT_FOUND else (None, None)
+        except asyncio.TimeoutError:
+            return None, None
+        open_ = described.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW)
+        return open_, described.close_time.timestamp() if described.close_time else None
+
+
 class PoolActivities:
     """Controller-side activities a run uses to lease, release and cordon nodes in the pool."""
 
@@ -138,10 +215,19 @@ class PoolActivities:
                                   AcquireManyResult, lambda r: r.results, AcquireNodesResult)
         self.releases = PoolBatcher(client, "release", "release_many", lambda rs: ReleaseManyRequest(requests=rs),
                                     ReleaseManyResult, lambda r: r.results, list[str])
+        self.reclaimer = LeaseReclaimer(client, self.releases.submit)
 
     @activity.defn(name="acquire_nodes")
     async def acquire_nodes(self, request: AcquireNodesRequest) -> AcquireNodesResult:
-        """Lease the run's nodes (all or none) and whichever of its spares are free. Idempotent per run."""
+        """Lease the run's nodes (all or none) and whichever of its spares are free. Idempotent per run. Nodes
+        in the way that closed runs still hold are given back first (`LeaseReclaimer`), and the lease asked
+        again."""
+        lease = await self._lease(request)
+        if not lease.granted and lease.busy and await self.reclaimer.reclaim(lease, request.run_id):
+            lease = await self._lease(request)
+        return lease
+
+    async def _lease(self, request: AcquireNodesRequest) -> AcquireNodesResult:
         if request.num_nodes or request.num_spares:
             return await acquire_live_nodes(self.client, request, self.leases.submit)
         return await self.leases.submit(request)

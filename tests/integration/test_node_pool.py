@@ -41,3 +41,21 @@ async def test_a_cordon_outlives_runs_until_an_operator_lifts_it(client: Traingu
         await client.uncordon("node-1")
     rid = await client.start_run(make_spec(prefix, steps=20), workflow_id=f"it-uncordon-{uuid.uuid4().hex[:6]}")
     assert (await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)).steps_completed == 20
+
+
+async def test_a_terminated_runs_nodes_go_to_the_next_run(client: TrainguardClient, prefix: str) -> None:
+    """Issue 27 item 7: a terminated run never releases its lease; the next run waited "leased to ..." until it
+    failed. Now the lease it finds in its way is described, and a closed run's nodes are given back."""
+    from activities.nodes import RECLAIM_AFTER_CLOSED_S
+
+    first = await client.start_run(make_spec(prefix, steps=100_000), workflow_id=f"it-leak-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, first, lambda v: v.status.phase is Phase.RUNNING)
+    await client.client.get_workflow_handle(first).terminate("issue 27 item 7")
+    assert {n.node: n.leased_to for n in await client.nodes()}["node-0"] == first  # the leak
+
+    second = await client.start_run(make_spec(prefix, steps=20), workflow_id=f"it-after-leak-{uuid.uuid4().hex[:6]}")
+    view = await wait_until(client, second, lambda v: f"leased to {first}" in (v.status.reason or ""))
+    assert view.status.phase is not Phase.RUNNING  # waits while the terminated run's ranks are fenced
+    result = await asyncio.wait_for(client.result(second), RECLAIM_AFTER_CLOSED_S + RUN_TIMEOUT_S)
+    assert result.steps_completed == 20
+    assert all(n.leased_to is None for n in await client.nodes())
