@@ -116,9 +116,11 @@ class PrivateStack:
                  tls: bool = False, hosts: bool = False, echo: Callable[[str], None] = _quiet,
                  up: Callable[[DevStack], None] | None = None, env: Mapping[str, str | None] | None = None,
                  keep_logs: Path | None = None, timings: dict[str, float] | None = None,
-                 labels: Mapping[str, Mapping[str, str]] | None = None) -> None:
+                 labels: Mapping[str, Mapping[str, str]] | None = None, keep_home: bool = False) -> None:
         from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
 
+        self.keep_home = keep_home
+        """`stop` leaves the data dir for the next stack on the same home (a change of mode, a restart)."""
         self.home = home
         self.config = StackConfig(home=home, ports=Ports.from_base(free_port_base(port_start, len(nodes))),
                                   nodes=nodes, code_dir=code_dir, tls=tls, hosts=hosts,
@@ -161,7 +163,8 @@ class PrivateStack:
             if self.keep_logs is not None:
                 with suppress(OSError):
                     shutil.copytree(self.stack.log_dir, self.keep_logs, dirs_exist_ok=True)
-            shutil.rmtree(self.home, ignore_errors=True)
+            if not self.keep_home:
+                shutil.rmtree(self.home, ignore_errors=True)
 
     def __enter__(self) -> DevStack:
         try:

@@ -14,6 +14,7 @@ result = await tg.result(run_id)                     # waits; RunResult
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import timedelta
 from dataclasses import dataclass, field
@@ -209,6 +210,8 @@ class TrainguardClient:
             raise
         steps: dict[int, int | None] = {}
         live = status.phase in (Phase.RUNNING, Phase.FINISHING)
+        if status.at_risk_since is not None and description.status == WorkflowExecutionStatus.RUNNING:
+            status.checkpoint_age_s = round(max(0.0, time.time() - status.at_risk_since), 1)
         # The watches run in the run's node-group children: their latest heartbeats hold each rank's step.
         groups = [c for c in description.raw_description.pending_children
                   if c.workflow_type_name == NODE_GROUP_WATCH_WORKFLOW] if live else []

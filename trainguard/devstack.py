@@ -483,6 +483,10 @@ class DevStack:
         config_path = s3_dir / "s3.json"
         config_path.write_text(json.dumps(config))
         config_path.chmod(0o600)
+        # `weed mini` saves its options in the data dir and prefers that file's `ip` to the flag next time: after
+        # a change of mode (loopback, hosts) the volume server then advertised the old address and every upload
+        # failed (InternalError). The flags below are the whole configuration: the saved file is dropped.
+        (s3_dir / "data" / "mini.options").unlink(missing_ok=True)
         env = {**os.environ, "TMPDIR": str(s3_dir / "tmp"), "GOMEMLIMIT": "512MiB"}
         self._spawn("s3", self.config.in_services([
             _bin("weed"), f"-logdir={s3_dir / 'logs'}", "mini", f"-dir={s3_dir / 'data'}",

@@ -196,8 +196,11 @@ class RunStatus(BaseModel):
     in `cordoned` too). Empty when none was."""
     last_commit_at: float | None = None
     """Unix time (workflow clock) the newest checkpoint committed; None before the first."""
+    at_risk_since: float | None = None
+    """Unix time since which training is not yet in a committed checkpoint: the newest commit, the first
+    launch, or a resume; None before the first launch."""
     checkpoint_age_s: float | None = None
-    """Seconds since the newest commit (or since training started, before the first), as of the query."""
+    """Seconds since `at_risk_since`, by the reader's clock (`TrainguardClient.status` fills it in)."""
     store_error: str | None = None
     """The last store error the committer met since the newest commit; None when it reaches the store."""
     upload_errors: dict[str, str] = Field(default_factory=dict)
@@ -268,6 +271,9 @@ class PoolNode(BaseModel):
     """Its agent's shard server (the peer tier); empty when it serves none."""
     labels: dict[str, str] = Field(default_factory=dict)
     """What its agent registered it with (`--label gpu=h100`), for runs that choose nodes by `node_selector`."""
+    signed_at_ms: int = 0
+    """The agent's clock (unix ms) in its latest accepted signed registration: a registration signed no later
+    is a replay and refused. 0: none signed yet."""
 
 
 class PoolStatus(BaseModel):
@@ -295,6 +301,22 @@ class RegisterNodeRequest(BaseModel):
     peer_url: str = ""
     labels: dict[str, str] = Field(default_factory=dict)
     """The node's labels; each registration replaces the ones before."""
+    signed_at_ms: int = 0
+    """When the agent signed it (its clock, unix ms); 0: unsigned (an agent without the pool's peer token)."""
+    proof: str = ""
+    """HMAC-SHA256 (hex) of every field above with the pool's peer token (`trainguard.pool.registration_proof`):
+    the agent holds the pool's credential. A tag, never the token; empty: unsigned."""
+
+
+class RegistrationVerdict(BaseModel):
+    """What the controller's check of a registration's proof found (`verify_registration`)."""
+
+    accepted: bool
+    why: str = ""
+    """Why it was refused (empty when accepted)."""
+    authenticated: bool = False
+    """Whether the proof was checked against the controller's token; False when the controller has none (the
+    pool then takes any well-formed registration, as before proofs)."""
 
 
 class AcquireNodesRequest(BaseModel):

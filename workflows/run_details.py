@@ -28,6 +28,9 @@ def run_details(status: RunStatus, spares: list[str]) -> str:
                                                        for named, spare in status.replaced_at_start.items()))
     if status.reason:
         lines.append(f"reason: {status.reason[:DETAIL_MAX_CHARS]}")
+    trouble = status.store_error or "; ".join(f"{n}: {e}" for n, e in sorted(status.upload_errors.items())[:2])
+    if trouble:
+        lines.append(f"checkpoints not committing: {trouble[:DETAIL_MAX_CHARS]}")
     if status.incidents:
         last = status.incidents[-1]
         where = f"{last.node or '-'}" + (f" rank {last.rank}" if last.rank is not None else "")

@@ -242,7 +242,9 @@ class Supervisor:
         """A committer came back with nothing: past the staleness bound, checkpoints that stopped committing are
         an incident naming the store and the error (training goes on; the next commit closes it)."""
         core, spec, state = self.core, self.core.the_spec, self.core.state
-        core.status.store_error = store_error
+        if store_error != core.status.store_error:
+            core.status.store_error = store_error
+            core.publish()  # the Web UI's details say so
         age = core.checkpoint_age_s()
         bound = stale_after_s(spec.checkpoint.stale_after_s, state.commit_times)
         if age is not None:

@@ -61,7 +61,7 @@ class TrainingRun:
     @workflow.query
     def status(self) -> RunStatus:
         return self.core.status.model_copy(update={"spares": list(self.core.state.spares),
-                                                   "checkpoint_age_s": self.core.checkpoint_age_s()})
+                                                   "at_risk_since": self.core.state.commit_clock_from})
 
     # ------------------------------------------------------------------------------- operator updates
     @workflow.update

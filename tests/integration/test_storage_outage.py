@@ -38,6 +38,35 @@ async def test_s3_down_mid_run_training_goes_on_and_checkpoints_commit_when_it_r
     assert result.final_state_digest == baseline.final_state_digest
 
 
+async def test_checkpoints_that_stop_committing_are_an_incident_and_the_run_still_ends_identical(
+    client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
+) -> None:
+    """The store is down longer than the run's staleness bound: `run status` shows the checkpoint's age, the
+    store's error and a `storage_unavailable` incident while training goes on; once the store is back the
+    uploads commit, the incident gets its time to recover, and the run ends with the undisturbed digest."""
+    spec = make_spec(prefix, every=10, step_time=0.25)
+    spec["checkpoint"]["stale_after_s"] = 4
+    rid = await client.start_run(spec, workflow_id=f"it-stale-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, rid, lambda v: checkpointed(v, min_step=12))
+    await asyncio.to_thread(stack.stop, ["s3"], lambda _line: None)
+    try:
+        view = await wait_until(client, rid, lambda v: any(
+            i.kind is IncidentKind.STORAGE_UNAVAILABLE for i in v.status.incidents), timeout_s=60)
+    finally:
+        await asyncio.to_thread(stack.up, lambda _line: None)
+    [incident] = view.status.incidents
+    assert incident.action is Action.REPORT and "s3://trainguard/" in incident.detail, incident.detail
+    assert view.status.phase is Phase.RUNNING, "training goes on"
+    assert view.status.checkpoint_age_s is not None and view.status.checkpoint_age_s >= 3  # (clocks differ a little)
+    assert view.status.store_error or view.status.upload_errors, view.status
+
+    result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    [closed] = result.incidents
+    assert closed.kind is IncidentKind.STORAGE_UNAVAILABLE and closed.recovery_s is not None
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 60
+    assert result.final_state_digest == baseline.final_state_digest
+
+
 # About a minute (the store is down for the restore's whole bound): `make test-slow`. The workflow unit test
 # `test_store_down_at_restore_pauses_with_an_incident_until_resumed` keeps the decision in `make test`.
 @pytest.mark.slow
