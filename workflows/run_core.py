@@ -132,7 +132,7 @@ class RunCore:
         if incident in self.status.incidents:
             return
         self.status.incidents = [*self.status.incidents, incident]
-        workflow.set_current_details(run_details(self.status, self.state.spares))
+        self.publish()  # the Web UI's details and the TrainguardIncidents search attribute
         for older in self.status.incidents[:-INCIDENT_TAILS_KEPT]:
             older.log_tail = ""
         meter = workflow.metric_meter()  # replay-safe: nothing is emitted while replaying
