@@ -12,9 +12,11 @@ from temporalio.client import Client
 
 from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
 from trainguard.models import (AcquireManyRequest, AcquireManyResult, AcquireNodesRequest, AcquireNodesResult,
-                               NodeRequest, PoolNode, ReleaseManyRequest, ReleaseManyResult)
+                               NodeRequest, PoolNode, RegisterNodeRequest, RegistrationVerdict, ReleaseManyRequest,
+                               ReleaseManyResult)
 from trainguard.pool import (  # noqa: F401 - the pool client helpers live in the public package; re-exported
     AGENT_LOOKUPS_IN_FLIGHT,
+    check_registration,
     POOL_BUSY_FIRST_RETRY_S,
     POOL_BUSY_MAX_RETRY_S,
     has_pollers,
@@ -42,6 +44,24 @@ class NodeActivities:
 
 
 # ------------------------------------------------------------------------------------------- node pool
+
+
+class RegistrationActivities:
+    """The controller's check of a registration's proof, for the pool workflow (which cannot read a secret)."""
+
+    def __init__(self, token: str | None, clock: Callable[[], float] = time.time) -> None:
+        self.token, self.clock = token, clock
+        """The pool's peer token as the controller read it at start (`TRAINGUARD_PEER_TOKEN`); None: none."""
+
+    @activity.defn(name="verify_registration")
+    async def verify_registration(self, request: RegisterNodeRequest) -> RegistrationVerdict:
+        """Whether the agent that sent `request` holds the pool's token (and signed it lately). A local activity
+        of the pool: the verdict enters its history, the token never does."""
+        verdict = check_registration(request, self.token, self.clock())
+        if not verdict.accepted:
+            activity.logger.warning("registration of %s (host %s) refused: %s", request.node, request.host,
+                                    verdict.why)
+        return verdict
 
 
 POOL_BATCH_MAX_NODES = 16_384

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from activities.models import ShardInfo
+from trainguard.pool import peer_url_of
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class ShardServer:
                 log.debug("peer tier: " + format, *args)
 
         self._server = _BoundedServer((host, port), Handler, max_connections)
-        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self.url = peer_url_of(host, self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name="shard-server", daemon=True)
 
     @property

@@ -53,6 +53,10 @@ class ErrorType(StrEnum):
     NO_HEALTHY_NODES = "NoHealthyNodes"
     NODES_CORDONED = "NodesCordoned"
     NODES_UNAVAILABLE = "NodesUnavailable"
+    # --- the node pool
+    REGISTRATION_REFUSED = "RegistrationRefused"
+    """An agent's registration whose proof the controller refused (not the pool's peer token, or signed too
+    long ago): the agent backs off and says why."""
 
 
 def non_retryable(*types: ErrorType) -> list[str]:

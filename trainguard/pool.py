@@ -6,7 +6,11 @@ public package (`activities.nodes` imports them from here)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import json
 import random
+import re
 import time
 from typing import Any, TypeVar
 
@@ -16,7 +20,7 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 
 from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE, TASK_QUEUE, node_task_queue
-from trainguard.models import PoolNode, PoolStatus, RegisterNodeRequest
+from trainguard.models import PoolNode, PoolStatus, RegisterNodeRequest, RegistrationVerdict
 
 T = TypeVar("T")
 
@@ -103,11 +107,70 @@ async def pool_update(client: Client, name: str, request: Any, result_type: type
         delay = min(POOL_BUSY_MAX_RETRY_S, delay * 2)
 
 
+# ------------------------------------------------------------------------ registration proofs (the contract)
+# An agent signs its registration with the pool's peer token; the controller checks it in an activity
+# (`activities.nodes.RegistrationActivities`) with its own copy, since the pool workflow cannot read a secret. Both
+# sides build the signed bytes here.
+
+REGISTRATION_PROOF_CONTEXT = b"trainguard-register-v1\n"
+"""Prefixes the signed bytes, so a registration's tag is never valid as any other message keyed with the token."""
+REGISTRATION_MAX_SKEW_S = 300.0
+"""How far a registration's signing time may be from the controller's clock: it bounds how long a tag copied
+out of the pool's history can be replayed (the pool refuses one not newer than the node's last, too)."""
+PROOF_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+def peer_url_of(host: str, port: int) -> str:
+    """The peer address an agent on `host` serves its shards at (brackets round an IPv6 address): the only one
+    the pool takes in its registration."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def registration_message(request: RegisterNodeRequest) -> bytes:
+    """The bytes a registration's proof signs: every field the pool acts on, in one canonical JSON."""
+    fields = {"node": request.node, "host": request.host, "healthy": request.healthy, "peer_url": request.peer_url,
+              "labels": dict(sorted(request.labels.items())), "signed_at_ms": request.signed_at_ms}
+    return REGISTRATION_PROOF_CONTEXT + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def registration_proof(token: str, request: RegisterNodeRequest) -> str:
+    return hmac.new(token.encode(), registration_message(request), hashlib.sha256).hexdigest()
+
+
+def signed_registration(request: RegisterNodeRequest, token: str | None, now_s: float | None = None,
+                        ) -> RegisterNodeRequest:
+    """`request` signed now with the pool's peer token; unsigned when the agent has none."""
+    if not token:
+        return request.model_copy(update={"signed_at_ms": 0, "proof": ""})
+    signed = request.model_copy(update={"signed_at_ms": int((time.time() if now_s is None else now_s) * 1000),
+                                        "proof": ""})
+    return signed.model_copy(update={"proof": registration_proof(token, signed)})
+
+
+def check_registration(request: RegisterNodeRequest, token: str | None, now_s: float) -> RegistrationVerdict:
+    """The controller's verdict on a registration's proof, with its own copy of the pool's token (`token`)."""
+    if not token:
+        return RegistrationVerdict(accepted=True, why="the controller has no TRAINGUARD_PEER_TOKEN: "
+                                                      "registrations are not authenticated")
+    if not request.proof:
+        return RegistrationVerdict(accepted=False, why="unsigned: the pool requires the agent to hold its "
+                                                       "TRAINGUARD_PEER_TOKEN (the controller has one)")
+    if not hmac.compare_digest(request.proof, registration_proof(token, request)):
+        return RegistrationVerdict(accepted=False, why="the proof does not match: the agent's "
+                                                       "TRAINGUARD_PEER_TOKEN is not the controller's")
+    skew = request.signed_at_ms / 1000 - now_s
+    if abs(skew) > REGISTRATION_MAX_SKEW_S:
+        return RegistrationVerdict(accepted=False, why=f"signed {abs(skew):.0f} s {'after' if skew > 0 else 'before'}"
+                                   f" the controller's clock, more than {REGISTRATION_MAX_SKEW_S:.0f} s: an old "
+                                   "registration replayed, or clocks out of sync (run NTP)")
+    return RegistrationVerdict(accepted=True, authenticated=True)
+
+
 async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "",
-                        labels: dict[str, str] | None = None) -> PoolNode:
-    return await pool_update(client, "register",
-                             RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url,
-                                                 labels=labels or {}), PoolNode)
+                        labels: dict[str, str] | None = None, token: str | None = None) -> PoolNode:
+    """Register (or re-register) `node` in the pool, signed with the pool's peer token `token` when given."""
+    request = RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url, labels=labels or {})
+    return await pool_update(client, "register", signed_registration(request, token), PoolNode)
 
 
 async def peer_urls(client: Client) -> dict[str, str]:

@@ -12,7 +12,8 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities.checkpoint_store import StoreActivities
-from activities.nodes import NodeActivities, PoolActivities, pool_handle
+from activities.nodes import NodeActivities, PoolActivities, RegistrationActivities, pool_handle
+from activities.peers import peer_token
 from activities.scheduler import SchedulerActivities
 from trainguard import TASK_QUEUE
 from trainguard.connect import connect
@@ -49,8 +50,11 @@ def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
 
 
 def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untyped-def]
-                 settings: Settings | None = None) -> Worker:
+                 settings: Settings | None = None, token: str | None = None) -> Worker:
+    """`token`: the pool's peer token registrations are checked with (default `TRAINGUARD_PEER_TOKEN`; without
+    one the pool takes any well-formed registration)."""
     store = StoreActivities()
+    registrations = RegistrationActivities(token if token is not None else peer_token())
     nodes = NodeActivities(client)
     pool = PoolActivities(client)
     scheduler = SchedulerActivities()  # TRAINGUARD_SCHEDULER; an unknown value stops the controller at start
@@ -66,6 +70,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untype
             pool.acquire_nodes,
             pool.release_nodes,
             pool.cordon_node,
+            registrations.verify_registration,
             scheduler.notify_scheduler,
         ],
         sticky_queue_schedule_to_start_timeout=STICKY_SCHEDULE_TO_START,

@@ -187,18 +187,30 @@ def run_as_problem(run_as: RunAs, workdir: Path, code_dir: Path, allowed: tuple[
 
 REGISTER_RETRY_S = 2.0
 """The pool answers once a controller runs; until then keep asking (agents may start first)."""
+REGISTER_REFUSED_RETRY_S = 30.0
+"""A registration the pool refused (a token that is not the controller's, a clock out of sync) is asked again
+this much later: an operator fixes the cause, and each refusal costs the pool's history a few events."""
 
 
 async def register_until_done(client, node: str, host: str,  # type: ignore[no-untyped-def]
-                              peer_url: str = "", labels: dict[str, str] | None = None) -> None:
-    """Join the node pool, reporting GPU health (a cordoned node that comes back healthy is repaired), where
-    its shard server is, and its labels (for runs that choose nodes by `node_selector`)."""
+                              peer_url: str = "", labels: dict[str, str] | None = None,
+                              token: str | None = None) -> None:
+    """Join the node pool, reporting GPU health (a cordoned node that comes back healthy is repaired, unless an
+    operator cordoned it), where its shard server is, and its labels (for runs that choose nodes by
+    `node_selector`), signed with the pool's peer token `token` (each try signed anew)."""
+    from temporalio.client import WorkflowUpdateFailedError
+
     healthy = (await asyncio.to_thread(NodeHealth().check)).healthy
     while True:
         try:
-            state = await asyncio.wait_for(register_node(client, node, host, healthy, peer_url, labels), timeout=30)
+            state = await asyncio.wait_for(register_node(client, node, host, healthy, peer_url, labels, token),
+                                           timeout=30)
             log.info("registered %s in the node pool (cordoned: %s)", node, state.cordoned or "no")
             return
+        except WorkflowUpdateFailedError as error:
+            log.error("the node pool refused %s's registration, asking again in %.0f s: %s", node,
+                      REGISTER_REFUSED_RETRY_S, error.cause or error)
+            await asyncio.sleep(REGISTER_REFUSED_RETRY_S)
         except Exception as error:  # noqa: BLE001 - retried until the controller answers
             log.warning("registering %s in the node pool failed, retrying: %s", node, error)
             await asyncio.sleep(REGISTER_RETRY_S)
@@ -286,7 +298,7 @@ async def main() -> None:
     try:
         async with worker:
             registration = asyncio.create_task(
-                register_until_done(client, args.node, args.host, server.url if server else "", labels))
+                register_until_done(client, args.node, args.host, server.url if server else "", labels, token))
             fencing = asyncio.create_task(fence_orphans(client, ranks))
             await stop.wait()
             registration.cancel()

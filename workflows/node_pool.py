@@ -6,15 +6,25 @@ runs until an operator lifts it or the node's agent comes back healthy (a repair
 leaves after its current run. One instance per namespace, workflow id `trainguard-node-pool`.
 
 The rules are pure functions of the pool state (`grant`, `release`, ...), table-tested without a server.
+
+Registration is guarded (issue 27 item 6): its validator refuses a malformed one (node id, host, a peer address
+on any host but the node's own, labels, sizes) before it enters history; a healthy registration lifts a cordon a
+run or a failed GPU check set, never one an operator set; and the agent proves it holds the pool's peer token. A
+workflow cannot read a secret, so the proof (an HMAC of the registration, `trainguard.pool.registration_proof`)
+is checked by a local activity on the controller (`verify_registration`) with the controller's own copy of the
+token: the tag and the verdict enter history, the token never does. A controller without a token takes any
+well-formed registration (a dev stack without peers): unauthenticated, but an operator's cordon still stands.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
@@ -30,8 +40,11 @@ with workflow.unsafe.imports_passed_through():
         PoolNode,
         PoolStatus,
         RegisterNodeRequest,
+        RegistrationVerdict,
     )
-    from trainguard.spec import RunSpec, selector_text
+    from trainguard.pool import PROOF_PATTERN, peer_url_of
+    from trainguard.spec import LABEL_KEY_PATTERN, LABEL_VALUE_PATTERN, MAX_NODE_LABELS, RunSpec, is_node_id, \
+        selector_text
 
 from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE  # noqa: E402,F401 - the names clients use too
 
@@ -43,6 +56,14 @@ would reach that before `POOL_HISTORY_EVENTS` when the server batches updates in
 pool that refuses updates adds no events, so it would never continue as new."""
 PATCH_SCHEDULER_UNCORDON = "scheduler-uncordon"
 """Histories before this patch lifted cordons in the pool only, leaving the cluster scheduler's in place."""
+
+PATCH_GUARDED_REGISTRATION = "guarded-registration"
+"""Histories before this patch took any registration unchecked, and a healthy one lifted an operator's cordon."""
+
+VERIFY_TIMEOUT = timedelta(seconds=5)
+"""Checking a registration's proof is one HMAC on the controller: milliseconds."""
+VERIFY_RETRY = RetryPolicy(maximum_attempts=3)
+"""Only a controller restarting mid-check fails it; a refused proof is a verdict, not an error."""
 
 SCHEDULER_TIMEOUT = timedelta(seconds=60)
 """At most two scheduler commands (cordon + taint) of at most 20 s each."""
@@ -59,18 +80,76 @@ cordon already keeps trainguard's runs off the node), so a failure is logged, ne
 # ---------------------------------------------------------------------------------------- pure rules
 
 
-def register(nodes: dict[str, PoolNode], request: RegisterNodeRequest, now: float) -> None:
-    """An agent (re)started. A cordoned node whose agent comes back healthy is repaired: schedulable again."""
+UNHEALTHY_AT_REGISTRATION = "GPU checks failed at registration"
+MAX_HOST_CHARS = 253
+"""A DNS name's longest."""
+HOST_NAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+                       r"[A-Za-z0-9])?)*")
+
+
+def operator_cordon(state: PoolNode) -> bool:
+    """Whether the node's cordon is an operator's: not a run's (`cordoned_by` names it) and not the pool's own
+    for GPU checks that failed at registration. Only an operator lifts it (`trainguard nodes uncordon`)."""
+    return state.cordoned is not None and state.cordoned_by is None and state.cordoned != UNHEALTHY_AT_REGISTRATION
+
+
+def register(nodes: dict[str, PoolNode], request: RegisterNodeRequest, now: float,
+             keep_operator_cordon: bool = True) -> None:
+    """An agent (re)started. A cordoned node whose agent comes back healthy is repaired: schedulable again,
+    unless an operator cordoned it (`keep_operator_cordon`; False only replaying histories before it)."""
     current = nodes.get(request.node) or PoolNode(node=request.node)
     current.host, current.registered_at, current.healthy = request.host, now, request.healthy
     current.peer_url = request.peer_url
     current.labels = dict(request.labels)
-    if current.cordoned is not None and request.healthy and current.leased_to is None:
+    current.signed_at_ms = max(current.signed_at_ms, request.signed_at_ms)
+    if current.cordoned is not None and request.healthy and current.leased_to is None \
+            and not (keep_operator_cordon and operator_cordon(current)):
         current.cordoned = current.cordoned_at = current.cordoned_by = None
     if not request.healthy and current.cordoned is None:
-        current.cordoned, current.cordoned_at = "GPU checks failed at registration", now
+        current.cordoned, current.cordoned_at = UNHEALTHY_AT_REGISTRATION, now
     current.draining = False
     nodes[request.node] = current
+
+
+def host_problem(host: str) -> str:
+    """Why `host` is not an address a peer can reach the node at (an IP address or a DNS name); empty if it is."""
+    if len(host) > MAX_HOST_CHARS:
+        return f"host has {len(host)} characters, more than {MAX_HOST_CHARS}"
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        pass
+    return "" if HOST_NAME.fullmatch(host) else f"host {host!r} is neither an IP address nor a DNS name"
+
+
+def registration_problem(request: RegisterNodeRequest, current: PoolNode | None) -> str:
+    """Why the pool refuses `request` (empty when it takes it): a malformed node id, host, peer address or label,
+    a peer address on another host than the node's own (it once pointed a node's peers, and the pool's token
+    they send, at a listener), or a signed registration no newer than the node's last (a replayed one)."""
+    if not is_node_id(request.node):
+        return f"node {request.node[:80]!r}: lowercase letters, digits and '-', at most 63 characters"
+    if request.host and (problem := host_problem(request.host)):
+        return problem
+    if request.peer_url:
+        port = request.peer_url.rpartition(":")[2]
+        if not request.host or not port.isdigit() or not 0 < int(port) < 65536 \
+                or request.peer_url != peer_url_of(request.host, int(port)):
+            return (f"peer_url {request.peer_url[:300]!r}: must be http://HOST:PORT on the node's own host "
+                    f"{request.host!r}")
+    if len(request.labels) > MAX_NODE_LABELS:
+        return f"{len(request.labels)} labels, more than {MAX_NODE_LABELS}"
+    for key, value in request.labels.items():
+        if not re.fullmatch(LABEL_KEY_PATTERN, key) or not re.fullmatch(LABEL_VALUE_PATTERN, value):
+            return f"label {key[:80]!r}={value[:80]!r}: at most 63 of letters, digits, '-', '_', '.' ('/' in keys)"
+    if request.proof and not PROOF_PATTERN.fullmatch(request.proof):
+        return "proof: not an HMAC-SHA256 in hex"
+    if request.signed_at_ms < 0 or (request.proof == "") != (request.signed_at_ms == 0):
+        return "signed_at_ms and proof: both or neither"
+    if current is not None and request.signed_at_ms and request.signed_at_ms <= current.signed_at_ms:
+        return (f"signed at {request.signed_at_ms} ms, not after the node's latest registration "
+                f"({current.signed_at_ms} ms): a replayed registration")
+    return ""
 
 
 BUSY_SHOWN = 10
@@ -249,12 +328,30 @@ class NodePool:
         return PoolStatus(nodes=sorted(self._nodes.values(), key=lambda n: n.node))
 
     @workflow.update
-    def register(self, request: RegisterNodeRequest) -> PoolNode:
+    async def register(self, request: RegisterNodeRequest) -> PoolNode:
         self._counted()
+        guarded = workflow.patched(PATCH_GUARDED_REGISTRATION)
+        if guarded:
+            verdict = await workflow.execute_local_activity(
+                "verify_registration", request, result_type=RegistrationVerdict,
+                start_to_close_timeout=VERIFY_TIMEOUT, retry_policy=VERIFY_RETRY,
+                summary=f"check {request.node}'s registration proof")
+            # Another registration of the node may have landed while this one was checked.
+            problem = verdict.why if not verdict.accepted else registration_problem(
+                request, self._nodes.get(request.node))
+            if problem:
+                raise ApplicationError(f"registration of {request.node} refused: {problem}",
+                                       type=ErrorType.REGISTRATION_REFUSED, non_retryable=True)
         was_cordoned = request.node in self._nodes and self._nodes[request.node].cordoned is not None
-        register(self._nodes, request, self._now())
+        register(self._nodes, request, self._now(), keep_operator_cordon=guarded)
         self._tell_scheduler_if_lifted(request.node, was_cordoned)
         return self._nodes[request.node]
+
+    @register.validator
+    def _validate_register(self, request: RegisterNodeRequest) -> None:
+        """A malformed registration is refused before it enters history (validators do not run on replay)."""
+        if problem := registration_problem(request, self._nodes.get(request.node)):
+            raise ValueError(f"registration refused: {problem}")
 
     @workflow.update
     def acquire(self, request: AcquireNodesRequest) -> AcquireNodesResult:

@@ -9,6 +9,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 
 from trainguard.client import TrainguardClient
+from trainguard.devstack import DevStack
 from trainguard.models import Phase
 
 from .conftest import RUN_TIMEOUT_S, make_spec, wait_until
@@ -59,3 +60,37 @@ async def test_a_terminated_runs_nodes_go_to_the_next_run(client: TrainguardClie
     result = await asyncio.wait_for(client.result(second), RECLAIM_AFTER_CLOSED_S + RUN_TIMEOUT_S)
     assert result.steps_completed == 20
     assert all(n.leased_to is None for n in await client.nodes())
+
+
+async def test_registration_is_validated_authenticated_and_never_lifts_an_operators_cordon(
+        client: TrainguardClient, stack: DevStack) -> None:
+    """Issue 27 item 6, on the real stack (its controller and agents hold the stack's peer token): `register`
+    lifted an operator's cordon, made phantom nodes, and took a peer address at a listener for node-0."""
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from activities.nodes import register_node
+
+    before = {n.node: n for n in await client.nodes()}
+    token = stack.peer_token()
+
+    async def refused(node: str, peer_url: str, token: str | None) -> str:
+        with pytest.raises(WorkflowUpdateFailedError) as error:
+            await register_node(client.client, node, "127.0.0.1", True, peer_url, token=token)
+        return str(error.value.cause)
+
+    assert "unsigned" in await refused("node-0", "http://127.0.0.1:9", None)
+    assert "does not match" in await refused("node-0", "http://127.0.0.1:9", "not-the-pools-token-0123456789")
+    assert "own host" in await refused("node-0", "http://10.6.6.6:7300", token)
+    for phantom in ("Phantom-1", "node-0\n", "p" * 64):
+        assert "registration refused" in await refused(phantom, "", token)
+
+    node = before["node-2"]
+    await client.cordon("node-2", reason="fan failure")
+    try:
+        state = await register_node(client.client, "node-2", node.host, True, node.peer_url, node.labels, token=token)
+        assert state.cordoned == "fan failure"  # a healthy, authenticated agent does not lift an operator's cordon
+    finally:
+        await client.uncordon("node-2")
+    after = {n.node: n for n in await client.nodes()}
+    assert sorted(after) == sorted(before)  # no phantom
+    assert after["node-0"].peer_url == before["node-0"].peer_url  # no listener took node-0's peers

@@ -126,12 +126,12 @@ async def test_a_dev_stack_restarted_mid_run_completes_and_leaves_no_node_cordon
 
 
 @pytest.fixture
-async def gone_node(client: TrainguardClient) -> AsyncIterator[str]:
+async def gone_node(client: TrainguardClient, stack: DevStack) -> AsyncIterator[str]:
     """A node that registered once, labelled zone=b, and whose agent is gone: it sorts before every live node,
     so a choice by count meets it first, and must pass it over. Drained (out of the pool) afterwards."""
     from activities.nodes import register_node
 
-    await register_node(client.client, "a-gone", "127.0.0.1", True, labels={"zone": "b"})
+    await register_node(client.client, "a-gone", "127.0.0.1", True, labels={"zone": "b"}, token=stack.peer_token())
     yield "a-gone"
     await client.drain_pool_node("a-gone")
 

@@ -10,6 +10,7 @@ from temporalio import activity
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.nodes import RegistrationActivities
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
 from trainguard.models import AcquireNodesRequest, NodeRequest, PoolNode, RegisterNodeRequest
 from workflows.node_pool import NodePool, cordon, drain, grant, register, release, uncordon
@@ -65,9 +66,9 @@ def test_drain_of_a_free_node_removes_it_now() -> None:
     assert nodes == {}
 
 
-def test_cordon_persists_until_uncordon_or_a_healthy_reregistration() -> None:
+def test_a_runs_cordon_persists_until_uncordon_or_a_healthy_reregistration() -> None:
     nodes = pool("a")
-    cordon(nodes, "a", "node_unresponsive", now=10.0)
+    cordon(nodes, "a", "node_unresponsive", now=10.0, by="run-1")
     assert not grant(nodes, AcquireNodesRequest(run_id="r", nodes=["a"])).granted
     register(nodes, RegisterNodeRequest(node="a", healthy=False), now=20.0)
     assert nodes["a"].cordoned == "node_unresponsive"  # back, but not healthy: stays out
@@ -120,12 +121,13 @@ async def test_a_lifted_cordon_is_passed_on_to_the_cluster_scheduler(env: Workfl
         return NotifySchedulerResult()
 
     queue = f"pool-{uuid.uuid4()}"
-    async with Worker(env.client, task_queue=queue, workflows=[NodePool], activities=[notify_scheduler]):
+    async with Worker(env.client, task_queue=queue, workflows=[NodePool],
+                      activities=[notify_scheduler, RegistrationActivities(None).verify_registration]):
         handle = await env.client.start_workflow(NodePool.run, id=queue, task_queue=queue)
         for name in ("node-0", "node-1"):
             await handle.execute_update(NodePool.register, RegisterNodeRequest(node=name))
         await handle.execute_update(NodePool.cordon, NodeRequest(node="node-0", reason="XID 79"))
-        await handle.execute_update(NodePool.cordon, NodeRequest(node="node-1", reason="lost"))
+        await handle.execute_update(NodePool.cordon, NodeRequest(node="node-1", reason="lost", run_id="run-1"))
         await handle.execute_update(NodePool.uncordon, NodeRequest(node="node-0"))  # an operator
         await handle.execute_update(NodePool.register, RegisterNodeRequest(node="node-1"))  # repaired
         await handle.execute_update(NodePool.uncordon, NodeRequest(node="node-1"))  # nothing to lift
