@@ -7,11 +7,14 @@ It lives under `.pytest-stack/` (git-ignored) on its own ports, so it never meet
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +144,23 @@ async def baseline(client: TrainguardClient, stack: DevStack) -> RunResult:
     run_id = await client.start_run(make_spec(f"baseline-{uuid.uuid4().hex[:6]}"),
                                     workflow_id=f"it-base-{uuid.uuid4().hex[:8]}")
     return await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+
+
+def history_text(history: Any) -> str:
+    """A history as JSON with every payload's data decoded next to it: payloads are base64 in the JSON, so a
+    plain search of it finds no secret whether or not one is there."""
+    raw = history.to_json()
+    decoded: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("data"), str) and "metadata" in node:
+                decoded.append(base64.b64decode(node["data"]).decode(errors="replace"))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(raw))
+    return raw + "\n".join(decoded)

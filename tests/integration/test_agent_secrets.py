@@ -11,8 +11,6 @@ secrets from a file the test hands it, so the redaction is tested either way.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import os
 import tempfile
 import uuid
@@ -26,7 +24,7 @@ from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import IncidentKind
 
-from .conftest import RUN_TIMEOUT_S, make_spec
+from .conftest import RUN_TIMEOUT_S, history_text, make_spec
 
 SNOOP = """
 import os, sys
@@ -44,26 +42,6 @@ print("the pool's peer token:", token)
 print("marker: the rank got this far", flush=True)
 raise RuntimeError(f"cannot reach the store with {secret} as {key_id}")
 """
-
-
-def history_text(history: Any) -> str:
-    """A history as JSON with every payload's data decoded next to it: payloads are base64 in the JSON, so a
-    plain search of it finds no secret whether or not one is there."""
-    raw = history.to_json()
-    decoded: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("data"), str) and "metadata" in node:
-                decoded.append(base64.b64decode(node["data"]).decode(errors="replace"))
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(json.loads(raw))
-    return raw + "\n".join(decoded)
 
 
 async def test_a_rank_printing_the_agents_secrets_leaves_none_in_the_history(

@@ -26,7 +26,7 @@ from trainguard.devstack import DevStack, _start_time
 from trainguard.protocol import RunLayout
 from trainguard.spec import MAX_ENV_VALUE_BYTES, MAX_EXEC_BYTES, SpecError, exec_env_refused, parse_spec
 
-from .conftest import NODES, make_spec
+from .conftest import NODES, history_text, make_spec
 
 SEED = 1313
 """Fixed: a failure names a case that the next run generates again."""
@@ -281,7 +281,7 @@ async def test_specs_only_the_agent_can_refuse_fail_their_run_and_leave_the_pool
                 assert not [r for r in record["ranks"] if _start_time(r["pid"]) == r["start_time"]], run_id
     secrets = [stack.credentials()["secret_key"], stack.credentials()["access_key"], stack.peer_token()]
     for run_id in run_ids:
-        history = (await client.handle(run_id).fetch_history()).to_json()
+        history = history_text(await client.handle(run_id).fetch_history())
         assert "launch_ranks" in history  # each got as far as the node: the scan covers the agent's answer
         assert not [s for s in [*secrets, MARKER] if s in history], run_id
     assert not Path("/tmp/tg-fuzz-pwned").exists()  # what the refused programs would have done

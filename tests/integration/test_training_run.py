@@ -21,7 +21,8 @@ from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import Action, IncidentKind, RunResult
 
-from .conftest import REPO, RUN_TIMEOUT_S, checkpointed, live_rank_pids, make_spec, restart_agent, wait_until
+from .conftest import (REPO, RUN_TIMEOUT_S, checkpointed, history_text, live_rank_pids, make_spec, restart_agent,
+                       wait_until)
 
 
 async def test_run_completes_and_commits_checkpoints_to_s3(baseline: RunResult, stack: DevStack) -> None:
@@ -179,7 +180,7 @@ async def test_unresponsive_node_is_replaced_by_a_spare(
 
 
 async def test_no_secret_reaches_the_history(client: TrainguardClient, baseline: RunResult, stack: DevStack) -> None:
-    history = "\n".join(h.to_json() for h in await client.histories(baseline.workflow_id))
+    history = "\n".join(history_text(h) for h in await client.histories(baseline.workflow_id))
     secrets = [stack.credentials()["secret_key"], stack.credentials()["access_key"], stack.peer_token()]
     secrets += [v for k, v in os.environ.items() if any(w in k for w in ("SECRET", "TOKEN", "PASSWORD")) and len(v) > 8]
     # The scan covers a whole run: its node groups' launches and watches, and the commits.
