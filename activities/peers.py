@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from activities.models import ShardInfo
+from trainguard.settings import agent_secret
 from trainguard.pool import peer_url_of
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ MIN_PEER_TOKEN_CHARS = 16
 
 def peer_token(environ: dict[str, str] | None = None) -> str | None:
     """This agent's peer token (`TRAINGUARD_PEER_TOKEN`), or None when the pool has none configured."""
-    token = (os.environ if environ is None else environ).get(PEER_TOKEN_ENV, "").strip()
+    token = (agent_secret(PEER_TOKEN_ENV) or "") if environ is None else environ.get(PEER_TOKEN_ENV, "").strip()
     if token and len(token) < MIN_PEER_TOKEN_CHARS:
         raise ValueError(f"{PEER_TOKEN_ENV} has {len(token)} characters, fewer than {MIN_PEER_TOKEN_CHARS}: "
                          f"use a long random one (python -c 'import secrets; print(secrets.token_hex(32))')")

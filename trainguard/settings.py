@@ -26,11 +26,9 @@ AGENT_SECRET_ENV = ("TRAINGUARD_PEER_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_AC
 """The variables a node agent holds in memory instead of its environment (`hold_agent_secrets`). The AWS key
 id travels with its secret: boto3 takes a pair from one source."""
 
-STILL_READ_FROM_ENVIRON = frozenset({"TRAINGUARD_PEER_TOKEN"})
-"""Held, and left in `os.environ` too, because code outside this module still reads them there lazily:
-`activities.peers.fetch_from_peer` asks `peer_token()` for the pool's token at each fetch. Ranks never
-inherit them (the launch builds their environment without any name of `AGENT_SECRET_ENV`); drop the name from
-here once its reader asks `agent_secret`."""
+STILL_READ_FROM_ENVIRON: frozenset[str] = frozenset()
+"""Held, and left in `os.environ` too, for code that still reads them there lazily: none now (the peer token is
+read through `agent_secret`)."""
 
 _held: dict[str, str] = {}
 """Name -> value of what `hold_agent_secrets` took; process-wide, like the environment it replaces."""

@@ -122,8 +122,10 @@ def test_holding_the_secrets_takes_them_out_of_the_environment(held_secrets: dic
     assert "AWS_SECRET_ACCESS_KEY" not in held_secrets and "AWS_ACCESS_KEY_ID" not in held_secrets
     assert settings.agent_secret("AWS_SECRET_ACCESS_KEY") == S3_SECRET
     assert settings._held_keys() == ("k", S3_SECRET, None)  # the S3 client is built from memory
-    # Still read from the environment by the peer tier's fetch (activities.peers): see STILL_READ_FROM_ENVIRON.
-    assert held_secrets.get("TRAINGUARD_PEER_TOKEN") == PEER_TOKEN
+    # The peer tier reads the pool's token from what the agent holds, not from its environment.
+    assert "TRAINGUARD_PEER_TOKEN" not in held_secrets
+    from activities.peers import peer_token
+    assert peer_token() == PEER_TOKEN
 
 
 def test_ranks_inherit_no_variable_that_holds_a_secret(held_secrets: dict[str, str]) -> None:
