@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow unit integration install clean lint
+.PHONY: demo test test-slow unit integration install clean lint docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,9 +31,15 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(BIN)/python -m pytest tests -m "integration and not slow" $(PYTEST_ARGS)
 
+# The docs site under site/ (mkdocs, strict: a broken link, a missing anchor or a page left out of the nav fails).
+# The spec reference is generated from trainguard/spec.py first; the performance tables come from .bench/*.json.
+docs: $(STAMP)
+	$(BIN)/python -m infra.docgen.spec_reference
+	$(BIN)/python -m mkdocs build --strict $(DOCS_ARGS)
+
 clean:
 	-$(BIN)/trainguard dev down
-	rm -rf .trainguard .pytest-stack .pytest-tmp
+	rm -rf .trainguard .pytest-stack .pytest-tmp site
 
 .PHONY: bench-checkpoint
 bench-checkpoint: $(STAMP)

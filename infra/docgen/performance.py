@@ -1,0 +1,222 @@
+"""The performance page's tables, rendered from the JSON the benchmarks wrote under `.bench/` (git-ignored).
+
+docs/performance.md holds the prose and a marker per benchmark, `<!-- bench:NAME -->`; at `make docs` the
+mkdocs hook (infra/docgen/hooks.py) replaces each marker with the table of `.bench/NAME.json`, or, when that
+file is absent, with a line saying which `make bench-*` writes it. No figure is copied by hand: the page shows
+the last run of each benchmark on the machine that builds the docs. The history of figures by build is in
+docs/CHANGELOG.md.
+
+    python -m infra.docgen.performance [--bench .bench]   # print the rendered page
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO / ".bench"
+PAGE = REPO / "docs" / "performance.md"
+MARKER = re.compile(r"<!-- bench:([a-z-]+) -->")
+
+PICTURES = ("goodput-timeline.png", "recovery-paths.png", "recovery-timeline.png", "recovery-lost.png",
+            "checkpoint.png")
+"""What `make bench-plots` draws under `.bench/`; the hook publishes those present under `bench/` in the site."""
+
+
+def _num(value: Any, pattern: str = "{:.2f}", suffix: str = "") -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        return pattern.format(value) + suffix
+    return str(value)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{value * 100:.1f} %"
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else _num(value)
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _machine(payload: Any) -> str:
+    m = payload.get("machine") if isinstance(payload, dict) else None
+    if not m:
+        return ""
+    load = m.get("loadavg_before") or [None]
+    return (f"\n\nMeasured on {m.get('cpus', '?')} CPUs, Python {m.get('python', '?')}, load average "
+            f"{_num(load[0], '{:.1f}')} at the start.")
+
+
+def recovery(p: dict[str, Any]) -> str:
+    rows = [[r.get("fault"), r.get("system"), _num(r.get("detection_s"), suffix=" s"),
+             _num(r.get("time_to_recover_s"), suffix=" s"), _pct(r.get("goodput")),
+             _num(r.get("wall_s"), "{:.1f}", " s"), r.get("completed"), r.get("recovery_path") or r.get("note")]
+            for r in p.get("results", [])]
+    out = table(["fault", "system", "detection", "time to recover (fault to first new step)", "goodput", "wall",
+                 "completed", "path / note"], rows)
+    floor = (p.get("floor") or {}).get("cold_start_s")
+    if floor:
+        out += (f"\n\nThe floor, a cold start of the same two ranks from a local checkpoint with no orchestration: "
+                f"{floor:.2f} s.")
+    return out + _machine(p)
+
+
+def paths(p: dict[str, Any]) -> str:
+    rows = [[r.get("path"), f"{r.get('completed', '-')}/{r.get('runs', '-')}", _num(r.get("detection_s"), suffix=" s"),
+             _num(r.get("teardown_s"), suffix=" s"), _num(r.get("restore_s"), suffix=" s"),
+             _num(r.get("relaunch_s"), suffix=" s"), _num(r.get("time_to_recover_s"), suffix=" s"),
+             _num(r.get("vs_floor"), suffix="x"), ", ".join(r.get("tiers") or [])]
+            for r in p.get("summary", [])]
+    out = table(["path", "runs", "detection", "teardown", "restore", "relaunch", "time to recover", "vs floor",
+                 "tier / path taken"], rows)
+    floor = (p.get("floor") or {}).get("cold_start_s")
+    return out + (f"\n\nFloor (cold start, plain torchrun): {floor:.2f} s." if floor else "") + _machine(p)
+
+
+def goodput(p: dict[str, Any]) -> str:
+    rows = [[o.get("system"), _pct(o.get("goodput")), _num(o.get("wall_s"), "{:.0f}", " s"),
+             o.get("steps_completed"), o.get("completed"), "; ".join(o.get("events") or [])]
+            for o in p.get("outcomes", [])]
+    return table(["system", "goodput", "wall", "steps", "finished", "what happened"], rows) + _machine(p)
+
+
+def checkpoint(p: dict[str, Any]) -> str:
+    rows = []
+    for f in p.get("figures", []):
+        unit = f.get("unit", "")
+        ratio = _num(f.get("ratio"), suffix=f"x the {f.get('ratio_of')}" if f.get("ratio_of") else "x")
+        rows.append([f.get("name"), _num(f.get("trainguard"), "{:.3f}", f" {unit}"),
+                     _num(f.get("baseline"), "{:.3f}", f" {unit}"), _num(f.get("floor"), "{:.3f}", f" {unit}"),
+                     ratio, f"{f.get('target', '')} {'(met)' if f.get('met') else '(missed)' if f.get('met') is False else ''}".strip(),
+                     f.get("note", "")])
+    return table(["figure", "trainguard", "baseline", "floor", "ratio", "target", "note"], rows) + \
+        _machine(p.get("context", {}))
+
+
+def scale(p: dict[str, Any]) -> str:
+    rows = [[lv.get("runs"), lv.get("completed"),
+             f"{_num(lv.get('detection_s_p50'))} / {_num(lv.get('detection_s_p95'))} s",
+             f"{_num(lv.get('recovery_s_p50'))} / {_num(lv.get('recovery_s_p95'))} s",
+             f"{_num(lv.get('task_wait_ms_p50'), '{:.0f}')} / {_num(lv.get('task_wait_ms_p95'), '{:.0f}')} ms",
+             _num(lv.get("controller_cpu_s"), "{:.1f}", " s"), _num(lv.get("controller_peak_rss_mib"), "{:.0f}", " MiB"),
+             _num(lv.get("agent_peak_rss_mib_median"), "{:.0f}", " MiB"), _num(lv.get("events_per_run"), "{:.0f}")]
+            for lv in p.get("levels", [])]
+    return table(["runs", "completed", "hang detection p50 / p95", "detection to first new step p50 / p95",
+                  "workflow-task wait p50 / p95", "controller CPU", "controller RSS", "agent RSS (median)",
+                  "events per run"], rows) + _machine(p)
+
+
+def nodes(p: list[dict[str, Any]]) -> str:
+    rows = []
+    for s in p:
+        per_ckpt = (s.get("events_per_checkpoint") or {}).get("all")
+        payload = s.get("largest_payload_bytes")
+        rows.append([f"{s.get('nodes'):,}" if isinstance(s.get("nodes"), int) else s.get("nodes"), s.get("completed"),
+                     f"{_num(s.get('events_total'), '{:,}')} / {_num(s.get('events_root'), '{:,}')}",
+                     _num(per_ckpt, "{:.0f}"), s.get("max_pending"),
+                     "-" if payload is None else f"{payload / 1024:.0f} KB", _num(s.get("relaunch_p95_s"), suffix=" s"),
+                     f"{_num(s.get('controller_cpu_s'), '{:.1f}')} s / {_num(s.get('controller_peak_rss_mb'), '{:.0f}')} MB",
+                     _num(s.get("wall_s"), "{:.0f}", " s")])
+    return table(["nodes (x 8 ranks)", "completed", "events, all histories / the run's", "events per checkpoint",
+                  "max pending", "largest payload", "relaunch p95", "controller CPU / peak RSS", "wall"], rows)
+
+
+def pool(p: dict[str, Any]) -> str:
+    rows = [[f"{_num(p.get('lease_s'))} / {_num(p.get('release_s'))} / {_num(p.get('lease_by_count_s'))} s",
+             f"{p.get('trained', '-')} of {p.get('runs', '-')} within {_num(p.get('wall_s'), '{:.0f}')} s",
+             f"{_num(p.get('training_p50_s'), '{:.1f}')} / {_num(p.get('training_p95_s'), '{:.1f}')} / "
+             f"{_num(p.get('training_max_s'), '{:.1f}')} s",
+             f"{_num(p.get('leased_p50_s'), '{:.1f}')} / {_num(p.get('leased_max_s'), '{:.1f}')} s",
+             f"{p.get('pool_updates', '-')} / {p.get('pool_events', '-')}", _num(p.get("controller_cpu_s"), "{:.0f}", " s"),
+             _num(p.get("load_avg_1m"), "{:.1f}")]]
+    return table([f"one {p.get('lease_nodes', '?'):,}-node lease / release / by `num_nodes`" if isinstance(
+        p.get("lease_nodes"), int) else "lease / release / by `num_nodes`", "runs training",
+        "start to training p50 / p95 / max", "start to lease p50 / max", "pool updates / events", "controller CPU",
+        "load"], rows)
+
+
+def attribution(p: list[dict[str, Any]]) -> str:
+    rows = [[r.get("mode"), f"{r.get('correct', '-')}/{r.get('trials', '-')}", _num(r.get("detection_p50_s"), suffix=" s"),
+             _num(r.get("detection_p95_s"), suffix=" s"), _num(r.get("culprit_extra_p50_s"), suffix=" s"),
+             _num(r.get("culprit_extra_s"), suffix=" s"), r.get("false_hangs")] for r in p]
+    return table(["mode", "right", "detect p50", "detect p95", "culprit +s p50", "culprit +s p95",
+                  "false hangs (fault-free runs)"], rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Bench:
+    file: str
+    make: str
+    render: Callable[[Any], str]
+
+
+BENCHES: dict[str, Bench] = {
+    "recovery": Bench("recovery.json", "make bench-recovery", recovery),
+    "paths": Bench("paths.json", "make bench-paths", paths),
+    "goodput": Bench("goodput.json", "make bench-goodput", goodput),
+    "checkpoint": Bench("checkpoint.json", "make bench-checkpoint", checkpoint),
+    "scale": Bench("scale.json", "make bench-scale", scale),
+    "nodes": Bench("nodes.json", "make bench-nodes", nodes),
+    "pool": Bench("pool.json", "make bench-pool", pool),
+    "attribution": Bench("attribution.json", "make bench-attribution", attribution),
+}
+"""Marker name -> the JSON a benchmark writes under `.bench/`, the command that writes it, its table."""
+
+
+def section(name: str, bench_dir: Path = BENCH_DIR) -> str:
+    """The markdown for `<!-- bench:name -->`: the table of `.bench/<file>`, or what to run to make it."""
+    bench = BENCHES[name]
+    path = bench_dir / bench.file
+    if not path.exists():
+        return (f"!!! note \"Not measured on this machine\"\n    `.bench/{bench.file}` is absent: "
+                f"`{bench.make}` writes it (or `make bench` for every benchmark), then `make docs`.")
+    try:
+        body = bench.render(json.loads(path.read_text()))
+    except (ValueError, TypeError, AttributeError, KeyError) as error:
+        return (f"!!! warning \"Cannot read .bench/{bench.file}\"\n    {type(error).__name__}: {error}. "
+                f"Run `{bench.make}` again, then `make docs`.")
+    return f"{body}\n\n<small>From `.bench/{bench.file}` (`{bench.make}`).</small>"
+
+
+def render_page(text: str, bench_dir: Path = BENCH_DIR) -> str:
+    """`text` with every `<!-- bench:NAME -->` marker replaced by its section; unknown names raise."""
+    def one(match: re.Match[str]) -> str:
+        if match.group(1) not in BENCHES:
+            raise KeyError(f"docs/performance.md: no benchmark named {match.group(1)!r} ({', '.join(BENCHES)})")
+        return section(match.group(1), bench_dir)
+
+    return MARKER.sub(one, text)
+
+
+def pictures(bench_dir: Path = BENCH_DIR) -> list[Path]:
+    """The pictures `make bench-plots` left under `bench_dir`."""
+    return [bench_dir / name for name in PICTURES if (bench_dir / name).exists()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infra.docgen.performance")
+    parser.add_argument("--bench", type=Path, default=BENCH_DIR)
+    opts = parser.parse_args(argv)
+    print(render_page(PAGE.read_text(), opts.bench))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
