@@ -11,8 +11,9 @@ keeps the block the process started with): what keeps ranks from reading it is a
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from functools import lru_cache
 from typing import Any, Mapping, MutableMapping
@@ -119,6 +120,11 @@ class Settings:
     """`TRAINGUARD_DEPLOYMENT`: the worker deployment the controller's builds belong to."""
     address_source: str = "TRAINGUARD_TEMPORAL_ADDRESS"
     """Where `temporal_address` came from, for errors that name it."""
+    s3_source: str = "TRAINGUARD_S3_ENDPOINT"
+    """Where `s3_endpoint` came from, for errors that name it."""
+    s3_keys: tuple[str, str] | None = field(default=None, repr=False)
+    """The dev stack's store keys (`dev_store`), read from its home when the environment gives none and the
+    endpoint is that stack's; None leaves boto3 its own chain (environment, profiles, instance roles)."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -128,11 +134,14 @@ class Settings:
             from trainguard.devstack import stack_address
 
             address, source = stack_address(env) or (DEFAULT_TEMPORAL_ADDRESS, "the default (no stack named)")
+        endpoint, s3_source, s3_keys = _store(env)
         return cls(
             temporal_address=address,
             address_source=source,
+            s3_source=s3_source,
+            s3_keys=s3_keys,
             namespace=env.get("TRAINGUARD_NAMESPACE", "default"),
-            s3_endpoint=env.get("TRAINGUARD_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None,
+            s3_endpoint=endpoint,
             s3_region=env.get("AWS_REGION", env.get("AWS_DEFAULT_REGION", "us-east-1")),
             s3_path_style=env_flag("TRAINGUARD_S3_PATH_STYLE", True, env),
             metrics_address=env.get("TRAINGUARD_METRICS_ADDRESS") or None,
@@ -159,6 +168,53 @@ class Settings:
 
         return TLSConfig(server_root_ca_cert=read(self.tls_ca), client_cert=read(self.tls_cert),
                          client_private_key=read(self.tls_key))
+
+
+DEV_CREDENTIALS_FILE = "s3-credentials.json"
+"""The dev stack's store keys under its home (`DevStack.credentials` writes it, 0600): `access_key`,
+`secret_key`."""
+
+
+def dev_store(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(S3 endpoint, where it came from) of the dev stack the environment names, found as its Temporal is
+    (`trainguard.devstack.stack_address`): `TRAINGUARD_PORT_BASE`, else the stack file `dev up` left under
+    `TRAINGUARD_HOME` (default `.trainguard`); None when neither does."""
+    from trainguard.devstack import STACK_FILE, StackConfig
+
+    if environ.get("TRAINGUARD_PORT_BASE"):
+        return StackConfig.from_env(dict(environ)).s3_endpoint, f"TRAINGUARD_PORT_BASE={environ['TRAINGUARD_PORT_BASE']}"
+    path = Path(environ.get("TRAINGUARD_HOME", ".trainguard")) / STACK_FILE
+    try:
+        return str(json.loads(path.read_text())["s3_endpoint"]), f"{path} (written by `trainguard dev up`)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def dev_store_keys(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """The key pair the dev stack under `TRAINGUARD_HOME` (default `.trainguard`) made for its store, or None."""
+    path = Path(environ.get("TRAINGUARD_HOME", ".trainguard")) / DEV_CREDENTIALS_FILE
+    try:
+        creds = json.loads(path.read_text())
+        return str(creds["access_key"]), str(creds["secret_key"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store(env: Mapping[str, str]) -> tuple[str | None, str, tuple[str, str] | None]:
+    """The store's endpoint, where it came from, and the dev stack's keys where they apply. The environment
+    wins (`TRAINGUARD_S3_ENDPOINT`, `AWS_ENDPOINT_URL`); unset, the dev stack's endpoint, as for Temporal.
+    Keys come from the stack only for the stack's own endpoint and only when the environment holds no AWS
+    key: the CLI's `run report` on the dev stack reads hang stacks with nothing exported."""
+    endpoint = env.get("TRAINGUARD_S3_ENDPOINT") or env.get("AWS_ENDPOINT_URL") or None
+    source = "TRAINGUARD_S3_ENDPOINT" if env.get("TRAINGUARD_S3_ENDPOINT") else "AWS_ENDPOINT_URL"
+    stack = dev_store(env)
+    if endpoint is None:
+        if stack is None:
+            return None, "AWS S3 (no endpoint set, no stack named)", None
+        endpoint, source = stack
+    ours = stack is not None and endpoint == stack[0]
+    keys = dev_store_keys(env) if ours and not env.get("AWS_ACCESS_KEY_ID") else None
+    return endpoint, source, keys
 
 
 # Fail fast on a dead store (the activity's retry policy, not botocore, decides how long to keep trying)
@@ -200,4 +256,5 @@ def _held_keys() -> tuple[str, str, str | None] | None:
 def s3_client(settings: Settings | None = None) -> Any:
     """A thread-safe boto3 S3 client for the configured store."""
     settings = settings or Settings.from_env()
-    return _client(settings.s3_endpoint, settings.s3_region, settings.s3_path_style, _held_keys())
+    keys = _held_keys() or ((*settings.s3_keys, None) if settings.s3_keys else None)
+    return _client(settings.s3_endpoint, settings.s3_region, settings.s3_path_style, keys)

@@ -45,6 +45,8 @@ def _pct(value: Any) -> str:
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = f"{value:,}"
     text = value if isinstance(value, str) else _num(value)
     return " ".join(text.split()).replace("|", "\\|")
 
