@@ -5,6 +5,7 @@
     <prefix>/<workflow-id>/step-00000100/nodes/<node>.json a node's record: its shards are all uploaded
     <prefix>/<workflow-id>/step-00000100/manifest-00000.json  pages of a large manifest's shard list
     <prefix>/<workflow-id>/step-00000100/manifest.json     written last: the commit
+    <prefix>/<workflow-id>/owner.json                      the run the namespace belongs to (`NamespaceOwner`)
 
 The store's side (reads, commits, retention) is `activities.checkpoint_store`; the node's uploads and
 downloads are `activities.checkpoint_transfers`.
@@ -13,13 +14,14 @@ downloads are `activities.checkpoint_transfers`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.models import Manifest, ManifestPage, ShardFile, ShardInfo
+from activities.models import Manifest, ManifestPage, NamespaceOwner, ShardFile, ShardInfo
 from trainguard.protocol import shard_name, step_dir_name
 from trainguard.error_types import ErrorType
 from trainguard.rank import DCP_DIR, DCP_METADATA, FORMAT_DCP, FORMAT_TORCH, files_digest
@@ -33,11 +35,18 @@ MANIFEST_PAGE_RANKS = 1024
 at a restore, and never near a payload or object-size limit."""
 
 NODE_RECORDS = "nodes"
+OWNER_NAME = "owner.json"
+MANIFEST_TAG_FIELD = "tag"
 
 
 def decision_key(run_prefix: str) -> str:
     """The run's newest relaunch decision (`AttemptDecision`), which nodes watching in place take up."""
     return f"{run_prefix}/attempt.json"
+
+
+def owner_key(run_prefix: str) -> str:
+    """The namespace's owner record: the one run that restores and prunes the checkpoints under it."""
+    return f"{run_prefix}/{OWNER_NAME}"
 
 
 def node_record_key(run_prefix: str, step: int, node: str) -> str:
@@ -195,3 +204,52 @@ def step_of(key: str) -> int:
     """The step of any object under a step's folder (`.../step-00000100/rank-00000.pt`,
     `.../step-00000100/dcp/.metadata` -> 100)."""
     return int(key.rsplit("/step-", 1)[1].split("/", 1)[0])
+
+
+# ------------------------------------------------------------------------------------------ integrity
+
+
+def _canonical(document: dict[str, Any]) -> bytes:
+    """A manifest object's canonical JSON: its fields as stored, sorted, without the tag. Computed over the
+    stored document, not over this release's model, so fields a newer release adds are covered too."""
+    body = {k: v for k, v in document.items() if k != MANIFEST_TAG_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def manifest_tag(document: dict[str, Any], secret: bytes) -> str:
+    """HMAC-SHA256 of the manifest's canonical JSON under the controller's manifest key, hex."""
+    return hmac.new(secret, _canonical(document), hashlib.sha256).hexdigest()
+
+
+def signed_body(body: bytes, secret: bytes | None) -> bytes:
+    """The manifest object's bytes with its integrity tag set (as they are without a key)."""
+    if secret is None:
+        return body
+    document = json.loads(body)
+    document[MANIFEST_TAG_FIELD] = manifest_tag(document, secret)
+    return json.dumps(document, indent=1).encode()
+
+
+def tag_problem(document: dict[str, Any], secret: bytes) -> str | None:
+    """None when the stored manifest carries the tag only the controller's key makes; else why not.
+
+    A page's bytes are bound by its sha256 in the tagged header, so the tag covers a paged manifest whole."""
+    tag = document.get(MANIFEST_TAG_FIELD)
+    if not tag:
+        return "manifest has no integrity tag: the controller did not write it (or wrote it before it had a key)"
+    if not isinstance(tag, str) or not hmac.compare_digest(tag, manifest_tag(document, secret)):
+        return "manifest integrity tag does not match: written without the controller's key, or changed since"
+    return None
+
+
+def owner_problem(owner: NamespaceOwner, workflow_id: str, run_prefix: str) -> str | None:
+    """None when the namespace at `run_prefix` belongs to `workflow_id`; else what the run's operator should do.
+    A run restores and prunes only checkpoints its own workflow id committed: sharing a namespace let one run
+    restore another's checkpoint, prune it away and leave its own shards in their place."""
+    if owner.workflow_id == workflow_id:
+        return None
+    return (f"the checkpoint namespace {run_prefix}/ belongs to run {owner.workflow_id!r}: a run restores and prunes "
+            f"only its own checkpoints. Leave checkpoint.namespace unset (or choose an unused one), and to start "
+            f"from that run's checkpoints set checkpoint.resume_from to {owner.workflow_id!r} "
+            f"(`trainguard run start --resume-from {owner.workflow_id}`): it restores from them and never prunes "
+            f"them")

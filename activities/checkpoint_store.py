@@ -6,6 +6,12 @@ in the store with the size and sha256 the rank recorded, and never overwritten (
 trusts a manifest only when it describes a whole checkpoint of its own step in this layout; a manifest that
 cannot be parsed, or that names shards elsewhere or too few of them, is passed over like a missing one.
 
+A namespace belongs to one run (`owner.json`, claimed by its first restore): only that workflow id restores
+from it and prunes it, and a restore refuses a namespace another run owns. A run may restore another run's
+checkpoints only where it names that run (`checkpoint.resume_from`), and never prunes them. With a manifest key
+(`TRAINGUARD_MANIFEST_KEY`, the controller's alone) every manifest carries an HMAC of its canonical JSON, and a
+restore passes over one whose tag is missing or wrong: a manifest planted in the store is never restored.
+
 Multipart uploads that an uploader abandoned (killed mid-upload) are invisible to listings but keep their
 parts until aborted: retention aborts the ones under the run's prefix once they are surely dead.
 """
@@ -16,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,11 +42,15 @@ from activities.checkpoint_layout import (
     manifest_header,
     manifest_key,
     manifest_problem,
+    owner_key,
+    owner_problem,
     reshardable_of,
     restore_sources,
     shard_objects,
+    signed_body,
     state_format_of,
     step_prefix,
+    tag_problem,
 )
 from activities.models import (
     AttemptDecision,
@@ -51,6 +62,7 @@ from activities.models import (
     FindCheckpointResult,
     Manifest,
     ManifestPage,
+    NamespaceOwner,
     NodeCheckpointRecord,
     PruneCheckpointsInput,
     PruneCheckpointsResult,
@@ -75,6 +87,28 @@ boto3 starts a new upload on a retry, never resumes one). Twice that leaves room
 store (which stamps `Initiated`) and the controller, so an upload still in flight is never aborted under
 its writer.
 """
+
+
+MANIFEST_KEY_ENV = "TRAINGUARD_MANIFEST_KEY"
+"""The controller's manifest key: it tags every manifest it writes and trusts no other. Only the controller
+holds it; node agents verify shards against the manifest the controller verified and handed them."""
+MIN_MANIFEST_KEY_CHARS = 32
+
+
+def manifest_key_from_env(environ: dict[str, str] | None = None) -> bytes | None:
+    """The controller's manifest key from `TRAINGUARD_MANIFEST_KEY`; None when unset (manifests untagged,
+    and any manifest trusted). A short key is refused: it would be guessed."""
+    value = (os.environ if environ is None else environ).get(MANIFEST_KEY_ENV, "").strip()
+    if not value:
+        return None
+    if len(value) < MIN_MANIFEST_KEY_CHARS:
+        raise ValueError(f"{MANIFEST_KEY_ENV} has {len(value)} characters, fewer than {MIN_MANIFEST_KEY_CHARS}: "
+                         f"use a long random one (python -c 'import secrets; print(secrets.token_hex(32))')")
+    return value.encode()
+
+
+class ManifestRefused(ValueError):
+    """A manifest whose integrity tag is missing or wrong under the controller's key: never restored."""
 
 
 STORE_CHECK_THREADS = 16
@@ -120,17 +154,33 @@ def list_steps(client: Any, bucket: str, run_prefix: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = None) -> Manifest | None:
-    """The manifest at `key` with its shard list filled in: all of it, or the pages holding the shards
-    `ranks` restore (rank r: shard r mod the checkpoint's world size). None when there is none. A page whose
-    bytes do not match the manifest raises ValueError, like bad JSON."""
+def _stored_manifest(client: Any, bucket: str, key: str, secret: bytes | None) -> dict[str, Any] | None:
+    """The manifest object at `key` as stored (None when there is none), its tag checked when `secret` is
+    given (ManifestRefused); not JSON raises ValueError."""
     try:
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError as error:
         if _is_missing(error):
             return None
         raise
-    manifest = Manifest.model_validate_json(body)
+    document = json.loads(body)
+    if not isinstance(document, dict):
+        raise ValueError(f"manifest {key} is not a JSON object")
+    if secret is not None and (problem := tag_problem(document, secret)):
+        raise ManifestRefused(problem)
+    return document
+
+
+def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = None, *,
+                  secret: bytes | None = None) -> Manifest | None:
+    """The manifest at `key` with its shard list filled in: all of it, or the pages holding the shards
+    `ranks` restore (rank r: shard r mod the checkpoint's world size). None when there is none. A page whose
+    bytes do not match the manifest raises ValueError, like bad JSON; with `secret` (the controller's key), so
+    does a manifest whose integrity tag is missing or wrong (ManifestRefused)."""
+    document = _stored_manifest(client, bucket, key, secret)
+    if document is None:
+        return None
+    manifest = Manifest.model_validate(document)
     if not manifest.pages:
         return manifest
     # A DCP checkpoint restores from every shard; else rank r from shard r mod the world size.
@@ -248,6 +298,11 @@ class _CommitterState:
 class StoreActivities:
     """Controller-side activities: find, commit and prune checkpoints in the store."""
 
+    def __init__(self, secret: bytes | None = None) -> None:
+        self.secret = secret
+        """The manifest key (`manifest_key_from_env`): tags what this controller commits, refuses the rest.
+        None: manifests go untagged and any is trusted."""
+
     @activity.defn(name="publish_attempt")
     async def publish_attempt(self, request: PublishAttemptInput) -> None:
         """Write the run's relaunch decision for its nodes to take up. Idempotent: a decision older than the one
@@ -272,40 +327,137 @@ class StoreActivities:
 
     @activity.defn(name="find_checkpoint")
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
-        """The newest committed checkpoint whose shards all exist with their recorded sizes and checksums."""
+        """The newest committed checkpoint of this run (or, while it has none, of the run it resumes from)
+        whose shards all exist with their recorded sizes and checksums."""
+        if request.workflow_id is None:  # a workflow from before owners: the caller's id is the owner
+            request = request.model_copy(update={"workflow_id": activity.info().workflow_id})
         return await _heartbeating(self._find, request)
 
     def _find(self, request: FindCheckpointInput) -> FindCheckpointResult:
+        """`workflow_id` None (a tool, a test reading a store): any run's manifests, and no owner claimed."""
         client = s3_client()
         skipped: list[str] = []
         try:
-            steps = list_steps(client, request.bucket, request.run_prefix)
+            if request.workflow_id is not None:
+                self._claim(client, request.bucket, request.run_prefix, request.workflow_id)
+            found = self._newest(client, request, request.run_prefix, request.workflow_id, "", skipped)
+            source = request.resume_prefix
+            if (found is None and request.resume_from and source
+                    and (source, request.resume_from) != (request.run_prefix, request.workflow_id)):
+                found = self._newest(client, request, source, request.resume_from,
+                                     f"run {request.resume_from}: ", skipped)
         except ClientError as error:
             raise _bucket_missing(error, request.bucket) or error
-        for step in steps:
+        if found is None:
+            return FindCheckpointResult(skipped=skipped)
+        key, manifest = found
+        return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, skipped=skipped)
+
+    def _claim(self, client: Any, bucket: str, run_prefix: str, workflow_id: str) -> None:
+        """Make sure the namespace is this run's: claim it when nobody has (conditionally, so of two runs
+        claiming at once one wins), else refuse it, non-retryably, when another run owns it."""
+        key = owner_key(run_prefix)
+        owner = self._read_owner(client, bucket, key)
+        if owner is None:
+            # A namespace from before owners: the run whose manifest is newest in it owns it.
+            author = self._newest_author(client, bucket, run_prefix)
+            if author is not None and author != workflow_id:
+                owner = NamespaceOwner(workflow_id=author)
+            else:
+                owner = NamespaceOwner(workflow_id=workflow_id, claimed_at=time.time())
+                try:
+                    client.put_object(Bucket=bucket, Key=key, Body=owner.model_dump_json().encode(),
+                                      ContentType="application/json", IfNoneMatch="*")
+                except ClientError as error:
+                    if _error_code(error) == "ConditionalRequestConflict":
+                        raise ApplicationError(f"{key}: concurrent claim of the namespace, retrying",
+                                               type=ErrorType.MANIFEST_WRITE_CONFLICT) from None
+                    if _error_code(error) not in ("PreconditionFailed", "412"):
+                        raise
+                    owner = self._read_owner(client, bucket, key) or owner  # another run claimed it first
+        problem = owner_problem(owner, workflow_id, run_prefix)
+        if problem:
+            log.warning("run %s refused the checkpoint namespace %s/: owned by run %s", workflow_id, run_prefix,
+                        owner.workflow_id)
+            raise ApplicationError(problem, type=ErrorType.BAD_SPEC, non_retryable=True)
+
+    @staticmethod
+    def _read_owner(client: Any, bucket: str, key: str) -> NamespaceOwner | None:
+        try:
+            body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as error:
+            if _is_missing(error):
+                return None
+            raise
+        try:
+            return NamespaceOwner.model_validate_json(body)
+        except ValueError:
+            raise ApplicationError(f"the namespace's owner record {key} is unreadable: an operator must look at "
+                                   f"it and remove it", type=ErrorType.BAD_SPEC, non_retryable=True) from None
+
+    @classmethod
+    def _newest_author(cls, client: Any, bucket: str, run_prefix: str) -> str | None:
+        """The workflow id the newest readable manifest under `run_prefix` names; None when none does. Its tag
+        is not asked for: it only ever refuses the namespace to a run, never opens it to one (a namespace from
+        before the key has only untagged manifests, and is still its run's)."""
+        for step in list_steps(client, bucket, run_prefix):
+            author = cls._author_of(client, bucket, manifest_key(run_prefix, step), None)
+            if isinstance(author, str):
+                return author
+        return None
+
+    def _author(self, client: Any, bucket: str, key: str) -> str | bool:
+        return self._author_of(client, bucket, key, self.secret)
+
+    @staticmethod
+    def _author_of(client: Any, bucket: str, key: str, secret: bytes | None) -> str | bool:
+        """Who committed the manifest at `key`: its workflow id; False when there is none; True when there is
+        one nobody can be sure of (unreadable, or without a valid tag under `secret`)."""
+        try:
+            document = _stored_manifest(client, bucket, key, secret)
+        except ValueError:
+            return True
+        if document is None:
+            return False
+        author = document.get("workflow_id")
+        return author if isinstance(author, str) else True
+
+    def _newest(self, client: Any, request: FindCheckpointInput, run_prefix: str, author: str | None, label: str,
+                skipped: list[str]) -> tuple[str, Manifest] | None:
+        """The newest restorable manifest under `run_prefix` that `author` committed (None: anyone), with its
+        key; what it passed over goes to `skipped`, each line starting with `label`."""
+        for step in list_steps(client, request.bucket, run_prefix):
             if step in request.exclude_steps:
-                skipped.append(f"step {step}: a shard failed verification at download")
+                skipped.append(f"{label}step {step}: a shard failed verification at download")
                 continue
-            key = manifest_key(request.run_prefix, step)
+            key = manifest_key(run_prefix, step)
             try:
-                manifest = read_manifest(client, request.bucket, key)
+                manifest = read_manifest(client, request.bucket, key, secret=self.secret)
+            except ManifestRefused as refused:
+                log.warning("passing over %s: %s", key, refused)
+                skipped.append(f"{label}step {step}: {refused}")
+                continue
             except ValueError as error:
-                skipped.append(f"step {step}: unreadable manifest ({error.__class__.__name__})")
+                skipped.append(f"{label}step {step}: unreadable manifest ({error.__class__.__name__})")
                 continue
             if manifest is None:
-                skipped.append(f"step {step}: no manifest (never committed)")
+                skipped.append(f"{label}step {step}: no manifest (never committed)")
                 continue
-            problem = manifest_problem(manifest, request.run_prefix, step)
+            problem = manifest_problem(manifest, run_prefix, step)
+            if author is not None and not problem and manifest.workflow_id != author:
+                problem = f"committed by run {manifest.workflow_id!r}, not {author!r}"
+                log.warning("passing over %s: %s", key, problem)
             if problem:
-                skipped.append(f"step {step}: {problem}")
+                skipped.append(f"{label}step {step}: {problem}")
                 continue
             smallest = min(request.world_size, request.min_world_size or request.world_size)
             largest = max(request.world_size, request.max_world_size or 0)
             if not smallest <= manifest.world_size <= largest:
-                skipped.append(f"step {step}: written by {manifest.world_size} ranks, run has {request.world_size}")
+                skipped.append(f"{label}step {step}: written by {manifest.world_size} ranks, run has "
+                               f"{request.world_size}")
                 continue
             if not manifest.reshardable and manifest.world_size != request.world_size:
-                skipped.append(f"step {step}: a per-rank torch.save of sharded tensors written by "
+                skipped.append(f"{label}step {step}: a per-rank torch.save of sharded tensors written by "
                                f"{manifest.world_size} ranks cannot be resharded onto {request.world_size}")
                 continue
             sources = restore_sources(manifest, list(range(request.world_size)))
@@ -314,10 +466,10 @@ class StoreActivities:
                 problems = [p for p in pool.map(lambda s: check_shard_in_store(client, request.bucket, s), needed)
                             if p]
             if problems:
-                skipped.append(f"step {step}: {problems[0]}")
+                skipped.append(f"{label}step {step}: {problems[0]}")
                 continue
-            return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, skipped=skipped)
-        return FindCheckpointResult(skipped=skipped)
+            return key, manifest
+        return None
 
     def _commit(self, request: CommitCheckpointInput) -> CheckpointRef:
         """Write the manifest of a step whose shards the caller lists, last, once every shard is verified in
@@ -355,11 +507,11 @@ class StoreActivities:
         )
         return self._put_manifest(client, request.bucket, request.run_prefix, manifest)
 
-    @staticmethod
-    def _put_manifest(client: Any, bucket: str, run_prefix: str, manifest: Manifest) -> CheckpointRef:
-        """Write the manifest (its pages first), never over another: a retry finds its own and succeeds."""
+    def _put_manifest(self, client: Any, bucket: str, run_prefix: str, manifest: Manifest) -> CheckpointRef:
+        """Write the manifest (its pages first, its tag set), never over another: a retry finds its own."""
         key = manifest_key(run_prefix, manifest.step)
         body, pages = manifest_body(manifest, run_prefix)
+        body = signed_body(body, self.secret)
         for page_key, data in pages.items():
             client.put_object(Bucket=bucket, Key=page_key, Body=data, ContentType="application/json")
         try:
@@ -374,9 +526,9 @@ class StoreActivities:
             if code not in ("PreconditionFailed", "412"):
                 raise
             try:
-                existing = read_manifest(client, bucket, key)
+                existing = read_manifest(client, bucket, key, secret=self.secret)
             except ValueError:
-                existing = None  # an unreadable manifest is not ours either
+                existing = None  # an unreadable (or, with a key, untagged) manifest is not ours either
             if existing is None or [s.sha256 for s in existing.shards] != [s.sha256 for s in manifest.shards]:
                 raise ApplicationError(
                     f"step {manifest.step} was already committed with different shards (two writers?)",
@@ -459,7 +611,7 @@ class StoreActivities:
                 pending = True
         if commits:
             self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,
-                                              keep_last=request.keep_last,
+                                              keep_last=request.keep_last, workflow_id=request.workflow_id,
                                               protect_steps=[max(c.ref.step for c in commits)]))
         return commits, pending, changed
 
@@ -514,11 +666,21 @@ class StoreActivities:
                                    step=min((r.node_step for r in records), default=step))
 
     def _prune(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
-        """Retention, after each committer pass that commits: keep the newest `keep_last` committed
-        checkpoints; delete older ones, manifest first."""
+        """Retention, after each committer pass that commits: keep the newest `keep_last` checkpoints this run
+        committed; delete its older ones, manifest first. A step another run committed (or whose manifest is
+        unreadable, or untagged under a key) is neither kept nor counted nor deleted: never this run's to prune."""
         client = s3_client()
-        steps = list_steps(client, request.bucket, request.run_prefix)
-        committed = [s for s in steps if self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]
+        steps, committed = [], []
+        for step in list_steps(client, request.bucket, request.run_prefix):
+            author = self._author(client, request.bucket, manifest_key(request.run_prefix, step))
+            if author is False:
+                steps.append(step)  # never committed: retention may clear it (`doomed_steps`)
+            elif request.workflow_id is None or author == request.workflow_id:
+                steps.append(step)
+                committed.append(step)
+            else:
+                log.warning("retention leaves step %d under %s alone: %s", step, request.run_prefix,
+                            "another run's" if isinstance(author, str) else "not known to be this run's")
         doomed = doomed_steps(steps, committed, request.keep_last, request.protect_steps)
         for step in doomed:
             # Manifest first: from that moment the checkpoint no longer exists for any reader.

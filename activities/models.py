@@ -28,6 +28,17 @@ class FindNodeAgentsInput(BaseModel):
     """A poller not seen for this long does not count as an agent (idle long polls last about 70 s)."""
 
 
+class AgentsBackInput(BaseModel):
+    nodes: list[str]
+    since: float
+    """Unix time (workflow clock) the agents went away: one counts as back once it registered after it."""
+
+
+class AgentsBackResult(BaseModel):
+    away: list[str] = Field(default_factory=list)
+    """Nodes whose agent has not registered since `since` (or is cordoned, or reported its GPUs unhealthy)."""
+
+
 class FindNodeAgentsResult(BaseModel):
     missing: list[str] = Field(default_factory=list)
     """Nodes with no agent polling `trainguard-node-<id>`."""
@@ -123,6 +134,20 @@ class Manifest(BaseModel):
     reshardable: bool = True
     """False: a `torch.save` checkpoint whose shards hold sharded tensors (`ShardInfo.sharded`). It restores
     only onto the world size that wrote it, so a run never shrinks or grows onto it. Default True."""
+    tag: str | None = None
+    """HMAC-SHA256 (hex) of the stored manifest's canonical JSON without this field, under the controller's
+    `TRAINGUARD_MANIFEST_KEY` (`activities.checkpoint_layout.manifest_tag`). A controller with a key restores
+    no manifest whose tag is missing or wrong. None: written by a controller without a key."""
+
+
+class NamespaceOwner(BaseModel):
+    """`<run prefix>/owner.json`: the run a checkpoint namespace belongs to, written once (conditionally) by
+    the first restore that looks there. Only that workflow id restores from and prunes the namespace."""
+
+    workflow_id: str
+    """The owning run's workflow id: stable across its attempts and continue-as-new."""
+    claimed_at: float = 0.0
+    """Unix time the controller wrote the record."""
 
 
 class NodeCheckpointRecord(BaseModel):
@@ -160,6 +185,14 @@ class FindCheckpointInput(BaseModel):
     """Steps already found corrupt at download: passed over."""
     attempt: int | None = None
     """The launch attempt this restore is for (the report reads it); None in histories recorded before it."""
+    workflow_id: str | None = None
+    """The run restoring: it owns `run_prefix` (refused, non-retryable, when another run does) and restores
+    only manifests it committed. None (histories before owners): the calling workflow's id."""
+    resume_from: str | None = None
+    """The spec's `checkpoint.resume_from`: another run's workflow id, whose manifests under `resume_prefix` this
+    run may restore from while it has none of its own. Never pruned by this run. Default None."""
+    resume_prefix: str | None = None
+    """`<spec.checkpoint.prefix>/<resume_from>`: where that run's checkpoints are."""
 
 
 class FindCheckpointResult(BaseModel):
@@ -272,6 +305,9 @@ class PruneCheckpointsInput(BaseModel):
     bucket: str
     run_prefix: str
     keep_last: int
+    workflow_id: str | None = None
+    """Only manifests this run committed count and go; another run's (or one without a valid tag, with a
+    manifest key) are left alone. None: every manifest (a tool pruning a namespace it owns whole)."""
     protect_steps: list[int] = Field(default_factory=list)
     """Steps never deleted (the newest committed, the one being restored)."""
 

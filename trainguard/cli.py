@@ -118,12 +118,22 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"trainguard run start --id: {error}", file=sys.stderr)
             return 2
+        try:
+            if args.resume_from is not None:
+                validate_workflow_id(args.resume_from)
+        except ValueError as error:
+            print(f"trainguard run start --resume-from: {error}", file=sys.stderr)
+            return 2
         try:  # before connecting: a bad file is the user's to fix, whether or not Temporal answers
             spec = load_spec(Path(args.spec))
         except SpecError as error:
             print(error, file=sys.stderr)
             return 2
         _warn_exec_env(args.spec, spec)
+        if args.resume_from is not None and spec.checkpoint.resume_from not in (None, args.resume_from):
+            print(f"trainguard run start --resume-from {args.resume_from}: {args.spec} names another run in "
+                  f"checkpoint.resume_from ({spec.checkpoint.resume_from}): name one", file=sys.stderr)
+            return 2
     client = await TrainguardClient.connect()
     if args.action == "start":
         earlier = await client.earlier_run(args.id) if args.id else None
@@ -134,7 +144,10 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         elif earlier:
             print(f"trainguard: run id {args.id} was used by an earlier run ({earlier.lower()}): resuming from "
                   f"its newest committed checkpoint", file=sys.stderr)
-        run_id = await client.start_run(spec, workflow_id=args.id, resume=args.resume)
+        if args.resume_from is not None:
+            print(f"trainguard: until it commits a checkpoint of its own, this run restores run {args.resume_from}'s "
+                  f"newest committed checkpoint, and never prunes that run's checkpoints", file=sys.stderr)
+        run_id = await client.start_run(spec, workflow_id=args.id, resume=args.resume, resume_from=args.resume_from)
         print(run_id)
         if not await client.controller_running():
             from trainguard.errors import no_controller_hint
@@ -337,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--wait", action="store_true", help="wait for the result and print it")
     start.add_argument("--resume", action="store_true",
                        help="under an id an earlier run used: restore its newest checkpoint (default: start fresh)")
+    start.add_argument("--resume-from", metavar="RUN",
+                       help="start from run RUN's newest committed checkpoint (its workflow id; recorded in the "
+                            "spec as checkpoint.resume_from); this run never prunes RUN's checkpoints")
     for name in ("status", "result", "cancel"):
         run_sub.add_parser(name).add_argument("id")
     for name in ("pause", "resume", "abort"):

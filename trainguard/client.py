@@ -153,15 +153,24 @@ class TrainguardClient:
         return None if status in (None, WorkflowExecutionStatus.RUNNING) else status.name
 
     async def start_run(self, spec: RunSpec | dict[str, Any] | str | Path, workflow_id: str | None = None,
-                        resume: bool = False) -> str:
+                        resume: bool = False, resume_from: str | None = None) -> str:
         """Validate the spec here (errors name the field), start a `TrainingRun`, return its workflow id.
 
         Under an id an earlier run used, the run starts fresh in a checkpoint namespace of its own
         (`<id>.<random>`), unless `resume` (or the spec's `checkpoint.namespace`) says where to restore from:
-        `resume` restores the earlier run's newest checkpoint."""
+        `resume` restores the earlier run's newest checkpoint. `resume_from` (the spec's
+        `checkpoint.resume_from`) names another run whose newest checkpoint this run starts from; this run
+        commits to its own namespace and never prunes that run's checkpoints."""
         if workflow_id is not None:
             validate_workflow_id(workflow_id)
         parsed = load_spec(spec)
+        if resume_from is not None:
+            validate_workflow_id(resume_from)
+            if parsed.checkpoint.resume_from not in (None, resume_from):
+                raise ValueError(f"resume_from {resume_from!r} differs from the spec's checkpoint.resume_from "
+                                 f"{parsed.checkpoint.resume_from!r}: name one run")
+            parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
+                update={"resume_from": resume_from})})
         workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
         if not resume and parsed.checkpoint.namespace is None and await self.earlier_run(workflow_id):
             parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(

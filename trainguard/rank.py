@@ -42,10 +42,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from trainguard import evidence as _evidence
 from trainguard import protocol as _protocol
+from trainguard.settings import env_flag
 
 EXIT_NO_RETRY = _protocol.EXIT_NO_RETRY
 """Exit with this code (EX_CONFIG) for an error a restart cannot fix: the run stops with your message
@@ -66,6 +67,131 @@ FORMAT_TORCH = "torch"
 FORMAT_DCP = "dcp"
 """`torch.distributed.checkpoint`: every rank writes its part, the load reshards to any world size."""
 FORMATS = ("auto", FORMAT_TORCH, FORMAT_DCP)
+
+ENV_ALLOW_PICKLE = "TRAINGUARD_ALLOW_PICKLE"
+"""Set (1/true/on) in a node agent's environment, which its ranks inherit, by the node's operator: restores on
+that node may unpickle arbitrary objects (`torch.load(weights_only=False)`). Unset, a restore loads only
+tensors, dicts, lists, numbers and strings (`weights_only=True`, DCP's metadata through an allow-list), so a
+planted shard cannot run code in the rank. A spec cannot set it: `TRAINGUARD_*` names are the agent's."""
+
+
+def _numpy_rng_globals() -> list[Any]:
+    """What numpy's RNG state (an ndarray of uint32, saved with every checkpoint's RNG) needs from the
+    unpickler beyond weights_only's defaults; none when numpy is not loaded (then no state holds it)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core
+    return [core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+
+
+def load_weights_only(source: Any, *, allow_pickle: bool = False) -> Any:
+    """`torch.load` of a checkpoint file or buffer the way a restore does: weights only (tensors, containers,
+    numbers, strings and numpy's RNG state), unless the node's operator allows pickle (`ENV_ALLOW_PICKLE`).
+    Anything else raises `pickle.UnpicklingError` naming the global it refused, and nothing of it runs."""
+    import torch
+
+    if allow_pickle:
+        return torch.load(source, map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals(_numpy_rng_globals()):
+        return torch.load(source, map_location="cpu", weights_only=True)
+
+
+def _helper_bytes(helper: dict[str, Any]) -> bytes:
+    """The helper's own state (step, rank, RNG) as a DCP checkpoint stores it: a `torch.save`, which restores
+    weights-only. (Before, a `pickle.dumps`, whose tensors unpickle through torch's unrestricted load.)"""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(helper, buffer)
+    return buffer.getvalue()
+
+
+def _helper_from_bytes(data: bytes, allow_pickle: bool) -> dict[str, Any] | None:
+    """The helper's state saved with a DCP checkpoint; None (RNG not restored, with a warning) for one in the
+    older pickle form on a node that does not allow pickle."""
+    import io
+    import pickle
+
+    if data[:2] == b"PK":  # a torch.save (zip)
+        return load_weights_only(io.BytesIO(data), allow_pickle=allow_pickle)  # type: ignore[no-any-return]
+    if allow_pickle:
+        return pickle.loads(data)  # type: ignore[no-any-return]  # noqa: S301 - the operator allowed pickle
+    print(f"trainguard: this DCP checkpoint keeps its RNG state as a pickle, which is only loaded where the "
+          f"node allows it ({ENV_ALLOW_PICKLE}=1): the RNG is not restored", file=sys.stderr, flush=True)
+    return None
+
+
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_DCP_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+})
+"""What a DCP `.metadata` pickle may name besides the classes of DCP's metadata module and torch's dtypes,
+layouts and memory formats: it is read with these alone (`pickle.Unpickler.find_class`), so a planted
+`.metadata` cannot call anything else."""
+
+
+def _dcp_metadata_class(module: str, name: str) -> Any:
+    """The global `module.name` when a DCP metadata pickle may use it; else UnpicklingError."""
+    import importlib
+    import pickle
+
+    import torch
+
+    if (module, name) in _DCP_METADATA_GLOBALS:
+        return getattr(importlib.import_module(module), name)
+    if module == _DCP_METADATA_MODULE:
+        found = getattr(importlib.import_module(module), name, None)
+        if isinstance(found, type) and found.__module__ == module:
+            return found  # its dataclasses and enums: built from data, nothing called
+    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        return getattr(torch, name)
+    raise pickle.UnpicklingError(f"a DCP checkpoint's metadata names {module}.{name}, which a restore does not "
+                                 f"load (set {ENV_ALLOW_PICKLE}=1 on the node to trust the checkpoint)")
+
+
+def _safe_dcp(restore_dir: Path, allow_pickle: bool) -> tuple[Any, Any]:
+    """DCP's reader and load planner for a restore: its metadata unpickled through `_dcp_metadata_class`, its
+    non-tensor values loaded weights-only (DCP itself unpickles both unrestricted)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            return _dcp_metadata_class(module, name)
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+                metadata = MetadataUnpickler(stream).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            loaded = load_weights_only(value)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    path = str(restore_dir / DCP_DIR)
+    if allow_pickle:
+        return dcp.FileSystemReader(path), None
+    return Reader(path), Planner()
 
 
 def files_digest(files: list[dict[str, Any]]) -> str:
@@ -196,6 +322,8 @@ class RankRun:
         self.attempt = int(environ.get(_protocol.ENV_ATTEMPT, "1"))
         self.checkpoint_every = int(environ.get(_protocol.ENV_CHECKPOINT_EVERY, "0"))
         self.start_step = int(environ.get(_protocol.ENV_RESTORE_STEP, "0"))
+        self.allow_pickle = env_flag(ENV_ALLOW_PICKLE, False, environ)
+        """The node's operator trusts every checkpoint it restores (`ENV_ALLOW_PICKLE`): restores unpickle."""
         self._progress_path = Path(environ[_protocol.ENV_PROGRESS_FILE]) if self.managed else None
         self._checkpoint_dir = Path(environ.get(_protocol.ENV_CHECKPOINT_DIR, ".")) if self.managed else None
         request = environ.get(_protocol.ENV_CHECKPOINT_REQUEST_FILE)
@@ -395,14 +523,12 @@ class RankRun:
         return self._dcp_group
 
     def _start_dcp_save(self, step: int, state: dict[str, Any]) -> None:
-        import pickle
-
         import torch.distributed.checkpoint as dcp
 
         assert self._checkpoint_dir is not None
         step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)
         (step_dir / DCP_DIR).mkdir(parents=True, exist_ok=True)
-        helper = pickle.dumps({"step": step, "rank": self.rank, "rng": _rng_state()})
+        helper = _helper_bytes({"step": step, "rank": self.rank, "rng": _rng_state()})
         writer = dcp.FileSystemWriter(str(step_dir / DCP_DIR), single_file_per_rank=True, sync_files=True,
                                       thread_count=1)
         # async_save stages the CPU copy here (the stall), then plans and writes in a thread of its own.
@@ -496,21 +622,37 @@ class RankRun:
             return None
         if (self._restore_dir / DCP_METADATA).exists():
             return self._restore_dcp(state)
-        import torch
+        import pickle
 
         shard = self._restore_dir / _protocol.shard_name(self.rank)
         meta = json.loads((self._restore_dir / _protocol.shard_meta_name(self.rank)).read_text())
         if sha256_file(shard) != meta["sha256"]:
             raise RuntimeError(f"trainguard: restored shard {shard} does not match its checksum")
-        loaded = torch.load(shard, map_location="cpu", weights_only=False)
+        try:
+            loaded = load_weights_only(shard, allow_pickle=self.allow_pickle)
+        except pickle.UnpicklingError as error:
+            self._refuse_restore(shard, error)
         helper = loaded.pop(_HELPER_KEY, None)
         if helper is not None:
             _set_rng_state(helper["rng"])
         return loaded
 
+    def _refuse_restore(self, path: Path, error: Exception) -> NoReturn:
+        """A restore that would unpickle more than weights: the rank stops with `EXIT_NO_RETRY` (a restart
+        loads the same checkpoint), saying what was refused and what to change."""
+        refused = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "names " in line),
+                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+        message = (f"trainguard: rank {self.rank} refused to restore {path}: it holds objects beyond tensors, "
+                   f"containers, numbers and strings ({refused[:300]}), and unpickling them could run any code. "
+                   f"Save plain state (model.state_dict(), optimizer.state_dict(), ints), or, where every "
+                   f"checkpoint a node restores is trusted, its operator sets {ENV_ALLOW_PICKLE}=1 for its agent.")
+        print(message, file=sys.stderr, flush=True)
+        self._write_progress(force=True, error=message)
+        raise SystemExit(EXIT_NO_RETRY)
+
     def _restore_dcp(self, state: dict[str, Any] | None) -> dict[str, Any]:
         """Load a DCP checkpoint into `state`. The node agent verified every file against the manifest's
-        sha256 before the rank started."""
+        sha256 before the rank started; its metadata and non-tensor values load weights-only all the same."""
         import pickle
 
         import torch.distributed.checkpoint as dcp
@@ -520,14 +662,18 @@ class RankRun:
             raise RuntimeError("trainguard: the restored checkpoint is a torch.distributed.checkpoint: pass the "
                                "state dict to load into, run.restore({'model': ..., 'optim': ...}) "
                                "(get_state_dict(model, optim) for FSDP)")
-        reader = dcp.FileSystemReader(str(self._restore_dir / DCP_DIR))
+        reader, planner = _safe_dcp(self._restore_dir, self.allow_pickle)
         key = _helper_key(self.rank)
-        # A rank the checkpoint's world did not have (the run grew) has no RNG of its own there.
-        has_helper = key in reader.read_metadata().state_dict_metadata
-        target = {**state, key: b""} if has_helper else dict(state)
-        dcp.load(target, storage_reader=reader)
-        if has_helper:
-            _set_rng_state(pickle.loads(target.pop(key))["rng"])  # noqa: S301 - written by this rank's helper
+        try:
+            # A rank the checkpoint's world did not have (the run grew) has no RNG of its own there.
+            has_helper = key in reader.read_metadata().state_dict_metadata
+            target = {**state, key: b""} if has_helper else dict(state)
+            dcp.load(target, storage_reader=reader, planner=planner)
+            helper = _helper_from_bytes(target.pop(key), self.allow_pickle) if has_helper else None
+        except pickle.UnpicklingError as error:
+            self._refuse_restore(self._restore_dir / DCP_DIR, error)
+        if helper is not None:
+            _set_rng_state(helper["rng"])
         state.update({k: v for k, v in target.items() if k in state})
         return state
 

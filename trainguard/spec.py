@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from trainguard.env_policy import EXEC_ENV_PATTERNS as EXEC_ENV_PATTERNS, PYTHON_KNOBS as PYTHON_KNOBS
 from trainguard.env_policy import exec_env_refused as exec_env_refused
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
+from trainguard.ids import validate_workflow_id
 
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
@@ -208,7 +209,15 @@ class CheckpointSpec(_Strict):
     namespace: str | None = Field(None, pattern=NAMESPACE_PATTERN)
     """The folder under `prefix` the run's checkpoints go to and are restored from. Default: the workflow id,
     so a run restarted under its id resumes. `trainguard run start` (and the client's `start_run`) sets a fresh
-    one when the id was used by an earlier run, unless asked to `--resume` it."""
+    one when the id was used by an earlier run, unless asked to `--resume` it. A namespace belongs to the first
+    run that restores there: a run restores and prunes only checkpoints its own workflow id committed, and a
+    run naming a namespace another run owns fails at once (`resume_from` starts from another run's)."""
+
+    resume_from: Annotated[str, AfterValidator(validate_workflow_id)] | None = None
+    """Another run's workflow id: while this run has no checkpoint of its own, it restores the newest one that
+    run committed under `<prefix>/<resume_from>/` (its default namespace). Its checkpoints are never pruned by
+    this run, which commits to its own namespace. Recorded in the run's spec (its history): resuming another
+    run's checkpoints is an explicit choice. `trainguard run start --resume-from RUN`. Default None."""
 
     every_steps: int = Field(DEFAULT_CHECKPOINT_EVERY_STEPS, ge=1, le=10_000_000)
     """Ranks checkpoint every this many steps (the rank helper asks `should_save(step)`). Default 50."""

@@ -11,7 +11,7 @@ import logging
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
-from activities.checkpoint_store import StoreActivities
+from activities.checkpoint_store import MANIFEST_KEY_ENV, StoreActivities, manifest_key_from_env
 from activities.nodes import NodeActivities, PoolActivities, RegistrationActivities, pool_handle
 from activities.peers import peer_token
 from activities.scheduler import SchedulerActivities
@@ -50,10 +50,17 @@ def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
 
 
 def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untyped-def]
-                 settings: Settings | None = None, token: str | None = None) -> Worker:
+                 settings: Settings | None = None, token: str | None = None,
+                 manifest_key: bytes | None = None) -> Worker:
     """`token`: the pool's peer token registrations are checked with (default `TRAINGUARD_PEER_TOKEN`; without
-    one the pool takes any well-formed registration)."""
-    store = StoreActivities()
+    one the pool takes any well-formed registration). `manifest_key`: what tags the manifests this controller
+    commits and checks the ones it restores (default `TRAINGUARD_MANIFEST_KEY`; without one manifests go
+    untagged and any is restored)."""
+    secret = manifest_key if manifest_key is not None else manifest_key_from_env()
+    if secret is None:
+        log.warning("%s is not set: manifests are not tagged, and a manifest planted in the store cannot be told "
+                    "from one this controller committed", MANIFEST_KEY_ENV)
+    store = StoreActivities(secret)
     registrations = RegistrationActivities(token if token is not None else peer_token())
     nodes = NodeActivities(client)
     pool = PoolActivities(client)
@@ -67,6 +74,7 @@ def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untype
             store.commit_checkpoints,
             store.publish_attempt,
             nodes.find_node_agents,
+            nodes.find_agents_back,
             pool.acquire_nodes,
             pool.release_nodes,
             pool.cordon_node,

@@ -198,11 +198,16 @@ class Attempts:
                                               detected_at=workflow.now().timestamp()))
 
     async def _find_checkpoint(self, attempt: int, excluded: list[int]) -> FindCheckpointResult:
+        """The run owns its namespace and restores only what it committed, or, while it has nothing of its
+        own, what the run it names in `checkpoint.resume_from` committed."""
         core, spec = self.core, self.core.the_spec
+        source = spec.checkpoint.resume_from
         return await workflow.execute_activity(
             "find_checkpoint",
             FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(),
                                 world_size=core.status.world_size, exclude_steps=excluded, attempt=attempt,
+                                workflow_id=core.wid(), resume_from=source,
+                                resume_prefix=f"{spec.checkpoint.prefix}/{source}" if source else None,
                                 min_world_size=None if spec.min_nodes is None else spec.min_nodes * spec.ranks_per_node,
                                 max_world_size=None if spec.min_nodes is None else spec.world_size),
             start_to_close_timeout=STORE_TIMEOUT,
