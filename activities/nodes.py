@@ -10,7 +10,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client
 
-from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
+from activities.models import AgentsBackInput, AgentsBackResult, FindNodeAgentsInput, FindNodeAgentsResult
 from trainguard.models import (AcquireManyRequest, AcquireManyResult, AcquireNodesRequest, AcquireNodesResult,
                                NodeRequest, PoolNode, RegisterNodeRequest, RegistrationVerdict, ReleaseManyRequest,
                                ReleaseManyResult)
@@ -41,6 +41,16 @@ class NodeActivities:
             missing=await missing_agents(self.client, request.nodes, request.max_idle_s),
             search_attributes=await registered(self.client),
         )
+
+    @activity.defn(name="find_agents_back")
+    async def find_agents_back(self, request: AgentsBackInput) -> AgentsBackResult:
+        """Which nodes' agents have not come back since `since`: a restarted agent registers in the pool at
+        start, healthy and uncordoned (a poller alone says nothing: the server remembers an agent's polls for a
+        minute after it left)."""
+        pool = {n.node: n for n in await pool_nodes(self.client)}
+        return AgentsBackResult(away=[node for node in request.nodes if (found := pool.get(node)) is None
+                                      or found.registered_at < request.since or not found.healthy
+                                      or found.cordoned is not None])
 
 
 # ------------------------------------------------------------------------------------------- node pool

@@ -149,6 +149,11 @@ class RankWatch:
         report_start = request.report_start
         decision: AttemptDecision | None = None
         while True:
+            if activity.is_worker_shutdown():
+                # Said before its ranks stop with it: their exits must not read as a crash, nor the agent's
+                # absence as a lost node. The run waits for the agent to come back.
+                raise ApplicationError(f"node agent on {self.node} is shutting down (an upgrade or a restart)",
+                                       time.time(), type=ErrorType.AGENT_SHUTDOWN, non_retryable=True)
             read_now = follow and time.monotonic() >= next_decision
             if read_now:
                 assert request.checkpoints is not None

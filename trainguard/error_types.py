@@ -43,6 +43,8 @@ class ErrorType(StrEnum):
     SHARD_NOT_VERIFIED = "ShardNotVerified"
     MANIFEST_WRITE_CONFLICT = "ManifestWriteConflict"
     NODE_UNAVAILABLE = "NodeUnavailable"
+    AGENT_SHUTDOWN = "AgentShutdown"
+    """A node agent shutting down gracefully (an upgrade, a restart) ended its watch: not a lost node."""
     NODE_CHECK_FAILED = "NodeCheckFailed"
     SCHEDULER_COMMAND_FAILED = "SchedulerCommandFailed"
     SCHEDULER_CONFIG_ERROR = "SchedulerConfigError"

@@ -23,6 +23,9 @@ class IncidentKind(str, Enum):
     CHECKPOINT_CORRUPT = "checkpoint_corrupt"
     STORAGE_UNAVAILABLE = "storage_unavailable"
     USER_ERROR = "user_error"
+    AGENT_RESTART = "agent_restart"
+    """A node agent shut down gracefully (an upgrade, a restart): its ranks stop with it, the run waits for it
+    to come back and relaunches on the same nodes. Costs no node, no spare and no restart budget."""
 
 
 class Action(str, Enum):

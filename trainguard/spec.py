@@ -312,6 +312,10 @@ class RestartSpec(_Strict):
     """How long live ranks wait for their new process group, and the new attempt may take to its first
     step, before the in-process restart counts as failed and the run falls back to a full relaunch."""
 
+    agent_return_timeout_s: float = Field(120.0, ge=1, le=86_400)
+    """How long the run waits for node agents that shut down gracefully (an upgrade, a restart) to register again
+    before it takes their nodes for lost. Waiting costs no node, spare or restart. Default 120."""
+
 
 class RunSpec(_Strict):
     """A training run: what to launch, where, and how to keep it alive."""

@@ -208,9 +208,12 @@ def _failure(node: str, error: ActivityError) -> NodeOutcome:
     cause: BaseException | None = error.cause
     while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
         cause = cause.__cause__
-    return NodeOutcome(node=node, error=str(cause or error),
-                       error_type=cause.type if isinstance(cause, ApplicationError) else None,
-                       timed_out=isinstance(error.cause, TimeoutError))
+    kind = cause.type if isinstance(cause, ApplicationError) else None
+    details = cause.details if isinstance(cause, ApplicationError) else ()
+    away = details[0] if kind == ErrorType.AGENT_SHUTDOWN and details and isinstance(details[0], (int, float)) \
+        else None
+    return NodeOutcome(node=node, error=str(cause or error), error_type=kind,
+                       timed_out=isinstance(error.cause, TimeoutError), away_since=away)
 
 
 # --------------------------------------------------------------------------------------- workflows
@@ -349,7 +352,7 @@ class NodeGroupWatch:
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
                     result.lost.append(LostNode(node=node, detail=f"node agent {how}: {failure.error}",
-                                                error_type=failure.error_type,
+                                                error_type=failure.error_type, away_since=failure.away_since,
                                                 never_started=node in launching and _not_started(error)
                                                 and node not in request.launched))
                     launching.discard(node)

@@ -52,6 +52,8 @@ class NodeOutcome(BaseModel):
     error_type: str | None = None
     """The failure's application error type (e.g. `BadSpec`), when it had one."""
     timed_out: bool = False
+    away_since: float | None = None
+    """`AgentShutdown`: unix time (the node's clock) its agent began shutting down."""
 
 
 class NodeCallsResult(BaseModel):
@@ -127,6 +129,8 @@ class LostNode(BaseModel):
     error_type: str | None = None
     """The watch's application error type, when it failed with one: a launch from the watch can fail as the
     spec's fault (`BadSpec`, `EntrypointNotAllowed`) or the checkpoint's (`CorruptCheckpoint`), not the node's."""
+    away_since: float | None = None
+    """`AgentShutdown`: unix time (the node's clock) its agent began shutting down."""
     never_started: bool = False
     """Its launching watch was never started by an agent: the node launched nothing of the attempt, so a spare
     can take its place in the attempt's rendezvous, which its peers are still waiting in."""

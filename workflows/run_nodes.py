@@ -18,6 +18,8 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
+        AgentsBackInput,
+        AgentsBackResult,
         CheckNodeInput,
         CheckNodeResult,
         CollectEvidenceResult,
@@ -72,6 +74,9 @@ POOL_TIMEOUT = timedelta(seconds=30)
 """One update on the node pool workflow: milliseconds when the controller is up."""
 POOL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 """The pool lives in the same Temporal as the run: retry until it answers (each call is idempotent)."""
+
+AGENT_RETURN_POLL = timedelta(seconds=2)
+"""How often a run waiting for restarting agents asks the pool whether they are back."""
 
 RESULT_TYPES: dict[NodeCallKind, type[BaseModel]] = {
     NodeCallKind.CHECK: CheckNodeResult,
@@ -292,6 +297,22 @@ class RunNodes:
         if self.core.state.leased:
             await self._pool("release_nodes", NodeRequest(run_id=self.core.wid(), node=node), list[str],
                              f"release {node or 'nodes'}")
+
+    async def wait_for_agents(self, nodes: list[str], since: float) -> list[str]:
+        """Wait (`restarts.agent_return_timeout_s` at most) until every node's agent registered again after
+        `since`; the nodes still away."""
+        core, waited = self.core, 0.0
+        while True:
+            back: AgentsBackResult = await workflow.execute_activity(
+                "find_agents_back", AgentsBackInput(nodes=nodes, since=since),
+                start_to_close_timeout=POOL_TIMEOUT, retry_policy=POOL_RETRY, result_type=AgentsBackResult,
+                summary=f"are the agents of {', '.join(nodes[:3])}{'...' if len(nodes) > 3 else ''} back?")
+            if not back.away or waited >= core.the_spec.restarts.agent_return_timeout_s:
+                core.status.reason = None
+                return back.away
+            core.status.reason = f"waiting for the agents of {', '.join(back.away[:8])} to come back"
+            await workflow.sleep(AGENT_RETURN_POLL)
+            waited += AGENT_RETURN_POLL.total_seconds()
 
     async def reclaim(self, nodes: list[str]) -> list[str]:
         """Nodes this run lost or had replaced that the pool has back (uncordoned, agent healthy): leased to

@@ -19,6 +19,10 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run_nodes import RunNodes
     from workflows.run_watch import Watches
 
+AGENT_CLOCK_SKEW_S = 10.0
+"""A restarting agent counts as back once it registered after it went away, by its own clock, less this: a
+node's clock ahead of Temporal's must not keep the run waiting for an agent already back."""
+
 RELAUNCHES = frozenset({Action.RESTART, Action.REPLACE_NODE, Action.SHRINK})
 """Decisions after which every node of the run launches the next attempt."""
 
@@ -31,6 +35,9 @@ class Recovery:
         core, spec, state = self.core, self.core.the_spec, self.core.state
         core.set_phase(Phase.RECOVERING)
         core.live.symptom = None
+        if incident.kind is IncidentKind.AGENT_RESTART:
+            await self._agent_restart(attempt, incident)
+            return
         now = workflow.now().timestamp()
         same = same_failure_streak(incident, core.status.incidents)
         decision: Decision = decide(
@@ -84,6 +91,26 @@ class Recovery:
             core.live.symptom = (incident, seen_as)
         core.count_restart(now)
         core.set_phase(Phase.RESTORING)
+
+    async def _agent_restart(self, attempt: int, incident: Incident) -> None:
+        """An agent shut down gracefully (its ranks stopped with it): wait for every node of the run to be back
+        (a whole stack restarting too), then relaunch on the same nodes. No node, spare or restart budget is
+        spent; a node whose agent stays away past the bound is a lost node after all."""
+        core = self.core
+        incident.action = Action.RESTART
+        core.record_incident(incident)
+        restarting, core.live.restarting = core.live.restarting or {incident.node or "": incident.detected_at}, {}
+        away = await self.nodes.wait_for_agents(sorted(restarting),
+                                                since=min(restarting.values()) - AGENT_CLOCK_SKEW_S)
+        if not away:
+            incident.detail = f"{incident.detail}; its agent is back: relaunch on the same nodes"
+            core.set_phase(Phase.RESTORING)
+            return
+        bound = core.the_spec.restarts.agent_return_timeout_s
+        incident.detail = f"{incident.detail}; not back within {bound:.0f}s"
+        lost = core.node_lost(away[0], attempt, f"node agent shut down and did not come back within {bound:.0f}s "
+                                                f"(restarts.agent_return_timeout_s)")
+        await self.recover(attempt, lost)
 
     async def move_off_drained(self, attempt: int) -> None:
         """At a checkpoint boundary: stop the attempt, put spares in the drained nodes' places, relaunch."""

@@ -109,6 +109,9 @@ class Live:
     """The run's nodes when they stood: a relaunch onto as many nodes in the same places takes them up."""
     reported_groups: set[int] = field(default_factory=set)
     """Standing groups that reported in the attempt that ended: nodes of theirs have no watch left."""
+    restarting: dict[str, float] = field(default_factory=dict)
+    """Nodes whose agents said they were shutting down (an upgrade, a restart), with when: the recovery waits
+    for all of them to be back before it relaunches (a whole stack restarting at once)."""
     group_ids: dict[int, str] = field(default_factory=dict)
     group_requests: dict[int, NodeGroupWatchInput] = field(default_factory=dict)
     """Each watch group's workflow id and what it was last given, by index."""

@@ -172,6 +172,11 @@ class Supervisor:
                     seen.spec_fault = seen.spec_fault or lost
                 elif lost.error_type == ErrorType.CORRUPT_CHECKPOINT:
                     seen.corrupt = seen.corrupt or lost
+                elif lost.error_type == ErrorType.AGENT_SHUTDOWN:  # coming back: not a lost node
+                    at = lost.away_since or workflow.now().timestamp()
+                    core.live.restarting[lost.node] = at
+                    candidates.append((at, Incident(kind=IncidentKind.AGENT_RESTART, node=lost.node,
+                                                    attempt=attempt, detail=lost.detail, detected_at=at)))
                 elif lost.never_started and launch is not None:
                     joining.append((group, lost))
                 else:

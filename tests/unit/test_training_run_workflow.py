@@ -27,6 +27,8 @@ from temporalio.worker import Worker
 
 from activities.checkpoint_layout import reshardable_of
 from activities.models import (
+    AgentsBackInput,
+    AgentsBackResult,
     AttemptDecision,
     CheckNodeInput,
     CheckNodeResult,
@@ -182,6 +184,8 @@ class Cluster:
     pool: dict[str, PoolNode] | None = None
     """The node pool's state, leased by its real rules (`workflows.node_pool.grant`); None: every lease is
     granted as asked."""
+    away_polls: dict[str, int] = field(default_factory=dict)
+    """Node -> how many more `find_agents_back` asks find its restarting agent still away."""
     store_out: str | None = None
     """While set, the committer cannot reach the store: it polls to its deadline and returns this error."""
     hold: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -287,8 +291,16 @@ class Cluster:
         async def publish_attempt(request: PublishAttemptInput) -> None:
             self.calls["publish_attempt"].append(request)
 
+        @activity.defn(name="find_agents_back")
+        async def find_agents_back(request: AgentsBackInput) -> AgentsBackResult:
+            self.calls["find_agents_back"].append(request)
+            away = [n for n in request.nodes if self.away_polls.get(n, 0) > 0]
+            for node in away:
+                self.away_polls[node] -= 1
+            return AgentsBackResult(away=away)
+
         return [find_node_agents, find_checkpoint, commit_checkpoints,
-                acquire_nodes, release_nodes, cordon_node, notify_scheduler, publish_attempt]
+                acquire_nodes, release_nodes, cordon_node, notify_scheduler, publish_attempt, find_agents_back]
 
     def _commit(self, request: CommitCheckpointsInput, step: int) -> CommittedCheckpoint | None:
         records = [r for r in self.records[step].values() if request.min_attempt <= r.attempt <= request.attempt]
@@ -1876,3 +1888,54 @@ async def test_checkpoints_that_stop_committing_are_an_incident_until_they_commi
     [closed] = run.status.incidents
     assert closed.recovery_s is not None, "the commit that came next closed it"
     assert run.status.store_error is None and run.status.last_commit_at is not None
+
+
+async def test_an_agent_that_shuts_down_and_comes_back_costs_no_node_no_spare_and_no_budget(
+        env: WorkflowEnvironment) -> None:
+    """A node agent restarting (an upgrade, `dev down` and `dev up`) ends its watch saying so; its ranks stop
+    with it. The run waits for it to register again and relaunches on the same nodes: nothing cordoned, the
+    spare still spare, and the restart budget untouched (a rolling upgrade restarts every agent once)."""
+    nodes, spare = _node_ids(2), "node-spare"
+    cluster = Cluster(nodes=nodes, spares=[spare], away_polls={nodes[1]: 2})
+    committed = Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1)
+    shutting_down = ApplicationError(f"node agent on {nodes[1]} is shutting down (an upgrade or a restart)",
+                                     time.time(), type="AgentShutdown", non_retryable=True)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), committed, shutting_down],
+        (2, nodes[0]): [_ready(20), _finished(20)],
+        (2, nodes[1]): [_ready(20), _finished(20)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=[spare], restarts={"max_restarts": 1}))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    [incident] = result.incidents
+    assert (incident.kind, incident.node, incident.action) == (IncidentKind.AGENT_RESTART, nodes[1], Action.RESTART)
+    assert incident.recovery_s is not None and incident.resumed_step == 10
+    assert cluster.inputs("cordon_node") == [] and run.status.cordoned == []
+    assert run.status.nodes == nodes and run.status.spares == [spare]
+    assert len(cluster.inputs("find_agents_back")) == 3, "asked until the agent was back"
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [(r.node, r.restore_step) for r in relaunches] == [(nodes[0], 10), (nodes[1], 10)]
+
+
+async def test_an_agent_that_shuts_down_and_stays_away_is_a_lost_node(env: WorkflowEnvironment) -> None:
+    nodes, spare = _node_ids(2), "node-spare"
+    cluster = Cluster(nodes=nodes, spares=[spare], away_polls={nodes[1]: 10_000})
+    committed = Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), committed, ApplicationError("shutting down", time.time(), type="AgentShutdown",
+                                                               non_retryable=True)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=[spare], restarts={"agent_return_timeout_s": 4}))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    kinds = [(i.kind, i.action) for i in result.incidents]
+    assert kinds == [(IncidentKind.AGENT_RESTART, Action.RESTART),
+                     (IncidentKind.NODE_UNRESPONSIVE, Action.REPLACE_NODE)], result.incidents
+    assert run.status.nodes == [nodes[0], spare] and [c.node for c in cluster.inputs("cordon_node")] == [nodes[1]]
