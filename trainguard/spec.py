@@ -316,6 +316,11 @@ class RestartSpec(_Strict):
     """How long the run waits for node agents that shut down gracefully (an upgrade, a restart) to register again
     before it takes their nodes for lost. Waiting costs no node, spare or restart. Default 120."""
 
+    heal_poll_s: float = Field(15.0, ge=1, le=3600)
+    """A run paused for a lost node (no spare, no smaller world allowed) asks the pool this often, for its first
+    40 asks, whether the node's agent registered healthy again, then every 5 minutes; once it has, the run
+    resumes by itself (an operator may still `resume` or `abort`). Default 15."""
+
 
 class RunSpec(_Strict):
     """A training run: what to launch, where, and how to keep it alive."""

@@ -298,15 +298,17 @@ class RunNodes:
             await self._pool("release_nodes", NodeRequest(run_id=self.core.wid(), node=node), list[str],
                              f"release {node or 'nodes'}")
 
-    async def wait_for_agents(self, nodes: list[str], since: float) -> list[str]:
-        """Wait (`restarts.agent_return_timeout_s` at most) until every node's agent registered again after
-        `since`; the nodes still away."""
+    async def wait_for_agents(self, nodes: list[str], since: float, once: bool = False) -> list[str]:
+        """Wait (`restarts.agent_return_timeout_s` at most; `once`: just ask) until every node's agent registered
+        again after `since`; the nodes still away."""
         core, waited = self.core, 0.0
         while True:
             back: AgentsBackResult = await workflow.execute_activity(
                 "find_agents_back", AgentsBackInput(nodes=nodes, since=since),
                 start_to_close_timeout=POOL_TIMEOUT, retry_policy=POOL_RETRY, result_type=AgentsBackResult,
                 summary=f"are the agents of {', '.join(nodes[:3])}{'...' if len(nodes) > 3 else ''} back?")
+            if once:
+                return back.away
             if not back.away or waited >= core.the_spec.restarts.agent_return_timeout_s:
                 core.status.reason = None
                 return back.away

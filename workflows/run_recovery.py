@@ -8,16 +8,29 @@ moves off drained nodes and grows back onto returned ones; a paused run waits fo
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from trainguard.error_types import ErrorType
     from trainguard.models import Action, Incident, IncidentKind, Phase, StopReason
-    from workflows.policy import RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak
+    from workflows.policy import NODE_FAULTS, RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak
     from workflows.run_core import RunCore
     from workflows.run_decisions import stop_reason
     from workflows.run_nodes import RunNodes
     from workflows.run_watch import Watches
+
+HEAL_POLL_MAX_S = 300.0
+HEAL_POLLS_FAST = 40
+"""A run paused for a lost node asks the pool whether it is back every `restarts.heal_poll_s` for its first 40
+asks (10 minutes by default), then every 5 minutes: about 12 activities an hour of a long pause."""
+
+
+def heal_poll_s(first_s: float, polls: int) -> float:
+    return first_s if polls < HEAL_POLLS_FAST else max(first_s, HEAL_POLL_MAX_S)
+
 
 AGENT_CLOCK_SKEW_S = 10.0
 """A restarting agent counts as back once it registered after it went away, by its own clock, less this: a
@@ -72,7 +85,7 @@ class Recovery:
             raise core.fail(decision.reason, ErrorType.RUN_STOPPED)
         if decision.action is Action.PAUSE:
             core.status.reason = decision.reason
-            await self.wait_for_operator()
+            await self.wait_for_operator(heal=incident if incident.kind in NODE_FAULTS else None)
             return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
             await self.nodes.swap_in_spare(incident, decision.replacement)
@@ -137,18 +150,48 @@ class Recovery:
         workflow.logger.info("grow back onto %s: %d nodes", ", ".join(returned), len(core.status.nodes))
         core.set_phase(Phase.RESTORING)
 
-    async def wait_for_operator(self) -> None:
-        """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails)."""
+    async def wait_for_operator(self, heal: Incident | None = None) -> None:
+        """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails). Paused for a
+        lost node (`heal`), the run also resumes by itself once that node's agent registers healthy again: the
+        relaunch then counts against the restart budget like any other."""
         core, intents = self.core, self.core.state.intents
         core.set_phase(Phase.PAUSED)
         # A resume accepted while the pause was on its way is kept: the run goes straight back.
         intents.pause = False
-        await workflow.wait_condition(lambda: intents.resume or intents.abort_reason is not None)
+        decided = lambda: intents.resume or intents.abort_reason is not None  # noqa: E731
+        healed = False
+        if heal is not None and heal.node:
+            core.status.reason = (f"{core.status.reason}; resumes by itself once {heal.node}'s agent registers "
+                                  f"healthy again")
+            healed = await self._wait_for_node(heal, decided)
+        else:
+            await workflow.wait_condition(decided)
         if intents.abort_reason is not None:
             raise core.fail(intents.abort_reason, ErrorType.ABORTED)
         intents.resume = False
         core.status.reason = None
         core.state.commit_clock_from = workflow.now().timestamp()  # paused time put no training at risk
-        core.state.restart_times.clear()
-        core.state.restarts_without_checkpoint = 0
+        if healed and heal is not None:
+            heal.detail = f"{heal.detail}; {heal.node} came back: resumed by itself"
+            core.count_restart(workflow.now().timestamp())
+        else:
+            core.state.restart_times.clear()
+            core.state.restarts_without_checkpoint = 0
         core.set_phase(Phase.RESTORING)
+
+    async def _wait_for_node(self, heal: Incident, decided: Callable[[], bool]) -> bool:
+        """Until an operator decides (False) or the lost node's agent is back (True), asking the pool at
+        `heal_poll_s` intervals: often at first, then rarely, so a long pause costs its history little."""
+        assert heal.node is not None
+        polls = 0
+        while True:
+            try:
+                await workflow.wait_condition(decided, timeout=heal_poll_s(
+                    self.core.the_spec.restarts.heal_poll_s, polls))
+                return False
+            except asyncio.TimeoutError:
+                polls += 1
+            away = await self.nodes.wait_for_agents([heal.node], since=heal.detected_at - AGENT_CLOCK_SKEW_S,
+                                                    once=True)
+            if not away:
+                return True

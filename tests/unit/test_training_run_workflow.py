@@ -186,6 +186,9 @@ class Cluster:
     granted as asked."""
     away_polls: dict[str, int] = field(default_factory=dict)
     """Node -> how many more `find_agents_back` asks find its restarting agent still away."""
+    committer_patience_s: float | None = None
+    """A committer pass with nothing to commit returns after this many real seconds at most (an abandoned one
+    still running holds the test server's time skipping back)."""
     store_out: str | None = None
     """While set, the committer cannot reach the store: it polls to its deadline and returns this error."""
     hold: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -241,7 +244,9 @@ class Cluster:
         async def commit_checkpoints(request: CommitCheckpointsInput) -> CommitCheckpointsResult:
             """As the real committer: commit each step whose node records cover the world, prune, return."""
             self.calls["commit_checkpoints"].append(request)
-            deadline = time.monotonic() + (0.05 if request.quiet_s is not None else request.max_duration_s)
+            patience = request.max_duration_s if self.committer_patience_s is None else min(
+                request.max_duration_s, self.committer_patience_s)
+            deadline = time.monotonic() + (0.05 if request.quiet_s is not None else patience)
             while True:
                 if self.store_out is not None:
                     if time.monotonic() >= deadline:
@@ -903,7 +908,7 @@ async def test_persistent_straggler_is_reported_then_replaced_by_a_spare(env: Wo
 
 async def test_lost_node_without_a_spare_pauses_until_an_operator_resumes(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(2)
-    cluster = Cluster(nodes=nodes, watch_script={
+    cluster = Cluster(nodes=nodes, away_polls={nodes[1]: 10_000}, watch_script={
         (1, nodes[0]): [BLOCK],
         (1, nodes[1]): [ApplicationError("agent lost its ranks", type="AgentLost")],
     })
@@ -1404,6 +1409,21 @@ async def test_checkpoints_live_in_the_runs_namespace(env: WorkflowEnvironment, 
     expected = f"p/{namespace or run.handle.id}"
     assert {f.run_prefix for f in cluster.inputs("find_checkpoint")} == {expected}
     assert {c.run_prefix for c in cluster.inputs("commit_checkpoints")} == {expected}
+
+
+async def test_find_checkpoint_names_the_run_and_the_run_it_resumes_from(env: WorkflowEnvironment) -> None:
+    """Issue 27 item 5: the store restores only what the run's own workflow id (or the run named in
+    `checkpoint.resume_from`) committed; the workflow tells it both, and where the other run's checkpoints are."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, watch_script={(1, nodes[0]): [_ready(10), _finished(20)]})
+
+    run = await _run(env, cluster, _spec(nodes, checkpoint={"every_steps": 10, "prefix": "p",
+                                                            "resume_from": "earlier-run"}))
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    [find] = cluster.inputs("find_checkpoint")
+    assert (find.workflow_id, find.resume_from, find.resume_prefix) == (run.handle.id, "earlier-run", "p/earlier-run")
+    assert find.run_prefix == f"p/{run.handle.id}"
 
 
 async def test_corrupt_checkpoint_falls_back_to_the_one_before(env: WorkflowEnvironment) -> None:
@@ -1939,3 +1959,30 @@ async def test_an_agent_that_shuts_down_and_stays_away_is_a_lost_node(env: Workf
     assert kinds == [(IncidentKind.AGENT_RESTART, Action.RESTART),
                      (IncidentKind.NODE_UNRESPONSIVE, Action.REPLACE_NODE)], result.incidents
     assert run.status.nodes == [nodes[0], spare] and [c.node for c in cluster.inputs("cordon_node")] == [nodes[1]]
+
+
+async def test_a_run_paused_for_a_lost_node_resumes_by_itself_when_the_node_comes_back(
+        env: WorkflowEnvironment) -> None:
+    """No spare, no `min_nodes`: the run pauses, says what it waits for, asks the pool now and then, and once
+    the node's agent has registered healthy again it relaunches on it with no operator (a restart counted)."""
+    nodes = _node_ids(2)
+    cluster = Cluster(nodes=nodes, away_polls={nodes[1]: 2}, committer_patience_s=0.5, watch_script={
+        (1, nodes[0]): [BLOCK],
+        (1, nodes[1]): [ApplicationError("agent lost its ranks", type="AgentLost")],
+    })
+    paused: list[RunStatus] = []
+
+    async def look(handle: WorkflowHandle[Any, Any]) -> None:
+        paused.append(await _wait_for_phase(handle, Phase.PAUSED))
+
+    run = await _run(env, cluster, _spec(nodes, restarts={"heal_poll_s": 1}), operator=look)
+
+    [status] = paused
+    assert status.reason is not None and f"resumes by itself once {nodes[1]}'s agent registers" in status.reason
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    [incident] = result.incidents
+    assert incident.action is Action.PAUSE and "came back: resumed by itself" in incident.detail
+    assert len(cluster.inputs("find_agents_back")) == 3
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [r.node for r in relaunches] == nodes and cluster.inputs("cordon_node") == []
