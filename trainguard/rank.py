@@ -640,8 +640,9 @@ class RankRun:
     def _refuse_restore(self, path: Path, error: Exception) -> NoReturn:
         """A restore that would unpickle more than weights: the rank stops with `EXIT_NO_RETRY` (a restart
         loads the same checkpoint), saying what was refused and what to change."""
-        refused = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "names " in line),
-                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+        lines = str(error).splitlines() or [type(error).__name__]
+        refused = next((line.strip() for line in lines if "GLOBAL" in line or "names " in line), lines[0])
+        refused = refused.removeprefix("WeightsUnpickler error: ").split(" was not an allowed global")[0]
         message = (f"trainguard: rank {self.rank} refused to restore {path}: it holds objects beyond tensors, "
                    f"containers, numbers and strings ({refused[:300]}), and unpickling them could run any code. "
                    f"Save plain state (model.state_dict(), optimizer.state_dict(), ints), or, where every "

@@ -628,3 +628,97 @@ def test_a_published_relaunch_is_read_back_by_the_nodes_and_never_replaced_by_an
     store._publish(PublishAttemptInput(bucket=BUCKET, run_prefix=run_prefix, decision=decision(4)))
     assert node.read_decision(target).attempt == 4
     assert list_steps(stack.s3(), BUCKET, run_prefix) == [], "the decision is not taken for a checkpoint step"
+
+
+# ------------------------------------------------------------------------ owners (issue 27 item 5)
+
+
+def _committed(s3: Any, run_prefix: str) -> dict[int, bytes]:
+    """Step -> manifest bytes of every committed checkpoint under `run_prefix`."""
+    found: dict[int, bytes] = {}
+    for step in list_steps(s3, BUCKET, run_prefix):
+        try:
+            found[step] = s3.get_object(Bucket=BUCKET, Key=manifest_key(run_prefix, step))["Body"].read()
+        except ClientError:
+            pass
+    return found
+
+
+async def test_a_run_naming_another_runs_namespace_neither_restores_nor_prunes_it(
+    client: TrainguardClient, stack: DevStack, source: Source
+) -> None:
+    """The finding: a run with `checkpoint.namespace` set to the source run's restored its checkpoint, and its
+    `keep_last: 1` deleted the source's. Now it fails at once naming the owner, before any rank runs; the
+    source's checkpoints are untouched, and a run that names the source with `resume_from` starts from them,
+    commits to its own namespace and leaves them all in place."""
+    from temporalio.client import WorkflowFailureError
+
+    s3 = stack.s3()
+    prefix, owner = source.run_prefix.split("/")
+    before = _committed(s3, source.run_prefix)
+    assert sorted(before) == [10, 20, 30, 40]
+    attacker = f"ck-attacker-{uuid.uuid4().hex[:6]}"
+    spec = spec_for(prefix, keep_last=1)
+    spec["checkpoint"]["namespace"] = owner
+
+    await client.start_run(spec, workflow_id=attacker)
+    with pytest.raises(WorkflowFailureError) as failure:
+        await asyncio.wait_for(client.result(attacker), RUN_TIMEOUT_S)
+
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidSpec", cause
+    assert f"belongs to run {owner!r}" in cause.message and f"--resume-from {owner}" in cause.message
+    assert await activity_calls(client, attacker, "launch_ranks", LaunchRanksInput) == []
+    assert _committed(s3, source.run_prefix) == before
+
+    follower = f"ck-follower-{uuid.uuid4().hex[:6]}"
+    follow = spec_for(prefix, keep_last=1)
+    follow["entrypoint"][follow["entrypoint"].index("--steps") + 1] = str(STEPS + 20)
+    await client.start_run(follow, workflow_id=follower, resume_from=owner)
+    result = await asyncio.wait_for(client.result(follower), RUN_TIMEOUT_S)
+
+    assert result.steps_completed == STEPS + 20
+    launches = await activity_calls(client, follower, "launch_ranks", LaunchRanksInput)
+    assert [request.restore_step for request in launches] == [STEPS], launches
+    assert result.final_checkpoint is not None
+    assert result.final_checkpoint.manifest_key.startswith(f"{prefix}/{follower}/")
+    assert _committed(s3, source.run_prefix) == before  # its retention (keep_last 1) never reached the source
+    assert sorted(_committed(s3, f"{prefix}/{follower}")) == [STEPS + 20]
+
+
+def test_a_planted_manifest_is_refused_by_a_controller_with_a_key(
+    stack: DevStack, store_env: None, prefix: str
+) -> None:
+    """On the real store: the controller's commits carry its tag and restore; a manifest written straight into
+    the store (untagged, or tagged under another key) is passed over naming why; the namespace's claim is a
+    conditional write, so of two runs claiming it one wins."""
+    s3 = stack.s3()
+    run_prefix = f"{prefix}/ck-tagged"
+    store = StoreActivities(b"k" * 64)
+
+    def find(workflow_id: str) -> FindCheckpointResult:
+        return store._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=2,
+                                               workflow_id=workflow_id))
+
+    assert find("ck-t").manifest is None  # the claim
+    with pytest.raises(ApplicationError, match="belongs to run 'ck-t'"):
+        find("ck-other")
+    shards = [_put_shard(s3, run_prefix, 10, rank, f"rank {rank}".encode() * 64) for rank in (0, 1)]
+    store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-t", attempt=1,
+                                        step=10, world_size=2, shards=shards))
+    planted = [_put_shard(s3, run_prefix, step, rank, f"planted {step} {rank}".encode() * 64)
+               for step in (20, 30) for rank in (0, 1)]
+    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-t",
+                                                    attempt=1, step=20, world_size=2, shards=planted[:2]))
+    StoreActivities(b"x" * 64)._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix,
+                                                             workflow_id="ck-t", attempt=1, step=30, world_size=2,
+                                                             shards=planted[2:]))
+
+    found = find("ck-t")
+
+    assert found.manifest is not None and found.manifest.step == 10
+    assert [r.split(":")[0] for r in found.skipped] == ["step 30", "step 20"]
+    assert "integrity tag does not match" in found.skipped[0] and "no integrity tag" in found.skipped[1]
+    # The control: a controller without a key restores the newest planted one.
+    assert StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=2,
+                                                       workflow_id="ck-t")).manifest.step == 30  # type: ignore[union-attr]

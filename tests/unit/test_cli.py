@@ -142,3 +142,51 @@ def test_a_rank_names_its_node() -> None:
     assert [node_of_rank(status, r) for r in range(4)] == ["node-0", "node-0", "node-2", "node-2"]
     with pytest.raises(ValueError, match="rank 4 is not in the run"):
         node_of_rank(status, 4)
+
+
+def test_run_start_resume_from_refuses_a_bad_run_id_before_connecting(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainguard.client import TrainguardClient
+
+    async def no_server(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("connected to Temporal with a run id that cannot name a run")
+
+    monkeypatch.setattr(TrainguardClient, "connect", no_server)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(GOOD))
+
+    assert cli.main(["run", "start", str(path), "--resume-from", "../victim"]) == 2
+    assert capsys.readouterr().err.startswith("trainguard run start --resume-from: run id '../victim'")
+
+
+def test_run_start_resume_from_records_the_run_in_the_spec(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume-from RUN` is recorded as the spec's `checkpoint.resume_from`, the history's record of it."""
+    from trainguard.client import TrainguardClient
+
+    started: list[dict[str, object]] = []
+
+    class Workflows:
+        async def start_workflow(self, _type: str, spec: dict[str, object], **_kwargs: object) -> None:
+            started.append(spec)
+
+    class Client(TrainguardClient):
+        async def earlier_run(self, workflow_id: str) -> str | None:
+            return None
+
+        async def controller_running(self, max_idle_s: float = 90.0) -> bool:
+            return True
+
+    async def fake_connect(*_args: object, **_kwargs: object) -> TrainguardClient:
+        return Client(Workflows())  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TrainguardClient, "connect", fake_connect)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(GOOD))
+
+    assert cli.main(["run", "start", str(path), "--id", "new-run", "--resume-from", "old-run"]) == 0
+
+    [spec] = started
+    assert spec["checkpoint"]["resume_from"] == "old-run"  # type: ignore[index]
+    assert spec["checkpoint"]["namespace"] is None  # type: ignore[index]  # its own: the workflow id
+    assert "never prunes that run's checkpoints" in capsys.readouterr().err

@@ -1,0 +1,304 @@
+"""A checkpoint namespace has an owner (issue 27 item 5), against an in-memory S3.
+
+The findings: a run naming another run's `checkpoint.namespace` restored the other run's checkpoint, and its
+`keep_last: 1` then deleted the victim's checkpoints; a manifest planted in the store was restored like the
+controller's own. Each test here reproduces one and shows it refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from temporalio.exceptions import ApplicationError
+
+from activities import checkpoint_store
+from activities.checkpoint_layout import manifest_key, manifest_tag, owner_key, step_prefix
+from activities.checkpoint_store import StoreActivities, manifest_key_from_env, read_manifest
+from activities.models import CommitCheckpointInput, FindCheckpointInput, Manifest, PruneCheckpointsInput, ShardInfo
+from trainguard.error_types import ErrorType
+from trainguard.protocol import shard_name
+
+BUCKET = "b"
+VICTIM, ATTACKER = "victim-run", "attacker-run"
+KEY = b"k" * 64
+
+
+class MemoryStore:
+    """The S3 calls the store activities make, over a dict (sha256 kept as object metadata, as agents do)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def put_object(self, Bucket: str, Key: str, Body: bytes, IfNoneMatch: str | None = None,
+                   **_: Any) -> dict[str, Any]:
+        if IfNoneMatch == "*" and Key in self.objects:
+            raise ClientError({"Error": {"Code": "PreconditionFailed"}}, "PutObject")
+        self.objects[Key] = bytes(Body)
+        return {}
+
+    def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        if Key not in self.objects:
+            raise ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
+        body = self.objects[Key]
+
+        class Body:
+            @staticmethod
+            def read() -> bytes:
+                return body
+
+        return {"Body": Body()}
+
+    def head_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        if Key not in self.objects:
+            raise ClientError({"Error": {"Code": "404"}}, "HeadObject")
+        body = self.objects[Key]
+        return {"ContentLength": len(body), "Metadata": {"sha256": hashlib.sha256(body).hexdigest()}}
+
+    def delete_object(self, Bucket: str, Key: str) -> None:
+        self.objects.pop(Key, None)
+
+    def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> None:
+        for obj in Delete["Objects"]:
+            self.objects.pop(obj["Key"], None)
+
+    def get_paginator(self, name: str) -> Any:
+        store = self
+
+        class Paginator:
+            @staticmethod
+            def paginate(Bucket: str, Prefix: str, Delimiter: str | None = None) -> list[dict[str, Any]]:
+                if name == "list_multipart_uploads":
+                    return [{"Uploads": []}]
+                keys = sorted(k for k in store.objects if k.startswith(Prefix))
+                if Delimiter:
+                    folders = sorted({Prefix + k[len(Prefix):].split(Delimiter, 1)[0] + Delimiter
+                                      for k in keys if Delimiter in k[len(Prefix):]})
+                    return [{"CommonPrefixes": [{"Prefix": f} for f in folders]}]
+                return [{"Contents": [{"Key": k} for k in keys]}]
+
+        return Paginator()
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
+    memory = MemoryStore()
+    monkeypatch.setattr(checkpoint_store, "s3_client", lambda: memory)
+    return memory
+
+
+def _commit(store: MemoryStore, activities: StoreActivities, run_prefix: str, workflow_id: str, step: int,
+            keep_last: int | None = None) -> None:
+    """What run `workflow_id` commits at `step`: its two shards uploaded, then the manifest."""
+    shards = []
+    for rank in (0, 1):
+        key = f"{step_prefix(run_prefix, step)}{shard_name(rank)}"
+        store.objects[key] = f"{workflow_id} step {step} rank {rank}".encode()
+        shards.append(ShardInfo(rank=rank, key=key, size_bytes=len(store.objects[key]),
+                                sha256=hashlib.sha256(store.objects[key]).hexdigest()))
+    activities._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id=workflow_id,
+                                             attempt=1, step=step, world_size=2, shards=shards, keep_last=keep_last))
+
+
+def _find(activities: StoreActivities, run_prefix: str, workflow_id: str | None, **more: Any) -> Any:
+    return activities._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=2,
+                                                workflow_id=workflow_id, **more))
+
+
+def _victim_with_checkpoints(store: MemoryStore, activities: StoreActivities) -> str:
+    """The victim's namespace (its workflow id, the default), claimed by its first restore, steps 10 and 20."""
+    prefix = f"runs/{VICTIM}"
+    assert _find(activities, prefix, VICTIM).manifest is None  # its first attempt: nothing yet, the claim
+    _commit(store, activities, prefix, VICTIM, 10)
+    _commit(store, activities, prefix, VICTIM, 20)
+    return prefix
+
+
+# -------------------------------------------------------------------------------------------- owners
+
+
+def test_a_run_naming_another_runs_namespace_is_refused_before_it_restores(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities)
+    before = dict(store.objects)
+
+    with pytest.raises(ApplicationError) as refused:
+        _find(activities, prefix, ATTACKER)  # checkpoint.namespace: victim-run
+
+    assert refused.value.type == ErrorType.BAD_SPEC and refused.value.non_retryable
+    assert f"belongs to run {VICTIM!r}" in refused.value.message
+    assert f"--resume-from {VICTIM}" in refused.value.message
+    assert store.objects == before  # nothing read was changed, no claim written over the victim's
+    # The victim itself still restores its newest.
+    found = _find(activities, prefix, VICTIM)
+    assert found.manifest is not None and found.manifest.step == 20 and found.manifest.workflow_id == VICTIM
+
+
+def test_a_namespace_from_before_owners_belongs_to_its_newest_manifests_run(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    prefix = f"runs/{VICTIM}"
+    _commit(store, activities, prefix, VICTIM, 10)  # written before owners: no owner.json
+    assert owner_key(prefix) not in store.objects
+
+    with pytest.raises(ApplicationError, match=f"belongs to run {VICTIM!r}"):
+        _find(activities, prefix, ATTACKER)
+    assert owner_key(prefix) not in store.objects  # the attacker claimed nothing
+
+    assert _find(activities, prefix, VICTIM).manifest.step == 10  # type: ignore[union-attr]
+    assert json.loads(store.objects[owner_key(prefix)])["workflow_id"] == VICTIM
+
+
+def test_a_run_resuming_its_own_id_restores_as_before(store: MemoryStore) -> None:
+    """Continue-as-new, a relaunch and a rerun under the same id share the workflow id: the same owner."""
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities)
+    for _ in range(2):
+        found = _find(activities, prefix, VICTIM)
+        assert found.manifest is not None and found.manifest.step == 20 and found.skipped == []
+
+
+def test_retention_prunes_only_the_runs_own_checkpoints(store: MemoryStore) -> None:
+    """Were an attacker's commits to land in the victim's namespace (written around the refusal), its
+    `keep_last: 1` deletes none of the victim's checkpoints, and the victim goes on restoring its own."""
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities)
+    victims = {k: v for k, v in store.objects.items() if "/step-" in k}
+    _commit(store, activities, prefix, ATTACKER, 30)
+    _commit(store, activities, prefix, ATTACKER, 40)
+
+    deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
+                                                      workflow_id=ATTACKER, protect_steps=[40]))
+
+    assert deleted.deleted_steps == [30]  # its own older one
+    assert all(store.objects.get(k) == v for k, v in victims.items())
+    found = _find(activities, prefix, VICTIM)
+    assert found.manifest is not None and found.manifest.step == 20
+    assert found.skipped == [f"step 40: committed by run {ATTACKER!r}, not {VICTIM!r}"]
+
+
+def test_retention_of_the_victim_itself_still_prunes_its_own(store: MemoryStore) -> None:
+    """The negative control: the same retention under the owner's id deletes what it always did."""
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities)
+    deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
+                                                      workflow_id=VICTIM, protect_steps=[20]))
+    assert deleted.deleted_steps == [10]
+    assert manifest_key(prefix, 10) not in store.objects
+
+
+def test_resume_from_restores_the_named_runs_checkpoint_then_the_runs_own(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    source = _victim_with_checkpoints(store, activities)
+    prefix = f"runs/{ATTACKER}"
+    resume = {"resume_from": VICTIM, "resume_prefix": source}
+
+    found = _find(activities, prefix, ATTACKER, **resume)
+    assert found.manifest_key == manifest_key(source, 20) and found.manifest.workflow_id == VICTIM  # type: ignore[union-attr]
+
+    _commit(store, activities, prefix, ATTACKER, 30, keep_last=1)
+    _commit(store, activities, prefix, ATTACKER, 40, keep_last=1)
+    activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1, workflow_id=ATTACKER))
+    found = _find(activities, prefix, ATTACKER, **resume)
+    assert found.manifest_key == manifest_key(prefix, 40)
+    # Its retention never reached the run it resumed from.
+    assert manifest_key(source, 10) in store.objects and manifest_key(source, 20) in store.objects
+
+
+def test_resume_from_restores_only_what_the_named_run_committed(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    source = _victim_with_checkpoints(store, activities)
+    _commit(store, activities, source, "third-run", 30)  # in the source's folder, by someone else
+
+    found = _find(activities, f"runs/{ATTACKER}", ATTACKER, resume_from=VICTIM, resume_prefix=source)
+
+    assert found.manifest_key == manifest_key(source, 20)
+    assert found.skipped == [f"run {VICTIM}: step 30: committed by run 'third-run', not {VICTIM!r}"]
+
+
+# ----------------------------------------------------------------------------------------- integrity
+
+
+def test_the_controller_tags_what_it_commits_and_restores_it(store: MemoryStore) -> None:
+    activities = StoreActivities(KEY)
+    prefix = _victim_with_checkpoints(store, activities)
+    document = json.loads(store.objects[manifest_key(prefix, 20)])
+    assert document["tag"] == manifest_tag(document, KEY)
+    assert read_manifest(store, BUCKET, manifest_key(prefix, 20), secret=KEY) is not None
+    assert _find(activities, prefix, VICTIM).manifest.step == 20  # type: ignore[union-attr]
+
+
+def _plant(store: MemoryStore, prefix: str, step: int, tag: str | None, **changes: Any) -> None:
+    """A manifest written straight into the store (anyone with its credentials), naming real shards."""
+    shards = []
+    for rank in (0, 1):
+        key = f"{step_prefix(prefix, step)}{shard_name(rank)}"
+        store.objects[key] = b"planted " + bytes([rank])
+        shards.append(ShardInfo(rank=rank, key=key, size_bytes=9, sha256=hashlib.sha256(store.objects[key]).hexdigest()))
+    document = Manifest(workflow_id=VICTIM, step=step, world_size=2, attempt=1, shards=shards).model_dump(mode="json")
+    document.update(changes)
+    document["tag"] = tag
+    store.objects[manifest_key(prefix, step)] = json.dumps(document).encode()
+
+
+@pytest.mark.parametrize(("tag", "why"), [
+    pytest.param(None, "manifest has no integrity tag", id="missing"),
+    pytest.param("00" * 32, "integrity tag does not match", id="wrong"),
+    pytest.param("other-key", "integrity tag does not match", id="another-key"),
+])
+def test_a_planted_manifest_is_passed_over_naming_why(store: MemoryStore, tag: str | None, why: str) -> None:
+    activities = StoreActivities(KEY)
+    prefix = _victim_with_checkpoints(store, activities)
+    if tag == "other-key":
+        probe = Manifest(workflow_id=VICTIM, step=30, world_size=2, attempt=1).model_dump(mode="json")
+        tag = manifest_tag(probe, b"x" * 64)
+    _plant(store, prefix, 30, tag)
+
+    found = _find(activities, prefix, VICTIM)
+
+    assert found.manifest is not None and found.manifest.step == 20
+    assert len(found.skipped) == 1 and found.skipped[0].startswith("step 30: ") and why in found.skipped[0]
+
+
+def test_a_tagged_manifest_changed_after_the_commit_is_refused(store: MemoryStore) -> None:
+    activities = StoreActivities(KEY)
+    prefix = _victim_with_checkpoints(store, activities)
+    key = manifest_key(prefix, 20)
+    document = json.loads(store.objects[key])
+    document["shards"][0]["sha256"] = "ab" * 32  # points the victim at other bytes, keeps the old tag
+    store.objects[key] = json.dumps(document).encode()
+
+    found = _find(activities, prefix, VICTIM)
+
+    assert found.manifest is not None and found.manifest.step == 10
+    assert "integrity tag does not match" in found.skipped[0]
+
+
+def test_without_a_key_an_untagged_manifest_is_restored(store: MemoryStore) -> None:
+    """The negative control: the planted manifest passes a controller without a key (as before the fix)."""
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities)
+    _plant(store, prefix, 30, None)
+    assert _find(activities, prefix, VICTIM).manifest.step == 30  # type: ignore[union-attr]
+
+
+def test_a_planted_manifest_never_makes_retention_delete_real_checkpoints(store: MemoryStore) -> None:
+    activities = StoreActivities(KEY)
+    prefix = _victim_with_checkpoints(store, activities)
+    _plant(store, prefix, 900, None)  # "newest", in the victim's own name
+
+    activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1, workflow_id=VICTIM,
+                                            protect_steps=[20]))
+
+    assert manifest_key(prefix, 20) in store.objects  # kept: the planted step counted for nothing
+    assert manifest_key(prefix, 900) in store.objects  # and was not the controller's to delete either
+
+
+def test_a_short_manifest_key_is_refused_and_none_is_no_key() -> None:
+    assert manifest_key_from_env({}) is None
+    assert manifest_key_from_env({"TRAINGUARD_MANIFEST_KEY": " "}) is None
+    assert manifest_key_from_env({"TRAINGUARD_MANIFEST_KEY": "a" * 40}) == b"a" * 40
+    with pytest.raises(ValueError, match="fewer than 32"):
+        manifest_key_from_env({"TRAINGUARD_MANIFEST_KEY": "short"})
