@@ -679,7 +679,7 @@ async def test_a_run_naming_another_runs_namespace_neither_restores_nor_prunes_i
 
     assert result.steps_completed == STEPS + 20
     launches = await activity_calls(client, follower, "launch_ranks", LaunchRanksInput)
-    assert [request.restore_step for request in launches] == [STEPS], launches
+    assert [request.restore_step for request, _ in launches] == [STEPS], launches
     assert result.final_checkpoint is not None
     assert result.final_checkpoint.manifest_key.startswith(f"{prefix}/{follower}/")
     assert _committed(s3, source.run_prefix) == before  # its retention (keep_last 1) never reached the source
