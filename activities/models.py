@@ -416,7 +416,25 @@ class WatchCheckpoints(BaseModel):
     run_prefix: str
 
 
-class AttemptDecision(BaseModel):
+class AttemptLaunch(BaseModel):
+    """How an attempt's ranks reach the nodes that launch them from a watch, defined once: the run gives it to
+    each watch group (`NodeGroupWatchInput`) and, relaunching in place, writes it to the store
+    (`AttemptDecision`); the master node's own launch activity takes `launch` with its fields filled in."""
+
+    launch: LaunchRanksInput | None = None
+    """The attempt's launch, `node` and `node_rank` left for each node to fill in (a node taking up a decision
+    keeps its node rank). None: the ranks run already (a watch after continue-as-new)."""
+    download: DownloadShardsInput | None = None
+    """With `launch`: what each node downloads first (its `node` and `ranks` filled in); None: a start from
+    scratch."""
+    starters: list[str] | None = None
+    """The nodes whose first step of the attempt is reported (the run's master node: every rank steps in
+    lockstep with it, and a report per node would cost a 4,096-node relaunch 8,192 more events); None: all."""
+    launched: list[str] = Field(default_factory=list)
+    """Nodes launched by an activity of their own (the master node, which picks the rendezvous)."""
+
+
+class AttemptDecision(AttemptLaunch):
     """The run's decision to relaunch, written to the store (`{run_prefix}/attempt.json`) for the nodes whose
     watch is still running: each takes it up there (stops its ranks of the attempt before, downloads its shards,
     launches the new attempt at its node rank) and goes on watching, with no new activity per node. A relaunch
@@ -425,16 +443,8 @@ class AttemptDecision(BaseModel):
     workflow_id: str
     chain_id: str
     attempt: int
-    launch: LaunchRanksInput
-    """The attempt's launch, `node` and `node_rank` left for each node to fill in (it keeps its node rank)."""
-    download: DownloadShardsInput | None = None
-    """What each node downloads first (its `node` and `ranks` filled in); None: a start from scratch."""
-    starters: list[str] = Field(default_factory=list)
-    """Nodes whose watch returns STARTED once the attempt's first step is seen here (the run's master node)."""
     leaving: list[str] = Field(default_factory=list)
     """Nodes no longer in the run (replaced or cordoned): they take up nothing."""
-    launched: list[str] = Field(default_factory=list)
-    """Nodes launched by an activity of their own (the master node): their watch follows the launch."""
 
 
 class PublishAttemptInput(BaseModel):

@@ -169,7 +169,7 @@ class RankWatch:
                 record, local_ranks, alive_reported = latest, set(latest.ranks), -1
                 if not read_now:  # launched by the master's own activity: is the decision out yet?
                     decision = await self._read_decision(request.checkpoints)
-                report_start = decision is None or decision.attempt < record.attempt or self.node in decision.starters
+                report_start = decision is None or decision.attempt < record.attempt or self.node in (decision.starters or ())
                 log.info("%s: watch of attempt %d follows attempt %d", request.workflow_id, launched_here,
                          record.attempt)
             if follow and request.after_attempt is not None and record.attempt <= request.after_attempt:
@@ -285,7 +285,7 @@ class RankWatch:
         to take (not a node leaving the run, nor one launched by an activity of its own)."""
         return (decision.workflow_id == record.workflow_id and decision.chain_id == record.chain_id
                 and decision.attempt > record.attempt and self.node not in decision.leaving
-                and self.node not in decision.launched)
+                and self.node not in decision.launched and decision.launch is not None)
 
     async def _take_up(self, request: WatchRanksInput, decision: AttemptDecision, record: AttemptRecord) -> None:
         """Launch the decision's attempt here at this node's rank, downloading its shards first, as a launching
@@ -295,6 +295,7 @@ class RankWatch:
         download = None if decision.download is None else decision.download.model_copy(update={
             "node": self.node, "ranks": list(range(node_rank * per_node, (node_rank + 1) * per_node))})
         log.info("%s: taking up attempt %d in place (node rank %d)", decision.workflow_id, decision.attempt, node_rank)
+        assert decision.launch is not None  # `_takes_up`
         await self._launch_from_watch(request.model_copy(update={"download": download}),
                                       decision.launch.model_copy(update={"node": self.node, "node_rank": node_rank}))
 

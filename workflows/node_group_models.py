@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from activities.models import DownloadShardsInput, LaunchRanksInput, WatchEvent, WatchRanksInput
+from activities.models import AttemptLaunch, WatchEvent, WatchRanksInput
 
 
 class NodeCallKind(str, Enum):
@@ -83,32 +83,23 @@ class UploadTrouble(BaseModel):
     """Unix time the node reported it."""
 
 
-class NodeGroupWatchInput(BaseModel):
+class NodeGroupWatchInput(AttemptLaunch):
+    """A watch group's input: its nodes, their watch, and the attempt's launch (`AttemptLaunch`: each node but
+    `launched` launches from its first watch)."""
+
     run_workflow_id: str
     """The run to signal `group_started` to (by workflow id: it survives the run's continue-as-new)."""
     group: int
     watch: WatchRanksInput
     """The watch of every node of the group (its `node` is replaced by each node's)."""
     nodes: list[str]
-    starters: list[str] | None = None
-    """The nodes whose first step of the attempt is reported (a watch return each); None: all of them. The run
-    asks only its master node: every rank steps in lockstep with it, and a return per node per attempt would
-    cost a 4,096-node relaunch 8,192 more activity events."""
     started: dict[str, float] = Field(default_factory=dict)
     """Carried across continue-as-new: node -> when its first step of the attempt was seen."""
     finished: list[WatchEvent] = Field(default_factory=list)
     """Carried across continue-as-new: nodes whose ranks have all finished."""
     signalled: bool = False
-    launch: LaunchRanksInput | None = None
-    """The attempt's launch, as every node of the group but `launched` runs it: each node's first watch
-    launches its ranks (its `node`, `node_rank` filled in): no launch or download activity of its own. None: the
-    ranks run already (a watch after continue-as-new, or the launches were their own activities)."""
-    download: DownloadShardsInput | None = None
-    """With `launch`: what each node downloads first (its `node` and `ranks` filled in)."""
     first_node_rank: int = 0
     """Node rank of the group's first node: groups are consecutive slices of the attempt's nodes."""
-    launched: list[str] = Field(default_factory=list)
-    """Nodes already launched by an activity of their own (the master node, which picks the rendezvous)."""
     launch_wait_s: float | None = None
     """How long a launching watch may wait for its agent to start it before the node is taken for lost. None:
     `BURST_SCHEDULE_TO_START`."""
