@@ -326,7 +326,7 @@ async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     s3 = stack.s3()
     listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_prefix}/")["Contents"]
     kept = {o["Key"].removeprefix(f"{run_prefix}/").split("/")[0] for o in listed}
-    assert kept == {"step-00000030", "step-00000040"}  # keep_last=2
+    assert kept == {"owner.json", "step-00000030", "step-00000040"}  # keep_last=2; the namespace's owner record
     # A fresh start seeds Python's RNG from the OS, so this run's shards are its own, not the source's.
     manifests = [read_manifest(s3, BUCKET, manifest_key(run_prefix, step)) for step in (30, 40)]
     genuine = {s.sha256 for m in manifests if m is not None for s in m.shards}
