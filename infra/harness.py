@@ -117,7 +117,8 @@ class PrivateStack:
                  up: Callable[[DevStack], None] | None = None, env: Mapping[str, str | None] | None = None,
                  keep_logs: Path | None = None, timings: dict[str, float] | None = None,
                  labels: Mapping[str, Mapping[str, str]] | None = None, keep_home: bool = False) -> None:
-        from trainguard.devstack import DevStack, Ports, StackConfig, free_port_base
+        from trainguard.devstack import DevStack, StackConfig
+        from trainguard.ports import Ports, free_port_base
 
         self.keep_home = keep_home
         """`stop` leaves the data dir for the next stack on the same home (a change of mode, a restart)."""

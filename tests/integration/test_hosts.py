@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 from trainguard.client import TrainguardClient
-from trainguard.devstack import DevStack, Ports, StackConfig, _start_time, free_port_base
+from trainguard.devstack import DevStack, StackConfig, _start_time
+from trainguard.ports import Ports, free_port_base
 from trainguard.hosts import Direction, unavailable_reason
 from trainguard.models import Action, IncidentKind, Phase, RunResult
 from trainguard.protocol import RunLayout

@@ -41,7 +41,7 @@ from temporalio.worker import Worker
 from activities.nodes import pool_handle, register_node
 from trainguard import TASK_QUEUE, WORKFLOW_TYPE, node_task_queue
 from trainguard.connect import connect
-from trainguard.devstack import Ports, free_port_base
+from trainguard.ports import Ports, free_port_base
 from trainguard.settings import Settings
 from workers.controller import build_worker
 from workflows.node_pool import POOL_WORKFLOW_ID

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainguard.cli import build_parser
-from trainguard.devstack import Ports, StackConfig
+from trainguard.devstack import StackConfig
+from trainguard.ports import Ports
 from trainguard.hosts import SERVICES, HostsNetwork, overlapping_route, subnet_for
 
 NODES = ("node-0", "node-1", "node-2")

@@ -100,7 +100,7 @@ def test_the_stack_a_port_base_or_a_home_names_is_the_one_reached(tmp_path: Path
 
 
 def test_seaweedfs_admin_grpc_port_follows_its_http_port_convention() -> None:
-    from trainguard.devstack import Ports
+    from trainguard.ports import Ports
 
     for base in (None, 20000, 36100):
         ports = Ports.from_base(base)
