@@ -24,3 +24,11 @@ def test_a_recovered_run_names_its_nodes_checkpoint_and_last_incident() -> None:
     assert "last: crash on node-1 rank 1 (attempt 1, restart): rank 1 exited with code 1: ValueError: x" in text
     assert "rank log: `/n/runs/r/attempt-0001/logs/rank-00001.log` on node-1" in text
     assert len(text) < 1000  # a glance: the detail is cut
+
+
+def test_checkpoints_that_stop_committing_say_why_at_a_glance() -> None:
+    store = RunStatus(phase=Phase.RUNNING, store_error="EndpointConnectionError: Could not connect")
+    assert "checkpoints not committing: EndpointConnectionError: Could not connect" in run_details(store, [])
+    nodes = RunStatus(phase=Phase.RUNNING, upload_errors={"node-1": "ClientError: InternalError", "node-0": "x"})
+    assert "checkpoints not committing: node-0: x; node-1: ClientError: InternalError" in run_details(nodes, [])
+    assert "not committing" not in run_details(RunStatus(phase=Phase.RUNNING), [])
