@@ -45,7 +45,7 @@ from trainguard.spec import exec_env_refused, exec_problems
 # `trainguard.settings.AGENT_SECRET_ENV`; a variable holding the value of a held secret under another name
 # is left out too.
 _SECRET_ENV_PREFIXES = ("AWS_", "TRAINGUARD_S3_", "TEMPORAL_", "TRAINGUARD_PEER_TOKEN", "TRAINGUARD_CODEC_KEY",
-                        "TRAINGUARD_API_KEY", "TRAINGUARD_TLS_KEY")
+                        "TRAINGUARD_API_KEY", "TRAINGUARD_TLS_KEY", "TRAINGUARD_MANIFEST_KEY")
 
 
 def inherited_env(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:

@@ -37,6 +37,9 @@ from trainguard.protocol import node_attempt_files
 from trainguard.spec import parse_labels
 
 DEFAULT_NODES = ("node-0", "node-1", "node-2")
+MANIFEST_KEY_ENV = "TRAINGUARD_MANIFEST_KEY"
+"""The controller's manifest key (`activities.checkpoint_store.MANIFEST_KEY_ENV`: the dev stack does not import
+the activities)."""
 DEFAULT_BUCKET = "trainguard"
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
@@ -202,6 +205,16 @@ class DevStack:
             path.chmod(0o600)
         return path.read_text().strip()
 
+    def manifest_key(self) -> str:
+        """The controller's manifest key (`TRAINGUARD_MANIFEST_KEY`), generated once per stack under the data dir:
+        it tags every manifest the controller commits, so a planted one is refused. The controller's alone."""
+        path = self.home / "manifest-key"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            path.write_text(secrets.token_hex(32))
+            path.chmod(0o600)
+        return path.read_text().strip()
+
     @property
     def certs(self) -> Any:
         from trainguard.tls import DevCerts
@@ -218,7 +231,7 @@ class DevStack:
     def worker_env(self) -> dict[str, str]:
         creds = self.credentials()
         venv_bin = str(Path(sys.executable).parent)
-        return {
+        env = {
             **os.environ,
             **self.client_env(),
             "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -230,6 +243,8 @@ class DevStack:
             "TRAINGUARD_PEER_TOKEN": self.peer_token(),
             "PYTHONUNBUFFERED": "1",
         }
+        env.pop(MANIFEST_KEY_ENV, None)  # the controller's alone: `up` gives it to the controller only
+        return env
 
     # ---------------------------------------------------------------------------------- processes
     def _alive(self, name: str) -> int | None:
@@ -298,7 +313,8 @@ class DevStack:
         if ranks_user is None:
             echo(f"ranks run as the agents' own user, and can read their secrets: {why}")
         self._spawn("controller", [sys.executable, "-m", "workers.controller"], cwd=cfg.code_dir,
-                    env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{ports.metrics}"})
+                    env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{ports.metrics}",
+                         MANIFEST_KEY_ENV: self.manifest_key()})
         for index, node in enumerate(cfg.nodes):
             workdir = self.home / "nodes" / node
             workdir.mkdir(parents=True, exist_ok=True)

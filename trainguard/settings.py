@@ -23,7 +23,7 @@ DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
 
 AGENT_SECRET_ENV = ("TRAINGUARD_PEER_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                     "AWS_SECURITY_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN", "TRAINGUARD_API_KEY",
-                    "TRAINGUARD_CODEC_KEY", "TEMPORAL_API_KEY")
+                    "TRAINGUARD_CODEC_KEY", "TEMPORAL_API_KEY", "TRAINGUARD_MANIFEST_KEY")
 """The variables a node agent holds in memory instead of its environment (`hold_agent_secrets`). The AWS key
 id travels with its secret: boto3 takes a pair from one source."""
 

@@ -23,7 +23,7 @@ import pytest
 from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
-from activities.checkpoint_layout import decision_key, manifest_key, manifest_problem, step_prefix
+from activities.checkpoint_layout import decision_key, manifest_key, manifest_problem, signed_body, step_prefix
 from activities.checkpoint_store import (
     StoreActivities,
     _not_modified,
@@ -111,6 +111,20 @@ async def activity_calls(client: TrainguardClient, workflow_id: str, name: str, 
     return [(request, result) for request, result in calls]
 
 
+MANIFEST_SECRET: list[bytes | None] = [None]
+"""The stack's manifest key, which tags every manifest its controller commits: a manifest planted as the run's
+own must carry its tag too, or it is refused for that and not for the damage a test means."""
+
+
+@pytest.fixture(autouse=True)
+def _manifest_secret(stack: DevStack) -> None:
+    MANIFEST_SECRET[0] = stack.manifest_key().encode()
+
+
+def _signed(manifest: Manifest) -> bytes:
+    return signed_body(manifest.model_dump_json(indent=1).encode(), MANIFEST_SECRET[0])
+
+
 def plant(s3: Any, source: Source, run_prefix: str, workflow_id: str, steps: list[int]) -> None:
     """Copy the source's checkpoints of `steps` under `run_prefix`, as run `workflow_id` would write them."""
     for step in steps:
@@ -121,9 +135,8 @@ def plant(s3: Any, source: Source, run_prefix: str, workflow_id: str, steps: lis
             s3.copy_object(Bucket=BUCKET, Key=key, CopySource={"Bucket": BUCKET, "Key": shard.key})
             shards.append(shard.model_copy(update={"key": key}))
             assert check_shard_in_store(s3, BUCKET, shards[-1]) is None  # size and sha256 metadata came along
-        manifest = original.model_copy(update={"workflow_id": workflow_id, "shards": shards})
-        body = manifest.model_dump_json(indent=1)
-        s3.put_object(Bucket=BUCKET, Key=manifest_key(run_prefix, step), Body=body)
+        manifest = original.model_copy(update={"workflow_id": workflow_id, "shards": shards, "tag": None})
+        s3.put_object(Bucket=BUCKET, Key=manifest_key(run_prefix, step), Body=_signed(manifest))
 
 
 def shard_key(run_prefix: str, step: int, rank: int) -> str:
@@ -145,7 +158,7 @@ def flip_byte(body: bytes) -> bytes:
 def rewrite_manifest(s3: Any, run_prefix: str, step: int, change: Callable[[Manifest], Manifest]) -> None:
     key = manifest_key(run_prefix, step)
     manifest = Manifest.model_validate_json(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-    s3.put_object(Bucket=BUCKET, Key=key, Body=change(manifest).model_dump_json(indent=1))
+    s3.put_object(Bucket=BUCKET, Key=key, Body=_signed(change(manifest).model_copy(update={"tag": None})))
 
 
 def lying_checkpoints(s3: Any, run_prefix: str, steps: list[int] | None = None) -> list[str]:
