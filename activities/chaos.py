@@ -19,7 +19,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.checkpoint_layout import object_name, shard_objects, step_of
-from activities.checkpoint_store import read_manifest
+from activities.store_reads import read_manifest
 from activities.evidence import evidence_base
 from activities.health import NodeHealth
 from activities.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, InjectFaultInput, InjectFaultResult, ShardInfo

@@ -34,8 +34,8 @@ from activities.checkpoint_layout import (
     step_of,
     step_prefix,
 )
-from activities.checkpoint_store import (StoreActivities, _bucket_missing, _is_missing, _not_modified, committed_shard,
-                                        read_manifest)
+from activities.checkpoint_store import StoreActivities
+from activities.store_reads import _bucket_missing, _is_missing, _not_modified, committed_shard, read_manifest
 from activities.models import (
     AttemptDecision,
     DownloadShardsInput,

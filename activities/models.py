@@ -28,17 +28,6 @@ class FindNodeAgentsInput(BaseModel):
     """A poller not seen for this long does not count as an agent (idle long polls last about 70 s)."""
 
 
-class AgentsBackInput(BaseModel):
-    nodes: list[str]
-    since: float
-    """Unix time (workflow clock) the agents went away: one counts as back once it registered after it."""
-
-
-class AgentsBackResult(BaseModel):
-    away: list[str] = Field(default_factory=list)
-    """Nodes whose agent has not registered since `since` (or is cordoned, or reported its GPUs unhealthy)."""
-
-
 class FindNodeAgentsResult(BaseModel):
     missing: list[str] = Field(default_factory=list)
     """Nodes with no agent polling `trainguard-node-<id>`."""

@@ -10,10 +10,10 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client
 
-from activities.models import AgentsBackInput, AgentsBackResult, FindNodeAgentsInput, FindNodeAgentsResult
+from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
 from trainguard.models import (AcquireManyRequest, AcquireManyResult, AcquireNodesRequest, AcquireNodesResult,
-                               NodeRequest, PoolNode, RegisterNodeRequest, RegistrationVerdict, ReleaseManyRequest,
-                               ReleaseManyResult)
+                               AgentsBackInput, AgentsBackResult, NodeRequest, PoolNode, RegisterNodeRequest,
+                               RegistrationVerdict, ReleaseManyRequest, ReleaseManyResult)
 from trainguard.pool import (  # noqa: F401 - the pool client helpers live in the public package; re-exported
     AGENT_LOOKUPS_IN_FLIGHT,
     check_registration,

@@ -279,6 +279,17 @@ class PoolNode(BaseModel):
     is a replay and refused. 0: none signed yet."""
 
 
+class AgentsBackInput(BaseModel):
+    nodes: list[str]
+    since: float
+    """Unix time (workflow clock) the agents went away: one counts as back once it registered after it."""
+
+
+class AgentsBackResult(BaseModel):
+    away: list[str] = Field(default_factory=list)
+    """Nodes whose agent has not registered since `since` (or is cordoned, or reported its GPUs unhealthy)."""
+
+
 class PoolStatus(BaseModel):
     nodes: list[PoolNode] = Field(default_factory=list)
     packed: str = ""

@@ -46,6 +46,9 @@ from typing import Any, NoReturn
 
 from trainguard import evidence as _evidence
 from trainguard import protocol as _protocol
+from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, _helper_bytes, _helper_from_bytes, _safe_dcp,
+                                  load_weights_only)
+from trainguard.state_digest import _holds, _holds_dtensor, _is_sharded, state_digest  # noqa: F401 - tg.state_digest: the API
 from trainguard.settings import env_flag
 
 EXIT_NO_RETRY = _protocol.EXIT_NO_RETRY
@@ -58,140 +61,12 @@ DCP_GROUP_TIMEOUT_S = 120.0
 thread within it, never the training thread, which is stopped and relaunched by the agent much sooner."""
 _HELPER_KEY = "_trainguard"
 
-DCP_DIR = "dcp"
-"""The folder of a step that holds its `torch.distributed.checkpoint` files (on a node and in the store):
-`dcp/__<rank>_0.distcp` per rank and `dcp/.metadata` from rank 0. The node agent imports the name."""
 DCP_METADATA = f"{DCP_DIR}/.metadata"
 FORMAT_TORCH = "torch"
 """One `torch.save` per rank (`rank-NNNNN.pt`): rank r restores shard r mod the checkpoint's world size."""
 FORMAT_DCP = "dcp"
 """`torch.distributed.checkpoint`: every rank writes its part, the load reshards to any world size."""
 FORMATS = ("auto", FORMAT_TORCH, FORMAT_DCP)
-
-ENV_ALLOW_PICKLE = "TRAINGUARD_ALLOW_PICKLE"
-"""Set (1/true/on) in a node agent's environment, which its ranks inherit, by the node's operator: restores on
-that node may unpickle arbitrary objects (`torch.load(weights_only=False)`). Unset, a restore loads only
-tensors, dicts, lists, numbers and strings (`weights_only=True`, DCP's metadata through an allow-list), so a
-planted shard cannot run code in the rank. A spec cannot set it: `TRAINGUARD_*` names are the agent's."""
-
-
-def _numpy_rng_globals() -> list[Any]:
-    """What numpy's RNG state (an ndarray of uint32, saved with every checkpoint's RNG) needs from the
-    unpickler beyond weights_only's defaults; none when numpy is not loaded (then no state holds it)."""
-    numpy = sys.modules.get("numpy")
-    if numpy is None:
-        return []
-    core = getattr(numpy, "_core", None) or numpy.core
-    return [core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
-
-
-def load_weights_only(source: Any, *, allow_pickle: bool = False) -> Any:
-    """`torch.load` of a checkpoint file or buffer the way a restore does: weights only (tensors, containers,
-    numbers, strings and numpy's RNG state), unless the node's operator allows pickle (`ENV_ALLOW_PICKLE`).
-    Anything else raises `pickle.UnpicklingError` naming the global it refused, and nothing of it runs."""
-    import torch
-
-    if allow_pickle:
-        return torch.load(source, map_location="cpu", weights_only=False)
-    with torch.serialization.safe_globals(_numpy_rng_globals()):
-        return torch.load(source, map_location="cpu", weights_only=True)
-
-
-def _helper_bytes(helper: dict[str, Any]) -> bytes:
-    """The helper's own state (step, rank, RNG) as a DCP checkpoint stores it: a `torch.save`, which restores
-    weights-only. (Before, a `pickle.dumps`, whose tensors unpickle through torch's unrestricted load.)"""
-    import io
-
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(helper, buffer)
-    return buffer.getvalue()
-
-
-def _helper_from_bytes(data: bytes, allow_pickle: bool) -> dict[str, Any] | None:
-    """The helper's state saved with a DCP checkpoint; None (RNG not restored, with a warning) for one in the
-    older pickle form on a node that does not allow pickle."""
-    import io
-    import pickle
-
-    if data[:2] == b"PK":  # a torch.save (zip)
-        return load_weights_only(io.BytesIO(data), allow_pickle=allow_pickle)  # type: ignore[no-any-return]
-    if allow_pickle:
-        return pickle.loads(data)  # type: ignore[no-any-return]  # noqa: S301 - the operator allowed pickle
-    print(f"trainguard: this DCP checkpoint keeps its RNG state as a pickle, which is only loaded where the "
-          f"node allows it ({ENV_ALLOW_PICKLE}=1): the RNG is not restored", file=sys.stderr, flush=True)
-    return None
-
-
-_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_DCP_METADATA_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-})
-"""What a DCP `.metadata` pickle may name besides the classes of DCP's metadata module and torch's dtypes,
-layouts and memory formats: it is read with these alone (`pickle.Unpickler.find_class`), so a planted
-`.metadata` cannot call anything else."""
-
-
-def _dcp_metadata_class(module: str, name: str) -> Any:
-    """The global `module.name` when a DCP metadata pickle may use it; else UnpicklingError."""
-    import importlib
-    import pickle
-
-    import torch
-
-    if (module, name) in _DCP_METADATA_GLOBALS:
-        return getattr(importlib.import_module(module), name)
-    if module == _DCP_METADATA_MODULE:
-        found = getattr(importlib.import_module(module), name, None)
-        if isinstance(found, type) and found.__module__ == module:
-            return found  # its dataclasses and enums: built from data, nothing called
-    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-        return getattr(torch, name)
-    raise pickle.UnpicklingError(f"a DCP checkpoint's metadata names {module}.{name}, which a restore does not "
-                                 f"load (set {ENV_ALLOW_PICKLE}=1 on the node to trust the checkpoint)")
-
-
-def _safe_dcp(restore_dir: Path, allow_pickle: bool) -> tuple[Any, Any]:
-    """DCP's reader and load planner for a restore: its metadata unpickled through `_dcp_metadata_class`, its
-    non-tensor values loaded weights-only (DCP itself unpickles both unrestricted)."""
-    import pickle
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class MetadataUnpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            return _dcp_metadata_class(module, name)
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-                metadata = MetadataUnpickler(stream).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class Planner(dcp.DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            loaded = load_weights_only(value)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    path = str(restore_dir / DCP_DIR)
-    if allow_pickle:
-        return dcp.FileSystemReader(path), None
-    return Reader(path), Planner()
 
 
 def files_digest(files: list[dict[str, Any]]) -> str:
@@ -217,56 +92,6 @@ def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _is_dtensor(value: Any) -> bool:
-    """A `torch.distributed.tensor.DTensor` (FSDP2, tensor parallel), told without importing it eagerly."""
-    return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
-
-
-def _is_sharded(value: Any) -> bool:
-    """One rank's part of a larger tensor: a DTensor (FSDP2, tensor parallel) or a ShardedTensor (FSDP1's
-    sharded state dict). A `torch.save` of these loads only onto the world size that wrote it."""
-    return _is_dtensor(value) or type(value).__name__ == "ShardedTensor"
-
-
-def _holds(value: Any, kind: Callable[[Any], bool]) -> bool:
-    """Whether `value` (nested dicts, lists, tuples) holds a leaf `kind` says yes to."""
-    if isinstance(value, dict):
-        return any(_holds(item, kind) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds(item, kind) for item in value)
-    return kind(value)
-
-
-def _holds_dtensor(value: Any) -> bool:
-    return _holds(value, _is_dtensor)
-
-
-def state_digest(module_or_state: Any) -> str:
-    """sha256 over parameter names and raw bytes, in name order: equal only for bit-identical states.
-
-    Sharded tensors (DTensor: FSDP2, tensor parallel) are gathered whole first (`full_tensor()`, a
-    collective: call it on every rank), and a DDP wrapper's `module.` prefix is dropped, so the same full
-    model gives the same digest whatever the world size. Never raises: a digest that cannot be computed
-    comes back as `unavailable: <why>`, which the run reports in its result instead of failing after the
-    last step."""
-    try:
-        import torch
-
-        state = module_or_state.state_dict() if hasattr(module_or_state, "state_dict") else module_or_state
-        digest = hashlib.sha256()
-        for name in sorted(state, key=lambda n: n.removeprefix("module.")):
-            tensor = state[name]
-            if _is_dtensor(tensor):
-                tensor = tensor.full_tensor()
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            digest.update(name.removeprefix("module.").encode())
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()
-    except Exception as error:  # noqa: BLE001 - a digest is a report; it must never fail a finished run
-        return f"unavailable: {type(error).__name__}: {error}"[:500]
 
 
 def _snapshot(value: Any) -> Any:

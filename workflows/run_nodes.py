@@ -18,8 +18,6 @@ from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
-        AgentsBackInput,
-        AgentsBackResult,
         CheckNodeInput,
         CheckNodeResult,
         CollectEvidenceResult,
@@ -40,8 +38,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from trainguard import node_task_queue
     from trainguard.error_types import ErrorType
-    from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, Action, ChaosRequest, Incident,
-                                   IncidentKind, NodeRequest, PoolNode, StopReason)
+    from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, Action, AgentsBackInput, AgentsBackResult,
+                                   ChaosRequest, Incident, IncidentKind, NodeRequest, PoolNode, StopReason)
     from workflows.node_group import (NODE_CALL_RETRY, NODE_SCHEDULE_TO_START, STOP_TIMEOUT,
                                       NodeCalls, call_nodes, groups_of, watch_heartbeat_every_s,
                                       watch_heartbeat_timeout)

@@ -24,14 +24,8 @@ from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
 from activities.checkpoint_layout import decision_key, manifest_key, manifest_problem, signed_body, step_prefix
-from activities.checkpoint_store import (
-    StoreActivities,
-    _not_modified,
-    abort_orphaned_uploads,
-    check_shard_in_store,
-    list_steps,
-    read_manifest,
-)
+from activities.checkpoint_store import StoreActivities
+from activities.store_reads import _not_modified, abort_orphaned_uploads, check_shard_in_store, list_steps, read_manifest
 from activities.checkpoint_transfers import NodeCheckpointActivities
 from activities.models import (
     AttemptDecision,

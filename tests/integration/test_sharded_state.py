@@ -19,7 +19,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 
 from activities.checkpoint_layout import shard_objects
-from activities.checkpoint_store import read_manifest
+from activities.store_reads import read_manifest
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import Action, IncidentKind, Phase, RunResult

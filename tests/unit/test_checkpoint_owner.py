@@ -17,7 +17,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities import checkpoint_store
 from activities.checkpoint_layout import manifest_key, manifest_tag, owner_key, step_prefix
-from activities.checkpoint_store import StoreActivities, manifest_key_from_env, read_manifest
+from activities.checkpoint_store import StoreActivities, manifest_key_from_env
+from activities.store_reads import read_manifest
 from activities.models import CommitCheckpointInput, FindCheckpointInput, Manifest, PruneCheckpointsInput, ShardInfo
 from trainguard.error_types import ErrorType
 from trainguard.protocol import shard_name

@@ -12,7 +12,8 @@ from botocore.exceptions import ClientError
 
 from activities import checkpoint_store, checkpoint_transfers
 from activities.checkpoint_layout import doomed_steps, manifest_problem, step_of
-from activities.checkpoint_store import ORPHANED_UPLOAD_AGE_S, StoreActivities, abort_orphaned_uploads, committed_shard
+from activities.checkpoint_store import StoreActivities
+from activities.store_reads import ORPHANED_UPLOAD_AGE_S, abort_orphaned_uploads, committed_shard
 from activities.checkpoint_transfers import local_digests
 from activities.models import Manifest, PruneCheckpointsInput, ShardInfo
 

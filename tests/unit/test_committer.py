@@ -13,7 +13,8 @@ from botocore.exceptions import ClientError
 
 from activities import checkpoint_store, checkpoint_transfers
 from activities.checkpoint_layout import MANIFEST_PAGE_RANKS, manifest_key, node_record_key
-from activities.checkpoint_store import StoreActivities, read_manifest
+from activities.checkpoint_store import StoreActivities
+from activities.store_reads import read_manifest
 from activities.checkpoint_transfers import NodeCheckpointActivities
 from activities.models import (
     CommitCheckpointsInput,

@@ -27,8 +27,6 @@ from temporalio.worker import Worker
 
 from activities.checkpoint_layout import reshardable_of
 from activities.models import (
-    AgentsBackInput,
-    AgentsBackResult,
     AttemptDecision,
     CheckNodeInput,
     CheckNodeResult,
@@ -69,7 +67,8 @@ from activities.models import (
 from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard import node_task_queue
-from trainguard.models import AcquireNodesRequest, AcquireNodesResult, NodeRequest, PoolNode
+from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, AgentsBackInput, AgentsBackResult, NodeRequest,
+                               PoolNode)
 from trainguard.models import (
     Action,
     ChaosRequest,
