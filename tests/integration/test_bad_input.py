@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 import urllib.error
 import urllib.request
@@ -103,6 +104,15 @@ def _bad_env_name(rng: random.Random, spec: dict[str, Any]) -> str:
     return "env"
 
 
+def _name_with_newline(rng: random.Random, spec: dict[str, Any]) -> str:
+    """Issue 27 finding 12: Python's `$` matches before a trailing newline, so `HF_TOKEN\\n` passed the secret
+    check (its value reached the history) and `RANK\\n` the reserved one."""
+    name = rng.choice(["HF_TOKEN", "RANK", "WORLD_SIZE", "TRAINGUARD_PEER_TOKEN", "LD_PRELOAD", "SEED"])
+    name += rng.choice(["\n", "\r", "\r\n"])
+    spec["env"] = {"SEED": "1", name: MARKER + uuid.uuid4().hex}
+    return f"env.{name}"
+
+
 INT_FIELDS = [("ranks_per_node",), ("min_nodes",), ("max_history_events",), ("checkpoint", "every_steps"),
               ("checkpoint", "keep_last"), ("restarts", "max_restarts"), ("health", "straggler_windows")]
 FLOAT_FIELDS = [("reserve_timeout_s",), ("restarts", "window_s"), ("health", "hang_max_s"),
@@ -153,7 +163,10 @@ def _bad_shape(rng: random.Random, spec: dict[str, Any]) -> str:
 
 
 MUTATIONS: list[Mutation] = [_secret_env, _nul, _surrogate, _huge_value, _exec_too_big, _spec_too_big,
-                             _reserved_env, _bad_env_name, _bad_int, _bad_float, _bad_bool, _bad_shape]
+                             _reserved_env, _bad_env_name, _name_with_newline, _bad_int, _bad_float, _bad_bool,
+                             _bad_shape]
+SECRET_MUTATIONS = ("_secret_env", "_name_with_newline")
+"""Their values are secrets (`MARKER`): only the client may see them, never Temporal."""
 
 
 def refused_specs(count: int, seed: int = SEED) -> list[tuple[dict[str, Any], str, str]]:
@@ -185,7 +198,10 @@ def agent_specs(count: int, seed: int = SEED) -> list[tuple[dict[str, Any], str]
                            "SEED": str(rng.randrange(100))}
             cases.append((spec, f"env.{name}"))
         elif kind == "working_dir":
-            spec["working_dir"] = f"/nonexistent/{uuid.uuid4().hex}"
+            # Every other one a folder name too long for the OS even to look up (issue 27 finding 1: its
+            # ENAMETOOLONG was taken for the node's fault, which cordoned node-0 and spent the spare).
+            long_name = (index // len(kinds)) % 2 == 1
+            spec["working_dir"] = "/tmp/" + "w" * 300 if long_name else f"/nonexistent/{uuid.uuid4().hex}"
             cases.append((spec, "working_dir"))
         elif kind == "not_allowed":
             program = rng.choice(["/bin/sh", "sh", "/usr/bin/env", ".venv/bin/../../../../../../bin/sh"])
@@ -214,10 +230,10 @@ async def test_generated_bad_specs_are_refused_naming_the_field(client: Traingua
             parse_spec(spec)
         assert fragment in str(refused.value), (mutation, fragment, str(refused.value)[:300])
     # Through the client as `trainguard run start` goes: refused before anything reaches Temporal.
-    secret_cases = [(s, f) for s, f, m in cases if m == "_secret_env"][:5]
+    secret_cases = [case for name in SECRET_MUTATIONS for case in [(s, f) for s, f, m in cases if m == name][:5]]
     for spec, fragment in secret_cases:
         workflow_id = f"it-fuzz-secret-{uuid.uuid4().hex[:6]}"
-        with pytest.raises(SpecError, match=fragment.replace(".", r"\.")):
+        with pytest.raises(SpecError, match=re.escape(fragment)):
             await client.start_run(spec, workflow_id=workflow_id)
         assert not [w async for w in client.client.list_workflows(f"WorkflowId = '{workflow_id}'")]
     print(f"{len(cases)} generated bad specs refused in {time.monotonic() - started:.2f}s")
@@ -227,7 +243,7 @@ async def test_bad_specs_sent_straight_to_temporal_fail_at_once_naming_the_field
     # As `temporal workflow start` would send them: the workflow's own validation is all there is. No secret
     # cases here: whoever skips the client puts what they send into the history.
     cases = [(s, f) for s, f, m in refused_specs(NUM_REFUSED, seed=SEED + 1)
-             if m not in ("_secret_env", "_spec_too_big", "_huge_value", "_exec_too_big", "_surrogate")]
+             if m not in (*SECRET_MUTATIONS, "_spec_too_big", "_huge_value", "_exec_too_big", "_surrogate")]
     sample = random.Random(SEED).sample(cases, NUM_STRAIGHT_TO_TEMPORAL)
 
     async def one(spec: dict[str, Any], fragment: str) -> None:
