@@ -44,6 +44,9 @@ async def test_a_cordon_outlives_runs_until_an_operator_lifts_it(client: Traingu
     assert (await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)).steps_completed == 20
 
 
+# About 70 s (the lease goes back once the closed run's agents had time to fence its ranks): `make test-slow`.
+# tests/unit/test_lease_reclaim.py keeps the rules in `make test`.
+@pytest.mark.slow
 async def test_a_terminated_runs_nodes_go_to_the_next_run(client: TrainguardClient, prefix: str) -> None:
     """Issue 27 item 7: a terminated run never releases its lease; the next run waited "leased to ..." until it
     failed. Now the lease it finds in its way is described, and a closed run's nodes are given back."""
