@@ -58,8 +58,14 @@ def _peers_line(peers: list[RankEvidence]) -> str:
 
 def _named(pick: RankEvidence, evidence: list[RankEvidence], rule: str, why: str) -> Culprit:
     peers = [e for e in evidence if e.rank != pick.rank and e.state != "exited"]
+    if pick.innermost:
+        where = f", at {pick.innermost}"
+    elif pick.state in STUCK_STATES:
+        where = f" (a process that is {_STATE_WORDS.get(pick.state, pick.state)} cannot give its stacks)"
+    else:
+        where = " (it gave no stacks)"
     return Culprit(rank=pick.rank, node=pick.node, rule=rule,
-                   evidence=f"rank {pick.rank} {why}, at {_where(pick)}\n{_peers_line(peers)}")
+                   evidence=f"rank {pick.rank} {why}{where}\n{_peers_line(peers)}")
 
 
 def pick_culprit(evidence: list[RankEvidence], fallback_rank: int | None,

@@ -117,3 +117,13 @@ def test_run_report_prints_each_hangs_evidence_and_every_ranks_stored_stacks() -
         raise OSError("store unreachable")
 
     assert "stacks not readable: store unreachable" in render_stacks([(1, hang)], down)
+
+
+def test_a_stopped_rank_without_stacks_is_said_to_be_stopped_not_at_no_stacks() -> None:
+    stopped = RankEvidence(rank=1, node="node-1", state="T", answered=False)
+    waiting = RankEvidence(rank=0, node="node-0", state="S", answered=True, in_collective=True, collective="allreduce",
+                           collectives_enqueued=7, innermost="train.py:88 in step")
+    culprit = pick_culprit([waiting, stopped], fallback_rank=0, fallback_node="node-0")
+    assert culprit.rank == 1 and culprit.rule == "process-state"
+    first = culprit.evidence.splitlines()[0]
+    assert first == "rank 1 is stopped (a process that is stopped cannot give its stacks)", first
