@@ -71,7 +71,7 @@ from trainguard.settings import s3_client
 
 from activities.store_reads import (STORE_CHECK_THREADS, ManifestRefused, _bucket_missing, _error_code, _is_missing,
                                     _stored_manifest, abort_orphaned_uploads, check_shard_in_store, list_steps,
-                                    read_manifest)
+                                    read_manifest, read_object)
 
 log = logging.getLogger("activities.checkpoints")
 """The checkpoint logs keep the name they always had, whichever part of them logs."""
@@ -212,12 +212,9 @@ class StoreActivities:
 
     @staticmethod
     def _read_owner(client: Any, bucket: str, key: str) -> NamespaceOwner | None:
-        try:
-            body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except ClientError as error:
-            if _is_missing(error):
-                return None
-            raise
+        body = read_object(client, bucket, key)
+        if body is None:
+            return None
         try:
             return NamespaceOwner.model_validate_json(body)
         except ValueError:

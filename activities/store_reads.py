@@ -74,15 +74,22 @@ def list_steps(client: Any, bucket: str, run_prefix: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def _stored_manifest(client: Any, bucket: str, key: str, secret: bytes | None) -> dict[str, Any] | None:
-    """The manifest object at `key` as stored (None when there is none), its tag checked when `secret` is
-    given (ManifestRefused); not JSON raises ValueError."""
+def read_object(client: Any, bucket: str, key: str) -> bytes | None:
+    """The object's bytes; None when there is none."""
     try:
-        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError as error:
         if _is_missing(error):
             return None
         raise
+
+
+def _stored_manifest(client: Any, bucket: str, key: str, secret: bytes | None) -> dict[str, Any] | None:
+    """The manifest object at `key` as stored (None when there is none), its tag checked when `secret` is
+    given (ManifestRefused); not JSON raises ValueError."""
+    body = read_object(client, bucket, key)
+    if body is None:
+        return None
     document = json.loads(body)
     if not isinstance(document, dict):
         raise ValueError(f"manifest {key} is not a JSON object")

@@ -198,7 +198,11 @@ class DevStack:
     def peer_token(self) -> str:
         """The pool's peer-tier token (`TRAINGUARD_PEER_TOKEN`), generated once per stack under the data dir,
         so an agent restarted later still shares it with the others; given to workers by environment."""
-        path = self.home / "peer-token"
+        return self._secret_file("peer-token")
+
+    def _secret_file(self, name: str) -> str:
+        """A random secret generated once under the data dir (owner-only), the same for every later start."""
+        path = self.home / name
         if not path.exists():
             self.home.mkdir(parents=True, exist_ok=True)
             path.write_text(secrets.token_hex(32))
@@ -208,12 +212,7 @@ class DevStack:
     def manifest_key(self) -> str:
         """The controller's manifest key (`TRAINGUARD_MANIFEST_KEY`), generated once per stack under the data dir:
         it tags every manifest the controller commits, so a planted one is refused. The controller's alone."""
-        path = self.home / "manifest-key"
-        if not path.exists():
-            self.home.mkdir(parents=True, exist_ok=True)
-            path.write_text(secrets.token_hex(32))
-            path.chmod(0o600)
-        return path.read_text().strip()
+        return self._secret_file("manifest-key")
 
     @property
     def certs(self) -> Any:

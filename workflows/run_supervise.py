@@ -24,8 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.error_types import ErrorType
     from trainguard.models import Action, Incident, IncidentKind, Phase, StopReason
     from workflows.culprit import pick_culprit
-    from workflows.node_group import (EVIDENCE_RETRY, EVIDENCE_TIMEOUT, NODE_SCHEDULE_TO_START, NODES_PER_GROUP,
-                                      GroupReport)
+    from workflows.node_group import EVIDENCE_RETRY, EVIDENCE_TIMEOUT, NODE_SCHEDULE_TO_START, NODES_PER_GROUP
     from workflows.node_group_models import LostNode, NodeCallKind, NodeGroupWatchResult
     from workflows.policy import RecoveryBudget, decide, may_change_world_size, same_failure_streak
     from workflows.run_core import RunCore, cause_text, injected_key
@@ -378,5 +377,3 @@ class Supervisor:
         if injected:
             incident.detection_s = round(max(0.0, incident.detected_at - max(injected)), 3)
 
-
-__all__ = ["GroupReport", "Outcome", "Supervisor"]
