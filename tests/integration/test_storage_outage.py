@@ -38,6 +38,9 @@ async def test_s3_down_mid_run_training_goes_on_and_checkpoints_commit_when_it_r
     assert result.final_state_digest == baseline.final_state_digest
 
 
+# Failed twice in full fresh-clone runs under load, passes alone: `make test-slow` until its timing is understood;
+# the workflow test of the same decision stays in `make test`.
+@pytest.mark.slow
 async def test_checkpoints_that_stop_committing_are_an_incident_and_the_run_still_ends_identical(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
