@@ -334,8 +334,10 @@ class Supervisor:
                              incident.node, spare, attempt)
         if merged:  # the relaunch already made counts once, as it did before the symptom was taken back
             core.count_restart(now)
+        # Before the swap's awaits: the attempt's first step may be signalled while the spare launches, and
+        # this incident's recovery ends there too.
+        core.live.joins.append(incident)
         await self.nodes.swap_in_spare(incident, spare)
-        core.live.joins.append(incident)  # its recovery ends at this attempt's first step
         core.publish()
         return True
 
