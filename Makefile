@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The `bench` extra (matplotlib, nvidia-resiliency-ext) on top: bench-recovery, bench and bench-plots need it.
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: demo test test-slow unit integration install clean lint docs
 
@@ -45,8 +47,10 @@ clean:
 bench-checkpoint: $(STAMP)
 	$(BIN)/python -m infra.bench.checkpoint $(BENCH_ARGS)
 
+# Recovery against torchrun and NVIDIA's ft_launcher in the same run: it installs the `bench` extra
+# (nvidia-resiliency-ext) first, so ft_launcher is never skipped as not installed.
 .PHONY: bench-recovery
-bench-recovery: $(STAMP)
+bench-recovery: $(BENCH_STAMP)
 	$(BIN)/python -m infra.bench.recovery $(BENCH_ARGS)
 
 .PHONY: bench-goodput
@@ -85,8 +89,6 @@ soak: $(STAMP)
 # Every benchmark, one after the other (never in parallel: they would skew each other), then the pictures
 # (.bench/recovery-timeline.png, recovery-lost.png, checkpoint.png). The plots need matplotlib and the
 # ft_launcher baseline nvidia-resiliency-ext: the `bench` extra (pip install -e '.[bench]').
-BENCH_STAMP := $(VENV)/.installed-bench
-
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
