@@ -105,7 +105,9 @@ def main() -> None:
 
     # FSDP2 state is DTensors, which trainguard saves with DCP: the load goes in place into this world's
     # sharded state dict (it reshards). DDP state is plain tensors, one torch.save per rank (or rank 0's).
-    restored = run.restore(state()) if args.parallel == "fsdp" else run.restore()
+    # `state`, not `state()`: building it initialises the optimizer's state (an AdamW step at learning rate 0),
+    # so it is built only when a DCP checkpoint is restored, and a fresh start trains as under plain torchrun.
+    restored = run.restore(state)
     if restored is not None:
         set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
     if restored is not None:

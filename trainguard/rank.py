@@ -17,8 +17,10 @@ run.finish(digest=tg.state_digest(model))
 `save` holds training up only for an in-memory copy of the state; the file is written and checksummed by a
 background thread, then the node agent uploads it. Sharded state (DTensor: FSDP2, tensor parallel) is saved
 with `torch.distributed.checkpoint` and restored into the caller's state dict, resharded:
-`run.restore({"model": model_sd, "optim": optim_sd})` with the dicts `get_state_dict(model, optim)` returns. Torch, Python and NumPy RNG states are saved and restored
-with every checkpoint, so a script whose data depends only on the step resumes bit-exactly.
+`run.restore(template)`, where `template()` returns `{"model": model_sd, "optim": optim_sd}` from
+`get_state_dict(model, optim)`: it is called only when there is a checkpoint to load (building it initialises
+the optimizer's state, which a fresh start must not do). Torch, Python and NumPy RNG states are saved and
+restored with every checkpoint, so a script whose data depends only on the step resumes bit-exactly.
 
 Outside trainguard (no `TRAINGUARD_*` environment) every call is a no-op apart from `restore`, which returns
 None, so the same script still runs under plain torchrun.
@@ -46,8 +48,8 @@ from typing import Any, NoReturn
 
 from trainguard import evidence as _evidence
 from trainguard import protocol as _protocol
-from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, _helper_bytes, _helper_from_bytes, _safe_dcp,
-                                  load_weights_only)
+from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, _helper_bytes,
+                                  _helper_from_bytes, _safe_dcp, caller_outside, load_weights_only)
 from trainguard.state_digest import _holds, _holds_dtensor, _is_sharded, state_digest  # noqa: F401 - tg.state_digest: the API
 from trainguard.settings import env_flag
 
@@ -176,6 +178,8 @@ class RankRun:
         self._saved: set[int] = set()
         self._dcp_group: Any = None
         self._dcp_stager: Any = None
+        self._untemplated_restore: str | None = None
+        """Where the script called `restore()` with nothing to load a DCP checkpoint into (file:line)."""
         base = environ.get(_protocol.ENV_EVIDENCE_BASE)
         self._evidence = _evidence.RankChannel(Path(base)).start() if base and self.managed else None
         """Answers the agent's requests for stacks and collective position (see `trainguard.evidence`)."""
@@ -263,9 +267,7 @@ class RankRun:
                    f"{self.checkpoint_every}) without run.save({due}, ...): the step can never commit without "
                    f"its shard. Call run.save on every rank, or tg.init(replicated=True) when every rank holds "
                    f"rank 0's state (DDP) and only rank 0 saves.")
-        print(message, file=sys.stderr, flush=True)
-        self._write_progress(force=True, error=message)
-        raise SystemExit(EXIT_NO_RETRY)
+        self._stop(message)
 
     def _write_replica(self, step: int) -> None:
         step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)  # type: ignore[operator]
@@ -307,6 +309,11 @@ class RankRun:
         one staged copy is held in host memory: a save waits for the previous one to be written."""
         if not self.managed or self._checkpoint_dir is None:
             return 0.0
+        if self._untemplated_restore is not None and self._format_of(state) == FORMAT_DCP:
+            self._stop(f"trainguard: {caller_outside(__file__)}: run.save({step}, ...) writes a torch.distributed.checkpoint "
+                       f"(DCP), which only a restore given its template can load, but "
+                       f"{self._untemplated_restore} calls run.restore() with none: the run could never "
+                       f"resume. {TEMPLATE_FIX}")
         started = time.monotonic()
         # Before the saving flag: a write stuck on a peer that died mid-plan is then judged by the plain hang
         # bound, not the bound plus the checkpoint grace, so the agent stops this rank as hung in time.
@@ -429,24 +436,32 @@ class RankRun:
             error, self._writer_error = self._writer_error, None
             raise RuntimeError(f"trainguard: writing a checkpoint shard failed: {error}") from error
 
-    def restore(self, state: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def restore(self, state: Template | None = None) -> dict[str, Any] | None:
         """The restored checkpoint's state for this rank (checksum verified), or None for a fresh start.
 
-        A DCP checkpoint loads into `state`, the caller's state dict (`get_state_dict(model, optim)` for
-        FSDP2), in place and resharded to this run's world size, and returns it: a collective, so call it on
-        every rank. A `torch.save` checkpoint returns the rank's dict (rank r: shard r mod its world size).
+        A DCP checkpoint loads into the state dict `state()` builds (`get_state_dict(model, optim)` for FSDP2;
+        called only then: on a fresh optimizer it is an AdamW step at lr 0, which plain torchrun never takes),
+        in place and resharded to this run's world size, and returns it: a collective, so call it on every
+        rank. A dict works too. Given neither, a script's first DCP `save` stops the run saying so.
+        A `torch.save` checkpoint returns the rank's dict (rank r: shard r mod its world size).
 
         A rank restarted in process (`joining`) gets the state a live peer holds instead, and `start_step`
         becomes that peer's step. Call it after `init_process_group`, before wrapping the model in DDP: the
         live ranks meet it there from `rejoin`."""
         if self.joining:
-            state, self.start_step = self._agree(None, -1)
+            joined, self.start_step = self._agree(None, -1)
             self._step = self.start_step
-            return state
+            return joined
+        if state is None:
+            self._untemplated_restore = caller_outside(__file__)
         if self._restore_dir is None:
             return None
         if (self._restore_dir / DCP_METADATA).exists():
-            return self._restore_dcp(state)
+            if state is None:
+                self._stop(f"trainguard: {self._untemplated_restore}: the restored checkpoint is a "
+                           f"torch.distributed.checkpoint (DCP), which loads into a template: run.restore() "
+                           f"was given none. {TEMPLATE_FIX}")
+            return self._restore_dcp(state() if callable(state) else state)
         import pickle
 
         shard = self._restore_dir / _protocol.shard_name(self.rank)
@@ -462,6 +477,12 @@ class RankRun:
             _set_rng_state(helper["rng"])
         return loaded
 
+    def _stop(self, message: str) -> NoReturn:
+        """An error no restart can fix: say so on stderr and in the progress file, exit `EXIT_NO_RETRY`."""
+        print(message, file=sys.stderr, flush=True)
+        self._write_progress(force=True, error=message)
+        raise SystemExit(EXIT_NO_RETRY)
+
     def _refuse_restore(self, path: Path, error: Exception) -> NoReturn:
         """A restore that would unpickle more than weights: the rank stops with `EXIT_NO_RETRY` (a restart
         loads the same checkpoint), saying what was refused and what to change."""
@@ -472,11 +493,9 @@ class RankRun:
                    f"containers, numbers and strings ({refused[:300]}), and unpickling them could run any code. "
                    f"Save plain state (model.state_dict(), optimizer.state_dict(), ints), or, where every "
                    f"checkpoint a node restores is trusted, its operator sets {ENV_ALLOW_PICKLE}=1 for its agent.")
-        print(message, file=sys.stderr, flush=True)
-        self._write_progress(force=True, error=message)
-        raise SystemExit(EXIT_NO_RETRY)
+        self._stop(message)
 
-    def _restore_dcp(self, state: dict[str, Any] | None) -> dict[str, Any]:
+    def _restore_dcp(self, state: dict[str, Any]) -> dict[str, Any]:
         """Load a DCP checkpoint into `state`. The node agent verified every file against the manifest's
         sha256 before the rank started; its metadata and non-tensor values load weights-only all the same."""
         import pickle
@@ -484,10 +503,6 @@ class RankRun:
         import torch.distributed.checkpoint as dcp
 
         assert self._restore_dir is not None
-        if state is None:
-            raise RuntimeError("trainguard: the restored checkpoint is a torch.distributed.checkpoint: pass the "
-                               "state dict to load into, run.restore({'model': ..., 'optim': ...}) "
-                               "(get_state_dict(model, optim) for FSDP)")
         reader, planner = _safe_dcp(self._restore_dir, self.allow_pickle)
         key = _helper_key(self.rank)
         try:

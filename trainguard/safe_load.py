@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,23 @@ ENV_ALLOW_PICKLE = "TRAINGUARD_ALLOW_PICKLE"
 that node may unpickle arbitrary objects (`torch.load(weights_only=False)`). Unset, a restore loads only
 tensors, dicts, lists, numbers and strings (`weights_only=True`, DCP's metadata through an allow-list), so a
 planted shard cannot run code in the rank. A spec cannot set it: `TRAINGUARD_*` names are the agent's."""
+
+
+Template = dict[str, Any] | Callable[[], dict[str, Any]]
+"""What a DCP checkpoint loads into: the state dict, or a function that builds it (called only to restore)."""
+
+TEMPLATE_FIX = ("Pass a function that builds the state dict to load into, called only when there is a checkpoint "
+                "to restore: def state(): model_sd, optim_sd = get_state_dict(model, optimizer); return "
+                "{'model': model_sd, 'optim': optim_sd}; then restored = run.restore(state).")
+
+
+def caller_outside(*files: str) -> str:
+    """`file:line` of the script's call into the rank helper: the innermost frame outside `files` and here,
+    so an error names the user's line, not the helper's."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename in (*files, __file__):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _numpy_rng_globals() -> list[Any]:
