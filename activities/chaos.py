@@ -143,6 +143,10 @@ class RankChaos:
             for proc in [*record.ranks.values(), *([record.standby] if record.standby else [])]:
                 if not proc.poll():
                     kill_group(proc.pid, signal.SIGKILL)
+        for pool in self.book.parking.values():
+            for parked in pool.processes:
+                if not parked.proc.poll():
+                    kill_group(parked.proc.pid, signal.SIGKILL)
         log.warning("chaos: node-down on %s: agent and ranks killed", self.node)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -1,5 +1,8 @@
 """Launch and stop a node's ranks: `launch_ranks`, `rejoin_ranks` (an in-process restart) and `stop_ranks`.
 
+A launch hands each rank to a process of the run parked here ahead of need when it has one
+(`activities.rank_parking`: a warm relaunch) and starts the others cold.
+
 Launches are fenced by attempt: the node records the newest attempt it has seen for each run, kills ranks of
 older attempts before starting new ones, and refuses a late launch of an older attempt, so ranks of attempt k
 never run beside attempt k+1. A spec is user input: only programs the agent's `--allow` list names run, and
@@ -31,9 +34,11 @@ from activities.models import (
     StopRanksInput,
     StopRanksResult,
 )
+from activities.rank_parking import ParkedProcess, Parking, park_key
 from activities.rank_records import AttemptRecord, RankBook, RankProcess, log, read_report
 from trainguard import protocol
 from trainguard.error_types import ErrorType
+from trainguard.models import StopReason
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
 from trainguard.run_as import RunAs
@@ -63,6 +68,13 @@ def _program_path(path: str) -> Path:
     return Path(os.path.realpath(head)) / tail
 
 
+_RUN_LEAVES = frozenset({StopReason.RUN_ENDED, StopReason.DRAIN, StopReason.OPERATOR_PAUSE,
+                         StopReason.INCIDENT_PAUSE})
+"""Stops after which the run relaunches nothing on this node soon (it ended, the node leaves it, or it waits for
+an operator): its parked processes go with its ranks. A stop for a relaunch keeps them for it; a node an incident
+takes out of the run loses them at the agent's orphan check (`workers.node_agent.check_orphans`)."""
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -86,6 +98,8 @@ class RankLaunch:
         """Env names of `EXEC_ENV_PATTERNS` this node's operator lets a spec set (`--allow-env`)."""
         self.run_as = run_as
         """The user ranks run as (`--run-as`); None runs them as the agent's own user, secrets in reach."""
+        self.parking = Parking(book)
+        """The runs' processes parked on this node for their next launch."""
 
     @activity.defn(name="launch_ranks")
     async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
@@ -132,18 +146,31 @@ class RankLaunch:
         drop_uncommitted_shards(layout, request.restore_step)
         layout.logs_dir(request.attempt).mkdir(parents=True, exist_ok=True)
         self._rank_folders(layout, request.attempt)
-        extra = {protocol.ENV_RESTORE_STEP: str(request.restore_step)}
+        extra = {protocol.ENV_RESTORE_STEP: str(request.restore_step),
+                 protocol.ENV_STANDBY_MARK: str(layout.standby_mark(request.attempt))}
         if request.restore_dir:
             extra[protocol.ENV_RESTORE_DIR] = request.restore_dir
         if request.rejoin_timeout_s is not None:
             extra[protocol.ENV_REJOIN_TIMEOUT_S] = str(request.rejoin_timeout_s)
+        key = park_key(request.chain_id, request.entrypoint, cwd, request.env,
+                       self.run_as.name if self.run_as is not None else None)
+        pool = self.parking.pool(request.workflow_id, key)
+        warm = []
         for local_rank in range(request.ranks_per_node):
-            await self._spawn(record, layout, request, cwd, local_rank, extra)
+            parked = pool.take() if pool is not None else None
+            if parked is not None:
+                self._hand_off(record, layout, request, local_rank, extra, parked)
+                warm.append(parked.proc.pid)
+            else:
+                await self._spawn(record, layout, request, cwd, local_rank, extra)
         if request.rejoin_timeout_s is not None:
             self._start_standby(record, layout, request, cwd)
+        await self.parking.keep(record, key, request.ranks_per_node, lambda role_file: self._park(
+            layout, request, cwd, role_file))
         log.info(
-            "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d)",
+            "launched ranks %s of %s attempt %d on %s (rendezvous %s:%d; %d from parked processes)",
             sorted(record.ranks), request.workflow_id, request.attempt, self.node, master_addr, master_port,
+            len(warm),
         )
         return LaunchRanksResult(
             node=self.node, master_addr=master_addr, master_port=master_port,
@@ -238,6 +265,28 @@ class RankLaunch:
         threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
         self.book.save(record)
 
+    def _hand_off(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput, local_rank: int,
+                  extra: dict[str, str], parked: ParkedProcess) -> None:
+        """Give a parked process the role of one rank of `record`'s attempt: the environment a cold start
+        would have had, and the rank's log. It takes the role within `standby()`'s poll."""
+        rank = request.node_rank * request.ranks_per_node + local_rank
+        log_file = layout.log_file(record.attempt, rank)
+        log_file.touch()
+        if self.run_as is not None:
+            self.run_as.own(log_file)  # it opens the log itself, as the run-as user
+        env = self._rank_env(record, layout, request, local_rank, extra)
+        protocol.StandbyRole(env, log_file=str(log_file)).write(parked.role_file)
+        self._track(record, rank, parked.proc.pid, parked.proc.popen)
+
+    def _park(self, layout: RunLayout, request: RankGroupInput, cwd: Path,
+              role_file: Path) -> subprocess.Popen[bytes]:
+        """The run's entrypoint started ahead of need, to wait in `standby()` for `role_file`."""
+        if self.run_as is not None:
+            self.run_as.own(layout.parked_dir)  # it writes its mark there
+        return self._start(layout, request, cwd, protocol.park_log_path(role_file),
+                           {protocol.ENV_STANDBY_FILE: str(role_file),
+                            protocol.ENV_STANDBY_MARK: str(protocol.mark_path(role_file))})
+
     def _start_standby(self, record: AttemptRecord, layout: RunLayout, request: RankGroupInput,
                        cwd: Path) -> None:
         """One process of the entrypoint, started now so a rank that dies later is replaced without paying
@@ -298,26 +347,36 @@ class RankLaunch:
         standby = current.standby if current.standby is not None and not current.standby.poll() else None
         current.standby = None  # it moves to the new attempt's record: as a rank, or to be stopped with it
         used_standby = False
+        key = park_key(request.chain_id, request.entrypoint, cwd, request.env,
+                       self.run_as.name if self.run_as is not None else None)
+        pool = self.parking.pool(request.workflow_id, key)
         for local_rank in range(request.ranks_per_node):
             rank = request.node_rank * request.ranks_per_node + local_rank
             if rank in alive:
                 continue
             extra = {protocol.ENV_JOIN: protocol.JOIN_YES, protocol.ENV_RESTORE_STEP: str(record.start_step),
-                     protocol.ENV_REJOIN_TIMEOUT_S: str(request.rejoin_timeout_s)}
+                     protocol.ENV_REJOIN_TIMEOUT_S: str(request.rejoin_timeout_s),
+                     protocol.ENV_STANDBY_MARK: str(layout.standby_mark(record.attempt))}
+            parked = pool.take() if pool is not None and standby is None else None
             if standby is not None:
                 # The standby has the interpreter and torch loaded: give it this rank's role.
                 env = self._rank_env(record, layout, request, local_rank, extra)
                 protocol.StandbyRole(env).write(layout.standby_file(current.attempt))
                 self._track(record, rank, standby.pid, standby.popen)
                 standby, used_standby = None, True
+            elif parked is not None:
+                self._hand_off(record, layout, request, local_rank, extra, parked)
+                used_standby = True
             else:
                 await self._spawn(record, layout, request, cwd, local_rank, extra)
         record.standby = standby
         if record.standby is None:
             self._start_standby(record, layout, request, cwd)
+        await self.parking.keep(record, key, request.ranks_per_node, lambda role_file: self._park(
+            layout, request, cwd, role_file))
         log.info("in-process restart of %s attempt %d -> %d on %s: kept ranks %s, restarted %s%s (group %s:%d)",
                  request.workflow_id, request.from_attempt, record.attempt, self.node, sorted(alive),
-                 sorted(set(record.ranks) - set(alive)), " (one from the standby)" if used_standby else "",
+                 sorted(set(record.ranks) - set(alive)), " (warm: a standby or parked process)" if used_standby else "",
                  record.master_addr, record.master_port)
         return RejoinRanksResult(node=self.node, master_addr=record.master_addr, master_port=record.master_port,
                                  survivors=sorted(alive), joiners=sorted(set(record.ranks) - set(alive)),
@@ -368,6 +427,8 @@ class RankLaunch:
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
         """Stop the run's ranks on this node (whole process groups): SIGTERM, then SIGKILL after the grace."""
         record = self.book.record(request.workflow_id)
+        if request.attempt is None or request.reason in _RUN_LEAVES:
+            await self.book.close_parking(request.workflow_id)  # no relaunch here to keep them for
         if record is None or (request.attempt is not None and record.attempt > request.attempt):
             return StopRanksResult(stopped=0)
         return StopRanksResult(stopped=await self.book.stop(record, request.grace_s))

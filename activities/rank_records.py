@@ -17,11 +17,15 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from activities.progress import RankReport
 from trainguard import protocol
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
+
+if TYPE_CHECKING:
+    from activities.rank_parking import RunParking
 
 log = logging.getLogger("activities.ranks")
 """The agent's rank logs keep the name they always had, whichever part of it logs."""
@@ -98,8 +102,8 @@ class AttemptRecord:
     restore_tiers: list[str] = field(default_factory=list)
     """Where a watch's download for this launch found the shards (`local`, `peer`, `s3`): its events say so."""
 
-    def to_json(self) -> dict[str, object]:
-        """`ranks.json` (`trainguard.protocol.AttemptFile`)."""
+    def to_json(self, parked: list[protocol.ProcessEntry] | None = None) -> dict[str, object]:
+        """`ranks.json` (`trainguard.protocol.AttemptFile`), with the run's `parked` processes here."""
         return protocol.AttemptFile(
             workflow_id=self.workflow_id, attempt=self.attempt, master_addr=self.master_addr,
             master_port=self.master_port, start_step=self.start_step, launched_at=self.launched_at,
@@ -107,6 +111,7 @@ class AttemptRecord:
             ranks=[protocol.ProcessEntry(p.pid, p.start_time, p.rank) for p in self.ranks.values()],
             survivors=sorted(self.survivors), restore_tiers=self.restore_tiers,
             standby=None if self.standby is None else protocol.ProcessEntry(self.standby.pid, self.standby.start_time),
+            parked=parked or [],
         ).to_json()
 
     @classmethod
@@ -164,6 +169,8 @@ class RankBook:
         self.workdir = workdir
         self.attempts: dict[str, AttemptRecord] = {}
         """Workflow id -> the newest attempt of that run this node has launched."""
+        self.parking: dict[str, RunParking] = {}
+        """Workflow id -> the run's processes parked here for its next relaunch (`activities.rank_parking`)."""
         self._reconcile()
 
     def _reconcile(self) -> None:
@@ -176,6 +183,11 @@ class RankBook:
                 record = AttemptRecord.from_json(json.loads(ranks_file.read_text()))
             except (OSError, ValueError, KeyError):
                 continue
+            parked = protocol.read_attempt_file(ranks_file)
+            for item in parked.parked if parked is not None else []:
+                # Parked processes exit when their agent goes; one that has not yet got that far goes now.
+                if item.start_time and start_time(item.pid) == item.start_time:
+                    kill_group(item.pid, signal.SIGKILL)
             alive = [p for p in record.ranks.values() if not p.poll()]
             if alive:
                 log.info("adopting %d live ranks of %s attempt %d", len(alive), record.workflow_id, record.attempt)
@@ -188,14 +200,29 @@ class RankBook:
         """Write `record`'s `ranks.json`, so an agent that restarts adopts its ranks."""
         layout = RunLayout.of(self.workdir, record.workflow_id)
         layout.root.mkdir(parents=True, exist_ok=True)
-        protocol.write_json(layout.ranks_file, record.to_json())
+        pool = self.parking.get(record.workflow_id)
+        protocol.write_json(layout.ranks_file, record.to_json(pool.entries() if pool is not None else None))
 
     def unwatched(self, idle_s: float) -> list[AttemptRecord]:
         """Attempts with live ranks that no watch has looked at for `idle_s`: after a partition heals (or a
         long controller outage), ranks of an attempt the run has since replaced elsewhere."""
         now = time.monotonic()
         return [r for r in self.attempts.values() if now - r.last_watched > idle_s and (
-            any(not p.poll() for p in r.ranks.values()) or (r.standby is not None and not r.standby.poll()))]
+            any(not p.poll() for p in r.ranks.values()) or (r.standby is not None and not r.standby.poll())
+            or r.workflow_id in self.parking)]
+
+    async def close_parking(self, workflow_id: str) -> int:
+        """Kill the run's parked processes here (the run ended, left this node, or runs something else)."""
+        pool = self.parking.pop(workflow_id, None)
+        if pool is None:
+            return 0
+        closed = await pool.close()
+        record = self.attempts.get(workflow_id)
+        if record is not None:
+            self.save(record)
+        if closed:
+            log.info("stopped %d parked processes of %s on %s", closed, workflow_id, self.node)
+        return closed
 
     async def stop_standby(self, record: AttemptRecord) -> None:
         standby, record.standby = record.standby, None
@@ -231,10 +258,13 @@ class RankBook:
                     await asyncio.sleep(0.02)
         return len(live)
 
-    async def fence(self, record: AttemptRecord, why: str) -> int:
-        """Stop an attempt's ranks that its run no longer counts on (unless a newer attempt took its place)."""
+    async def fence(self, record: AttemptRecord, why: str, leaving: bool = True) -> int:
+        """Stop an attempt's ranks that its run no longer counts on (unless a newer attempt took its place);
+        `leaving`: the run has ended or gone on without this node, so its parked processes go too."""
         if self.attempts.get(record.workflow_id) is not record:
             return 0
+        if leaving:
+            await self.close_parking(record.workflow_id)
         stopped = await self.stop(record, grace_s=2.0)
         if stopped:
             log.warning("fenced %d ranks of %s attempt %d on %s: %s", stopped, record.workflow_id,
@@ -244,6 +274,8 @@ class RankBook:
     async def stop_all(self, grace_s: float = 2.0) -> int:
         """Stop every rank this agent runs (on agent shutdown): ranks must never outlive their agent."""
         stopped = 0
+        for workflow_id in list(self.parking):
+            await self.close_parking(workflow_id)
         for record in list(self.attempts.values()):
             stopped += await self.stop(record, grace_s)
         return stopped

@@ -15,6 +15,10 @@ ranks.json                                 AttemptFile: the agent's record of th
 attempt-NNNN/progress/rank-NNNNN.json      Progress: a rank's heartbeat (and its finish)
 attempt-NNNN/checkpoint-request.json       CheckpointRequest: an operator's `checkpoint_now`
 attempt-NNNN/standby.json                  StandbyRole: the role the agent gives the standby process
+attempt-NNNN/progress/standby-mark.json    StandbyMark: the attempt's ranks call `trainguard.rank.standby()`
+parked/park-NNNNNN.json                    StandbyRole: the role the agent gives a parked process (warm relaunch)
+parked/park-NNNNNN.mark.json               StandbyMark: the parked process waits in `standby()`
+parked/park-NNNNNN.log                     a parked process's stdout and stderr until it takes a role
 attempt-NNNN/logs/rank-NNNNN.log           a rank's stdout and stderr
 rejoin/rank-NNNNN.json                     Rejoin: the new process group of an in-process restart
 checkpoints/step-NNNNNNNN/rank-NNNNN.*     a rank's local checkpoint shard and its meta file
@@ -60,7 +64,10 @@ ENV_REJOIN_FILE = "TRAINGUARD_REJOIN_FILE"
 ENV_JOIN = "TRAINGUARD_JOIN"
 """`1`: the process replaces a rank that died and takes its state from a live peer."""
 ENV_STANDBY_FILE = "TRAINGUARD_STANDBY_FILE"
-"""Set only for a standby process: where it waits for its `StandbyRole`."""
+"""Set only for a standby or parked process: where it waits for its `StandbyRole`."""
+ENV_STANDBY_MARK = "TRAINGUARD_STANDBY_MARK"
+"""Where `trainguard.rank.standby()` writes its `StandbyMark` when called: the handshake that tells the agent
+the script parks, so it never starts ahead of need a script that would run on without waiting."""
 ENV_WORKFLOW_ID = "TRAINGUARD_WORKFLOW_ID"
 """The run's workflow id (for the rank's own logs, and for harnesses that find ranks in /proc)."""
 ENV_NODE = "TRAINGUARD_NODE"
@@ -84,6 +91,8 @@ CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"
 STANDBY_FILE = "standby.json"
 STANDBY_LOG = "standby.log"
+STANDBY_MARK_FILE = "standby-mark.json"
+PARKED_DIR = "parked"
 REJOIN_DIR = "rejoin"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -164,6 +173,19 @@ class RunLayout:
     def standby_file(self, attempt: int) -> Path:
         """The role (a rank's environment) the agent gives the attempt's standby process when a rank dies."""
         return self.attempt_dir(attempt) / STANDBY_FILE
+
+    def standby_mark(self, attempt: int) -> Path:
+        """Written by the attempt's ranks as they pass `trainguard.rank.standby()`: the run's script parks."""
+        return self.progress_dir(attempt) / STANDBY_MARK_FILE  # a folder the ranks may write into
+
+    @property
+    def parked_dir(self) -> Path:
+        """The run's parked processes' files (`park_file`), the run's on this node across attempts."""
+        return self.root / PARKED_DIR
+
+    def park_file(self, number: int) -> Path:
+        """Where parked process `number` waits for its role; its mark and log sit beside it."""
+        return self.parked_dir / f"park-{number:06d}.json"
 
     def rejoin_file(self, rank: int) -> Path:
         """Where the agent tells a live rank whose peers failed which process group to join next."""
@@ -355,19 +377,53 @@ class Rejoin:
 
 @dataclass(frozen=True, slots=True)
 class StandbyRole:
-    """What a standby process becomes: the environment of the rank it replaces."""
+    """What a standby or parked process becomes: the environment of the rank it is (or replaces)."""
 
     env: dict[str, str]
+    log_file: str | None = None
+    """The rank's log: the process sends its stdout and stderr there from now on (None: where they went)."""
 
     def write(self, path: Path) -> None:
-        write_json(path, {"env": self.env})
+        write_json(path, {"env": self.env, **({"log_file": self.log_file} if self.log_file else {})})
 
     @classmethod
     def read(cls, path: Path) -> StandbyRole | None:
         data = read_json(path)
         try:
-            return cls(env={str(k): str(v) for k, v in data["env"].items()})
+            log_file = data.get("log_file")
+            return cls(env={str(k): str(v) for k, v in data["env"].items()},
+                       log_file=None if log_file is None else str(log_file))
         except (KeyError, TypeError, AttributeError):
+            return None
+
+
+def mark_path(role_file: Path) -> Path:
+    """The `StandbyMark` of the process waiting for `role_file`."""
+    return role_file.with_name(f"{role_file.stem}.mark.json")
+
+
+def park_log_path(role_file: Path) -> Path:
+    """The log of the parked process waiting for `role_file`."""
+    return role_file.with_suffix(".log")
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyMark:
+    """`trainguard.rank.standby()` was called: by a rank started as itself, or by a process now waiting for
+    its role (`parked`)."""
+
+    pid: int
+    parked: bool = False
+
+    def write(self, path: Path) -> None:
+        write_json(path, {"pid": self.pid, "parked": self.parked})
+
+    @classmethod
+    def read(cls, path: Path) -> StandbyMark | None:
+        data = read_json(path)
+        try:
+            return cls(pid=int(data["pid"]), parked=bool(data.get("parked")))
+        except (KeyError, TypeError, ValueError):
             return None
 
 
@@ -398,10 +454,12 @@ class AttemptFile:
     survivors: list[int] = field(default_factory=list)
     restore_tiers: list[str] = field(default_factory=list)
     standby: ProcessEntry | None = None
+    parked: list[ProcessEntry] = field(default_factory=list)
+    """The run's processes parked on this node for its next relaunch (warm relaunch)."""
 
     def processes(self) -> list[ProcessEntry]:
-        """The ranks and the standby (if any): everything of the attempt that may be alive."""
-        return [*self.ranks, *([self.standby] if self.standby is not None else [])]
+        """The ranks, the standby and the parked processes: everything of the run here that may be alive."""
+        return [*self.ranks, *([self.standby] if self.standby is not None else []), *self.parked]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -417,6 +475,7 @@ class AttemptFile:
             "restore_tiers": self.restore_tiers,
             "standby": None if self.standby is None else {"pid": self.standby.pid,
                                                           "start_time": self.standby.start_time},
+            "parked": [{"pid": p.pid, "start_time": p.start_time} for p in self.parked],
         }
 
     @classmethod
@@ -430,6 +489,7 @@ class AttemptFile:
             ranks=[ProcessEntry(item["pid"], item["start_time"], item["rank"]) for item in data["ranks"]],
             survivors=list(data.get("survivors", [])), restore_tiers=list(data.get("restore_tiers", [])),
             standby=ProcessEntry(standby["pid"], standby["start_time"]) if standby else None,
+            parked=[ProcessEntry(item["pid"], item["start_time"]) for item in data.get("parked", [])],
         )
 
     def write(self, path: Path) -> None:

@@ -591,11 +591,15 @@ class RankRun:
 
 
 def standby(poll_s: float = 0.02) -> None:
-    """Call first thing in a script, before `init_process_group`. Returns at once, unless the node agent
-    started this process as a standby (in-process restarts on): then it waits, with the interpreter and its
-    imports already loaded, until the agent gives it the role of a rank that died, and returns as that rank
-    (its environment set as for any rank). Exits if the agent that started it goes away."""
+    """Call first thing in a script, after its imports and before `init_process_group` or any GPU use.
+
+    Returns at once for a rank started as itself (saying so to its node agent: the script parks, so the agent
+    may start the run's next ranks ahead of need). A process the agent started ahead of need (parked for a
+    relaunch, or a standby of an in-process restart) waits here instead, interpreter and imports loaded, until
+    the agent gives it a rank's role: then it returns as that rank, its environment set as for any rank and
+    its output sent to that rank's log. Exits if the agent that started it goes away."""
     path = os.environ.get(_protocol.ENV_STANDBY_FILE)
+    _mark(parked=bool(path))
     if not path:
         return
     agent = os.getppid()
@@ -606,8 +610,31 @@ def standby(poll_s: float = 0.02) -> None:
         if os.getppid() != agent:
             raise SystemExit(0) from None
         time.sleep(poll_s)
-    os.environ.update(role.env)
     del os.environ[_protocol.ENV_STANDBY_FILE]
+    os.environ.update(role.env)
+    if role.log_file:
+        _log_to(role.log_file)
+    _mark(parked=False)  # the new attempt's mark: its ranks park, as they would started as themselves
+
+
+def _mark(parked: bool) -> None:
+    """The `StandbyMark` handshake, where the agent asked for it (an older agent asks for none)."""
+    path = os.environ.get(_protocol.ENV_STANDBY_MARK)
+    if path:
+        with contextlib.suppress(OSError):
+            _protocol.StandbyMark(os.getpid(), parked=parked).write(Path(path))
+
+
+def _log_to(path: str) -> None:
+    """stdout and stderr (the file descriptors, so child processes and C libraries follow) to `path`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
 
 
 def init(*, replicated: bool = False, checkpoint_format: str = "auto") -> RankRun:

@@ -164,7 +164,7 @@ async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) 
         if ranks.node not in status.nodes:
             stopped += await ranks.fence(record, f"the run went on without this node (on {', '.join(status.nodes)})")
         elif status.attempt > record.attempt:
-            stopped += await ranks.fence(record, f"the run is at attempt {status.attempt}")
+            stopped += await ranks.fence(record, f"the run is at attempt {status.attempt}", leaving=False)
     return stopped
 
 

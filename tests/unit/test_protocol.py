@@ -61,13 +61,15 @@ def test_ranks_json_round_trips_between_the_agent_and_the_protocol(tmp_path: Pat
                            restore_tiers=["peer"])
     record.ranks = {0: RankProcess(0, 100, "55"), 1: RankProcess(1, 101, None)}
     record.standby = RankProcess(-1, 102, "57")
-    data = json.loads(json.dumps(record.to_json()))
+    data = json.loads(json.dumps(record.to_json(parked=[protocol.ProcessEntry(103, "58")])))
     assert data == {"workflow_id": "run-1", "attempt": 3, "master_addr": "127.0.0.1", "master_port": 29500,
                     "start_step": 40, "launched_at": 1.5, "chain_id": "c1",
                     "ranks": [{"rank": 0, "pid": 100, "start_time": "55"}, {"rank": 1, "pid": 101, "start_time": None}],
-                    "survivors": [1], "restore_tiers": ["peer"], "standby": {"pid": 102, "start_time": "57"}}
+                    "survivors": [1], "restore_tiers": ["peer"], "standby": {"pid": 102, "start_time": "57"},
+                    "parked": [{"pid": 103, "start_time": "58"}]}
     parsed = protocol.AttemptFile.from_json(data)
-    assert [p.pid for p in parsed.processes()] == [100, 101, 102]
+    assert [p.pid for p in parsed.processes()] == [100, 101, 102, 103]  # what `dev down` kills, parked too
+    assert protocol.AttemptFile.from_json({k: v for k, v in data.items() if k != "parked"}).parked == []
     again = AttemptRecord.from_json(parsed.to_json())
     assert (sorted(again.ranks), again.survivors, again.standby.pid) == ([0, 1], {1}, 102)  # type: ignore[union-attr]
 
