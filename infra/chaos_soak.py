@@ -1,4 +1,4 @@
-"""Chaos soak: keep small training runs going while the controller, node agents and the Temporal server die.
+"""Chaos soak: keep small training runs going while the controller, node agents, Temporal and SeaweedFS die.
 
     python -m infra.chaos_soak [--minutes 10] [--seed N] [--json .bench/soak.json] [--pools 1]
 
@@ -9,16 +9,20 @@ controller, agents `node-0`..`node-2`, under `.bench/soak-<random>` on free port
 2. for `--minutes`, keeps runs of the example trainer going, one after another: 2 nodes x 1 rank with the
    third node of the pool as the run's spare (runs rotate which node is the spare). Runs lease their nodes
    from the node pool exclusively, so one pool of 3 nodes carries one such run at a time; `--pools N`
-   gives the stack N pools (3N nodes) and N runs at once. At random, seeded intervals it kills one
-   component and brings it back with `DevStack.up` (it restarts only what is missing), waiting between
-   kills long enough for the runs to recover:
-   - the controller worker: SIGKILL;
-   - a node agent, mostly of a node a run trains on: SIGKILL (its ranks live on and are adopted by the
-     new agent; the run sees the node as unresponsive once the watch's heartbeat times out, and replaces
-     it with its spare, cordoning it, or, with no spare left, pauses);
-   - the Temporal server: SIGTERM (it restarts on its SQLite file);
-   and acts as the operator would once every agent is back: resumes a paused run, uncordons a node a run
-   cordoned (its agent is back, so the node is repaired);
+   gives the stack N pools (3N nodes) and N runs at once. It kills one component at a time, chosen at
+   random (seeded; each kind once per shuffled round), by SIGKILL or gracefully by SIGTERM (half each), and
+   brings it back with `DevStack.up` (it restarts only what is missing):
+   - the controller worker;
+   - a node agent, mostly of a node a run trains on (killed, its ranks live on and are adopted by the new
+     agent; stopped, it stops its ranks and the run relaunches on the same nodes once it is back);
+   - the Temporal server (it restarts on its SQLite file);
+   - SeaweedFS (`weed mini`, on its data dir: commits and uploads wait for it).
+   The pace follows recovery, not a clock: after each kill the soak waits for the component to be back and
+   every run to train again (a step past the one it was at, or past its resume point in a new attempt;
+   `--recovery-timeout` at most), then a seeded `--gap`, and kills again, so a loaded machine gets fewer
+   kills, not kills faster than runs recover. A run that pauses is left to heal itself; only if it is still
+   paused after `operator_grace_s` does the soak resume it as an operator would, and before a run starts it
+   uncordons a node of its pool an earlier run cordoned; both are counted (expected: none);
 3. waits for every run to finish and checks the invariants:
    - every run completed (none failed, none left unfinished);
    - no duplicate rank sets: sampled about once a second during the soak, no node ever has live rank
@@ -39,7 +43,8 @@ The stack runs a snapshot of the working tree's code (`trainguard/`, `workflows/
 controller restarted mid-soak runs the code the soak started with, not an edit made since
 (`--no-snapshot` runs the repository itself).
 
-It prints counts and writes a JSON report (`--json`); the exit status is 1 when an invariant fails. The
+It prints counts and writes a JSON report (`--json`: counts with kills by component and signal, kills an hour
+and recovery times, every kill, every run, the seed); the exit status is 1 when an invariant fails. The
 stack is always stopped (`DevStack.down`) and its directory deleted, also on errors, Ctrl-C or SIGTERM.
 Ranks of a killed agent that outlived everything are found by their environment and killed by pid.
 """
@@ -167,11 +172,19 @@ class Soak(SoakVerdict):
                 record.current_nodes = list(status.nodes)
             if not record.phases_seen or record.phases_seen[-1] != status.phase.value:
                 record.phases_seen.append(status.phase.value)
-            if status.phase is Phase.PAUSED and self._stack_whole():
+            if status.phase is not Phase.PAUSED:
+                record.paused_since_s = None
+            elif record.paused_since_s is None:
+                record.paused_since_s = self.clock()
+                self.say(f"paused {record.workflow_id}: {status.reason}")
+            # A paused run heals itself once its agents are back; the soak acts as the operator only if it
+            # has not after a grace, and counts it.
+            elif self.clock() - record.paused_since_s > self.config.operator_grace_s and self._stack_whole():
                 try:
                     resume = self.client.resume(record.workflow_id, "soak: every agent is back")
                     await asyncio.wait_for(resume, RPC_TIMEOUT_S)
                     record.resumes += 1
+                    record.paused_since_s = None
                     self.say(f"resumed {record.workflow_id} (paused: {status.reason})")
                 except Exception:  # noqa: BLE001 - retried at the next poll
                     pass
@@ -255,15 +268,60 @@ class Soak(SoakVerdict):
                 await asyncio.sleep(0.5)
 
     async def make_chaos(self, until: float) -> None:
+        """Kill, wait for the component to be back and every run to recover, a short seeded gap, kill again:
+        the pace follows how fast the stack recovers (a loaded machine kills less often), not a fixed clock."""
         assert self.chaos is not None
         wait = self.config.first_kill_s
         while True:
             await asyncio.sleep(max(0.0, min(wait, until - self.clock())))
             if self.clock() >= until:
                 return
+            before = await self._progress(self.active())
             busy = sorted({n for w in self.active() for n in self.runs[w].current_nodes})
-            await self.chaos.strike(self.chaos.next_component(), busy)
+            struck = time.monotonic()
+            kill = await self.chaos.strike(self.chaos.next_component(), busy)
+            if await self._recovered(before, struck + self.config.recovery_timeout_s):
+                kill.recovery_s = round(time.monotonic() - struck, 1)
+            else:
+                self.say(f"runs not recovered {self.config.recovery_timeout_s:.0f}s after killing {kill.target}")
             wait = self.rng.uniform(*self.config.gap_s)
+
+    async def _progress(self, workflow_ids: list[str]) -> dict[str, tuple[int, int]]:
+        """(attempt, live step) of each run that answers; a run that does not is left out."""
+        found: dict[str, tuple[int, int]] = {}
+        for workflow_id in workflow_ids:
+            try:
+                view = await asyncio.wait_for(self.client.status(workflow_id), RPC_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - server or controller restarting
+                continue
+            found[workflow_id] = (view.status.attempt, view.live_step)
+        return found
+
+    async def _recovered(self, before: dict[str, tuple[int, int]], deadline: float) -> bool:
+        """Every run of `before` finished, or trains again: a step past the one it was at, or, in a new
+        attempt, a step past the one it resumed from."""
+        from trainguard.models import Phase
+
+        waiting = dict(before)
+        while waiting:
+            if time.monotonic() > deadline:
+                return False
+            for workflow_id, (attempt, step) in list(waiting.items()):
+                if self.runs[workflow_id].outcome != "running":
+                    del waiting[workflow_id]
+                    continue
+                try:
+                    view = await asyncio.wait_for(self.client.status(workflow_id), RPC_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - server or controller restarting
+                    continue
+                status = view.status
+                if view.execution_status != "RUNNING" or status.phase is Phase.COMPLETED or (
+                        status.phase is Phase.RUNNING and (view.live_step > step or (
+                            status.attempt > attempt and view.live_step > status.resumed_step))):
+                    del waiting[workflow_id]
+            if waiting:
+                await asyncio.sleep(POLL_S)
+        return True
 
     async def sample_ranks(self, stop: asyncio.Event) -> None:
         assert self.sampler is not None
@@ -373,8 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"report file (default {DEFAULT_JSON.relative_to(REPO)})")
     parser.add_argument("--pools", type=int, default=1,
                         help="pools of 3 nodes, each carrying one run at a time (default 1)")
-    parser.add_argument("--gap", type=float, nargs=2, default=(15.0, 30.0), metavar=("MIN_S", "MAX_S"),
-                        help="seconds between a component being back and the next kill (default 15 30)")
+    parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 5.0), metavar=("MIN_S", "MAX_S"),
+                        help="seconds between the runs having recovered from a kill and the next (default 1 5)")
+    parser.add_argument("--recovery-timeout", type=float, default=180.0, metavar="S",
+                        help="most seconds to wait for the runs to recover after a kill (default 180)")
     parser.add_argument("--step-time", type=float, default=0.15,
                         help="the trainer's simulated compute per step, seconds (default 0.15)")
     parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
@@ -386,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pools >= 1, --minutes > 0 and 0 < MIN_S <= MAX_S")
     config = SoakConfig(minutes=args.minutes, seed=args.seed, json_path=args.json, pools=args.pools,
                         gap_s=(args.gap[0], args.gap[1]), step_time=args.step_time,
+                        recovery_timeout_s=args.recovery_timeout,
                         snapshot=not args.no_snapshot, keep_logs=args.keep_logs)
     try:
         report = asyncio.run(_main(config))

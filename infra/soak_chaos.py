@@ -1,5 +1,5 @@
 """The soak's chaos: kill a component of the private stack (the controller, a node agent, the Temporal
-server) and bring it back with `DevStack.up`."""
+server, SeaweedFS), by SIGKILL or gracefully (SIGTERM), and bring it back with `DevStack.up`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ RESTART_DELAY_S = 1.0
 """Seconds a killed component stays down before it is brought back."""
 AGENT_ON_BUSY_NODE = 0.75
 """Share of agent kills aimed at a node a run trains on; the rest hit any node (spares, idle ones)."""
+GRACEFUL_SHARE = 0.5
+"""Share of kills that are a graceful stop (SIGTERM: an upgrade, a redeploy, a failover); the rest SIGKILL."""
+TARGET = {"controller": "controller", "temporal": "temporal", "seaweedfs": "s3"}
+"""The dev stack's name for each component but the agents (`agent-<node>`)."""
 
 
 
@@ -57,12 +61,10 @@ class Chaos:
         (a spare or an idle node)."""
         if component == "agent":
             aim = busy_nodes if busy_nodes and self.rng.random() < AGENT_ON_BUSY_NODE else list(self.nodes)
-            node = self.rng.choice(aim)
-            target, sig = f"agent-{node}", signal.SIGKILL
-        elif component == "controller":
-            target, sig = "controller", signal.SIGKILL
+            target = f"agent-{self.rng.choice(aim)}"
         else:
-            target, sig = "temporal", signal.SIGTERM
+            target = TARGET[component]
+        sig = signal.SIGTERM if self.rng.random() < GRACEFUL_SHARE else signal.SIGKILL
         kill = Kill(component, target, round(self.clock(), 1), sig.name)
         self.kills.append(kill)
         self.busy = True

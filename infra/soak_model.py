@@ -14,7 +14,7 @@ BENCH_DIR = REPO / ".bench"
 DEFAULT_JSON = BENCH_DIR / "soak.json"
 PORT_SEARCH_START = 33000
 POOL_SIZE = 3
-COMPONENTS = ("controller", "agent", "temporal")
+COMPONENTS = ("controller", "agent", "temporal", "seaweedfs")
 CODE_DIRS = ("trainguard", "workflows", "activities", "workers", "examples")
 BUCKET = "trainguard"
 KEEP_LAST = 2
@@ -53,8 +53,13 @@ class SoakConfig:
     json_path: Path | None = DEFAULT_JSON
     pools: int = 1
     """Pools of 3 nodes; each carries one run at a time (2 nodes + its spare)."""
-    gap_s: tuple[float, float] = (15.0, 30.0)
-    """Seconds between one component being back and the next kill (uniform, seeded)."""
+    gap_s: tuple[float, float] = (1.0, 5.0)
+    """Seconds between the runs having recovered from one kill and the next kill (uniform, seeded)."""
+    recovery_timeout_s: float = 180.0
+    """After a kill, how long the chaos waits for the runs to recover before it strikes again anyway."""
+    operator_grace_s: float = 120.0
+    """How long a paused run is left to heal itself (its agents are back) before the soak resumes it as an
+    operator would; every such resume is counted."""
     first_kill_s: float = 8.0
     """Seconds from the start of the chaos to the first kill: runs are launched by then."""
     jobs: tuple[Job, ...] = DEFAULT_JOBS
@@ -97,9 +102,9 @@ def manifest_key(prefix: str, workflow_id: str, step: int) -> str:
 @dataclass
 class Kill:
     component: str
-    """controller, agent or temporal."""
+    """controller, agent, temporal or seaweedfs."""
     target: str
-    """The dev stack's name for it: controller, agent-node-1, temporal."""
+    """The dev stack's name for it: controller, agent-node-1, temporal, s3."""
     at_s: float
     """Seconds into the soak."""
     signal: str
@@ -107,6 +112,9 @@ class Kill:
     down_s: float = 0.0
     """Signal to the component being back (DevStack.up returned)."""
     error: str | None = None
+    recovery_s: float | None = None
+    """Signal to every run that trained through it training again (a step past the one it was at) or
+    finished; None: not within `SoakConfig.recovery_timeout_s`."""
 
 
 @dataclass
@@ -123,6 +131,9 @@ class RunRecord:
     current_nodes: list[str] = field(default_factory=list)
     """The nodes the run's current attempt uses (after any replacement), from its status."""
     resumes: int = 0
+    """Times the soak resumed the run as an operator (it stayed paused past `operator_grace_s`)."""
+    paused_since_s: float | None = None
+    """Soak clock when the run was first seen paused (None: not paused)."""
     outcome: str = "running"
     """running, completed, failed, unfinished."""
     reason: str | None = None

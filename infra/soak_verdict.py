@@ -83,16 +83,27 @@ class SoakVerdict:
         duplicates = len(self.sampler.duplicates) + len(self.sampler.record_mismatches)
         commits_seen = sum(len(r.committed_seen) for r in completed)
         resumes = sum(r.resumes for r in runs)
+        paused = [r for r in runs if "paused" in r.phases_seen]
+        by_signal = {c: dict(Counter(k.signal for k in self.chaos.kills if k.component == c)) for c in COMPONENTS}
+        recoveries = sorted(k.recovery_s for k in self.chaos.kills if k.recovery_s is not None)
+        recovery = {"median": _quantile(recoveries, 0.5), "p95": _quantile(recoveries, 0.95),
+                    "max": recoveries[-1] if recoveries else None,
+                    "not_recovered": sum(1 for k in self.chaos.kills if k.recovery_s is None)}
+        kills_per_hour = round(len(self.chaos.kills) * 60 / self.config.minutes, 1)
         counts = {
             "seed": self.seed,
             "chaos_minutes": self.config.minutes,
             "kills": {c: kills.get(c, 0) for c in COMPONENTS},
             "kills_total": len(self.chaos.kills),
+            "kills_by_signal": by_signal,
+            "kills_per_hour": kills_per_hour,
+            "recovery_s": recovery,
             "kill_errors": len(kill_errors),
             "runs_started": len(runs),
             "runs_completed": len(completed),
             "runs_failed": len(failed),
             "runs_unfinished": len(unfinished),
+            "runs_paused": len(paused),
             "resumes_after_pause": resumes,
             "uncordons": self.uncordons,
             "incidents": dict(sorted(incidents.items())),
@@ -138,10 +149,14 @@ class SoakVerdict:
             f"{self.config.pools} pool(s) of 3 nodes "
             f"({len(self.nodes)} nodes), jobs {', '.join(j.name for j in self.config.jobs)}",
             "kills: " + " ".join(f"{c}={kills.get(c, 0)}" for c in COMPONENTS)
-            + f" (total {len(self.chaos.kills)}, {len(kill_errors)} did not come back)",
+            + f" (total {len(self.chaos.kills)}, {kills_per_hour:g}/h, {len(kill_errors)} did not come back; "
+            + ", ".join(f"{c} {by_signal[c].get('SIGKILL', 0)} SIGKILL/{by_signal[c].get('SIGTERM', 0)} SIGTERM"
+                        for c in COMPONENTS) + ")",
+            f"recovery after a kill: median {recovery['median']}s, p95 {recovery['p95']}s, max {recovery['max']}s, "
+            f"{recovery['not_recovered']} not within {self.config.recovery_timeout_s:g}s",
             f"runs: started={len(runs)} completed={len(completed)} failed={len(failed)} "
             f"unfinished={len(unfinished)} "
-            f"(operator: {resumes} resumes after a pause, {self.uncordons} uncordons)",
+            f"(paused: {len(paused)}; operator: {resumes} resumes after a pause, {self.uncordons} uncordons)",
             "incidents: " + (" ".join(f"{k}={v}" for k, v in sorted(incidents.items())) or "none")
             + f"; counted twice: {duplicate_incidents}",
             f"duplicates found: {duplicates} (rank samples {self.sampler.samples}; "
@@ -161,7 +176,8 @@ class SoakVerdict:
             "ok": not failures,
             "failures": failures,
             "config": {"minutes": self.config.minutes, "seed": self.seed, "pools": self.config.pools,
-                       "gap_s": list(self.config.gap_s), "jobs": [j.name for j in self.config.jobs],
+                       "gap_s": list(self.config.gap_s), "recovery_timeout_s": self.config.recovery_timeout_s,
+                       "operator_grace_s": self.config.operator_grace_s, "jobs": [j.name for j in self.config.jobs],
                        "step_time": self.config.step_time, "nodes": list(self.nodes), "keep_last": KEEP_LAST,
                        "snapshot": self.config.snapshot, "home": str(self.stack.home)},
             "leftovers": self.leftovers,
@@ -173,6 +189,11 @@ class SoakVerdict:
             "errors": self.errors,
         }
         return SoakReport(not failures, counts, failures, lines, data)
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The `q` quantile of sorted `values` (nearest rank); None when empty."""
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 def _manifest_steps(s3: Any, prefix: str, workflow_id: str) -> set[int]:

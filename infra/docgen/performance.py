@@ -162,6 +162,39 @@ def attribution(p: list[dict[str, Any]]) -> str:
                   "false hangs (fault-free runs)"], rows)
 
 
+def soak(p: dict[str, Any]) -> str:
+    c, config = p["counts"], p.get("config", {})
+    kills = c.get("kills", {})
+    signals = c.get("kills_by_signal", {})
+    recovery = c.get("recovery_s") or {}
+    by_component = ", ".join(
+        f"{name} {n} ({signals.get(name, {}).get('SIGKILL', 0)} SIGKILL, "
+        f"{signals.get(name, {}).get('SIGTERM', 0)} SIGTERM)" for name, n in kills.items())
+    rows = [
+        ["seed", c.get("seed")],
+        ["minutes of chaos", c.get("chaos_minutes")],
+        ["kills", f"{c.get('kills_total')} ({_num(c.get('kills_per_hour'), '{:.0f}')} an hour)"],
+        ["kills by component", by_component],
+        ["kills whose component did not come back", c.get("kill_errors")],
+        ["recovery after a kill, median / p95 / max", f"{_num(recovery.get('median'), '{:.1f}', ' s')} / "
+         f"{_num(recovery.get('p95'), '{:.1f}', ' s')} / {_num(recovery.get('max'), '{:.1f}', ' s')}"],
+        ["runs started / completed / failed / unfinished", f"{c.get('runs_started')} / {c.get('runs_completed')} / "
+         f"{c.get('runs_failed')} / {c.get('runs_unfinished')}"],
+        ["runs paused / resumed by the soak (operator) / nodes uncordoned by it",
+         f"{c.get('runs_paused', '-')} / {c.get('resumes_after_pause')} / {c.get('uncordons')}"],
+        ["duplicate rank sets / incidents counted twice", f"{c.get('duplicate_rank_sets')} / "
+         f"{c.get('duplicate_incidents')}"],
+        ["commits observed / checkpoints lost", f"{c.get('commits_observed')} / {c.get('checkpoints_lost')}"],
+        ["final state digest mismatches", c.get("digest_mismatches")],
+        ["incidents", ", ".join(f"{k} {v}" for k, v in (c.get("incidents") or {}).items()) or "none"],
+        ["result", "pass" if p.get("ok") else "FAIL: " + "; ".join(p.get("failures", []))[:300]],
+    ]
+    return table(["soak", "figure"], rows) + (
+        f"\n\nReproduce: `make soak SOAK_ARGS=\"--minutes {_num(config.get('minutes'), '{:g}')} "
+        f"--seed {c.get('seed')} --pools {config.get('pools', 1)}\"` (the seed fixes what is killed, how and "
+        f"when relative to recovery; the load of the machine sets how many kills fit in the time).")
+
+
 @dataclass(frozen=True, slots=True)
 class Bench:
     file: str
@@ -178,6 +211,7 @@ BENCHES: dict[str, Bench] = {
     "nodes": Bench("nodes.json", "make bench-nodes", nodes),
     "pool": Bench("pool.json", "make bench-pool", pool),
     "attribution": Bench("attribution.json", "make bench-attribution", attribution),
+    "soak": Bench("soak-60.json", 'make soak SOAK_ARGS="--minutes 60 --json .bench/soak-60.json"', soak),
 }
 """Marker name -> the JSON a benchmark writes under `.bench/`, the command that writes it, its table."""
 
