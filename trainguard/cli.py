@@ -26,17 +26,22 @@ def _print_json(value: Any) -> None:
 def dev_stack(args: argparse.Namespace) -> Any:
     """The dev stack from the environment and the flags. One brought up in hosts mode stays in it for
     `status`, `down` and `demo` without the flag (its addresses are recorded under the data dir)."""
-    from trainguard.devstack import DevStack
+    from trainguard.devstack import DevStack, StackConfig
 
     stack = DevStack()
     if getattr(args, "tls", False):
         stack = DevStack(dataclasses.replace(stack.config, tls=True))
     if getattr(args, "hosts", False) or stack.config.network.state_file.exists():
         stack = DevStack(dataclasses.replace(stack.config, hosts=True))
+    if (getattr(args, "slurm", False) or stack.slurm.conf.exists()) and not stack.config.slurm:
+        # Up in slurm mode, a stack stays in it for `status` and `down` (its slurm.conf names its nodes).
+        stack = DevStack(StackConfig.from_env({**os.environ, "TRAINGUARD_DEV_SLURM": "1"}))
+        stack = DevStack(dataclasses.replace(stack.config, tls=stack.config.tls or getattr(args, "tls", False)))
     return stack
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
+    from trainguard.dev_slurm import SlurmUnavailable
     from trainguard.hosts import HostsUnavailable
 
     stack = dev_stack(args)
@@ -46,8 +51,18 @@ def cmd_dev(args: argparse.Namespace) -> int:
         except HostsUnavailable as error:
             print(f"trainguard dev up --hosts: {error}", file=sys.stderr)
             return 2
+        except SlurmUnavailable as error:
+            print(f"trainguard dev up --slurm: {error}", file=sys.stderr)
+            return 2
     elif args.action == "down":
         stack.down()
+    elif args.action == "env":
+        import shlex
+
+        env = stack.worker_env()  # what an agent started outside the stack (a Slurm job's) needs to join it
+        for key in sorted(k for k in env if k.startswith(("TRAINGUARD_", "AWS_", "SLURM_CONF"))
+                          and env[k] != os.environ.get(k)):
+            print(f"export {key}={shlex.quote(env[key])}")
     else:
         for name, pid in stack.status().items():
             where = f" at {stack.node_address(name[6:])}" if stack.config.hosts and name.startswith("agent-") else ""
@@ -129,12 +144,24 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         except SpecError as error:
             print(error, file=sys.stderr)
             return 2
+        if args.nodes or args.spare_nodes:  # e.g. a Slurm job's allocation
+            spec = spec.model_copy(update={k: v.split(",") for k, v in
+                                           (("nodes", args.nodes), ("spare_nodes", args.spare_nodes)) if v})
+            spec = load_spec(spec.model_dump(mode="json", exclude_defaults=True))
         _warn_exec_env(args.spec, spec)
         if args.resume_from is not None and spec.checkpoint.resume_from not in (None, args.resume_from):
             print(f"trainguard run start --resume-from {args.resume_from}: {args.spec} names another run in "
                   f"checkpoint.resume_from ({spec.checkpoint.resume_from}): name one", file=sys.stderr)
             return 2
     client = await TrainguardClient.connect()
+    if args.action == "start" and args.id and await client.running(args.id):
+        # A requeued Slurm job starts its run again under the same id: it finds the one it was doing.
+        print(f"trainguard: run {args.id} is running: attached to it (its own spec stands, {args.spec} is not "
+              f"used)", file=sys.stderr)
+        print(args.id)
+        if args.wait:
+            _print_json((await client.result(args.id)).model_dump(mode="json"))
+        return 0
     if args.action == "start":
         earlier = await client.earlier_run(args.id) if args.id else None
         if earlier and not args.resume and spec.checkpoint.namespace is None:
@@ -230,6 +257,20 @@ async def _nodes_cmd(args: argparse.Namespace) -> int:
     from trainguard.client import TrainguardClient
 
     client = await TrainguardClient.connect()
+    if args.action == "wait":
+        from trainguard.pool import wait_for_agents
+
+        wanted = list(args.node)
+        missing = await wait_for_agents(client.client, wanted, args.since, args.timeout_s)
+        if missing:
+            print(f"node agents not up after {args.timeout_s:.0f}s: {', '.join(missing)}", file=sys.stderr)
+            return 1
+        print(f"node agents up: {', '.join(wanted)}", file=sys.stderr)
+        return 0
+    if args.action != "list" and len(args.node) != 1:
+        print(f"trainguard nodes {args.action}: name one node", file=sys.stderr)
+        return 2
+    args.node = args.node[0] if args.node else None
     if args.action == "cordon":
         await client.cordon(args.node, args.reason or "")
     elif args.action == "uncordon":
@@ -328,13 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     dev = sub.add_parser("dev", help="the embedded stack: Temporal dev server, SeaweedFS, workers")
-    dev.add_argument("action", choices=["up", "down", "status"])
+    dev.add_argument("action", choices=["up", "down", "status", "env"],
+                     help="env: print the exports an agent outside the stack needs (eval \"$(trainguard dev env)\")")
     dev.add_argument("--tls", action="store_true",
                      help="reach Temporal over mutual TLS through a front with the stack's own CA "
                           "(also TRAINGUARD_DEV_TLS=1); prints the client settings to export")
     dev.add_argument("--hosts", action="store_true",
                      help="each node agent and its ranks in a network namespace of its own, on a bridge the "
                           "stack makes (also TRAINGUARD_DEV_HOSTS=1; needs root); `down` removes them")
+    dev.add_argument("--slurm", action="store_true",
+                     help="a single-host Slurm cluster (slurmctld, 4 emulated slurmd nodes, munged) beside the "
+                          "stack, and no node agents: Slurm jobs start them (also TRAINGUARD_DEV_SLURM=1; needs "
+                          "root and Slurm: make slurm-install); prints the SLURM_CONF clients need")
     dev.set_defaults(func=cmd_dev)
 
     spec = sub.add_parser("spec", help="the run spec: print its JSON schema or check a file")
@@ -353,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--resume-from", metavar="RUN",
                        help="start from run RUN's newest committed checkpoint (its workflow id; recorded in the "
                             "spec as checkpoint.resume_from); this run never prunes RUN's checkpoints")
+    start.add_argument("--nodes", metavar="A,B", help="train on these nodes instead of the spec's (e.g. a Slurm "
+                                                      "job's allocation)")
+    start.add_argument("--spare-nodes", metavar="C,D", help="these spares instead of the spec's")
     for name in ("status", "result", "cancel"):
         run_sub.add_parser(name).add_argument("id")
     for name in ("pause", "resume", "abort"):
@@ -378,10 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--query", help="extra visibility query, e.g. \"ExecutionStatus='Running'\"")
     run.set_defaults(func=lambda a: asyncio.run(_run_cmd(a)))
 
-    nodes = sub.add_parser("nodes", help="the node pool: list, cordon, uncordon, drain")
-    nodes.add_argument("action", choices=["list", "cordon", "uncordon", "drain"])
-    nodes.add_argument("node", nargs="?")
+    nodes = sub.add_parser("nodes", help="the node pool: list, cordon, uncordon, drain; wait for agents")
+    nodes.add_argument("action", choices=["list", "cordon", "uncordon", "drain", "wait"])
+    nodes.add_argument("node", nargs="*", help="the node (wait: the nodes)")
     nodes.add_argument("--reason")
+    nodes.add_argument("--since", type=float, default=0.0,
+                       help="wait: unix time the agents were started (an older registration does not count)")
+    nodes.add_argument("--timeout-s", type=float, default=120.0)
     nodes.set_defaults(func=lambda a: asyncio.run(_nodes_cmd(a)))
 
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")

@@ -23,6 +23,7 @@ from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.common import WorkflowIDConflictPolicy
 
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, READ_LOG_WORKFLOW_TYPE, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
@@ -160,7 +161,10 @@ class TrainguardClient:
         (`<id>.<random>`), unless `resume` (or the spec's `checkpoint.namespace`) says where to restore from:
         `resume` restores the earlier run's newest checkpoint. `resume_from` (the spec's
         `checkpoint.resume_from`) names another run whose newest checkpoint this run starts from; this run
-        commits to its own namespace and never prunes that run's checkpoints."""
+        commits to its own namespace and never prunes that run's checkpoints.
+
+        Under the id of a run that still runs, this attaches to it (its own spec stands; `spec` is not used): a
+        requeued Slurm job starts its run again under the same id and must find the one it was doing."""
         if workflow_id is not None:
             validate_workflow_id(workflow_id)
         parsed = load_spec(spec)
@@ -180,8 +184,19 @@ class TrainguardClient:
             parsed.model_dump(mode="json"),
             id=workflow_id,
             task_queue=TASK_QUEUE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         )
         return workflow_id
+
+    async def running(self, workflow_id: str) -> bool:
+        """Whether an execution under `workflow_id` is running now (starting it again attaches to it)."""
+        try:
+            description = await self.handle(workflow_id).describe()
+        except RPCError as error:
+            if error.status is RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return description.status in (None, WorkflowExecutionStatus.RUNNING)
 
     def handle(self, workflow_id: str) -> WorkflowHandle[Any, Any]:
         return self.client.get_workflow_handle(workflow_id)

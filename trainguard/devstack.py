@@ -37,6 +37,8 @@ from trainguard.protocol import node_attempt_files
 from trainguard.spec import parse_labels
 
 DEFAULT_NODES = ("node-0", "node-1", "node-2")
+SLURM_NODES = ("node-0", "node-1", "node-2", "node-3")
+"""A Slurm dev stack's emulated nodes: a job of 2 nodes and a spare, and one more for a requeue to land on."""
 MANIFEST_KEY_ENV = "TRAINGUARD_MANIFEST_KEY"
 """The controller's manifest key (`activities.checkpoint_store.MANIFEST_KEY_ENV`: the dev stack does not import
 the activities)."""
@@ -78,6 +80,11 @@ class StackConfig:
     labels: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """Node -> the labels its agent registers with (`--label`), for specs with a `node_selector`. From
     `TRAINGUARD_DEV_LABELS`, e.g. `node-0:zone=a,gpu=h100;node-1:zone=b`. Default none."""
+    slurm: bool = False
+    """A single-host Slurm cluster beside Temporal and the store (`trainguard.dev_slurm`), its emulated nodes
+    named `nodes`; the stack starts no node agents: Slurm jobs do (`TRAINGUARD_DEV_SLURM`, `dev up --slurm`)."""
+    slurmd_timeout_s: int = 30
+    """The Slurm cluster's `SlurmdTimeout` (`TRAINGUARD_DEV_SLURMD_TIMEOUT_S`)."""
     run_as: str | None = None
     """`TRAINGUARD_RUN_AS`: the user the agents run ranks as (`--run-as`); empty for none. Unset, a stack
     started as root runs them as `DEV_RANKS_USER` when that user can run this interpreter and reach the stack's
@@ -87,7 +94,9 @@ class StackConfig:
     def from_env(cls, environ: dict[str, str] | None = None) -> StackConfig:
         env = dict(os.environ if environ is None else environ)
         base = env.get("TRAINGUARD_PORT_BASE")
-        nodes = tuple(n for n in env.get("TRAINGUARD_DEV_NODES", ",".join(DEFAULT_NODES)).split(",") if n)
+        slurm = env_flag("TRAINGUARD_DEV_SLURM", False, env)
+        default_nodes = SLURM_NODES if slurm else DEFAULT_NODES
+        nodes = tuple(n for n in env.get("TRAINGUARD_DEV_NODES", ",".join(default_nodes)).split(",") if n)
         return cls(
             home=Path(env.get("TRAINGUARD_HOME", ".trainguard")).resolve(),
             ports=Ports.from_base(int(base) if base else None),
@@ -97,6 +106,8 @@ class StackConfig:
             hosts=env_flag("TRAINGUARD_DEV_HOSTS", False, env),
             labels=dev_labels(env.get("TRAINGUARD_DEV_LABELS", "")),
             run_as=env.get(RUN_AS_ENV),
+            slurm=slurm,
+            slurmd_timeout_s=int(env.get("TRAINGUARD_DEV_SLURMD_TIMEOUT_S", "30")),
         )
 
     @property
@@ -215,6 +226,13 @@ class DevStack:
         return self._secret_file("manifest-key")
 
     @property
+    def slurm(self) -> Any:
+        """The stack's Slurm cluster (`trainguard.dev_slurm.SlurmCluster`): up only in slurm mode."""
+        from trainguard.dev_slurm import SlurmCluster
+
+        return SlurmCluster(self.home / "slurm", self.config.nodes, self.config.ports, self.config.slurmd_timeout_s)
+
+    @property
     def certs(self) -> Any:
         from trainguard.tls import DevCerts
 
@@ -241,6 +259,7 @@ class DevStack:
             "AWS_REGION": "us-east-1",
             "TRAINGUARD_PEER_TOKEN": self.peer_token(),
             "PYTHONUNBUFFERED": "1",
+            **(self.slurm.env() if self.config.slurm else {}),
         }
         env.pop(MANIFEST_KEY_ENV, None)  # the controller's alone: `up` gives it to the controller only
         return env
@@ -284,12 +303,18 @@ class DevStack:
             return 0.0
 
     def components(self) -> list[str]:
+        if self.config.slurm:  # Slurm jobs start the node agents
+            return ["temporal", "s3", *self.slurm.components(), "controller"]
         return ["temporal", *(["temporal-tls"] if self.config.tls else []), "s3", "controller",
                 *(f"agent-{n}" for n in self.config.nodes)]
 
     # --------------------------------------------------------------------------------------- up
     def up(self, echo: Any = print) -> None:
         cfg, ports = self.config, self.config.ports
+        if cfg.slurm:
+            from trainguard.dev_slurm import check_available
+
+            check_available()  # before anything starts
         if cfg.hosts:
             self._setup_hosts(echo)
         self._start_temporal(echo)
@@ -308,13 +333,18 @@ class DevStack:
         self._ensure_bucket(DEFAULT_BUCKET)
         env = self.worker_env()
         (self.home / "nodes").mkdir(parents=True, exist_ok=True)
+        if cfg.slurm:
+            from trainguard.dev_slurm import start_cluster
+
+            start_cluster(self, echo)
         ranks_user, why = self.ranks_user()
-        if ranks_user is None:
+        if ranks_user is None and not cfg.slurm:
             echo(f"ranks run as the agents' own user, and can read their secrets: {why}")
         self._spawn("controller", [sys.executable, "-m", "workers.controller"], cwd=cfg.code_dir,
                     env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{ports.metrics}",
-                         MANIFEST_KEY_ENV: self.manifest_key()})
-        for index, node in enumerate(cfg.nodes):
+                         MANIFEST_KEY_ENV: self.manifest_key(),
+                         **({"TRAINGUARD_SCHEDULER": "slurm"} if cfg.slurm else {})})
+        for index, node in enumerate([] if cfg.slurm else cfg.nodes):
             workdir = self.home / "nodes" / node
             workdir.mkdir(parents=True, exist_ok=True)
             host = self.node_address(node)
@@ -523,14 +553,15 @@ class DevStack:
                 dead = [c for c in self.components() if not self._alive(c)]
                 if dead:
                     raise RuntimeError(f"{', '.join(dead)} exited during start-up; see {self.log_dir}")
-                missing = await missing_agents(client, list(self.config.nodes), max_idle_s=POLLER_IDLE_S)
+                agents = [] if self.config.slurm else list(self.config.nodes)
+                missing = await missing_agents(client, agents, max_idle_s=POLLER_IDLE_S)
                 if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, POLLER_IDLE_S):
                     missing.append("controller")
                 else:
                     # Registered by the agent running now (a restarted agent re-registers: it may be repairing a
                     # cordoned node), not by one before it.
                     registered = {n.node: n.registered_at for n in await pool_nodes(client)}
-                    missing += [f"{n} (pool registration)" for n in self.config.nodes
+                    missing += [f"{n} (pool registration)" for n in agents
                                 if registered.get(n, 0.0) < self._spawned_at(f"agent-{n}") - 1.0]
                 if not missing:
                     return
@@ -544,6 +575,10 @@ class DevStack:
     # ------------------------------------------------------------------------------------- down
     def down(self, echo: Any = print) -> None:
         """Stop everything `up` started, by PID: SIGTERM, then SIGKILL to the group after a grace."""
+        # A Slurm cluster's jobs first (their steps stop the agents they started), then its daemons.
+        from trainguard.dev_slurm import stop_cluster
+
+        stop_cluster(self, echo)
         # Agents stop their ranks on SIGTERM; stop them first and together.
         for group in ([f"agent-{n}" for n in self.config.nodes], ["controller"], ["s3"], ["temporal-tls", "temporal"]):
             self.stop(group, echo)

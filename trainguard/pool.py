@@ -187,3 +187,27 @@ async def pool_nodes(client: Client) -> list[PoolNode]:
     except RPCError:
         return []
     return status.nodes
+
+
+AGENT_WAIT_POLL_S = 1.0
+"""How often `wait_for_agents` asks again: agents take seconds to start (Python imports, NVML)."""
+REGISTRATION_CLOCK_SLACK_S = 5.0
+"""Registrations are stamped with the workflow clock; this much skew against the caller's is allowed."""
+
+
+def agents_not_ready(nodes: list[str], pool: list[PoolNode], missing: list[str], since: float) -> list[str]:
+    """Nodes whose agent has not both polled its task queue and registered in the pool since `since`: either
+    alone can be left from an earlier job on the node (a poller is remembered about a minute, a registration
+    for ever)."""
+    registered = {entry.node: entry.registered_at for entry in pool}
+    return [n for n in nodes if n in missing or registered.get(n, 0.0) < since - REGISTRATION_CLOCK_SLACK_S]
+
+
+async def wait_for_agents(client: Client, nodes: list[str], since: float, timeout_s: float) -> list[str]:
+    """Wait until every node's agent is up (`agents_not_ready`); the nodes still missing after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        waiting = agents_not_ready(nodes, await pool_nodes(client), await missing_agents(client, nodes), since)
+        if not waiting or time.monotonic() >= deadline:
+            return waiting
+        await asyncio.sleep(AGENT_WAIT_POLL_S)

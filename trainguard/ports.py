@@ -57,6 +57,20 @@ class Ports:
         return [self.s3_grpc, self.master_grpc, self.volume_grpc, self.filer_grpc, self.admin_grpc]
 
 
+SLURM_PORT_OFFSET = 30
+"""A dev Slurm cluster's ports (`trainguard dev up --slurm`): slurmctld at the stack's base + 30, its slurmds
+after it, inside the 50 ports each base of `free_port_base` steps over."""
+MAX_SLURM_NODES = 16
+
+
+def slurm_ports(ports: Ports, num_nodes: int) -> tuple[int, list[int]]:
+    """(slurmctld's port, each emulated node's slurmd port) of the stack whose Temporal is at `ports.temporal`."""
+    if num_nodes > MAX_SLURM_NODES:
+        raise ValueError(f"a dev Slurm cluster has at most {MAX_SLURM_NODES} nodes ({num_nodes} asked)")
+    ctld = ports.temporal + SLURM_PORT_OFFSET
+    return ctld, [ctld + 1 + index for index in range(num_nodes)]
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) != 0
@@ -74,6 +88,8 @@ def free_port_base(start: int, num_nodes: int = DEFAULT_NUM_NODES, step: int = 5
         ports = Ports.from_base(base)
         every = [getattr(ports, name) for name in Ports.__dataclass_fields__]
         every += [ports.metrics + 1 + index for index in range(num_nodes)]
+        ctld, slurmds = slurm_ports(ports, min(num_nodes, MAX_SLURM_NODES))
+        every += [ctld, *slurmds]
         stale = any(any(Path("/tmp").glob(f"seaweedfs-*-{port}.sock")) for port in ports.weed_grpc_ports())
         stale = stale or bridge_exists(ports.temporal)  # a hosts-mode stack listens on its bridge, not loopback
         if not stale and all(_port_free(port) for port in every):
