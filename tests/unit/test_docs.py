@@ -92,3 +92,24 @@ def test_readme_is_short_and_its_links_exist() -> None:
 
     assert len(readme.splitlines()) <= 300
     assert targets and [t for t in targets if not (REPO / t).exists()] == []
+
+
+def test_the_soak_section_quotes_the_soak_report_and_its_seed(tmp_path: Path) -> None:
+    (tmp_path / "soak-60.json").write_text(json.dumps({
+        "ok": True, "failures": [], "config": {"minutes": 60, "pools": 1},
+        "counts": {"seed": 2806, "chaos_minutes": 60, "kills_total": 231, "kills_per_hour": 231.0,
+                   "kills": {"controller": 58, "agent": 58, "temporal": 58, "seaweedfs": 57},
+                   "kills_by_signal": {"controller": {"SIGKILL": 30, "SIGTERM": 28}},
+                   "recovery_s": {"median": 4.1, "p95": 20.2, "max": 31.0, "not_recovered": 0},
+                   "runs_started": 90, "runs_completed": 90, "runs_failed": 0, "runs_unfinished": 0,
+                   "runs_paused": 0, "resumes_after_pause": 0, "uncordons": 0, "duplicate_rank_sets": 0,
+                   "duplicate_incidents": 0, "commits_observed": 400, "checkpoints_lost": 0,
+                   "digest_mismatches": 0, "incidents": {"agent_restart": 12}}}))
+
+    soak = performance.section("soak", tmp_path)
+
+    assert "| seed | 2,806 |" in soak and "--minutes 60 --seed 2806" in soak
+    assert "| kills | 231 (231 an hour) |" in soak
+    assert "controller 58 (30 SIGKILL, 28 SIGTERM)" in soak and "seaweedfs 57 (0 SIGKILL, 0 SIGTERM)" in soak
+    assert "| runs started / completed / failed / unfinished | 90 / 90 / 0 / 0 |" in soak
+    assert "| result | pass |" in soak
