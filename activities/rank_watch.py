@@ -45,6 +45,7 @@ from activities.rank_logs import exception_line, failure_signature, read_tail
 from activities.rank_records import AttemptRecord, RankBook, describe_exit, log, read_finish, read_report
 from trainguard import protocol
 from trainguard.error_types import ErrorType
+from trainguard.models import short_cause
 from trainguard.procs import state as process_state
 from trainguard.protocol import RunLayout
 from trainguard.redact import redact_model
@@ -81,6 +82,8 @@ def _log_fields(log_path: Path, rank: int, exit_code: int | None, reported: str 
     tail = read_tail(log_path)
     chosen = exit_code is not None and exit_code > 0
     exception = reported or (exception_line(tail) if chosen else None)
+    if exception:
+        exception = short_cause(exception)  # the whole error is in the tail
     detail = f"rank {rank} {describe_exit(exit_code)}" + (f": {exception}" if exception else "")
     return {"detail": detail, "log_path": str(log_path), "log_tail": tail,
             "failure_signature": failure_signature(tail) if chosen else None}
@@ -229,8 +232,9 @@ class RankWatch:
                                            report.error if report else None))
 
             if all(record.ranks[r].poll() for r in local_ranks):
-                # Every rank here is done: nothing is left for a standby to replace.
+                # Every rank here is done: nothing is left for a standby to replace, nor to relaunch warm.
                 await self.book.stop_standby(record)
+                await self.book.close_parking(record.workflow_id)
                 first = min(local_ranks)
                 finish = read_finish(layout.progress_file(record.attempt, first))
                 if request.checkpoints is not None:  # FINISHED: the node's checkpoints are in the store

@@ -71,6 +71,8 @@ def main() -> None:
                              "fails the same way on every attempt")
     parser.add_argument("--no-rejoin", action="store_true",
                         help="exit when a peer dies, even with in-process restarts on (a trainer without rejoin)")
+    parser.add_argument("--no-standby", action="store_true",
+                        help="never call tg.standby() (a trainer written without it): every relaunch starts it cold")
     plain = parser.add_argument_group("plain torchrun only (ignored under trainguard)")
     plain.add_argument("--local-checkpoint-dir", type=Path, default=None,
                        help="save {model, optim, step} to DIR/ckpt.pt and resume from it at start if present")
@@ -83,9 +85,10 @@ def main() -> None:
     plain.add_argument("--ft-heartbeat", action="store_true",
                        help="under NVIDIA's ft_launcher (nvidia-resiliency-ext): send its rank heartbeat every step")
     args = parser.parse_args()
-    # With in-process restarts on, the agent may start this process ahead of need: it waits here, torch
-    # already imported, until it is given the place of a rank that died.
-    tg.standby()
+    # The node agent may start this process ahead of need (parked for the run's next relaunch, or a standby
+    # of an in-process restart): it waits here, torch already imported, until it is given a rank's place.
+    if not args.no_standby:
+        tg.standby()
     if args.steps < 1:
         print("--steps must be at least 1", flush=True)
         raise SystemExit(tg.EXIT_NO_RETRY)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import zlib
 
 from enum import Enum
@@ -26,6 +27,10 @@ class IncidentKind(str, Enum):
     AGENT_RESTART = "agent_restart"
     """A node agent shut down gracefully (an upgrade, a restart): its ranks stop with it, the run waits for it
     to come back and relaunches on the same nodes. Costs no node, no spare and no restart budget."""
+    GROW_BACK = "grow_back"
+    """Not a fault: a run that shrank relaunches, at a committed checkpoint, with the nodes that came back. An
+    incident so its cost (time to the first step on the larger world) is in the result and the report. Costs no
+    restart budget."""
 
 
 class Action(str, Enum):
@@ -80,6 +85,28 @@ class StopReason(str, Enum):
 
 INCIDENT_TAILS_KEPT = 10
 """Incidents that keep their `log_tail`: the newest ones, which an operator reads first."""
+
+CAUSE_MAX_CHARS = 160
+"""An error in an incident's detail or a cordon reason, at most: its first line's first sentence, cut to this
+(a gloo error is ~600 characters on one line); the whole error stays in the incident's `log_tail`."""
+
+TRAINGUARD_SAYS = "trainguard:"
+"""How the rank helper's own errors begin."""
+
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp|c|py):\d+\]\s*")
+"""A C++ source location a torch or gloo error starts with (`[/pytorch/third_party/gloo/.../pair.cc:534] `)."""
+
+
+def short_cause(error: str, max_chars: int = CAUSE_MAX_CHARS) -> str:
+    """An error's cause in one short line, for people: its first non-empty line, source locations dropped,
+    its first sentence, cut to `max_chars` (an ellipsis says where). trainguard's own errors (`trainguard:
+    ...`, a rank helper's stop) are written to be read and say what to change: only their first line is kept."""
+    line = next((part.strip() for part in error.splitlines() if part.strip()), "")
+    if line.startswith(TRAINGUARD_SAYS):
+        return line
+    line = _SOURCE_LOCATION.sub("", line)
+    line = re.split(r"(?<=[.!?])\s+(?=[A-Z(\[])", line, maxsplit=1)[0]
+    return line if len(line) <= max_chars else line[:max_chars - 1].rstrip() + "…"
 
 
 class Incident(BaseModel):

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import WatchEvent, WatchEventKind
     from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
     from trainguard.error_types import ErrorType, non_retryable
+    from trainguard.models import short_cause
     from workflows.node_group_models import (
         GroupReport,
         GroupStarted,
@@ -351,7 +352,7 @@ class NodeGroupWatch:
                         continue
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
-                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {failure.error}",
+                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {short_cause(failure.error)}",
                                                 error_type=failure.error_type, away_since=failure.away_since,
                                                 never_started=node in launching and _not_started(error)
                                                 and node not in request.launched))

@@ -128,11 +128,14 @@ class RunCore:
         return None if since is None else round(max(0.0, workflow.now().timestamp() - since), 3)
 
     # --------------------------------------------------------------------------------------- incidents
-    def record_incident(self, incident: Incident) -> None:
+    def record_incident(self, incident: Incident, publish: bool = True) -> None:
+        """`publish=False`: the caller publishes next (a phase change), so no second search-attribute upsert
+        is a command of its own."""
         if incident in self.status.incidents:
             return
         self.status.incidents = [*self.status.incidents, incident]
-        self.publish()  # the Web UI's details and the TrainguardIncidents search attribute
+        if publish:
+            self.publish()  # the Web UI's details and the TrainguardIncidents search attribute
         for older in self.status.incidents[:-INCIDENT_TAILS_KEPT]:
             older.log_tail = ""
         meter = workflow.metric_meter()  # replay-safe: nothing is emitted while replaying

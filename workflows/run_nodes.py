@@ -39,7 +39,8 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import node_task_queue
     from trainguard.error_types import ErrorType
     from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, Action, AgentsBackInput, AgentsBackResult,
-                                   ChaosRequest, Incident, IncidentKind, NodeRequest, PoolNode, StopReason)
+                                   ChaosRequest, Incident, IncidentKind, NodeRequest, PoolNode, StopReason,
+                                   short_cause)
     from workflows.node_group import (NODE_CALL_RETRY, NODE_SCHEDULE_TO_START, STOP_TIMEOUT,
                                       NodeCalls, call_nodes, groups_of, watch_heartbeat_every_s,
                                       watch_heartbeat_timeout)
@@ -336,7 +337,9 @@ class RunNodes:
         """Cordon the incident's node; a node found lost only if its agent has not registered since."""
         assert incident.node is not None
         since = lost_since(incident, node_silence_s(len(self.core.status.nodes)))
-        await self.cordon(incident.node, f"{incident.kind.value}: {incident.detail}", since)
+        # The cause, not what was done about it (after "; "): the pool's list shows one short line per node.
+        await self.cordon(incident.node, f"{incident.kind.value}: {short_cause(incident.detail.split('; ')[0])}",
+                          since)
 
     async def swap_in_spare(self, incident: Incident, spare: str) -> None:
         """The incident's node cordoned in the pool and `spare` in its place in the run."""

@@ -138,10 +138,17 @@ class Recovery:
         intents.draining.clear()
         core.set_phase(Phase.RESTORING)
 
-    def grow_back(self, returned: list[str]) -> None:
+    def grow_back(self, attempt: int, returned: list[str]) -> None:
         """At a checkpoint boundary: relaunch with the returned nodes in their places (each staying node's
-        launch stops its shrunk attempt); the restore maps the smaller world's shards onto the larger one."""
+        launch stops its shrunk attempt); the restore maps the smaller world's shards onto the larger one.
+        A `GROW_BACK` incident of `attempt`, timed to the next attempt's first step; no restart budget spent."""
         core, spec = self.core, self.core.the_spec
+        world = len([n for n in spec.nodes if n in core.status.nodes or n in returned]) * spec.ranks_per_node
+        core.record_incident(Incident(
+            kind=IncidentKind.GROW_BACK, node=returned[0], attempt=attempt, action=Action.RESTART,
+            detected_at=workflow.now().timestamp(),
+            detail=f"{', '.join(returned)} back: relaunch on world size {world} (was {core.status.world_size})",
+        ), publish=False)  # the phase change publishes it
         core.set_phase(Phase.RECOVERING)
         core.status.nodes = [n for n in spec.nodes if n in core.status.nodes or n in returned]
         core.state.lost = [n for n in core.state.lost if n not in returned]

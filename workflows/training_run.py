@@ -236,7 +236,7 @@ class TrainingRun:
         elif outcome.drain:
             await self.recovery.move_off_drained(attempt)
         elif outcome.grow:
-            self.recovery.grow_back(outcome.grow)
+            self.recovery.grow_back(attempt, outcome.grow)
         elif not outcome.fallback:
             assert outcome.incident is not None
             await self.recovery.recover(attempt, outcome.incident)

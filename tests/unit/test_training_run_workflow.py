@@ -1010,15 +1010,19 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
         (1, nodes[0]): [_ready(10), BLOCK],
         (1, nodes[1]): [_ready(10), committed, ApplicationError("agent lost its ranks", type="AgentLost")],
         (2, nodes[0]): [Until(repaired), _ready(20), BLOCK],
-        (3, nodes[0]): [_finished(40)],
-        (3, nodes[1]): [_finished(40)],
+        (3, nodes[0]): [_ready(30), _finished(40)],  # its first step ends the grow-back's time to recover
+        (3, nodes[1]): [_ready(30), _finished(40)],
     }
 
     run = await _run(env, cluster, _spec(nodes, min_nodes=1))
 
     result = run.outcome
     assert isinstance(result, RunResult), result
-    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.NODE_UNRESPONSIVE, Action.SHRINK)]
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.NODE_UNRESPONSIVE, Action.SHRINK),
+                                                              (IncidentKind.GROW_BACK, Action.RESTART)]
+    grow = result.incidents[1]  # an incident of its own, so its cost is in the result and `run report`
+    assert (grow.attempt, grow.node, grow.resumed_step) == (2, nodes[1], 20), grow
+    assert grow.recovery_s is not None and "relaunch on world size 2 (was 1)" in grow.detail, grow
     # Shrunk: one node from step 10. Its node back in the pool: at the next commit it is reclaimed, and
     # attempt 3 runs on both nodes from the one-rank checkpoint, rank 1 restoring rank 0's shard.
     assert [(c.step, c.world_size) for c in cluster.inputs("commit_checkpoint")][:2] == [(10, 2), (20, 1)]
