@@ -1040,6 +1040,28 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
     assert result.attempts == 3
 
 
+GLOO_ERROR = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+              "[127.0.0.1]:29500. Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/Utils.hpp:672 "
+              "(most recent call first): " + "frame #0: c10::Error::Error(c10::SourceLocation, std::string) " * 8)
+"""What a lost peer's gloo error looks like on one line: about 600 characters, most of them frames."""
+
+
+async def test_a_lost_nodes_incident_and_cordon_say_its_cause_in_one_short_line(env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, watch_script={
+        (1, nodes[0]): [_ready(10), BLOCK], (1, nodes[1]): [_ready(10), ApplicationError(GLOO_ERROR, type="AgentLost")],
+        (2, nodes[0]): [_finished(20)], (2, spares[0]): [_finished(20)]})
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    [incident] = run.outcome.incidents
+    cause = "AgentLost: RuntimeError: Connection closed by peer [127.0.0.1]:29500."  # the first sentence
+    assert incident.detail.startswith(f"node agent failed: {cause}; "), incident.detail
+    [cordon] = cluster.inputs("cordon_node")
+    assert cordon.reason == f"node_unresponsive: node agent failed: {cause}", cordon.reason
+
+
 async def test_a_shrunk_run_stays_shrunk_on_a_checkpoint_that_cannot_be_resharded(env: WorkflowEnvironment) -> None:
     nodes = _node_ids(2)
     cluster = Cluster(nodes=nodes, sharded=True, returned={nodes[1]})
