@@ -333,6 +333,24 @@ def test_a_reported_straggler_costs_nothing_and_changes_no_phase() -> None:
     assert report.incidents[0].note == "reported, training went on"
 
 
+def test_a_grow_back_is_an_incident_of_the_report_with_its_time_to_recover() -> None:
+    """A shrunk run relaunching onto its returned node at the commit of step 20: its relaunch and the steps it
+    took past the commit are what the grow cost."""
+    grow = Incident(kind=IncidentKind.GROW_BACK, node="node-1", attempt=2, detection_s=0.0, recovery_s=4.0,
+                    resumed_step=20, detected_at=T0 + 6.0, detail="node-1 back: relaunch on world size 2 (was 1)")
+    spans = [Span("launch_ranks", T0, T0 + 0.1, attempt=2, input={"restore_step": 10}),
+             Span("watch_ranks", T0 + 0.1, T0 + 6.0, attempt=2,
+                  result={"kind": "keepalive", "step": 22, "first_step_at": T0 + 1.0, "detected_at": T0 + 6.0}),
+             Span("launch_ranks", T0 + 6.5, T0 + 6.6, attempt=3, input={"restore_step": 20}),
+             Span("watch_ranks", T0 + 6.6, T0 + 14.0, attempt=3,
+                  result={"kind": "finished", "step": 40, "first_step_at": T0 + 10.0, "detected_at": T0 + 14.0})]
+    report = compute_report(spans, start=T0, end=T0 + 14.0, incidents=[grow])
+    [loss] = report.incidents
+    assert (loss.kind, loss.recovery_s, loss.redone_steps) == ("grow_back", 4.0, 2)
+    assert loss.lost_s > 4.0 and "unknown" not in loss.note, loss
+    assert "grow_back" in render_table(report)
+
+
 def test_a_continued_chain_is_one_run() -> None:
     first = FakeHistory(T0, {"entrypoint": ["x"], "nodes": ["node-0"]})
     first.activity("find_checkpoint", T0 + 0.5, T0 + 0.6, "find newest checkpoint (attempt 1)")
