@@ -63,6 +63,7 @@ from activities.models import (
     PublishAttemptInput,
     ShardInfo,
 )
+from activities.pace import PaceRecord, PaceVerdict, judge_window, read_pace
 from activities.progress import find_stragglers
 from trainguard.error_types import ErrorType
 from trainguard.models import CheckpointRef
@@ -114,6 +115,10 @@ async def _heartbeating(fn: Callable[[T], R], request: T) -> R:
     return work.result()
 
 
+PACE_POLL_MIN_S = 1.0
+"""The committer looks at the nodes' pace at most this often (a window's records change once a window)."""
+
+
 @dataclass
 class _CommitterState:
     """What one committer activity remembers between its passes over the store."""
@@ -122,6 +127,10 @@ class _CommitterState:
     """Record key -> (ETag, record): a record is read again only when it changed."""
     refused: set[int] = field(default_factory=set)
     """Steps another writer's manifest holds: never committed by this one."""
+    pace: dict[str, tuple[str, PaceRecord]] = field(default_factory=dict)
+    """Pace record key -> (ETag, record), as `records`."""
+    next_pace: float = 0.0
+    """Monotonic time of the next look at the nodes' pace."""
 
 
 class StoreActivities:
@@ -393,8 +402,9 @@ class StoreActivities:
                 store_error = f"{type(error).__name__}: {error}"[:300]
                 log.warning("commit pass over s3://%s/%s failed: %s", request.bucket, request.run_prefix, error)
                 commits, pending, changed = [], True, False
-            if commits:
-                return CommitCheckpointsResult(commits=commits)
+            pace = await self._pace_pass(request, state) if store_error is None else None
+            if commits or pace is not None:
+                return CommitCheckpointsResult(commits=commits, pace=pace)
             now = time.monotonic()
             last_change = now if changed else last_change
             if now >= deadline:
@@ -402,6 +412,22 @@ class StoreActivities:
             if request.quiet_s is not None and (not pending or now - last_change >= request.quiet_s):
                 return CommitCheckpointsResult(store_error=store_error)
             await asyncio.sleep(request.poll_interval_s if store_error is None else STORE_ERROR_POLL_S)
+
+    @staticmethod
+    async def _pace_pass(request: CommitCheckpointsInput, state: _CommitterState) -> PaceVerdict | None:
+        """About every quarter of a straggler window: the ranks slow over the nodes' newest windows
+        (`activities.pace`). A store error here is the next pass's to meet: the commits go on."""
+        if request.pace_window_s is None or time.monotonic() < state.next_pace:
+            return None
+        state.next_pace = time.monotonic() + max(PACE_POLL_MIN_S, request.pace_window_s / 4)
+        try:
+            records = await asyncio.to_thread(read_pace, s3_client(), request.bucket, request.run_prefix, state.pace)
+        except (BotoCoreError, ClientError, OSError) as error:
+            log.warning("reading the nodes' pace under s3://%s/%s failed: %s", request.bucket, request.run_prefix,
+                        error)
+            return None
+        return judge_window(records, ratio=request.straggler_ratio, after=request.pace_after,
+                            chain_id=request.chain_id, min_attempt=request.min_attempt, attempt=request.attempt)
 
     def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:

@@ -46,6 +46,7 @@ from activities.models import (
     UploadShardsResult,
     WatchCheckpoints,
 )
+from activities.pace import PaceRecord, pace_key
 from activities.peers import fetch_from_peer
 from trainguard.error_types import ErrorType
 from trainguard.protocol import RunLayout, shard_meta_name, shard_name, step_of_dir_name
@@ -371,6 +372,13 @@ class NodeCheckpointActivities:
             s3_client().put_object, Bucket=target.bucket, Key=node_record_key(target.run_prefix, step, self.node),
             Body=record.model_dump_json().encode(), ContentType="application/json")
         return record
+
+    async def write_pace(self, target: WatchCheckpoints, record: PaceRecord) -> None:
+        """From a watch: this node's ranks' pace over its last window, for the committer to compare
+        (`activities.pace`). Overwritten once a window; idempotent."""
+        await asyncio.to_thread(
+            s3_client().put_object, Bucket=target.bucket, Key=pace_key(target.run_prefix, self.node),
+            Body=record.model_dump_json().encode(), ContentType="application/json")
 
     def read_decision(self, target: WatchCheckpoints) -> AttemptDecision | None:
         """The run's newest relaunch decision, blocking; None while there is none. Asked again only for a

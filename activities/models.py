@@ -13,8 +13,8 @@ from enum import Enum
 
 from pydantic import BaseModel, Field
 
-from trainguard.models import CheckpointRef, StopReason
-from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, InjectFaultResult  # noqa: F401 - the client's too
+from activities.pace import PaceVerdict
+from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, CheckpointRef, InjectFaultResult, StopReason  # noqa: F401
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.spec import NODE_ID_PATTERN, HealthSpec
 
@@ -272,6 +272,10 @@ class CommitCheckpointsInput(BaseModel):
     poll_interval_s: float = 0.5
     quiet_s: float | None = None
     """Drain mode: return once nothing new was uploaded for this long (and nothing is left to commit)."""
+    pace_window_s: float | None = None
+    """Also compare the nodes' `PaceRecord`s about every quarter of this window and return a slow one (None: not)."""
+    pace_after: float = 0.0
+    """...only of windows ending after this unix time (the run has judged those before)."""
 
 
 class CommittedCheckpoint(BaseModel):
@@ -288,6 +292,8 @@ class CommitCheckpointsResult(BaseModel):
     store_error: str | None = None
     """The last error the committer met reading or writing the store in this call (it goes on polling through
     them); None when its last pass reached the store."""
+    pace: PaceVerdict | None = None
+    """Ranks slow over a window of training (`activities.pace`), when the committer returned for them."""
 
 
 class PruneCheckpointsInput(BaseModel):

@@ -32,6 +32,7 @@ from activities.models import (
 )
 from activities.progress import (
     COLLECTIVE_WAIT_GRACE_S,
+    RankReport,
     complete_steps,
     failed_rank,
     fault_time,
@@ -40,6 +41,7 @@ from activities.progress import (
     process_state_words,
     slowest_step,
 )
+from activities.pace import PaceRecord, PaceWindow
 from activities.rank_launch import RankLaunch
 from activities.rank_logs import exception_line, failure_signature, read_tail
 from activities.rank_records import AttemptRecord, RankBook, describe_exit, log, read_finish, read_report
@@ -55,6 +57,8 @@ Uploader = Callable[[str, int, WatchCheckpoints, int, "dict[int, float]", int, s
 Downloader = Callable[[DownloadShardsInput], Awaitable[DownloadShardsResult]]
 Decisions = Callable[[WatchCheckpoints], AttemptDecision | None]
 """Reads the run's newest `AttemptDecision` from the store, blocking (`NodeCheckpointActivities.read_decision`)."""
+Pacer = Callable[[WatchCheckpoints, PaceRecord], Awaitable[None]]
+"""Writes this node's `PaceRecord` to the store (`NodeCheckpointActivities.write_pace`)."""
 HangEvidence = Callable[[AttemptRecord, RunLayout, WatchCheckpoints | None], Awaitable[list[RankEvidence]]]
 
 UPLOAD_ERROR_REPORT_S = 60.0
@@ -102,7 +106,8 @@ class RankWatch:
 
     def __init__(self, book: RankBook, launch: RankLaunch, health: NodeHealth | None = None,
                  uploader: Uploader | None = None, downloader: Downloader | None = None,
-                 decisions: Decisions | None = None, hang_evidence: HangEvidence | None = None) -> None:
+                 decisions: Decisions | None = None, hang_evidence: HangEvidence | None = None,
+                 pacer: Pacer | None = None) -> None:
         self.book = book
         self.node = book.node
         self.launch = launch
@@ -116,6 +121,11 @@ class RankWatch:
         """A watch that follows decisions takes up a relaunch the run published in the store."""
         self.hang_evidence = hang_evidence
         """`EvidenceActivities.for_watch`: a watch that judges a hang takes its ranks' evidence with it."""
+        self.pacer = pacer
+        """Writes the node's ranks' pace once a straggler window, for the committer to compare."""
+        self._pace: dict[str, tuple[str, int, PaceWindow]] = {}
+        """Run -> (chain, attempt, its window): outlives the watches of one attempt."""
+        self._pace_writes: dict[str, asyncio.Task[None]] = {}
         self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
         """`_upload_key` -> its upload, started by a watch and outliving it."""
         self._upload_failed_at: dict[tuple[str, str, int, int], float] = {}
@@ -191,6 +201,8 @@ class RankWatch:
             if record.first_step_at is None:
                 record.first_step_at = first_step_time(reports, record.start_step)
             node_step = slowest_step(reports, record.start_step)
+            if request.checkpoints is not None:
+                self._keep_pace(record, request.checkpoints, health.straggler_window_s, reports, node_step, now)
             if time.monotonic() >= next_heartbeat:  # a large run's watches heartbeat less often
                 next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
                 activity.heartbeat(protocol.WatchHeartbeat(
@@ -272,6 +284,35 @@ class RankWatch:
             if time.monotonic() - started > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
             await asyncio.sleep(health.poll_interval_s)
+
+    def _keep_pace(self, record: AttemptRecord, target: WatchCheckpoints, window_s: float,
+                   reports: dict[int, RankReport | None], node_step: int, now: float) -> None:
+        """Sample the ranks' compute per step; once a window, write their means to the store (not awaited: a slow
+        store must not hold the watch, and a write still under way skips the window)."""
+        if self.pacer is None:
+            return
+        kept = self._pace.get(record.workflow_id)
+        if kept is None or kept[:2] != (record.chain_id, record.attempt):
+            kept = (record.chain_id, record.attempt, PaceWindow(window_s, now))
+            self._pace[record.workflow_id] = kept
+        window = kept[2]
+        window.observe(now, reports)
+        writing = self._pace_writes.get(record.workflow_id)
+        if writing is not None and not writing.done():
+            return
+        means = window.due(now)
+        if means is None:
+            return
+        pace = PaceRecord(node=self.node, attempt=record.attempt, chain_id=record.chain_id, window_end=now,
+                          window_s=window_s, rank_compute_s=means, step=node_step)
+        self._pace_writes[record.workflow_id] = asyncio.ensure_future(self._write_pace(target, pace))
+
+    async def _write_pace(self, target: WatchCheckpoints, pace: PaceRecord) -> None:
+        assert self.pacer is not None
+        try:
+            await self.pacer(target, pace)
+        except Exception as error:  # an outage: the next window writes again
+            log.warning("writing the pace of %s attempt %d failed: %s", target.run_prefix, pace.attempt, error)
 
     async def _read_decision(self, target: WatchCheckpoints) -> AttemptDecision | None:
         """The run's newest decision from the store; None when there is none, or the store cannot say now (the

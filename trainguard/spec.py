@@ -268,12 +268,17 @@ class HealthSpec(_Strict):
     """How often a node agent reads its ranks' progress. Default 0.2 s."""
 
     straggler_ratio: float = Field(1.5, gt=1, le=100)
-    """A rank whose compute time per step exceeds this many times its peers' median, over a checkpoint
-    interval, is a straggler. Default 1.5."""
+    """A rank whose mean compute time per step exceeds this many times its peers' median, over a window of
+    `straggler_window_s`, is a straggler. Default 1.5."""
+
+    straggler_window_s: float = Field(10.0, ge=1, le=3600)
+    """The sliding window of training time over which each rank's compute per step is compared with its
+    peers', whatever the checkpoint cadence. Runs of thousands of nodes widen it so each node writes its pace
+    to the store at most every nodes / 100 s. Default 10 s."""
 
     straggler_windows: int = Field(2, ge=1, le=1000)
-    """Consecutive checkpoint intervals a straggler must persist before its node is replaced by a spare
-    (it is reported from the first). Default 2."""
+    """Consecutive windows a straggler must stay slow before the run takes a checkpoint on demand and replaces
+    its node by a spare (it is reported from the first). Default 2."""
 
     gpu_check_interval_s: float = Field(30.0, ge=1, le=86_400)
     """How often node agents re-check GPU health while ranks run. Default 30 s."""

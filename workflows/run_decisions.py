@@ -58,8 +58,9 @@ class StragglerVerdict:
 
 def judge_stragglers(streaks: dict[int, int], slow: dict[int, float], *, windows: int,
                      have_spare: bool) -> StragglerVerdict:
-    """At each committed checkpoint the committer compares the ranks' compute times over the interval (`slow`:
-    rank -> how many times slower than the median). Ranks in rank order, as the committer reports them."""
+    """`slow`: rank -> how many times slower than its peers' median over one window (a checkpoint interval in
+    histories before `judge_pace`), in rank order as the committer reports them; `streaks`: the windows in a
+    row each was slow in before this one."""
     counts = {rank: streaks.get(rank, 0) + 1 for rank in slow}
     first: list[int] = []
     for rank in slow:
@@ -68,6 +69,32 @@ def judge_stragglers(streaks: dict[int, int], slow: dict[int, float], *, windows
         if counts[rank] >= windows and have_spare:
             return StragglerVerdict(counts=counts, streaks={}, first_seen=first, persisted=rank)
     return StragglerVerdict(counts=counts, streaks=counts, first_seen=first, persisted=None)
+
+
+PACE_WRITES_PER_S = 100
+"""Pace records a run's nodes write to the store each second, at most: a run of more than `PACE_WRITES_PER_S` x
+`health.straggler_window_s` nodes widens its window to nodes / 100 s (4,096 nodes: 41 s), so the store and the
+committer that reads every record see a bounded load."""
+
+CONSECUTIVE_WINDOWS = 1.75
+"""Two slow windows are in a row when the second ended within this many windows of the first: the nodes write
+once a window, each on its own clock, so the next window ends about one window later; two or more means a
+window in between kept pace (the committer returns only slow ones)."""
+
+
+def pace_window_s(configured: float, num_nodes: int) -> float:
+    """The straggler window a run of `num_nodes` nodes uses: the spec's, widened for a large run."""
+    return max(configured, round(num_nodes / PACE_WRITES_PER_S, 3))
+
+
+def judge_pace(streaks: dict[int, int], last_end: float, slow: dict[int, float], *, window_end: float,
+               window_s: float, windows: int, have_spare: bool) -> StragglerVerdict:
+    """A window of training in which `slow` ranks computed slower than their peers (the committer compared the
+    nodes' pace, `activities.pace`): a rank slow in `windows` windows in a row, with a spare to take its node's
+    place, goes to the policy; a rank slow for the first time is reported. `last_end`: when the previous slow
+    window ended (0: none); a window that kept pace in between starts every streak again."""
+    in_a_row = last_end > 0 and window_end - last_end <= CONSECUTIVE_WINDOWS * window_s
+    return judge_stragglers(streaks if in_a_row else {}, slow, windows=windows, have_spare=have_spare)
 
 
 def lost_since(incident: Incident, silence_s: float) -> float | None:

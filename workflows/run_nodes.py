@@ -7,6 +7,7 @@ one pydantic model in per call kind and one out (`RESULT_TYPES`), validated here
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Generic, TypeVar
@@ -14,7 +15,8 @@ from typing import Generic, TypeVar
 from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import TimeoutError as TemporalTimeout
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
@@ -58,6 +60,24 @@ FAN_OUT_GROUPS = 8
 """Node-call groups a run keeps open at once: 512 node activities, which a dev server on two cores matches to
 their agents within seconds; the 64 groups of a 4,096-node check all at once left 1,309 checks waiting past
 their schedule-to-start timeout, and the run took those nodes for dead."""
+
+CHECKPOINT_NOW_AHEAD_S = 2.0
+"""A checkpoint on demand asks for a step about this far ahead of the master's: the request reaches every node (a
+child workflow and an activity round trip per group, tens of milliseconds, more on a loaded machine) well
+before the ranks get there."""
+
+LIVENESS_SCHEDULE_TO_START = timedelta(seconds=2)
+"""A crash's liveness check (`unanswered`): a live agent polls all the time and starts a node check in
+milliseconds; one that has not started it in 2 s is a lost node whose crash its peers saw first. Found here,
+the spare is chosen before the relaunch; found by the relaunch, it cost the launching watch's 10 s wait."""
+LIVENESS_TIMEOUT = timedelta(seconds=5)
+"""...and a check started takes an NVML query: one not done in 5 s is a node in no state to train."""
+LIVENESS_RETRY = RetryPolicy(maximum_attempts=1)
+"""Asked once: the recovery waits on it, and no answer is the answer."""
+LIVENESS_MAX_NODES = 64
+"""A crash in a run of up to this many nodes checks every node (each rank's peers are all the others); a larger
+run checks the crashed rank's node only (its lost peers' watches miss their heartbeats), so a crash costs
+the run's history at most 64 activities."""
 
 STORE_TIMEOUT = timedelta(minutes=2)
 """Listing, HEADs and a small manifest PUT."""
@@ -154,6 +174,16 @@ class RunNodes:
             if answer.result is None:
                 workflow.logger.warning("could not stop ranks on %s: %s", answer.node, answer.error)
         return [a.node for a in answers if a.result is None]
+
+    async def checkpoint_soon(self, attempt: int) -> int:
+        """Have every rank checkpoint about `CHECKPOINT_NOW_AHEAD_S` from now (an operator's `checkpoint_now`, a
+        straggler's before it is replaced); the step asked for. It commits like any other checkpoint."""
+        nodes = list(self.core.status.nodes)
+        # The master node says where training is: every rank steps in lockstep with it (collectives).
+        [where] = await self.request_checkpoint(attempt, nodes[:1], None)
+        target = where.step + max(5, math.ceil(CHECKPOINT_NOW_AHEAD_S / (where.step_time_s or 0.1)))
+        await self.request_checkpoint(attempt, nodes, target)
+        return target
 
     async def request_checkpoint(self, attempt: int, nodes: list[str],
                                  step: int | None) -> list[RequestCheckpointResult]:
@@ -261,6 +291,18 @@ class RunNodes:
         core.status.nodes = list(lease.nodes)
         core.spec = core.the_spec.resolved(lease.nodes)
         core.publish()
+
+    async def unanswered(self, nodes: list[str]) -> list[str]:
+        """The nodes whose agent did not answer a node check within `LIVENESS_SCHEDULE_TO_START` (or took past
+        `LIVENESS_TIMEOUT`): lost. A check that failed otherwise came from a live agent."""
+        wid = self.core.wid()
+        answers = await asyncio.gather(*(workflow.execute_activity(
+            NodeCallKind.CHECK.value, CheckNodeInput(workflow_id=wid, node=node), task_queue=node_task_queue(node),
+            schedule_to_start_timeout=LIVENESS_SCHEDULE_TO_START, start_to_close_timeout=LIVENESS_TIMEOUT,
+            retry_policy=LIVENESS_RETRY, result_type=CheckNodeResult, summary=f"is {node} alive? (a crash)")
+            for node in nodes), return_exceptions=True)
+        return [node for node, answer in zip(nodes, answers)
+                if isinstance(answer, ActivityError) and isinstance(answer.cause, TemporalTimeout)]
 
     async def check_nodes(self, nodes: list[str]) -> list[CheckNodeResult]:
         wid = self.core.wid()

@@ -58,7 +58,9 @@ class RunState(BaseModel):
     state_since_attempt: int = 1
     """The attempt the live ranks' state comes from: the last relaunch (in-process restarts keep it)."""
     straggler_streak: dict[int, int] = Field(default_factory=dict)
-    """Rank -> consecutive checkpoint intervals it was slow in."""
+    """Rank -> consecutive straggler windows it was slow in."""
+    slow_window_end: float = 0.0
+    """Unix time the last slow window the run judged ended (0: none yet): the committer returns only later ones."""
     lost: list[str] = Field(default_factory=list)
     """Nodes a shrink left behind, to grow back onto when they return."""
     replaced: list[str] = Field(default_factory=list)
@@ -96,6 +98,9 @@ class Live:
     symptom: tuple[Incident, str] | None = None
     """The rank fault a relaunch recovers from, with what it was first seen as, while no stop proved its node
     reachable; a committed checkpoint since makes it moot."""
+    liveness: asyncio.Task[list[str]] | None = None
+    """A crash's liveness check of its node and its peers' (`RunNodes.unanswered`), started as the crash is
+    seen: the recovery takes a node that did not answer as the crash's cause."""
     joins: list[Incident] = field(default_factory=list)
     """Lost nodes a spare replaced within the attempt: its first step ends their recovery (long past at a
     continue-as-new)."""

@@ -2,7 +2,8 @@
 
 It waits on the watch groups, the committer, standing groups' reports and the operator's pause; takes the
 earliest failure of what several nodes report at once as the incident; lets a spare join the attempt in the
-place of a node that never took up its launch; commits checkpoints as they come, judging stragglers at each;
+place of a node that never took up its launch; commits checkpoints as they come; judges stragglers from the
+windows of training the committer finds slow (a persistent one is checkpointed on demand, then replaced);
 and at a commit moves off drained nodes, grows back onto returned ones, or continues as new. Before a hang's
 ranks are stopped it asks the nodes for evidence and names the culprit.
 """
@@ -15,9 +16,10 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.pace import PaceVerdict
     from activities.models import (CollectEvidenceInput, CollectEvidenceResult, DownloadShardsInput,
                                    LaunchRanksInput, RankEvidence, WatchEvent)
     from trainguard import node_task_queue
@@ -29,8 +31,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.policy import RecoveryBudget, decide, may_change_world_size, same_failure_streak
     from workflows.run_core import RunCore, cause_text, injected_key
     from workflows.run_decisions import (Ending, attempt_ending, continue_as_new_due, earliest_incident,
-                                         grow_or_finish, judge_stragglers, stale_after_s, storage_trouble)
-    from workflows.run_nodes import RunNodes
+                                         grow_or_finish, judge_pace, stale_after_s, storage_trouble)
+    from workflows.run_nodes import LIVENESS_MAX_NODES, RunNodes
     from workflows.run_watch import Groups, Watches
 
 INCIDENT_SETTLE = timedelta(seconds=1)
@@ -40,6 +42,11 @@ peers fail in their collective within milliseconds, and the earliest failure of 
 GROW_SETTLE = timedelta(seconds=2)
 """A commit with lost nodes back: how long the watches may take to say the ranks finished (a rank exits right
 after its last checkpoint, its watch sees it within a poll) before the run grows onto them. Finishing wins."""
+
+STRAGGLER_CHECKPOINT_WAIT = timedelta(seconds=60)
+"""How long a persistent straggler's checkpoint on demand may take to commit before its node is replaced from
+the newest checkpoint there is: the slow rank must reach the step (about 2 s of the run's pace ahead), save it,
+and every node upload it; a store that is out must not keep a slow rank in the job."""
 
 LAUNCH_SPEC_FAULTS = (ErrorType.BAD_SPEC, ErrorType.STALE_ATTEMPT, ErrorType.ENTRYPOINT_NOT_ALLOWED)
 """A launching watch's failures that are the spec's fault, not the node's."""
@@ -76,6 +83,11 @@ class _Seen:
     drain: bool = False
     grow: list[str] = field(default_factory=list)
     continue_as_new: bool = False
+    straggler: Incident | None = None
+    """A straggler that persisted: the run takes a checkpoint first (`straggler_step`), then replaces its node."""
+    straggler_step: int = 0
+    straggler_wait: asyncio.Task[None] | None = None
+    """Ends after `STRAGGLER_CHECKPOINT_WAIT`: the straggler is replaced even if that checkpoint never commits."""
 
 
 class Supervisor:
@@ -95,8 +107,12 @@ class Supervisor:
                                       and not seen.grow and seen.spec_fault is None and seen.corrupt is None
                                       and len(seen.finished) < len(watches)):
             pending: list[asyncio.Task[Any]] = [*(t for g, t in watches.items() if g not in seen.finished),
-                                                committer, control, reports]
+                                                committer, control, reports,
+                                                *([seen.straggler_wait] if seen.straggler_wait else [])]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if seen.straggler_wait is not None and seen.straggler_wait.done() and seen.straggler is not None:
+                seen.straggler.detail += f" (it did not commit within {STRAGGLER_CHECKPOINT_WAIT.total_seconds():.0f}s)"
+                seen.incident = seen.incident or seen.straggler
             results = await self._collect(watches, seen, reports.done(), attempt)
             if reports.done():
                 reports = asyncio.ensure_future(workflow.wait_condition(lambda: bool(live.reports)))
@@ -107,11 +123,17 @@ class Supervisor:
                     committer = self.watches.committer(attempt)  # else the attempt ends: the last pass follows
 
         paused = control.done()
+        if seen.incident is not None and seen.incident.kind is IncidentKind.CRASH:
+            # Asked now, answered while the watches close: a node lost with its ranks is found before the relaunch.
+            crashed = [seen.incident.node] if seen.incident.node else []
+            nodes = core.status.nodes if len(core.status.nodes) <= LIVENESS_MAX_NODES else crashed
+            core.live.liveness = asyncio.ensure_future(self.nodes.unanswered(list(nodes)))
         if seen.incident is not None and seen.incident.kind is IncidentKind.HANG:
             await self._attribute_hang(attempt, seen.incident)  # first: the ranks are still where they hung
-        for task in (control, committer, reports):
+        waits = [t for t in (control, committer, reports, seen.straggler_wait) if t is not None]
+        for task in waits:
             task.cancel()
-        await asyncio.gather(committer, control, reports, return_exceptions=True)  # a cancel is not waited on
+        await asyncio.gather(*waits, return_exceptions=True)  # a cancel is not waited on
         if (seen.incident is not None and seen.spec_fault is None and seen.corrupt is None
                 and self.watches.stands()):
             self.watches.keep_standing(watches, seen.reporting)
@@ -209,14 +231,17 @@ class Supervisor:
         core, spec, state = self.core, self.core.the_spec, self.core.state
         try:
             result = committer.result()
-            commits, store_error = result.commits, result.store_error
+            commits, store_error, pace = result.commits, result.store_error, result.pace
         except ActivityError as error:
             workflow.logger.warning("committer failed: %s", cause_text(error))
-            commits, store_error = [], cause_text(error)
+            commits, store_error, pace = [], cause_text(error), None
         for commit in commits:
             core.committed(commit.ref)
             core.status.step = max(core.status.step, commit.step)
-            seen.incident = seen.incident or self._judge_stragglers(attempt, commit.ref.step, commit.slow_ranks)
+            if seen.straggler is not None and commit.ref.step >= seen.straggler_step:
+                seen.incident = seen.incident or seen.straggler  # its checkpoint is in: now the spare
+        if pace is not None:
+            await self._judge_pace(attempt, pace, seen)
         if commits:
             seen.drain = any(n in core.status.nodes for n in state.intents.draining)
             if state.lost and may_change_world_size(state.status.latest_checkpoint):
@@ -235,7 +260,7 @@ class Supervisor:
         if not commits:
             self._judge_storage(attempt, store_error)
         info = workflow.info()
-        seen.continue_as_new = (not seen.drain and not seen.grow and seen.incident is None
+        seen.continue_as_new = (not seen.drain and not seen.grow and seen.incident is None and seen.straggler is None
                                 and len(seen.finished) < len(watches) and continue_as_new_due(
                                     suggested=info.is_continue_as_new_suggested(),
                                     history_bytes=info.get_current_history_size(),
@@ -273,26 +298,40 @@ class Supervisor:
             for incident in self.core.live.restored_by:
                 incident.restore_tier = state.restore_tier
 
-    def _judge_stragglers(self, attempt: int, step: int, slow: dict[int, float]) -> Incident | None:
-        """A straggler is reported when first seen; one that persists comes back as an incident for the policy."""
+    async def _judge_pace(self, attempt: int, pace: PaceVerdict, seen: _Seen) -> None:
+        """A window of training in which some rank was slow: reported when first seen; one that persists has
+        every rank checkpoint on demand, and its node is replaced once that checkpoint commits."""
         core, spec = self.core, self.core.the_spec
-        verdict = judge_stragglers(core.state.straggler_streak, slow, windows=spec.health.straggler_windows,
-                                   have_spare=bool(core.state.spares))
+        verdict = judge_pace(core.state.straggler_streak, core.state.slow_window_end, pace.slow,
+                             window_end=pace.window_end, window_s=pace.window_s,
+                             windows=spec.health.straggler_windows, have_spare=bool(core.state.spares))
+        core.state.slow_window_end, core.state.straggler_streak = pace.window_end, verdict.streaks
         now = workflow.now().timestamp()
 
         def incident(rank: int) -> Incident:
             node = core.status.nodes[rank // spec.ranks_per_node]
             slowed_at = core.state.injected_at.get(injected_key("slow", node))
             return Incident(kind=IncidentKind.STRAGGLER, node=node, rank=rank, attempt=attempt,
-                            detail=f"rank {rank} computes {slow[rank]:.2f}x slower than its peers' median "
-                                   f"(interval ending at step {step}, {verdict.counts[rank]} in a row)",
+                            detail=f"rank {rank} computes {pace.slow[rank]:.2f}x slower than its peers' median "
+                                   f"over {pace.window_s:g}s of training (to step {pace.step}; "
+                                   f"{verdict.counts[rank]} window(s) in a row)",
                             detection_s=None if slowed_at is None else round(max(0.0, now - slowed_at), 3),
                             action=Action.REPORT, detected_at=now)
 
         for rank in verdict.first_seen:
             core.record_incident(incident(rank))
-        core.state.straggler_streak = verdict.streaks
-        return None if verdict.persisted is None else incident(verdict.persisted)
+        if verdict.persisted is None or seen.straggler is not None:
+            return
+        found = incident(verdict.persisted)
+        try:
+            seen.straggler_step = await self.nodes.checkpoint_soon(attempt)
+        except (ActivityError, ApplicationError, ChildWorkflowError) as error:
+            workflow.logger.warning("checkpoint before replacing a straggler failed: %s", cause_text(error))
+            seen.incident = seen.incident or found  # replaced from the newest checkpoint there is
+            return
+        found.detail += f"; replaced after a checkpoint on demand at step {seen.straggler_step}"
+        seen.straggler = found
+        seen.straggler_wait = asyncio.ensure_future(workflow.sleep(STRAGGLER_CHECKPOINT_WAIT))
 
     async def _pass_over_corrupt(self, attempt: int, corrupt: LostNode) -> Outcome:
         """As a corrupt download before any launch: pass the checkpoint over and restore the one before."""

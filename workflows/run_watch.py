@@ -25,7 +25,7 @@ with workflow.unsafe.imports_passed_through():
                                       NodeGroupWatch, groups_of, launch_wait_s, watch_heartbeat_every_s)
     from workflows.node_group_models import NodeGroupWatchInput, NodeGroupWatchResult
     from workflows.run_core import RunCore, cause_text
-    from workflows.run_decisions import decision_every_s, stale_after_s
+    from workflows.run_decisions import decision_every_s, pace_window_s, stale_after_s
     from workflows.run_nodes import FAN_OUT_GROUPS, STORE_HEARTBEAT_TIMEOUT, STORE_RETRY, STORE_TIMEOUT
 
 STANDING_GROUPS_MIN_NODES = NODES_PER_GROUP + 1
@@ -61,8 +61,10 @@ class Watches:
         """Each watch group's input: with `launch`, each node but the master launches from its first watch."""
         core, spec = self.core, self.core.the_spec
         nodes = core.status.nodes
+        window = pace_window_s(spec.health.straggler_window_s, len(nodes))
         watch = WatchRanksInput(
-            workflow_id=core.wid(), attempt=attempt, node="", health=spec.health,
+            workflow_id=core.wid(), attempt=attempt, node="",
+            health=spec.health.model_copy(update={"straggler_window_s": window}),
             # Steps up to the newest commit need no upload again (after continue-as-new too).
             reported_step=max(core.status.resumed_step, core.state.last_committed_step),
             evidence=True, evidence_with_event=True,
@@ -197,6 +199,7 @@ class Watches:
     def committer(self, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
         core, spec = self.core, self.core.the_spec
         state = core.state
+        window = pace_window_s(spec.health.straggler_window_s, len(core.status.nodes))
         return asyncio.ensure_future(workflow.execute_activity(
             "commit_checkpoints",
             CommitCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(),
@@ -206,6 +209,8 @@ class Watches:
                                    world_size=core.status.world_size, num_nodes=len(core.status.nodes),
                                    after_step=state.last_committed_step, keep_last=spec.checkpoint.keep_last,
                                    straggler_ratio=spec.health.straggler_ratio,
+                                   pace_window_s=None if quiet_s else window,
+                                   pace_after=state.slow_window_end + 0.5 * window,
                                    max_duration_s=DRAIN_TIMEOUT.total_seconds() if quiet_s else self._until_stale(),
                                    quiet_s=quiet_s),
             start_to_close_timeout=COMMITTER_TIMEOUT,

@@ -14,7 +14,6 @@ attempts); the decisions they take are pure functions (workflows/policy.py, work
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from temporalio import workflow
@@ -35,12 +34,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run_state import RunInputError, RunState, continued_input, parse_run_input
     from workflows.run_supervise import Outcome, Supervisor
     from workflows.run_watch import Watches
-
-CHECKPOINT_NOW_AHEAD_S = 2.0
-"""`checkpoint_now` asks for a step about this far ahead of the master's: the request reaches every node (a
-child workflow and an activity round trip per group, tens of milliseconds, more on a loaded machine) well
-before the ranks get there."""
-
 
 UPLOAD_ERRORS_KEPT = 16
 """Nodes whose failing uploads the status names, at most: an outage of every node of a large run would
@@ -117,12 +110,7 @@ class TrainingRun:
     @workflow.update
     async def checkpoint_now(self, request: OperatorRequest) -> CheckpointNowResult:
         """Have every rank checkpoint about two seconds from now; it commits like any other checkpoint."""
-        attempt, nodes = self.core.status.attempt, list(self.core.status.nodes)
-        # The master node says where training is: every rank steps in lockstep with it (collectives).
-        [where] = await self.nodes.request_checkpoint(attempt, nodes[:1], None)
-        target = where.step + max(5, math.ceil(CHECKPOINT_NOW_AHEAD_S / (where.step_time_s or 0.1)))
-        await self.nodes.request_checkpoint(attempt, nodes, target)
-        return CheckpointNowResult(step=target)
+        return CheckpointNowResult(step=await self.nodes.checkpoint_soon(self.core.status.attempt))
 
     @checkpoint_now.validator
     def _validate_checkpoint_now(self, request: OperatorRequest) -> None:

@@ -7,8 +7,8 @@ import pytest
 from trainguard.models import Action, Incident, IncidentKind
 from workflows.policy import Decision
 from workflows.run_decisions import (SUGGESTED_HISTORY_BYTES, Ending, attempt_ending, continue_as_new_due,
-                                     decision_every_s, earliest_incident, grow_or_finish, judge_stragglers,
-                                     lost_since, stop_reason)
+                                     decision_every_s, earliest_incident, grow_or_finish, judge_pace,
+                                     judge_stragglers, lost_since, pace_window_s, stop_reason)
 
 
 def _incident(kind: IncidentKind = IncidentKind.CRASH, **fields: object) -> Incident:
@@ -48,6 +48,28 @@ def test_a_straggler_is_reported_first_and_acted_on_when_it_persists(
         carried: dict[int, int]) -> None:
     verdict = judge_stragglers(streaks, slow, windows=3, have_spare=spare)
     assert (verdict.first_seen, verdict.persisted, verdict.streaks) == (first, persisted, carried)
+
+
+@pytest.mark.parametrize(("streaks", "last_end", "window_end", "slow", "first", "persisted", "carried"), [
+    ({}, 0.0, 1000.0, {1: 5.0}, [1], None, {1: 1}),  # the first slow window: reported
+    ({1: 1}, 1000.0, 1010.3, {1: 5.0}, [], 1, {}),  # the next window, slow again: checkpoint, then the spare
+    ({1: 1}, 1000.0, 1017.0, {1: 5.0}, [], 1, {}),  # a node's window ends a little late: still in a row
+    ({1: 1}, 1000.0, 1020.0, {1: 5.0}, [1], None, {1: 1}),  # a window kept pace in between: counted anew
+    ({1: 1}, 1000.0, 1010.0, {2: 1.6}, [2], None, {2: 1}),  # another rank: rank 1's streak ends
+])
+def test_a_straggler_persists_over_windows_of_training_in_a_row(
+        streaks: dict[int, int], last_end: float, window_end: float, slow: dict[int, float], first: list[int],
+        persisted: int | None, carried: dict[int, int]) -> None:
+    verdict = judge_pace(streaks, last_end, slow, window_end=window_end, window_s=10.0, windows=2, have_spare=True)
+    assert (verdict.first_seen, verdict.persisted, verdict.streaks) == (first, persisted, carried)
+
+
+@pytest.mark.parametrize(("configured", "nodes", "window"), [
+    (10.0, 2, 10.0), (10.0, 1000, 10.0), (10.0, 4096, 40.96), (60.0, 4096, 60.0),
+])
+def test_a_large_run_widens_its_straggler_window_to_bound_the_stores_load(configured: float, nodes: int,
+                                                                          window: float) -> None:
+    assert pace_window_s(configured, nodes) == window
 
 
 @pytest.mark.parametrize(("kind", "detected_at", "since"), [

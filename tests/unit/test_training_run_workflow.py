@@ -64,6 +64,7 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
+from activities.pace import PaceVerdict
 from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard import node_task_queue
@@ -190,6 +191,9 @@ class Cluster:
     still running holds the test server's time skipping back)."""
     store_out: str | None = None
     """While set, the committer cannot reach the store: it polls to its deadline and returns this error."""
+    slow_windows: list[PaceVerdict] = field(default_factory=list)
+    """Windows of training the nodes' pace records show slow, in order: a committer returns the first that ends
+    after the run's `pace_after`, as the real one compares them (`activities.pace`)."""
     hold: dict[str, asyncio.Event] = field(default_factory=dict)
     """Activity name -> an event its next call waits for (heartbeating) before it answers: an update's handler
     held in flight."""
@@ -257,11 +261,14 @@ class Cluster:
                 # idempotent): a run that gave up on that pass still hears of it.
                 commits = [c for step in sorted(self.records) if step > request.after_step
                            and (c := self.committed_refs.get(step) or self._commit(request, step)) is not None]
+                slow = next((w for w in self.slow_windows if w.window_end > request.pace_after), None)
+                slow = slow if request.pace_window_s else None
                 if commits:
                     self.calls["prune_checkpoints"].append(PruneCheckpointsInput(
                         bucket=request.bucket, run_prefix=request.run_prefix, keep_last=request.keep_last,
                         protect_steps=[max(c.ref.step for c in commits)]))
-                    return CommitCheckpointsResult(commits=commits)
+                if commits or slow is not None:
+                    return CommitCheckpointsResult(commits=commits, pace=slow)
                 if time.monotonic() >= deadline:
                     return CommitCheckpointsResult()
                 activity.heartbeat()
@@ -878,18 +885,17 @@ async def test_node_fault_while_training_is_replaced_by_a_spare(env: WorkflowEnv
         assert cordon.lost_since is None
 
 
-async def test_persistent_straggler_is_reported_then_replaced_by_a_spare(env: WorkflowEnvironment) -> None:
+async def test_a_straggler_slow_over_two_windows_is_checkpointed_on_demand_then_replaced_by_a_spare(
+        env: WorkflowEnvironment) -> None:
+    """Judged from windows of training, not checkpoints: the only checkpoint after the first is the one the run
+    asks for once the straggler persists, and the spare restores from it."""
     nodes, spares = _node_ids(2), _node_ids(1)
-    cluster = Cluster(nodes=nodes, spares=spares)
-    first_committed = Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1)
-
-    def ready(step: int, rank: int, compute_s: float) -> WatchEvent:
-        return _ready(step).model_copy(update={"rank_compute_s": {rank: compute_s}})
-
-    cluster.watch_script = {
-        (1, nodes[0]): [ready(10, 0, 0.1), first_committed, ready(20, 0, 0.1), BLOCK],
-        (1, nodes[1]): [ready(10, 1, 0.3), first_committed, ready(20, 1, 0.3), BLOCK],
-    }
+    cluster = Cluster(nodes=nodes, spares=spares, slow_windows=[
+        PaceVerdict(slow={1: 5.0}, window_end=1000.0, window_s=10.0, step=60),
+        PaceVerdict(slow={1: 5.0}, window_end=1010.2, window_s=10.0, step=80),
+    ])
+    asked = Until(lambda: any(r.step == 30 for r in cluster.inputs("request_checkpoint")))
+    cluster.watch_script = {(1, node): [_ready(10), asked, _ready(30), BLOCK] for node in nodes}
 
     run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
 
@@ -899,10 +905,31 @@ async def test_persistent_straggler_is_reported_then_replaced_by_a_spare(env: Wo
         (IncidentKind.STRAGGLER, nodes[1], 1, Action.REPORT),
         (IncidentKind.STRAGGLER, nodes[1], 1, Action.REPLACE_NODE),
     ]
-    assert "3.00x slower" in result.incidents[0].detail
+    assert "5.00x slower than its peers' median over 10s of training" in result.incidents[0].detail
+    assert "after a checkpoint on demand at step 30" in result.incidents[1].detail
+    # Where the master stands (the stand-in says step 25 at 0.5 s a step), then every node at 5 steps ahead.
+    where, *every = [(r.node, r.step) for r in cluster.inputs("request_checkpoint")]
+    assert (where, sorted(every)) == ((nodes[0], None), [(nodes[0], 30), (nodes[1], 30)])
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
-    assert [(r.node, r.restore_step) for r in relaunches] == [(nodes[0], 20), (spares[0], 20)]
+    assert [(r.node, r.restore_step) for r in relaunches] == [(nodes[0], 30), (spares[0], 30)]
     assert run.status.cordoned == [nodes[1]]
+
+
+async def test_slow_windows_that_are_not_in_a_row_are_only_reported(env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, slow_windows=[
+        PaceVerdict(slow={1: 2.0}, window_end=1000.0, window_s=10.0, step=60),
+        PaceVerdict(slow={1: 2.0}, window_end=1030.0, window_s=10.0, step=120),  # two windows kept pace between
+    ])
+    committed = Until(lambda: len(cluster.calls["commit_checkpoints"]) >= 3)
+    cluster.watch_script = {(1, node): [_ready(10), committed, _finished(20)] for node in nodes}
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult)
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.STRAGGLER, Action.REPORT)] * 2
+    assert result.attempts == 1 and not cluster.inputs("request_checkpoint")
 
 
 async def test_lost_node_without_a_spare_pauses_until_an_operator_resumes(env: WorkflowEnvironment) -> None:

@@ -1,0 +1,165 @@
+"""Stragglers over a sliding window of training time, whatever the checkpoint cadence.
+
+Each node's watch keeps its ranks' compute per step (`compute_s`, outside collectives) as their progress reports
+bring it, and once a window (`health.straggler_window_s`) writes each rank's mean over the last window to the
+store (`PaceRecord`, `<run prefix>/pace/<node>.json`, overwritten). The committer, which watches the store anyway,
+compares every rank's mean with its peers' median (`find_stragglers`) and returns the slow ranks of a window
+(`PaceVerdict`) to the run, whose pure rule (`workflows.run_decisions.judge_pace`) reports a rank slow in one
+window and replaces it once it stays slow for `health.straggler_windows` windows in a row. Nothing passes
+through Temporal while every rank keeps pace: the per-step chatter stays between the agents and the store.
+
+`window_means` and `judge_window` are pure (the clock is an argument): tests/unit/test_pace.py.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+
+from activities.progress import find_stragglers
+
+PACE_DIR = "pace"
+
+MIN_SAMPLES = 3
+"""A rank's window counts once it holds this many of its steps: fewer say nothing of its pace."""
+
+COVERED = 0.8
+"""...and once the watch has seen the rank step for this much of a window (a window just after a launch is
+not a window of training)."""
+
+FRESH_WINDOWS = 2.0
+"""A node's record older than this many windows before the newest record is left out of a comparison: its
+node stopped writing (lost, finished), and a mean of another stretch of training says nothing of this one."""
+
+
+def pace_key(run_prefix: str, node: str) -> str:
+    return f"{run_prefix}/{PACE_DIR}/{node}.json"
+
+
+class PaceRecord(BaseModel):
+    """A node's ranks' pace over its last window, written by its watch once a window (overwritten). The node
+    agent writes it and the committer reads it; both import this model."""
+
+    node: str
+    attempt: int
+    """The attempt whose ranks were measured: only the run's current attempts count."""
+    chain_id: str = ""
+    """The run's chain (its first execution's run id): a rerun under the same workflow id is another chain."""
+    window_end: float
+    """Unix time (the node's clock) the window ended: when the record was written."""
+    window_s: float
+    rank_compute_s: dict[int, float] = Field(default_factory=dict)
+    """Rank -> mean compute per step over the window, seconds."""
+    step: int = -1
+    """The node's slowest rank's step at the window's end."""
+
+
+class PaceVerdict(BaseModel):
+    """The committer's answer when some rank computed slower than `straggler_ratio` times its peers' median over
+    a window of training."""
+
+    slow: dict[int, float]
+    """Rank -> how many times slower than its peers' median."""
+    window_end: float
+    """Unix time the newest window compared ended: the run asks only for windows ending after the next one."""
+    window_s: float
+    step: int = -1
+    """The lowest step any compared node had reached by its window's end."""
+
+
+def window_means(samples: Mapping[int, Iterable[tuple[float, float]]], first_seen: Mapping[int, float], now: float,
+                 window_s: float) -> dict[int, float]:
+    """Each rank's mean compute per step over the window ending `now`, from its (unix time, compute_s) samples,
+    one per step the watch saw. A rank the watch has seen stepping for less than `COVERED` of a window, or with
+    fewer than `MIN_SAMPLES` steps in it, has no mean yet."""
+    means: dict[int, float] = {}
+    for rank, taken in samples.items():
+        since = first_seen.get(rank)
+        if since is None or now - since < COVERED * window_s:
+            continue
+        inside = [compute for at, compute in taken if now - window_s < at <= now]
+        if len(inside) >= MIN_SAMPLES:
+            means[rank] = round(sum(inside) / len(inside), 6)
+    return means
+
+
+def judge_window(records: Iterable[PaceRecord], *, ratio: float, after: float, chain_id: str = "",
+                 min_attempt: int = 0, attempt: int | None = None) -> PaceVerdict | None:
+    """The ranks slower than `ratio` times their peers' median over the newest windows of the run's nodes,
+    when that window ended after `after`; None when every rank keeps pace (or nothing new was written).
+    Records of another chain, of attempts outside `min_attempt`..`attempt`, or stale (`FRESH_WINDOWS`) are left
+    out."""
+    ours = [r for r in records if not (chain_id and r.chain_id and r.chain_id != chain_id)
+            and min_attempt <= r.attempt and (attempt is None or r.attempt <= attempt) and r.rank_compute_s]
+    if not ours:
+        return None
+    newest = max(r.window_end for r in ours)
+    if newest <= after:
+        return None
+    fresh = [r for r in ours if newest - r.window_end <= FRESH_WINDOWS * r.window_s]
+    compute = {rank: c for r in fresh for rank, c in r.rank_compute_s.items()}
+    slow = find_stragglers(compute, ratio)
+    if not slow:
+        return None
+    return PaceVerdict(slow=slow, window_end=newest, window_s=max(r.window_s for r in fresh),
+                       step=min((r.step for r in fresh), default=-1))
+
+
+class _Report(Protocol):
+    step: int
+    compute_s: float | None
+
+
+class PaceWindow:
+    """One attempt's samples on one node, as the watch reads its ranks' progress: when a window's record is
+    due, and what it says. The clock is an argument."""
+
+    def __init__(self, window_s: float, started: float) -> None:
+        self.window_s = window_s
+        self.samples: dict[int, deque[tuple[float, float]]] = {}
+        self.first_seen: dict[int, float] = {}
+        self._last_step: dict[int, int] = {}
+        self._written = started
+
+    def observe(self, now: float, reports: Mapping[int, Any]) -> None:
+        """A sample of each rank that stepped since the last look and reports its compute."""
+        for rank, report in reports.items():
+            if report is None or report.compute_s is None or report.step <= self._last_step.get(rank, report.step - 1):
+                continue
+            self._last_step[rank] = report.step
+            taken = self.samples.setdefault(rank, deque())
+            taken.append((now, float(report.compute_s)))
+            self.first_seen.setdefault(rank, now)
+            while taken and taken[0][0] <= now - self.window_s:
+                taken.popleft()
+
+    def due(self, now: float) -> dict[int, float] | None:
+        """The window's means when a record is due (once a window), else None."""
+        if now - self._written < self.window_s:
+            return None
+        means = window_means(self.samples, self.first_seen, now, self.window_s)
+        if not means:
+            return None
+        self._written = now
+        return means
+
+
+def read_pace(client: Any, bucket: str, run_prefix: str,
+              cache: dict[str, tuple[str, PaceRecord]]) -> list[PaceRecord]:
+    """Every node's `PaceRecord` under the run's prefix; only records whose ETag changed are read again."""
+    records: list[PaceRecord] = []
+    prefix = f"{run_prefix}/{PACE_DIR}/"
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            key, etag = obj["Key"], obj["ETag"]
+            if key not in cache or cache[key][0] != etag:
+                try:
+                    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+                    cache[key] = (etag, PaceRecord.model_validate_json(body))
+                except ValueError:  # half-written or foreign: the node's next window rewrites it
+                    continue
+            records.append(cache[key][1])
+    return records

@@ -1,0 +1,95 @@
+"""Stragglers over a sliding window of training time (activities/pace.py): the windows a node's watch writes, and
+the committer's comparison of every node's newest window. Clocks are arguments: no sleeping."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from activities.pace import PaceRecord, PaceWindow, judge_window, window_means
+
+
+@dataclass
+class _Report:
+    step: int
+    compute_s: float | None
+
+
+def _ranks_training(compute: dict[int, list[float]], step_s: float = 0.1, window_s: float = 10.0,
+                    start: float = 1000.0) -> list[dict[int, float]]:
+    """Each rank's watch samples of a run whose ranks step together every `step_s`, rank r computing
+    `compute[r][i]` in step i and reporting the moving average the rank helper reports (0.8 / 0.2): the means of
+    every window the node writes."""
+    window = PaceWindow(window_s, start)
+    ema: dict[int, float] = {}
+    written = []
+    for i in range(len(next(iter(compute.values())))):
+        now = start + (i + 1) * step_s
+        for rank, steps in compute.items():
+            ema[rank] = steps[i] if rank not in ema else 0.8 * ema[rank] + 0.2 * steps[i]
+        window.observe(now, {rank: _Report(step=i + 1, compute_s=ema[rank]) for rank in compute})
+        if (means := window.due(now)) is not None:
+            written.append(means)
+    return written
+
+
+def _jittered(rng: random.Random, steps: int, base: float = 0.1, jitter: float = 0.2) -> list[float]:
+    return [base * rng.uniform(1 - jitter, 1 + jitter) for _ in range(steps)]
+
+
+def test_healthy_ranks_whose_step_times_jitter_by_20_percent_are_never_stragglers() -> None:
+    rng = random.Random(7)
+    for _ in range(20):  # 20 runs of 8 ranks, 5 minutes of 0.1 s steps each
+        windows = _ranks_training({rank: _jittered(rng, 3000) for rank in range(8)})
+        assert len(windows) == 30  # a window written every 10 s
+        records = [PaceRecord(node=f"node-{i}", attempt=1, window_end=1000.0 + 10 * (i + 1), window_s=10.0,
+                              rank_compute_s=means) for i, means in enumerate(windows)]
+        assert [judge_window([r], ratio=1.5, after=0.0) for r in records] == [None] * len(records)
+
+
+def test_a_rank_at_a_fifth_of_its_speed_is_slow_in_every_window_after_its_onset() -> None:
+    rng = random.Random(3)
+    healthy = _jittered(rng, 600)
+    slowed = healthy[:200] + [5 * c for c in healthy[200:]]  # from step 200 (20 s in) at a fifth of its speed
+    windows = _ranks_training({0: _jittered(rng, 600), 1: slowed, 2: _jittered(rng, 600)})
+    verdicts = [judge_window([PaceRecord(node="n", attempt=1, window_end=1000.0 + 10 * (i + 1), window_s=10.0,
+                                         rank_compute_s=means)], ratio=1.5, after=0.0)
+                for i, means in enumerate(windows)]
+    assert [v is not None for v in verdicts] == [False, False, True, True, True, True]  # slow from 20 s
+    assert all(set(v.slow) == {1} and v.slow[1] > 3 for v in verdicts if v is not None)
+
+
+@pytest.mark.parametrize(("since", "times", "expected"), [
+    (990.0, [995.0, 997.0, 999.0, 1000.0], {1: 0.25}),  # a whole window watched: the mean of its samples
+    (985.0, [989.0, 995.0, 997.0, 999.0], {1: 0.3}),  # the sample before the window is out of it
+    (995.0, [996.0, 997.0, 998.0, 999.0], {}),  # watched for half a window only (just launched)
+    (990.0, [991.0, 999.0], {}),  # too few steps to say
+])
+def test_a_window_mean_needs_a_window_watched_and_enough_steps(since: float, times: list[float],
+                                                                expected: dict[int, float]) -> None:
+    samples = {1: [(t, 0.1 * (n + 1)) for n, t in enumerate(times)]}
+    assert window_means(samples, {1: since}, 1000.0, 10.0) == pytest.approx(expected)
+
+
+def _record(node: str, compute: dict[int, float], end: float, attempt: int = 2, chain: str = "c1") -> PaceRecord:
+    return PaceRecord(node=node, attempt=attempt, chain_id=chain, window_end=end, window_s=10.0,
+                      rank_compute_s=compute, step=int(end))
+
+
+@pytest.mark.parametrize(("records", "after", "slow"), [
+    ([_record("a", {0: 0.1}, 100.0), _record("b", {1: 0.5}, 101.0)], 0.0, {1: 5.0}),
+    ([_record("a", {0: 0.1}, 100.0), _record("b", {1: 0.5}, 101.0)], 101.0, None),  # judged already
+    ([_record("a", {0: 0.1}, 100.0), _record("b", {1: 0.12}, 101.0)], 0.0, None),  # keeps pace
+    ([_record("a", {0: 0.1}, 100.0), _record("b", {1: 0.5}, 101.0, attempt=1)], 0.0, None),  # an older attempt's
+    ([_record("a", {0: 0.1}, 100.0), _record("b", {1: 0.5}, 101.0, chain="c0")], 0.0, None),  # another chain's
+    ([_record("a", {0: 0.1}, 70.0), _record("b", {1: 0.5}, 101.0),
+      _record("c", {2: 0.5}, 100.0)], 0.0, None),  # node a stopped writing: its old window is left out
+])
+def test_the_committer_compares_every_nodes_newest_window_of_this_attempt(
+        records: list[PaceRecord], after: float, slow: dict[int, float] | None) -> None:
+    verdict = judge_window(records, ratio=1.5, after=after, chain_id="c1", min_attempt=2, attempt=2)
+    assert (verdict.slow if verdict else None) == slow
+    if verdict is not None:
+        assert (verdict.window_end, verdict.step) == (101.0, 100)
