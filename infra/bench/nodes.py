@@ -20,8 +20,10 @@ depend on which queue it is on; how long a burst of them waits to be matched doe
 Past 1,024 nodes a simulated step lasts N/1,024 times `--step-time` (`LARGE_RUN_NODES`).
 
 Schedule per N: checkpoints; after a third of `--checkpoints` are committed, a rank crash (the run's real
-`inject_fault` update, fault `crash`); after two thirds, a lost node (`node-down`: its watch stops heartbeating
-and Temporal times it out; a spare replaces it); then every rank reaches the final step and the run finishes.
+`inject_fault` update, fault `crash`); after half, a hang (`hang`: a rank stopped; every node's watch judges the
+hang and reports it with its ranks' evidence, the run names the culprit from them); after two thirds, a lost
+node (`node-down`: its watch stops heartbeating and Temporal times it out; a spare replaces it); then every rank
+reaches the final step and the run finishes.
 A run that is not done within the timeout, or whose workflow task keeps being refused, is reported with
 `completed` false and what was measured, and terminated.
 
@@ -35,6 +37,9 @@ any child workflows: listed by workflow id prefix and followed through history l
 - `max_pending`: the most activities + child workflows open at once in any one execution, walking each history
   (scheduled or initiated minus closed);
 - `largest_payload_bytes`: the largest single payload in any event of any history;
+- `hang`: the hang's incident: the culprit it names against the rank stopped, `attribution_s`, how many nodes
+  the run had to ask for evidence (`collect_evidence`: 0 when every node brought its own with its report), and
+  its own relaunch p95 / max;
 - `relaunch_p95_s`: per incident, from its `detected_at` to each node of the next attempt having launched (the
   stand-ins' launch times), p95 over nodes and incidents (`relaunch_max_s`: the slowest node);
 - `continue_as_new`, `controller_cpu_s` (during the run), `controller_peak_rss_mb` (VmHWM), `wall_s`.
@@ -159,6 +164,8 @@ class Size:
     """The Temporal dev server's CPU seconds during the run."""
     standins_cpu_s: float | None = None
     """This process's (the stand-in nodes') CPU seconds during the run."""
+    hang: dict[str, Any] = field(default_factory=dict)
+    """The hang's incident (`hang` above)."""
     histories: int | None = None
     commits: int = 0
     incidents: list[str] = field(default_factory=list)
@@ -190,6 +197,8 @@ class Plan:
     step_s: float
     crash_after: int
     """Commits before the rank crash."""
+    hang_after: int
+    """Commits before the hang (a rank stopped: every node's watch reports it with its ranks' evidence)."""
     down_after: int
     """Commits before the node-down."""
 
@@ -198,8 +207,9 @@ class Plan:
         return cls(nodes=[f"node-{i:04d}" for i in range(num_nodes)], spares=[f"spare-{i}" for i in range(NUM_SPARES)],
                    ranks_per_node=ranks_per_node, every_steps=every_steps,
                    final_step=every_steps * checkpoints + every_steps // 2, step_s=step_s,
-                   crash_after=max(1, math.ceil(checkpoints / 3)),
-                   down_after=max(2, math.ceil(2 * checkpoints / 3)))
+                   crash_after=(crash := max(1, math.ceil(checkpoints / 3))),
+                   hang_after=(hang := max(crash + 1, math.ceil(checkpoints / 2))),
+                   down_after=max(hang + 1, math.ceil(2 * checkpoints / 3)))
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -213,6 +223,10 @@ class Plan:
     @property
     def crash_node(self) -> str:
         return self.nodes[len(self.nodes) // 3]
+
+    @property
+    def hang_node(self) -> str:
+        return self.nodes[len(self.nodes) // 2]
 
     @property
     def down_node(self) -> str:
@@ -358,7 +372,8 @@ async def drive(client: Any, plan: Plan, workflow_id: str, controller: Controlle
     result_task = asyncio.ensure_future(handle.result())
     deadline = time.monotonic() + timeout_s
     next_stuck_check = time.monotonic() + STUCK_CHECK_S
-    faults = [("crash", plan.crash_node, plan.crash_after), ("node-down", plan.down_node, plan.down_after)]
+    faults = [("crash", plan.crash_node, plan.crash_after), ("hang", plan.hang_node, plan.hang_after),
+              ("node-down", plan.down_node, plan.down_after)]
     crash_attempt: int | None = None
     while not result_task.done():
         if time.monotonic() > deadline:
@@ -566,8 +581,27 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
         size.relaunch_max_s = round(max(every), 3) if every else None
         commits = [c for c in controller.commits() if str(c.get("workflow_id", "")).startswith(workflow_id)]
         summarize(size, await read_histories(client, workflow_id, save_histories), workflow_id, commits)
+        size.hang = hang_figures(incidents, plan, relaunch_times([i for i in incidents if i.kind.value == "hang"],
+                                                                 workflow_id, nodes), size.activities)
     finally:
         controller.stop()
+
+
+def hang_figures(incidents: list[Any], plan: Plan, relaunch: list[list[float]],
+                 activities: dict[str, int]) -> dict[str, Any]:
+    """The hang's incident: whom it named (against the rank the benchmark stopped), how soon, how many nodes the
+    run had to ask for evidence, and its own relaunch."""
+    hang = next((i for i in incidents if i.kind.value == "hang"), None)
+    if hang is None:
+        return {"note": "no hang incident"}
+    stopped = (plan.hang_node, plan.nodes.index(plan.hang_node) * plan.ranks_per_node)
+    times = [s for per in relaunch for s in per]
+    p95 = percentile(times, 0.95)
+    return {"culprit": f"rank {hang.rank} on {hang.node}", "culprit_right": (hang.node, hang.rank) == stopped,
+            "attribution_s": hang.attribution_s, "detection_s": hang.detection_s,
+            "evidence_asked_of_nodes": activities.get("collect_evidence", 0),
+            "relaunch_p95_s": None if p95 is None else round(p95, 3),
+            "relaunch_max_s": round(max(times), 3) if times else None, "evidence": (hang.evidence or "")[:200]}
 
 
 def queues_for(num_nodes: int, asked: int | None) -> int:
@@ -651,6 +685,11 @@ def report(sizes: list[Size]) -> list[str]:
             f"{_fmt(None if s.largest_payload_bytes is None else s.largest_payload_bytes / 1024, '{:.0f}KB') + ' <= 256KB ' + _verdict(ok['payload']):>18} "
             f"{_fmt(s.relaunch_p95_s, '{:.1f}s') + ' <= 15s ' + _verdict(ok['relaunch_p95']):>16}")
     for s in sizes:
+        h = s.hang
+        lines.append(f"  {s.nodes}: hang: " + (h.get("note") or (
+            f"named {h['culprit']} ({'right' if h['culprit_right'] else 'WRONG'}) in {_fmt(h['attribution_s'])} s, "
+            f"evidence asked of {h['evidence_asked_of_nodes']} node(s), relaunch p95 "
+            f"{_fmt(h['relaunch_p95_s'])} s / max {_fmt(h['relaunch_max_s'])} s")))
         for note in [*s.incidents, *s.notes]:
             lines.append(f"  {s.nodes}: {note}")
     return lines

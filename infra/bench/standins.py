@@ -21,6 +21,10 @@ payloads) does not depend on which queue it is on.
 Faults, as the real agent carries them out (`activities/chaos.py`):
 - `crash`: one rank of the node exits (-9); the node's watch reports RANK_EXITED. Ranks on other nodes stop
   stepping (they block in the next collective) but do not exit, until the run stops them.
+- `hang`: one rank of the node is stopped (SIGSTOP); no rank of the attempt steps on, and every node's watch
+  judges a hang once its ranks are silent past the hang bound (`health.hang_floor_s`, `hang_step_multiplier`
+  step times) and returns HANG with its ranks' evidence, as a real watch does (`evidence_with_event`): the
+  stopped rank in state `T` one collective behind, every other rank asleep inside the next one.
 - `node-down`: the node's watch stops heartbeating and never returns, so Temporal times it out (the watch's
   heartbeat timeout); every later call to the node never completes (a real dead agent would never start it,
   and its schedule-to-start timeout would fire instead); the other nodes' ranks stop stepping, as for a crash.
@@ -48,6 +52,8 @@ from activities.models import (
     PublishAttemptInput,
     CheckNodeInput,
     CheckNodeResult,
+    CollectEvidenceInput,
+    CollectEvidenceResult,
     CommitCheckpointsInput,
     CommitCheckpointsResult,
     CommittedCheckpoint,
@@ -62,6 +68,7 @@ from activities.models import (
     LaunchRanksResult,
     Manifest,
     RejoinRanksInput,
+    RankEvidence,
     RejoinRanksResult,
     RequestCheckpointInput,
     RequestCheckpointResult,
@@ -74,6 +81,7 @@ from activities.models import (
 from trainguard.error_types import ErrorType
 from trainguard.faults import FaultKind
 from trainguard.models import CheckpointRef
+from trainguard.spec import HealthSpec
 
 QUEUE_PREFIX = "trainguard-bench-nodes"
 HEARTBEAT_EVERY_S = 1.0
@@ -135,6 +143,8 @@ class Attempt:
     halted_at: float | None = None
     """When a rank of the attempt crashed or its node went down: its peers block in the next collective, so no
     rank of the attempt steps past it (and none can finish before the run notices)."""
+    hung: tuple[str, int] | None = None
+    """(node, global rank) of the rank stopped at `halted_at` (`hang`): every node's watch then judges a hang."""
 
     def step(self, now: float) -> int:
         if self.started_at is None:
@@ -181,6 +191,12 @@ def parse_entrypoint(entrypoint: list[str]) -> tuple[int, float]:
 
 def digest(final_step: int) -> str:
     return hashlib.sha256(f"standin-final-{final_step}".encode()).hexdigest()
+
+
+def hang_bound_s(health: HealthSpec, step_s: float) -> float:
+    """How long a rank stepping every `step_s` may be silent before a watch judges it hung
+    (`activities.progress.silence_bound_s`, past its first steps, no grace: the run names the culprit)."""
+    return min(max(health.hang_floor_s, health.hang_step_multiplier * step_s), health.hang_max_s)
 
 
 class StandinNodes:
@@ -343,6 +359,14 @@ class StandinNodes:
             if state.stopped and not (follow and self.nodes.get((run, request.node)) is not state):
                 rank = state.ranks()[0]
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-15, detail=f"rank {rank} stopped")
+            if attempt.hung is not None and attempt.halted_at is not None and not state.stopped and (
+                    now >= attempt.halted_at + hang_bound_s(request.health, attempt.step_s)):
+                culprit = attempt.hung[0] == request.node
+                return event(WatchEventKind.HANG, rank=attempt.hung[1] if culprit else state.ranks()[0],
+                             fault_at=attempt.halted_at, occurred_at=attempt.halted_at if culprit else None,
+                             evidence=self._evidence(request.node, state, attempt, step),
+                             detail=f"rank {attempt.hung[1] if culprit else state.ranks()[0]} made no progress "
+                                    f"for {now - attempt.halted_at:.1f}s (stand-in hang)")
             if state.crashed is not None:
                 rank, at = state.crashed
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-9, fault_at=at, occurred_at=at,
@@ -365,6 +389,9 @@ class StandinNodes:
                        max(0.0, next_heartbeat - time.monotonic()) + 0.001)
             if follow:
                 wait = min(wait, max(0.0, next_decision - time.monotonic()) + 0.001)
+            if attempt.hung is not None and attempt.halted_at is not None:
+                wait = min(wait, max(0.0, attempt.halted_at + hang_bound_s(request.health, attempt.step_s) - now)
+                           + 0.001)
             if attempt.started_at is not None and attempt.halted_at is None:
                 upcoming = min((step // attempt.every + 1) * attempt.every, attempt.final_step)
                 wait = min(wait, max(0.0, attempt.time_of(upcoming) - now) + 0.001)
@@ -373,6 +400,28 @@ class StandinNodes:
                 await asyncio.wait_for(state.changed.wait(), wait)
             except TimeoutError:
                 pass
+
+    @staticmethod
+    def _evidence(node: str, state: NodeState, attempt: Attempt, step: int) -> list[RankEvidence]:
+        """What the node's ranks show when asked in a hang: the stopped one outside the collective its peers
+        wait in."""
+        entered = 2 * step  # two collectives a step, say
+        return [RankEvidence(node=node, rank=rank, state="T" if attempt.hung == (node, rank) else "S",
+                             answered=attempt.hung != (node, rank), step=step,
+                             collectives_enqueued=entered if attempt.hung == (node, rank) else entered + 1,
+                             collectives_completed=entered, in_collective=attempt.hung != (node, rank),
+                             collective="gloo:all_reduce", innermost="train.py:120 in train_step")
+                for rank in state.ranks()]
+
+    @activity.defn(name="collect_evidence")
+    async def collect_evidence(self, request: CollectEvidenceInput) -> CollectEvidenceResult:
+        self._count("collect_evidence")
+        await self._unless_down(request.node)
+        run = self.run_of(request.workflow_id)
+        state = self._current(run, request.node, request.attempt)
+        attempt = self.attempts[(run, state.attempt)]
+        return CollectEvidenceResult(node=request.node,
+                                     ranks=self._evidence(request.node, state, attempt, attempt.step(time.time())))
 
     async def _take_up(self, decision: AttemptDecision, node: str, state: NodeState) -> None:
         """As the real agent's watch: the run's decision, taken up in place at the node's rank."""
@@ -418,17 +467,23 @@ class StandinNodes:
             self.down[request.node] = now
             state.poke()
             return InjectFaultResult(node=request.node, rank=-1, pid=-1, injected_at=now)
+        if request.fault == FaultKind.HANG and attempt is not None:
+            rank = request.rank if request.rank is not None else state.ranks()[0]
+            attempt.halted_at, attempt.hung = attempt.halted_at or now, (request.node, rank)
+            for other in [s for (r, _), s in self.nodes.items() if r == self.run_of(request.workflow_id)]:
+                other.poke()  # every watch sets its wake-up by the hang bound
+            return InjectFaultResult(node=request.node, rank=rank, pid=100_000 + rank, injected_at=now)
         if request.fault == FaultKind.CRASH:
             rank = request.rank if request.rank is not None else state.ranks()[0]
             state.crashed = state.crashed or (rank, now)
             state.poke()
             return InjectFaultResult(node=request.node, rank=rank, pid=100_000 + rank, injected_at=state.crashed[1])
-        raise ApplicationError(f"the stand-in nodes carry out crash and node-down, not {request.fault!r}",
+        raise ApplicationError(f"the stand-in nodes carry out crash, hang and node-down, not {request.fault!r}",
                                type=ErrorType.BAD_FAULT, non_retryable=True)
 
     def activities(self) -> list[Callable[..., object]]:
         return [self.check_node, self.download_shards, self.launch_ranks, self.rejoin_ranks, self.watch_ranks,
-                self.stop_ranks, self.request_checkpoint, self.inject_fault]
+                self.stop_ranks, self.request_checkpoint, self.inject_fault, self.collect_evidence]
 
 
 # ------------------------------------------------------------------------------------------ the store

@@ -168,9 +168,10 @@ def test_routing_spreads_nodes_over_the_shared_queues_deterministically() -> Non
 
 def test_plan_puts_the_faults_between_checkpoints_and_finishes_past_the_last() -> None:
     plan = Plan.of(16, 8, checkpoints=6, every_steps=60, step_s=0.05)
-    assert (plan.crash_after, plan.down_after) == (2, 4)
+    assert (plan.crash_after, plan.hang_after, plan.down_after) == (2, 3, 4)
     assert plan.final_step == 390 and plan.final_step % plan.every_steps
-    assert plan.crash_node != plan.down_node and {plan.crash_node, plan.down_node} <= set(plan.nodes)
+    faulty = {plan.crash_node, plan.hang_node, plan.down_node}
+    assert len(faulty) == 3 and faulty <= set(plan.nodes)
     assert parse_entrypoint(plan.spec()["entrypoint"]) == (390, 0.05)
     assert len(plan.spec()["spare_nodes"]) == 2
     assert target_events_per_checkpoint(4096) == pytest.approx(459.6)

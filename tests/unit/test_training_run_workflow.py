@@ -155,6 +155,9 @@ class Cluster:
     unreachable: set[str] = field(default_factory=set)
     """Nodes whose agent is gone once their first attempt's ranks fail: they never answer `stop_ranks`, nor
     take up a relaunch (as a dead agent never starts either)."""
+    dead: set[str] = field(default_factory=set)
+    """Nodes whose agent died with their ranks: once a crash is reported, they never answer a node check (as a
+    dead agent never starts one: Temporal times it out)."""
     store_down: bool = False
     """`find_checkpoint` fails as it does once its retries against an unreachable store run out."""
     returned: set[str] = field(default_factory=set)
@@ -354,6 +357,8 @@ class Cluster:
         @activity.defn(name="check_node")
         async def check_node(request: CheckNodeInput) -> CheckNodeResult:
             self.calls["check_node"].append(request)
+            if request.node in self.dead and any(c.kind is WatchEventKind.RANK_EXITED for c in self.calls["events"]):
+                await asyncio.Event().wait()  # no answer: the check's own timeout ends it
             problem = self.unhealthy.get(request.node)
             gpu = GpuHealth(available=True, healthy=problem is None, detail=problem or "1 GPUs healthy",
                             num_gpus=1)
@@ -459,6 +464,7 @@ class Cluster:
                     self._upload_in_watch(request, step, attempt)
                     continue
                 stamp = {"detected_at": now()} if self.stamp_detection and not step.detected_at else {}
+                self.calls["events"].append(step)
                 return step.model_copy(update={"node": request.node, **stamp,
                                                **({"attempt": attempt} if follow else {})})
 
@@ -1050,6 +1056,9 @@ async def test_a_shrunk_run_grows_back_when_its_node_returns(env: WorkflowEnviro
     grow = result.incidents[1]  # an incident of its own, so its cost is in the result and `run report`
     assert (grow.attempt, grow.node, grow.resumed_step) == (2, nodes[1], 20), grow
     assert grow.recovery_s is not None and "relaunch on world size 2 (was 1)" in grow.detail, grow
+    # Each attempt's kept steps at its own step time (tests/unit/test_goodput.py), over the wall time.
+    assert result.useful_s is not None and result.goodput == pytest.approx(min(1.0, result.useful_s / result.wall_s),
+                                                                          abs=1e-3)
     # Shrunk: one node from step 10. Its node back in the pool: at the next commit it is reclaimed, and
     # attempt 3 runs on both nodes from the one-rank checkpoint, rank 1 restoring rank 0's shard.
     assert [(c.step, c.world_size) for c in cluster.inputs("commit_checkpoint")][:2] == [(10, 2), (20, 1)]
@@ -1178,6 +1187,34 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     # Timed from its first sign both ways: the fault (123.0) to the peer's crash, then to the first new step.
     assert incident.detection_s == 877.0 and incident.detected_at == 1_000.0
     assert (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
+
+
+async def test_a_crash_whose_peer_node_is_dead_replaces_that_node_before_the_relaunch(
+        env: WorkflowEnvironment) -> None:
+    """A node that died with its ranks: its peer's rank crashes in the collective and is reported first. The
+    crash's liveness check of every node finds the dead one, so the spare is chosen before the relaunch: the
+    dead node is never asked to launch, and the one fault is one incident."""
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, dead={nodes[1]}, watch_script={
+        (1, nodes[0]): [_ready(10), Until(lambda: len(cluster.inputs("commit_checkpoint")) >= 1),
+                        _exited(1).model_copy(update={"detected_at": 1_000.0})],
+        (1, nodes[1]): [_ready(10), BLOCK],
+    })
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares, restarts={"max_restarts": 1}))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    [incident] = result.incidents
+    assert (incident.kind, incident.node, incident.action) == (
+        IncidentKind.NODE_UNRESPONSIVE, nodes[1], Action.REPLACE_NODE)
+    assert f"did not answer a liveness check within 2s after crash on {nodes[0]}" in incident.detail
+    assert incident.detected_at == 1_000.0  # timed from its first sign, the crash
+    checked = sorted(r.node for r in cluster.inputs("check_node"))
+    assert checked == sorted([*nodes, *nodes])  # at reservation, then the crash's check of both
+    relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
+    assert [(r.node, r.node_rank, r.restore_step) for r in relaunches] == [(nodes[0], 0, 10), (spares[0], 1, 10)]
+    assert result.attempts == 2 and (run.status.nodes, run.status.cordoned) == ([nodes[0], spares[0]], [nodes[1]])
 
 
 async def test_two_nodes_that_do_not_take_up_the_relaunch_are_both_replaced_within_it(
