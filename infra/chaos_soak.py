@@ -431,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"report file (default {DEFAULT_JSON.relative_to(REPO)})")
     parser.add_argument("--pools", type=int, default=1,
                         help="pools of 3 nodes, each carrying one run at a time (default 1)")
-    parser.add_argument("--gap", type=float, nargs=2, default=(1.0, 5.0), metavar=("MIN_S", "MAX_S"),
-                        help="seconds between the runs having recovered from a kill and the next (default 1 5)")
+    parser.add_argument("--gap", type=float, nargs=2, default=(0.5, 3.0), metavar=("MIN_S", "MAX_S"),
+                        help="seconds between the runs having recovered from a kill and the next (default 0.5 3)")
     parser.add_argument("--recovery-timeout", type=float, default=180.0, metavar="S",
                         help="most seconds to wait for the runs to recover after a kill (default 180)")
     parser.add_argument("--step-time", type=float, default=0.15,

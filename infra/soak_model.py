@@ -53,7 +53,7 @@ class SoakConfig:
     json_path: Path | None = DEFAULT_JSON
     pools: int = 1
     """Pools of 3 nodes; each carries one run at a time (2 nodes + its spare)."""
-    gap_s: tuple[float, float] = (1.0, 5.0)
+    gap_s: tuple[float, float] = (0.5, 3.0)
     """Seconds between the runs having recovered from one kill and the next kill (uniform, seeded)."""
     recovery_timeout_s: float = 180.0
     """After a kill, how long the chaos waits for the runs to recover before it strikes again anyway."""
