@@ -193,7 +193,12 @@ class RunResult(BaseModel):
     final_state_digest: str | None = None
     """sha256 of the final model parameters as reported by rank 0 (bit-identical runs share it)."""
     goodput: float = 0.0
-    """Useful training time / wall time, 0..1: steps completed x mean step time over the run's wall time."""
+    """Useful training time (`useful_s`) / wall time, 0..1."""
+    useful_s: float | None = None
+    """Useful training time, seconds: each attempt's steps the final state kept x that attempt's own step time
+    (the final attempt's mean as rank 0 reports it; an earlier one's from its first step to its newest commit),
+    so steps a failure made redo count once, and a shrunk world's steps at its own pace. None in results of
+    runs before it (their goodput: steps completed x the final attempt's mean step time)."""
     wall_s: float = 0.0
     """Wall time of the run, seconds: from the start request (a wait for a controller included) to the end,
     on the workflow clock, as `trainguard run report` counts it."""

@@ -71,6 +71,7 @@ class Attempts:
         restore_step = found.manifest.step if found.manifest else 0
         status.resumed_step = restore_step
         status.step = max(status.step, restore_step)
+        core.state.goodput.launched(restore_step)
         core.state.state_since_attempt = attempt  # a relaunch: only this attempt's shards make its checkpoints
         core.live.restored_by = []
         for incident in status.incidents:
@@ -160,6 +161,7 @@ class Attempts:
             # The run's resumed_step stays: shards the live ranks saved after the newest commit are still
             # theirs to report and commit.
             incident.resumed_step, incident.restore_tier, incident.recovery_path = min(steps), "peers", "in-process"
+            core.state.goodput.launched(min(steps))
             core.set_phase(Phase.RUNNING)
             outcome = await self.supervisor.supervise(attempt)
             if outcome.incident is None or incident.recovery_s is not None:

@@ -108,6 +108,7 @@ class RunCore:
             self.state.restarts_without_checkpoint = 0
             self.state.commit_times = [*self.state.commit_times[-1:], now]
             self.state.commit_clock_from = now
+            self.state.goodput.committed(ref.step, now)
             self.status.latest_checkpoint = ref
             self.status.last_commit_at = now
             self.status.store_error, self.status.upload_errors = None, {}

@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.ids import validate_workflow_id
     from trainguard.models import Incident, RunStatus
     from trainguard.spec import RunSpec, SpecError, parse_spec
+    from workflows.goodput import Goodput
     from workflows.node_group_models import GroupReport, NodeGroupWatchInput, NodeGroupWatchResult
 
 
@@ -81,6 +82,8 @@ class RunState(BaseModel):
     """The namespace has trainguard's search attributes registered."""
     continued: int = 0
     """How many times the run has continued as new."""
+    goodput: Goodput = Field(default_factory=Goodput)
+    """Useful training time so far, attempt by attempt (`workflows/goodput.py`)."""
     intents: OperatorIntents = Field(default_factory=OperatorIntents)
 
 

@@ -155,6 +155,7 @@ class TrainingRun:
         recover ends here (every rank steps together, so the first step of one group is the first step of all)."""
         if started.attempt != self.core.status.attempt:
             return  # a late signal of an attempt already over
+        self.core.state.goodput.started(started.attempt, started.first_step_at)
         for incident in self.core.status.incidents:
             if incident.recovery_s is None and incident.action is not Action.REPORT and (
                     incident.attempt < started.attempt or any(incident is j for j in self.core.live.joins)):
@@ -252,7 +253,8 @@ class TrainingRun:
         steps = min((e.step for e in events), default=0)
         first = events[0] if events else None
         mean = first.mean_step_s if first else None
-        goodput = min(1.0, steps * mean / wall) if mean else 0.0
+        useful = core.state.goodput.useful(attempts, steps, mean)
+        goodput = min(1.0, useful / wall)
         core.status.step = max(core.status.step, steps)
         core.set_phase(Phase.COMPLETED)
         workflow.metric_meter().create_gauge_float("trainguard_goodput", "Useful training time / wall time of "
@@ -265,6 +267,7 @@ class TrainingRun:
             final_checkpoint=core.status.latest_checkpoint,
             final_state_digest=first.state_digest if first else None,
             goodput=round(goodput, 4),
+            useful_s=round(useful, 3),
             wall_s=round(wall, 3),
             mean_step_s=mean,
         )

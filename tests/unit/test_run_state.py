@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from trainguard.models import CheckpointRef, Incident, IncidentKind, Phase, RunStatus
+from workflows.goodput import AttemptPace, Goodput
 from workflows.run_core import RunCore
 from workflows.run_state import (Live, OperatorIntents, RunInputError, RunState, continued_input,
                                  parse_run_input)
@@ -30,6 +31,8 @@ def _everything_set() -> RunState:
         slow_window_end=1010.5,
         lost=["node-3"], replaced=["node-4"], corrupt_steps=[30], commit_times=[4.0, 5.0], commit_clock_from=5.0,
         restore_tier="store", warm=crash,
+        goodput=Goodput(useful_s=2.5, unpaced_steps=3, from_step=40,
+                        current=AttemptPace(attempt=3, from_step=30, first_step_at=6.0, commit_step=40, commit_at=7.0)),
         injected_at={"crash@node-0": 3.5}, publish_search_attributes=True, continued=2,
         intents=OperatorIntents(pause=True, resume=True, abort_reason="no", draining=["node-0"]))
 

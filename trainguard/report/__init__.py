@@ -16,7 +16,8 @@ run's result (or its `status` query while it still runs); nothing is measured tw
   workflow's close: final commit, retention, releasing the nodes). They tile the wall time.
 - time lost per incident: `detection_s + recovery_s + redone steps x mean step time`, where the redone steps
   are the steps trained between the checkpoint the next attempt resumed from and the detection.
-- goodput: steps completed x mean step time over the wall time (as `RunResult.goodput`).
+- goodput: the result's useful training time (`RunResult.useful_s`: each attempt's kept steps at its own step
+  time) over the wall time; for a run without one (older, or not completed), steps x mean step time.
 
 The pure part (`spans_from_events`, `compute_report`) takes history events or simplified spans and is
 unit-tested with fabricated histories; `build_report` fetches a real one.

@@ -173,7 +173,8 @@ def compute_report(
 
     losses = [_incident_loss(i, spans, points, start, mean_step) for i in incidents]
     lost = sum(loss.lost_s for loss in losses)
-    useful = steps * mean_step if steps is not None and mean_step else None
+    useful = result.useful_s if result is not None and result.useful_s is not None else \
+        steps * mean_step if steps is not None and mean_step else None
     goodput = min(1.0, useful / wall) if useful is not None and wall > 0 else None
     attempts = max([0, *(s.attempt or 0 for s in spans), *first_step])
     return RunReport(
