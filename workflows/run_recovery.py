@@ -19,7 +19,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.policy import NODE_FAULTS, RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak
     from workflows.run_core import RunCore
     from workflows.run_decisions import stop_reason
-    from workflows.run_nodes import RunNodes
+    from workflows.run_nodes import LIVENESS_SCHEDULE_TO_START, RunNodes
     from workflows.run_watch import Watches
 
 HEAL_POLL_MAX_S = 300.0
@@ -51,6 +51,7 @@ class Recovery:
         if incident.kind is IncidentKind.AGENT_RESTART:
             await self._agent_restart(attempt, incident)
             return
+        incident = await self._cause_of_crash(incident)
         now = workflow.now().timestamp()
         same = same_failure_streak(incident, core.status.incidents)
         decision: Decision = decide(
@@ -104,6 +105,19 @@ class Recovery:
             core.live.symptom = (incident, seen_as)
         core.count_restart(now)
         core.set_phase(Phase.RESTORING)
+
+    async def _cause_of_crash(self, incident: Incident) -> Incident:
+        """A crash whose node or a peer's did not answer its liveness check (`RunNodes.unanswered`): the lost
+        node is the incident, the crash its symptom, and a spare takes its place in this relaunch."""
+        check, self.core.live.liveness = self.core.live.liveness, None
+        if check is None:
+            return incident
+        lost = await check
+        if not lost or incident.kind is not IncidentKind.CRASH:
+            return incident
+        return self.core.symptom_of_lost_node(
+            incident, lost[0], incident.detail,
+            missed=f"a liveness check within {LIVENESS_SCHEDULE_TO_START.total_seconds():g}s")
 
     async def _agent_restart(self, attempt: int, incident: Incident) -> None:
         """An agent shut down gracefully (its ranks stopped with it): wait for every node of the run to be back
