@@ -599,6 +599,8 @@ def standby(poll_s: float = 0.02) -> None:
     the agent gives it a rank's role: then it returns as that rank, its environment set as for any rank and
     its output sent to that rank's log. Exits if the agent that started it goes away."""
     path = os.environ.get(_protocol.ENV_STANDBY_FILE)
+    if path:
+        _warm_up()
     _mark(parked=bool(path))
     if not path:
         return
@@ -615,6 +617,17 @@ def standby(poll_s: float = 0.02) -> None:
     if role.log_file:
         _log_to(role.log_file)
     _mark(parked=False)  # the new attempt's mark: its ranks park, as they would started as themselves
+
+
+def _warm_up() -> None:
+    """Pay, while parked, for what torch imports on first use rather than at `import torch`: the first
+    optimizer imports `torch._dynamo` (1-4 s here, more than the rest of a relaunch). CPU only, no RNG drawn,
+    and nothing for a script that has not imported torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    with contextlib.suppress(Exception):  # a warm-up that fails costs the rank that time later, nothing more
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 def _mark(parked: bool) -> None:
