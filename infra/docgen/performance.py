@@ -67,13 +67,18 @@ def _machine(payload: Any) -> str:
 
 
 def recovery(p: dict[str, Any]) -> str:
+    floor = (p.get("floor") or {}).get("cold_start_s")
+
+    def over_floor(value: Any) -> str:
+        return _num(value / floor, "{:.2f}", "x") if isinstance(value, (int, float)) and floor else "-"
+
     rows = [[r.get("fault"), r.get("system"), _num(r.get("detection_s"), suffix=" s"),
+             _num(r.get("restart_s"), suffix=" s"), over_floor(r.get("restart_s")),
              _num(r.get("time_to_recover_s"), suffix=" s"), _pct(r.get("goodput")),
              _num(r.get("wall_s"), "{:.1f}", " s"), r.get("completed"), r.get("recovery_path") or r.get("note")]
             for r in p.get("results", [])]
-    out = table(["fault", "system", "detection", "time to recover (fault to first new step)", "goodput", "wall",
-                 "completed", "path / note"], rows)
-    floor = (p.get("floor") or {}).get("cold_start_s")
+    out = table(["fault", "system", "detection", "relaunch (detection to first new step)", "relaunch / floor",
+                 "time to recover (fault to first new step)", "goodput", "wall", "completed", "path / note"], rows)
     if floor:
         out += (f"\n\nThe floor, a cold start of the same two ranks from a local checkpoint with no orchestration: "
                 f"{floor:.2f} s.")
