@@ -175,13 +175,13 @@ class RunNodes:
                 workflow.logger.warning("could not stop ranks on %s: %s", answer.node, answer.error)
         return [a.node for a in answers if a.result is None]
 
-    async def checkpoint_soon(self, attempt: int) -> int:
-        """Have every rank checkpoint about `CHECKPOINT_NOW_AHEAD_S` from now (an operator's `checkpoint_now`, a
-        straggler's before it is replaced); the step asked for. It commits like any other checkpoint."""
+    async def checkpoint_soon(self, attempt: int, ahead_s: float = CHECKPOINT_NOW_AHEAD_S) -> int:
+        """Have every rank checkpoint about `ahead_s` from now (an operator's `checkpoint_now`, a straggler's
+        before it is replaced); the step asked for. It commits like any other checkpoint."""
         nodes = list(self.core.status.nodes)
         # The master node says where training is: every rank steps in lockstep with it (collectives).
         [where] = await self.request_checkpoint(attempt, nodes[:1], None)
-        target = where.step + max(5, math.ceil(CHECKPOINT_NOW_AHEAD_S / (where.step_time_s or 0.1)))
+        target = where.step + max(5, math.ceil(ahead_s / (where.step_time_s or 0.1)))
         await self.request_checkpoint(attempt, nodes, target)
         return target
 

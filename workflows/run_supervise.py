@@ -43,10 +43,17 @@ GROW_SETTLE = timedelta(seconds=2)
 """A commit with lost nodes back: how long the watches may take to say the ranks finished (a rank exits right
 after its last checkpoint, its watch sees it within a poll) before the run grows onto them. Finishing wins."""
 
-STRAGGLER_CHECKPOINT_WAIT = timedelta(seconds=60)
-"""How long a persistent straggler's checkpoint on demand may take to commit before its node is replaced from
-the newest checkpoint there is: the slow rank must reach the step (about 2 s of the run's pace ahead), save it,
-and every node upload it; a store that is out must not keep a slow rank in the job."""
+STRAGGLER_CHECKPOINT_WAIT = timedelta(seconds=20)
+"""How long a persistent straggler's checkpoint on demand may take to commit before it is asked again (or its
+node is replaced from the newest checkpoint there is): the slow rank must reach the step (about 4 s of the run's
+pace ahead), save it, and every node upload it; a store that is out must not keep a slow rank in the job."""
+
+STRAGGLER_CHECKPOINT_AHEAD_S = 4.0
+"""A persistent straggler's checkpoint on demand asks for a step this far ahead of the master's (the operator's
+`checkpoint_now` asks 2 s): a request that reaches a rank past its step is never taken, and on a loaded
+machine (load 18 on two cores) two round trips of request activities took longer than 2 s."""
+STRAGGLER_CHECKPOINT_ASKS = 2
+"""...asked this many times, each further ahead, before the straggler is replaced without it."""
 
 LAUNCH_SPEC_FAULTS = (ErrorType.BAD_SPEC, ErrorType.STALE_ATTEMPT, ErrorType.ENTRYPOINT_NOT_ALLOWED)
 """A launching watch's failures that are the spec's fault, not the node's."""
@@ -86,6 +93,7 @@ class _Seen:
     straggler: Incident | None = None
     """A straggler that persisted: the run takes a checkpoint first (`straggler_step`), then replaces its node."""
     straggler_step: int = 0
+    straggler_asks: int = 0
     straggler_wait: asyncio.Task[None] | None = None
     """Ends after `STRAGGLER_CHECKPOINT_WAIT`: the straggler is replaced even if that checkpoint never commits."""
 
@@ -110,13 +118,12 @@ class Supervisor:
                                                 committer, control, reports,
                                                 *([seen.straggler_wait] if seen.straggler_wait else [])]
             await workflow.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if seen.straggler_wait is not None and seen.straggler_wait.done() and seen.straggler is not None:
-                seen.straggler.detail += f" (it did not commit within {STRAGGLER_CHECKPOINT_WAIT.total_seconds():.0f}s)"
-                seen.incident = seen.incident or seen.straggler
             results = await self._collect(watches, seen, reports.done(), attempt)
             if reports.done():
                 reports = asyncio.ensure_future(workflow.wait_condition(lambda: bool(live.reports)))
             await self._judge(attempt, results, seen, watches, launch, download)
+            if seen.straggler_wait is not None and seen.straggler_wait.done() and seen.incident is None:
+                await self._straggler_checkpoint_missed(attempt, seen)
             if committer.done():
                 await self._take_commits(attempt, committer, seen, watches)
                 if seen.incident is None and not (seen.drain or seen.grow or seen.continue_as_new):
@@ -239,8 +246,9 @@ class Supervisor:
             core.committed(commit.ref)
             core.status.step = max(core.status.step, commit.step)
             if seen.straggler is not None and commit.ref.step >= seen.straggler_step:
+                seen.straggler.detail += f"; replaced after a checkpoint on demand at step {commit.ref.step}"
                 seen.incident = seen.incident or seen.straggler  # its checkpoint is in: now the spare
-        if pace is not None:
+        if pace is not None and seen.straggler is None:  # one being checkpointed is judged already
             await self._judge_pace(attempt, pace, seen)
         if commits:
             seen.drain = any(n in core.status.nodes for n in state.intents.draining)
@@ -322,16 +330,34 @@ class Supervisor:
             core.record_incident(incident(rank))
         if verdict.persisted is None or seen.straggler is not None:
             return
-        found = incident(verdict.persisted)
+        seen.straggler = incident(verdict.persisted)
+        await self._checkpoint_straggler(attempt, seen)
+
+    async def _checkpoint_straggler(self, attempt: int, seen: _Seen) -> None:
+        """Every rank checkpoints `STRAGGLER_CHECKPOINT_AHEAD_S` (twice that when asked again) ahead; the straggler
+        is replaced once it commits. A request that fails replaces it from the newest checkpoint there is."""
+        assert seen.straggler is not None
+        seen.straggler_asks += 1
         try:
-            seen.straggler_step = await self.nodes.checkpoint_soon(attempt)
+            seen.straggler_step = await self.nodes.checkpoint_soon(
+                attempt, ahead_s=STRAGGLER_CHECKPOINT_AHEAD_S * seen.straggler_asks)
         except (ActivityError, ApplicationError, ChildWorkflowError) as error:
             workflow.logger.warning("checkpoint before replacing a straggler failed: %s", cause_text(error))
-            seen.incident = seen.incident or found  # replaced from the newest checkpoint there is
+            seen.incident = seen.incident or seen.straggler
             return
-        found.detail += f"; replaced after a checkpoint on demand at step {seen.straggler_step}"
-        seen.straggler = found
         seen.straggler_wait = asyncio.ensure_future(workflow.sleep(STRAGGLER_CHECKPOINT_WAIT))
+
+    async def _straggler_checkpoint_missed(self, attempt: int, seen: _Seen) -> None:
+        """The straggler's checkpoint did not commit in time (the request reached a rank past its step, a store
+        that is out): ask once more, further ahead; then replace it from the newest checkpoint there is."""
+        assert seen.straggler is not None
+        seen.straggler_wait = None
+        if seen.straggler_asks < STRAGGLER_CHECKPOINT_ASKS:
+            await self._checkpoint_straggler(attempt, seen)
+            return
+        seen.straggler.detail += (f"; the checkpoint on demand at step {seen.straggler_step} did not commit within "
+                                  f"{STRAGGLER_CHECKPOINT_WAIT.total_seconds():.0f}s")
+        seen.incident = seen.straggler
 
     async def _pass_over_corrupt(self, attempt: int, corrupt: LostNode) -> Outcome:
         """As a corrupt download before any launch: pass the checkpoint over and restore the one before."""

@@ -900,8 +900,8 @@ async def test_a_straggler_slow_over_two_windows_is_checkpointed_on_demand_then_
         PaceVerdict(slow={1: 5.0}, window_end=1000.0, window_s=10.0, step=60),
         PaceVerdict(slow={1: 5.0}, window_end=1010.2, window_s=10.0, step=80),
     ])
-    asked = Until(lambda: any(r.step == 30 for r in cluster.inputs("request_checkpoint")))
-    cluster.watch_script = {(1, node): [_ready(10), asked, _ready(30), BLOCK] for node in nodes}
+    asked = Until(lambda: any(r.step == 33 for r in cluster.inputs("request_checkpoint")))
+    cluster.watch_script = {(1, node): [_ready(10), asked, _ready(33), BLOCK] for node in nodes}
 
     run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
 
@@ -912,12 +912,12 @@ async def test_a_straggler_slow_over_two_windows_is_checkpointed_on_demand_then_
         (IncidentKind.STRAGGLER, nodes[1], 1, Action.REPLACE_NODE),
     ]
     assert "5.00x slower than its peers' median over 10s of training" in result.incidents[0].detail
-    assert "after a checkpoint on demand at step 30" in result.incidents[1].detail
-    # Where the master stands (the stand-in says step 25 at 0.5 s a step), then every node at 5 steps ahead.
+    assert "after a checkpoint on demand at step 33" in result.incidents[1].detail
+    # Where the master stands (the stand-in says step 25 at 0.5 s a step), then every node at 4 s ahead.
     where, *every = [(r.node, r.step) for r in cluster.inputs("request_checkpoint")]
-    assert (where, sorted(every)) == ((nodes[0], None), [(nodes[0], 30), (nodes[1], 30)])
+    assert (where, sorted(every)) == ((nodes[0], None), [(nodes[0], 33), (nodes[1], 33)])
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
-    assert [(r.node, r.restore_step) for r in relaunches] == [(nodes[0], 30), (spares[0], 30)]
+    assert [(r.node, r.restore_step) for r in relaunches] == [(nodes[0], 33), (spares[0], 33)]
     assert run.status.cordoned == [nodes[1]]
 
 
