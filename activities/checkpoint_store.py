@@ -116,7 +116,10 @@ async def _heartbeating(fn: Callable[[T], R], request: T) -> R:
 
 
 PACE_POLL_MIN_S = 1.0
-"""The committer looks at the nodes' pace at most this often (a window's records change once a window)."""
+PACE_POLLS_PER_WINDOW = 10
+"""The committer looks at the nodes' pace this many times a straggler window, at most once a second: a node's
+record changes once a window, each node at its own moment, and a slow one is seen within a tenth of a window
+(only records whose ETag changed are read again)."""
 
 
 @dataclass
@@ -415,11 +418,11 @@ class StoreActivities:
 
     @staticmethod
     async def _pace_pass(request: CommitCheckpointsInput, state: _CommitterState) -> PaceVerdict | None:
-        """About every quarter of a straggler window: the ranks slow over the nodes' newest windows
+        """`PACE_POLLS_PER_WINDOW` times a straggler window: the ranks slow over the nodes' newest windows
         (`activities.pace`). A store error here is the next pass's to meet: the commits go on."""
         if request.pace_window_s is None or time.monotonic() < state.next_pace:
             return None
-        state.next_pace = time.monotonic() + max(PACE_POLL_MIN_S, request.pace_window_s / 4)
+        state.next_pace = time.monotonic() + max(PACE_POLL_MIN_S, request.pace_window_s / PACE_POLLS_PER_WINDOW)
         try:
             records = await asyncio.to_thread(read_pace, s3_client(), request.bucket, request.run_prefix, state.pace)
         except (BotoCoreError, ClientError, OSError) as error:

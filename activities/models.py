@@ -273,7 +273,7 @@ class CommitCheckpointsInput(BaseModel):
     quiet_s: float | None = None
     """Drain mode: return once nothing new was uploaded for this long (and nothing is left to commit)."""
     pace_window_s: float | None = None
-    """Also compare the nodes' `PaceRecord`s about every quarter of this window and return a slow one (None: not)."""
+    """Also compare the nodes' `PaceRecord`s ten times a window and return a slow one (None: not)."""
     pace_after: float = 0.0
     """...only of windows ending after this unix time (the run has judged those before)."""
 
