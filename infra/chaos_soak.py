@@ -17,12 +17,14 @@ controller, agents `node-0`..`node-2`, under `.bench/soak-<random>` on free port
      agent; stopped, it stops its ranks and the run relaunches on the same nodes once it is back);
    - the Temporal server (it restarts on its SQLite file);
    - SeaweedFS (`weed mini`, on its data dir: commits and uploads wait for it).
-   The pace follows recovery, not a clock: after each kill the soak waits for the component to be back and
-   every run to train again (a step past the one it was at, or past its resume point in a new attempt;
-   `--recovery-timeout` at most), then a seeded `--gap`, and kills again, so a loaded machine gets fewer
-   kills, not kills faster than runs recover. A run that pauses is left to heal itself; only if it is still
-   paused after `operator_grace_s` does the soak resume it as an operator would, and before a run starts it
-   uncordons a node of its pool an earlier run cordoned; both are counted (expected: none);
+   The pace follows recovery: after each kill the soak waits for the component to be back (always), then for
+   every run to train again (a step past the one it was at, or past its resume point in a new attempt) and
+   a seeded `--gap`, but no longer than the slot `--kills-per-hour` gives a kill (15 s at the default 240):
+   past it the next kill lands in the runs' recovery, as overlapping failures do, and is counted. A loaded
+   machine thus gets more kills during recovery, never a kill on a component still starting. A run that
+   pauses is left to heal itself; only if it is still paused after `operator_grace_s` does the soak resume it
+   as an operator would, and before a run starts it uncordons a node of its pool an earlier run cordoned;
+   both are counted (expected: none);
 3. waits for every run to finish and checks the invariants:
    - every run completed (none failed, none left unfinished);
    - no duplicate rank sets: sampled about once a second during the soak, no node ever has live rank
@@ -268,9 +270,12 @@ class Soak(SoakVerdict):
                 await asyncio.sleep(0.5)
 
     async def make_chaos(self, until: float) -> None:
-        """Kill, wait for the component to be back and every run to recover, a short seeded gap, kill again:
-        the pace follows how fast the stack recovers (a loaded machine kills less often), not a fixed clock."""
+        """Kill; wait for the component to be back, then for every run to recover and a short seeded gap, but
+        no longer than the slot `kills_per_hour` gives each kill: the next kill then lands in the recovery
+        (counted). Never before the component is back, so a loaded machine gets its kills later, not on
+        top of components still starting."""
         assert self.chaos is not None
+        slot_s = 3600.0 / self.config.kills_per_hour if self.config.kills_per_hour > 0 else None
         wait = self.config.first_kill_s
         while True:
             await asyncio.sleep(max(0.0, min(wait, until - self.clock())))
@@ -280,11 +285,15 @@ class Soak(SoakVerdict):
             busy = sorted({n for w in self.active() for n in self.runs[w].current_nodes})
             struck = time.monotonic()
             kill = await self.chaos.strike(self.chaos.next_component(), busy)
-            if await self._recovered(before, struck + self.config.recovery_timeout_s):
+            bound = self.config.recovery_timeout_s if slot_s is None else max(0.0, slot_s - (time.monotonic() - struck))
+            gap = self.rng.uniform(*self.config.gap_s)
+            if await self._recovered(before, time.monotonic() + bound):
                 kill.recovery_s = round(time.monotonic() - struck, 1)
+                wait = gap if slot_s is None else min(gap, max(0.0, slot_s - (time.monotonic() - struck)))
             else:
-                self.say(f"runs not recovered {self.config.recovery_timeout_s:.0f}s after killing {kill.target}")
-            wait = self.rng.uniform(*self.config.gap_s)
+                wait = 0.0
+                if slot_s is None:
+                    self.say(f"runs not recovered {bound:.0f}s after killing {kill.target}")
 
     async def _progress(self, workflow_ids: list[str]) -> dict[str, tuple[int, int]]:
         """(attempt, live step) of each run that answers; a run that does not is left out."""
@@ -433,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="pools of 3 nodes, each carrying one run at a time (default 1)")
     parser.add_argument("--gap", type=float, nargs=2, default=(0.5, 3.0), metavar=("MIN_S", "MAX_S"),
                         help="seconds between the runs having recovered from a kill and the next (default 0.5 3)")
+    parser.add_argument("--kills-per-hour", type=float, default=240.0, metavar="N",
+                        help="the least kill rate: a kill's wait for the runs' recovery ends after 3600/N s, "
+                             "and the next kill lands in the recovery (counted); 0: always wait (default 240)")
     parser.add_argument("--recovery-timeout", type=float, default=180.0, metavar="S",
                         help="most seconds to wait for the runs to recover after a kill (default 180)")
     parser.add_argument("--step-time", type=float, default=0.15,
@@ -446,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pools >= 1, --minutes > 0 and 0 < MIN_S <= MAX_S")
     config = SoakConfig(minutes=args.minutes, seed=args.seed, json_path=args.json, pools=args.pools,
                         gap_s=(args.gap[0], args.gap[1]), step_time=args.step_time,
-                        recovery_timeout_s=args.recovery_timeout,
+                        recovery_timeout_s=args.recovery_timeout, kills_per_hour=args.kills_per_hour,
                         snapshot=not args.no_snapshot, keep_logs=args.keep_logs)
     try:
         report = asyncio.run(_main(config))

@@ -55,8 +55,11 @@ class SoakConfig:
     """Pools of 3 nodes; each carries one run at a time (2 nodes + its spare)."""
     gap_s: tuple[float, float] = (0.5, 3.0)
     """Seconds between the runs having recovered from one kill and the next kill (uniform, seeded)."""
+    kills_per_hour: float = 240.0
+    """The least kill rate: after a kill, the wait for the runs' recovery ends 3600/N s after it, and the next
+    kill lands in the recovery (counted in `kills_before_recovery`). 0: always wait (`recovery_timeout_s`)."""
     recovery_timeout_s: float = 180.0
-    """After a kill, how long the chaos waits for the runs to recover before it strikes again anyway."""
+    """With `kills_per_hour` 0: how long the chaos waits for the runs to recover before it strikes again."""
     operator_grace_s: float = 120.0
     """How long a paused run is left to heal itself (its agents are back) before the soak resumes it as an
     operator would; every such resume is counted."""
@@ -114,7 +117,7 @@ class Kill:
     error: str | None = None
     recovery_s: float | None = None
     """Signal to every run that trained through it training again (a step past the one it was at) or
-    finished; None: not within `SoakConfig.recovery_timeout_s`."""
+    finished; None: the next kill came first (see `SoakConfig.kills_per_hour`)."""
 
 
 @dataclass

@@ -88,7 +88,7 @@ class SoakVerdict:
         recoveries = sorted(k.recovery_s for k in self.chaos.kills if k.recovery_s is not None)
         recovery = {"median": _quantile(recoveries, 0.5), "p95": _quantile(recoveries, 0.95),
                     "max": recoveries[-1] if recoveries else None,
-                    "not_recovered": sum(1 for k in self.chaos.kills if k.recovery_s is None)}
+                    "kills_before_recovery": sum(1 for k in self.chaos.kills if k.recovery_s is None)}
         kills_per_hour = round(len(self.chaos.kills) * 60 / self.config.minutes, 1)
         counts = {
             "seed": self.seed,
@@ -153,7 +153,7 @@ class SoakVerdict:
             + ", ".join(f"{c} {by_signal[c].get('SIGKILL', 0)} SIGKILL/{by_signal[c].get('SIGTERM', 0)} SIGTERM"
                         for c in COMPONENTS) + ")",
             f"recovery after a kill: median {recovery['median']}s, p95 {recovery['p95']}s, max {recovery['max']}s, "
-            f"{recovery['not_recovered']} not within {self.config.recovery_timeout_s:g}s",
+            f"{recovery['kills_before_recovery']} kills came before the runs had recovered from the previous one",
             f"runs: started={len(runs)} completed={len(completed)} failed={len(failed)} "
             f"unfinished={len(unfinished)} "
             f"(paused: {len(paused)}; operator: {resumes} resumes after a pause, {self.uncordons} uncordons)",
@@ -177,6 +177,7 @@ class SoakVerdict:
             "failures": failures,
             "config": {"minutes": self.config.minutes, "seed": self.seed, "pools": self.config.pools,
                        "gap_s": list(self.config.gap_s), "recovery_timeout_s": self.config.recovery_timeout_s,
+                       "kills_per_hour": self.config.kills_per_hour,
                        "operator_grace_s": self.config.operator_grace_s, "jobs": [j.name for j in self.config.jobs],
                        "step_time": self.config.step_time, "nodes": list(self.nodes), "keep_last": KEEP_LAST,
                        "snapshot": self.config.snapshot, "home": str(self.stack.home)},

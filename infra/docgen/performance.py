@@ -181,8 +181,10 @@ def soak(p: dict[str, Any]) -> str:
         ["kills", f"{c.get('kills_total')} ({_num(c.get('kills_per_hour'), '{:.0f}')} an hour)"],
         ["kills by component", by_component],
         ["kills whose component did not come back", c.get("kill_errors")],
-        ["recovery after a kill, median / p95 / max", f"{_num(recovery.get('median'), '{:.1f}', ' s')} / "
+        ["runs recovered after a kill, median / p95 / max", f"{_num(recovery.get('median'), '{:.1f}', ' s')} / "
          f"{_num(recovery.get('p95'), '{:.1f}', ' s')} / {_num(recovery.get('max'), '{:.1f}', ' s')}"],
+        ["kills that came before the runs had recovered from the previous one",
+         recovery.get("kills_before_recovery", "-")],
         ["runs started / completed / failed / unfinished", f"{c.get('runs_started')} / {c.get('runs_completed')} / "
          f"{c.get('runs_failed')} / {c.get('runs_unfinished')}"],
         ["runs paused / resumed by the soak (operator) / nodes uncordoned by it",

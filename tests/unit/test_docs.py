@@ -100,7 +100,7 @@ def test_the_soak_section_quotes_the_soak_report_and_its_seed(tmp_path: Path) ->
         "counts": {"seed": 2806, "chaos_minutes": 60, "kills_total": 231, "kills_per_hour": 231.0,
                    "kills": {"controller": 58, "agent": 58, "temporal": 58, "seaweedfs": 57},
                    "kills_by_signal": {"controller": {"SIGKILL": 30, "SIGTERM": 28}},
-                   "recovery_s": {"median": 4.1, "p95": 20.2, "max": 31.0, "not_recovered": 0},
+                   "recovery_s": {"median": 4.1, "p95": 20.2, "max": 31.0, "kills_before_recovery": 3},
                    "runs_started": 90, "runs_completed": 90, "runs_failed": 0, "runs_unfinished": 0,
                    "runs_paused": 0, "resumes_after_pause": 0, "uncordons": 0, "duplicate_rank_sets": 0,
                    "duplicate_incidents": 0, "commits_observed": 400, "checkpoints_lost": 0,
@@ -110,6 +110,7 @@ def test_the_soak_section_quotes_the_soak_report_and_its_seed(tmp_path: Path) ->
 
     assert "| seed | 2,806 |" in soak and "--minutes 60 --seed 2806" in soak
     assert "| kills | 231 (231 an hour) |" in soak
+    assert "| kills that came before the runs had recovered from the previous one | 3 |" in soak
     assert "controller 58 (30 SIGKILL, 28 SIGTERM)" in soak and "seaweedfs 57 (0 SIGKILL, 0 SIGTERM)" in soak
     assert "| runs started / completed / failed / unfinished | 90 / 90 / 0 / 0 |" in soak
     assert "| result | pass |" in soak
