@@ -33,7 +33,6 @@ and it reads top to bottom as the contract a rank keeps; its file names and envi
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import json
 import os
@@ -48,8 +47,9 @@ from typing import Any, NoReturn
 
 from trainguard import evidence as _evidence
 from trainguard import protocol as _protocol
-from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, _helper_bytes,
-                                  _helper_from_bytes, _safe_dcp, caller_outside, load_weights_only)
+from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, _helper_bytes,  # noqa: F401
+                                  _helper_from_bytes, _safe_dcp, caller_outside, files_digest, load_weights_only,
+                                  sha256_file)  # files_digest, sha256_file: the agent's and the tests' names
 from trainguard.state_digest import _holds, _holds_dtensor, _is_sharded, state_digest  # noqa: F401 - tg.state_digest: the API
 from trainguard.settings import env_flag
 
@@ -71,13 +71,6 @@ FORMAT_DCP = "dcp"
 FORMATS = ("auto", FORMAT_TORCH, FORMAT_DCP)
 
 
-def files_digest(files: list[dict[str, Any]]) -> str:
-    """One sha256 standing for a shard made of several files: over each file's name and sha256, in name
-    order. The node agent computes the same from the manifest, so a shard's identity is one string."""
-    lines = "".join(f"{f['name']} {f['sha256']}\n" for f in sorted(files, key=lambda f: f["name"]))
-    return hashlib.sha256(lines.encode()).hexdigest()
-
-
 def _helper_key(rank: int) -> str:
     """This rank's own entry in a DCP checkpoint (its step and RNG): per rank, since DCP saves one copy of
     what every rank holds under the same key."""
@@ -86,14 +79,6 @@ def _helper_key(rank: int) -> str:
 
 def _atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
     _protocol.write_json(path, payload)
-
-
-def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _snapshot(value: Any) -> Any:

@@ -8,6 +8,7 @@ training script.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 import sys
@@ -24,6 +25,22 @@ ENV_ALLOW_PICKLE = "TRAINGUARD_ALLOW_PICKLE"
 that node may unpickle arbitrary objects (`torch.load(weights_only=False)`). Unset, a restore loads only
 tensors, dicts, lists, numbers and strings (`weights_only=True`, DCP's metadata through an allow-list), so a
 planted shard cannot run code in the rank. A spec cannot set it: `TRAINGUARD_*` names are the agent's."""
+
+
+def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    """A shard file's checksum, as its meta file and the manifest hold it (a restore checks it first)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def files_digest(files: list[dict[str, Any]]) -> str:
+    """One sha256 standing for a shard made of several files: over each file's name and sha256, in name
+    order. The node agent computes the same from the manifest, so a shard's identity is one string."""
+    lines = "".join(f"{f['name']} {f['sha256']}\n" for f in sorted(files, key=lambda f: f["name"]))
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 Template = dict[str, Any] | Callable[[], dict[str, Any]]
