@@ -6,7 +6,8 @@ and the same faults.
 
 Measured side by side in one run, on this machine, for a 2-rank gloo job of `examples/train.py`
 (`--steps 400 --step-time 0.1 --hidden 64`, a checkpoint every 50 steps), each fault hitting rank 1 (node-1)
-once training has passed step `--fault-step` (120):
+once training has passed step `--fault-step` (120) and, for trainguard, its node agents have parked the processes
+for the next relaunch (the run's steady state; `parked_wait_s` says how long that took, at most 120 s):
 
 - crash: SIGKILL of the rank; hang: SIGSTOP of the rank; slow: the rank stopped 80% of every 0.1 s (a GPU at
   a fifth of its speed); gpu: node-1's GPU check reports an XID; node-down: node-1's agent dies with its ranks.
@@ -162,6 +163,9 @@ class Measurement:
     recovery_path: str | None = None
     digest: str | None = None
     """trainguard: the run's final_state_digest."""
+    parked_wait_s: float | None = None
+    """trainguard: how long the fault waited, once the run passed `--fault-step`, for every node's agent to have
+    its processes parked for the next relaunch (None: it did not wait, or they never parked)."""
 
 
 @dataclass(slots=True)
@@ -517,6 +521,28 @@ async def repair(client: Any, dev: Any, node: str) -> None:
     await client.uncordon(node)
 
 
+PARKED_WAIT_MAX_S = 120.0
+"""The longest a trainguard fault waits for the run's parked processes: a run in its steady state has them (its
+agents park them after the attempt's first step; a quiet machine takes 2-4 s to, a machine at load 20 half a
+minute), and real faults come minutes to days into a run, not seconds."""
+
+
+def parked_ready(home: Path, run_id: str) -> bool:
+    """Every node of the run has its processes for the next relaunch parked, waiting in `tg.standby()`."""
+    from trainguard.protocol import RunLayout, StandbyMark, read_attempt_file
+
+    for node in NODES:
+        layout = RunLayout.of(home / "nodes" / node, run_id)
+        record = read_attempt_file(layout.ranks_file)
+        if record is None or not record.parked:
+            return False
+        pids = {p.pid for p in record.parked}
+        marks = [StandbyMark.read(f) for f in layout.parked_dir.glob("park-*.mark.json")]
+        if len({m.pid for m in marks if m is not None and m.parked and m.pid in pids}) < len(pids):
+            return False
+    return True
+
+
 def rank_step(home: Path, node: str, run_id: str, attempt: int, rank: int) -> int | None:
     """The step a rank last reported, read straight from its progress file on the node agent's disk.
 
@@ -547,6 +573,7 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
     timeout_s = 180 + 3 * opts.steps * opts.step_time
     deadline = time.monotonic() + timeout_s
     finished = False
+    passed_at: float | None = None
     try:
         attempt: int | None = None
         last_status = 0.0
@@ -567,7 +594,16 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
                 if view.status.phase.value == "running":
                     attempt = view.status.attempt
             step = rank_step(home, "node-0", run_id, attempt, 0) if attempt else None
+            if step is not None and step >= opts.fault_step and passed_at is None:
+                passed_at = time.monotonic()
+            if passed_at is not None and time.monotonic() - passed_at < PARKED_WAIT_MAX_S \
+                    and not parked_ready(home, run_id):
+                await asyncio.sleep(0.1)  # the steady state: the relaunch it measures is served warm
+                continue
             if step is not None and step >= opts.fault_step:
+                if parked_ready(home, run_id):
+                    assert passed_at is not None
+                    result.parked_wait_s = round(time.monotonic() - passed_at, 2)
                 if cut is not None:
                     await asyncio.to_thread(cut)
                     what = f"every packet to and from {FAULT_NODE} dropped"
