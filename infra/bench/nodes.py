@@ -685,7 +685,7 @@ def report(sizes: list[Size]) -> list[str]:
             f"{_fmt(None if s.largest_payload_bytes is None else s.largest_payload_bytes / 1024, '{:.0f}KB') + ' <= 256KB ' + _verdict(ok['payload']):>18} "
             f"{_fmt(s.relaunch_p95_s, '{:.1f}s') + ' <= 15s ' + _verdict(ok['relaunch_p95']):>16}")
     for s in sizes:
-        h = s.hang
+        h = s.hang or {"note": "not measured"}
         lines.append(f"  {s.nodes}: hang: " + (h.get("note") or (
             f"named {h['culprit']} ({'right' if h['culprit_right'] else 'WRONG'}) in {_fmt(h['attribution_s'])} s, "
             f"evidence asked of {h['evidence_asked_of_nodes']} node(s), relaunch p95 "
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     BENCH_DIR.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     say(f"node-scale benchmark: {opts.nodes} nodes x {opts.ranks_per_node} ranks, {opts.checkpoints} checkpoints "
-        f"every {opts.every_steps} steps of {opts.step_time}s, a crash and a lost node; {os.cpu_count()} CPUs, "
+        f"every {opts.every_steps} steps of {opts.step_time}s, a crash, a hang and a lost node; {os.cpu_count()} CPUs, "
         f"load {load_before[0]:.2f}")
     say(f"queues: node activities routed onto {opts.queues or 'one per 16 nodes (16 to 64)'} shared queues by crc32(node) % "
         f"queues (trainguard.node_task_queue replaced in the controller and the stand-ins' process); an "
