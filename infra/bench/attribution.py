@@ -10,7 +10,8 @@ waits for the hang incident; the run relaunches from its checkpoint and the next
 
 Per mode it prints and writes (a list, one object per mode): `mode`, `trials`, `correct` (the incident named
 the rank that was hung), `detection_p50_s` / `detection_p95_s` (fault to detection), `culprit_extra_s` (p95 of
-detection to the culprit named from the evidence), and on every object the `false_hangs` and `false_stragglers` of the clean runs.
+detection to the culprit named from the evidence), and on every object the `false_hangs` and `false_stragglers`
+of the clean runs.
 Also, per trial and summed up per mode (`culprit_extra_p50_s`, `path_p50_s`, `path_p95_s`,
 `group_task_failures`), where detection-to-culprit time went, read from the run's and its watching group's
 histories (`hang_timeline`).
