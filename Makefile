@@ -39,6 +39,15 @@ docs: $(STAMP)
 	$(BIN)/python -m infra.docgen.spec_reference
 	$(BIN)/python -m mkdocs build --strict $(DOCS_ARGS)
 
+# Debian's Slurm 22.05 (slurmctld, slurmd, munge, the client commands) for `trainguard dev up --slurm` and the
+# Slurm integration tests (tests/integration/test_slurm.py, skipped without it). Needs root; nothing is started.
+SLURM_PACKAGES := slurm-wlm slurmctld slurmd munge slurm-client
+.PHONY: slurm-install
+slurm-install:
+	command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
+		&& command -v sbatch >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SLURM_PACKAGES); }
+
 clean:
 	-$(BIN)/trainguard dev down
 	rm -rf .trainguard .pytest-stack .pytest-tmp site

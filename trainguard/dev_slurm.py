@@ -197,28 +197,38 @@ class SlurmCluster:
             try:
                 states = self.node_states()
                 last = states
+                # Every slurmd registered; a node drained (by trainguard or an operator) stays drained.
                 if set(states) == set(self.nodes) and all(
-                        "IDLE" in s["state"] and not {"DOWN", "NOT_RESPONDING"} & set(s["state"]) for s in states.values()):
+                        "NOT_RESPONDING" not in s["state"] and ("DOWN" not in s["state"] or "DRAIN" in s["state"])
+                        for s in states.values()):
                     return
             except (subprocess.SubprocessError, ValueError) as error:
                 last = error
             time.sleep(0.2)
-        raise RuntimeError(f"Slurm nodes not idle within {timeout_s:.0f}s: {last}; see {self.log_dir}")
+        raise RuntimeError(f"Slurm nodes not up within {timeout_s:.0f}s: {last}; see {self.log_dir}")
 
     def stray_processes(self) -> list[int]:
-        """Live processes (other than this one) whose environment names this cluster's slurm.conf: steps, tasks,
-        node agents and ranks started by its jobs, and its daemons. Found from /proc, never by name."""
-        marker = f"{SLURM_CONF_ENV}={self.conf}\0".encode()
+        """Live processes of this cluster's jobs: its slurmstepds, and every task of a job (node agents, ranks,
+        batch scripts: they carry `SLURM_JOB_ID`), whose environment names this cluster's slurm.conf. Found from
+        /proc, never by name; a shell that merely exported `SLURM_CONF` (`trainguard dev env`) is not one."""
+        marker = f"{SLURM_CONF_ENV}={self.conf}".encode()
+        stepd = os.path.realpath(_sbin("slurmstepd"))
         found = []
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             try:
-                raw = Path(f"/proc/{entry.name}/environ").read_bytes() + b"\0"
+                environ = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
                 stat = Path(f"/proc/{entry.name}/stat").read_text()
             except OSError:
                 continue
-            if marker in raw and stat.rsplit(")", 1)[-1].split()[0] != "Z":
+            if marker not in environ or stat.rsplit(")", 1)[-1].split()[0] == "Z":
+                continue
+            try:
+                exe = os.readlink(f"/proc/{entry.name}/exe")
+            except OSError:
+                exe = ""
+            if exe == stepd or any(item.startswith(b"SLURM_JOB_ID=") for item in environ):
                 found.append(int(entry.name))
         return found
 

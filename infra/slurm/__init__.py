@@ -1,1 +1,0 @@
-"""Slurm deployment: the batch script and its Python helper."""

@@ -1,0 +1,353 @@
+"""trainguard on a real Slurm cluster (`trainguard dev up --slurm`): slurmctld, four `slurmd -N` emulated nodes
+and a munged of the stack's own, beside its Temporal, store and controller (the scheduler hook on). Every run is
+`examples/slurm/train.sbatch` submitted with `sbatch`: its agents are started by `srun`, its faults are dealt
+the Slurm way (signals by PID, a killed slurmd, `scontrol update`, `scontrol requeue`).
+
+Skipped, saying why, without Slurm (Debian's slurm-wlm slurmctld slurmd munge slurm-client: `make slurm-install`)
+or without root. The stack is checked at the end like the session stack: nothing it or its jobs started runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from infra import harness
+from trainguard.client import TrainguardClient
+from trainguard.dev_slurm import SlurmCluster, unavailable_reason
+from trainguard.devstack import SLURM_NODES, DevStack
+from trainguard.models import IncidentKind, RunResult
+from trainguard.settings import Settings
+
+from .conftest import REPO, RUN_TIMEOUT_S, activity_failures, checkpointed, wait_until
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=f"no Slurm cluster can run here: {unavailable_reason()}")
+
+SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
+QUICKSTART = REPO / "examples" / "quickstart.json"
+SLURMD_TIMEOUT_S = 10
+"""Short, so a killed slurmd's node is down in ~15 s, not PLATFORM.md's ~35 s (SlurmdTimeout=30)."""
+JOB_END_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+
+
+@pytest.fixture(scope="module")
+def slurm_stack() -> Iterator[DevStack]:
+    home = REPO / ".pytest-stack" / f"slurm-{uuid.uuid4().hex[:8]}"
+    lines: list[str] = []
+    main_address = os.environ.get(harness.ADDRESS_ENV)
+    private = harness.PrivateStack(
+        home, SLURM_NODES, 27600, keep_logs=harness.kept_logs_dir(home), echo=lines.append,
+        # The session stack's address stays the environment's: this module's client is pointed here explicitly.
+        env={harness.ADDRESS_ENV: main_address},
+        up=lambda dev: dev.up(echo=lines.append))
+    private.config = private.stack.config = _slurm_config(private.config)
+    private.stack = DevStack(private.config)
+    with private as dev:
+        yield dev
+    strays = [line for line in lines if "its jobs left" in line or "still live" in line]
+    assert not private.leftovers, f"processes survived dev down: {private.leftovers}"
+    assert not strays, f"Slurm jobs left processes behind: {strays}"
+
+
+def _slurm_config(config):  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    return dataclasses.replace(config, slurm=True, slurmd_timeout_s=SLURMD_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+async def slurm_client(slurm_stack: DevStack) -> AsyncIterator[TrainguardClient]:
+    yield await TrainguardClient.connect(Settings.from_env({**os.environ, **slurm_stack.client_env()}))
+
+
+@pytest.fixture
+def cluster(slurm_stack: DevStack) -> Iterator[SlurmCluster]:
+    """The stack's Slurm cluster; after each test: its jobs cancelled, its slurmds up, every node resumed."""
+    cluster: SlurmCluster = slurm_stack.slurm
+    yield cluster
+    cluster.cancel_jobs(lambda _line: None)
+    assert not cluster.live_jobs(), "a job outlived scancel"
+    for node in cluster.nodes:
+        if not slurm_stack._alive(f"slurmd-{node}"):
+            slurm_stack._spawn(f"slurmd-{node}", cluster.slurmd_argv(node), env={**os.environ, **cluster.env()})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = cluster.node_states()
+        for node, info in states.items():
+            if {"DRAIN", "DOWN"} & set(info["state"]) and "NOT_RESPONDING" not in info["state"]:
+                cluster.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+        if all(info["state"] == ["IDLE"] for info in cluster.node_states().values()):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"nodes not idle after the test: {cluster.node_states()}")
+
+
+def submit(stack: DevStack, spec: dict[str, object] | None = None, **env: str) -> int:
+    """sbatch the example script from the checkout, as a platform team would, with the stack's settings in the
+    environment; its agents' folders under the stack's home (so the stack's rank scans find their ranks)."""
+    extra = {"TRAINGUARD_WORKDIR": str(stack.home / "nodes"), **env}
+    if spec is not None:
+        path = stack.home / f"spec-{uuid.uuid4().hex[:6]}.json"
+        path.write_text(json.dumps(spec))
+        extra["TRAINGUARD_SPEC"] = str(path)
+    done = subprocess.run(["sbatch", "--parsable", f"--output={stack.slurm.log_dir}/job-%j.out", str(SCRIPT)],
+                          capture_output=True, text=True, timeout=30, check=False, cwd=REPO,
+                          env={**stack.worker_env(), **extra})
+    if done.returncode:
+        raise AssertionError(f"sbatch failed: {done.stderr}")
+    return int(done.stdout.strip().split(";")[0])
+
+
+def quick_spec(**health: float) -> dict[str, object]:
+    """The quickstart's spec, with tighter hang bounds (a stopped rank is named in seconds): same training."""
+    spec = json.loads(QUICKSTART.read_text())
+    spec["health"] = {"hang_floor_s": 5.0, **health}
+    return spec
+
+
+def job_state(cluster: SlurmCluster, job: int) -> str:
+    for entry in cluster.jobs():
+        if int(entry["job_id"]) == job:
+            return str(entry.get("job_state", "")).upper()
+    return "GONE"
+
+
+async def job_ends(cluster: SlurmCluster, job: int, timeout_s: float = RUN_TIMEOUT_S) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = await asyncio.to_thread(job_state, cluster, job)
+        if state in JOB_END_STATES or state == "GONE":
+            return state
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"job {job} still {state} after {timeout_s:.0f}s")
+
+
+async def run_started(client: TrainguardClient, run_id: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await client.handle(run_id).describe()
+            return
+        except Exception:  # noqa: BLE001 - not started yet (NOT_FOUND)
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"{run_id} not started within {timeout_s:.0f}s")
+
+
+def job_log(cluster: SlurmCluster, job: int) -> str:
+    try:
+        return (cluster.log_dir / f"job-{job}.out").read_text()[-3000:]
+    except OSError:
+        return "(no job log)"
+
+
+async def finished(client: TrainguardClient, cluster: SlurmCluster, job: int) -> RunResult:
+    run_id = f"slurm-{job}"
+    await run_started(client, run_id)
+    try:
+        result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+    except Exception as error:
+        raise AssertionError(f"{run_id}: {error}; activity failures {await activity_failures(client, run_id)}; "
+                             f"job log:\n{job_log(cluster, job)}") from error
+    assert await job_ends(cluster, job) == "COMPLETED", job_log(cluster, job)
+    return result
+
+
+def agent_pid(cluster: SlurmCluster, node: str) -> int:
+    """The node agent `srun` started on `node`, found in /proc by the environment Slurm gave its task."""
+    marker = f"SLURMD_NODENAME={node}".encode()
+    for pid in cluster.stray_processes():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"workers.node_agent" in cmdline and marker in environ:
+            return pid
+    raise AssertionError(f"no node agent found on {node}")
+
+
+def node_processes(cluster: SlurmCluster, node: str) -> list[int]:
+    """Every process the cluster's jobs run on `node` (its tasks carry `SLURMD_NODENAME`), and the slurmstepds
+    above them."""
+    marker = f"SLURMD_NODENAME={node}".encode()
+    found: set[int] = set()
+    for pid in cluster.stray_processes():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
+        except OSError:
+            continue
+        if marker in environ:
+            found.add(pid)
+            if parent in cluster.stray_processes() and marker not in Path(f"/proc/{parent}/environ").read_bytes():
+                found.add(parent)  # the slurmstepd of this task's step on the node
+    return sorted(found)
+
+
+def lose_node(stack: DevStack, node: str) -> None:
+    """The node dies the way a Slurm node does: everything of the job on it (its agent, its ranks, the step
+    daemons above them; on the batch host the batch script) and its slurmd, SIGKILLed by PID."""
+    cluster: SlurmCluster = stack.slurm
+    pids = [agent_pid(cluster, node), *node_processes(cluster, node),
+            *(r.pid for r in harness.scan_ranks(stack.home) if r.node == node)]
+    slurmd = stack._alive(f"slurmd-{node}")
+    assert slurmd, f"slurmd of {node} not running"
+    for pid in [*pids, slurmd]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def node_state(cluster: SlurmCluster, node: str, want: set[str], timeout_s: float = 90) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = (await asyncio.to_thread(cluster.node_states))[node]
+        if want <= set(info["state"]):
+            return info
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{node} not {want} within {timeout_s:.0f}s: {info}")
+
+
+def training_on(nodes: set[str], past_step: int, min_attempt: int = 2):  # type: ignore[no-untyped-def]
+    """A view predicate: a later attempt trains on exactly `nodes`, past `past_step`."""
+    return lambda v: (v.status.attempt >= min_attempt and v.status.phase.value == "running"
+                      and set(v.status.nodes) == nodes and v.live_step > past_step)
+
+
+def job_entry(cluster: SlurmCluster, job: int) -> dict[str, object]:
+    return next(j for j in cluster.jobs() if int(j["job_id"]) == job)
+
+
+async def count_runs(client: TrainguardClient, run_id: str) -> int:
+    return len([e async for e in client.client.list_workflows(f"WorkflowId = '{run_id}'")])
+
+
+@pytest.fixture(scope="module")
+async def quickstart_digest(client: TrainguardClient) -> str:
+    """The quickstart's final state digest on the session's dev stack (its own agents, no Slurm)."""
+    run_id = await client.start_run(QUICKSTART, workflow_id=f"quickstart-{uuid.uuid4().hex[:8]}")
+    digest = (await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)).final_state_digest
+    assert digest
+    return digest
+
+
+# --------------------------------------------------------------------------------------------------- tests
+@pytest.mark.slow
+async def test_the_job_runs_the_quickstart_to_its_digest(slurm_stack: DevStack, slurm_client: TrainguardClient,
+                                                          cluster: SlurmCluster, quickstart_digest: str) -> None:
+    began = time.monotonic()
+    job = submit(slurm_stack)
+    result = await finished(slurm_client, cluster, job)
+    assert result.final_state_digest == quickstart_digest
+    assert result.steps_completed == 300 and result.attempts == 1 and not result.incidents
+    print(f"slurm job {job}: submitted to completed in {time.monotonic() - began:.1f}s")
+
+
+@pytest.mark.slow
+async def test_a_crash_and_a_hang_are_recovered_inside_the_job(
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
+    job = submit(slurm_stack, quick_spec(), TRAINGUARD_CHAOS="on")  # the agents take `trainguard chaos`
+    run_id = f"slurm-{job}"
+    await run_started(slurm_client, run_id)
+    view = await wait_until(slurm_client, run_id, checkpointed, timeout_s=120)
+    await slurm_client.inject_fault(run_id, "crash", "node-1")
+    view = await wait_until(slurm_client, run_id, training_on({"node-0", "node-1"}, view.live_step + 5), 120)
+    await slurm_client.inject_fault(run_id, "hang", "node-0")
+    result = await finished(slurm_client, cluster, job)
+    kinds = [i.kind for i in result.incidents]
+    assert IncidentKind.CRASH in kinds and IncidentKind.HANG in kinds, result.incidents
+    assert result.final_state_digest == quickstart_digest
+    assert job_entry(cluster, job).get("restart_cnt", 0) == 0, "recovered by a requeue, not inside the job"
+    print("crash, hang: detection->first step " + ", ".join(f"{i.kind.value} {i.recovery_s}s" for i in result.incidents))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", ["node-1", "node-0"], ids=["a-node", "the-rendezvous-host"])
+async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str,
+        lost: str) -> None:
+    """Its agent, ranks and slurmd killed: trainguard moves the run onto the spare and cordons the node, which
+    drains it in Slurm naming trainguard and the incident; Slurm marks it down too. Back, and uncordoned by
+    `trainguard nodes uncordon`, it is resumed in Slurm."""
+    job = submit(slurm_stack, quick_spec())
+    run_id = f"slurm-{job}"
+    await run_started(slurm_client, run_id)
+    view = await wait_until(slurm_client, run_id, checkpointed, timeout_s=120)
+    lost_at = time.monotonic()
+    lose_node(slurm_stack, lost)
+    stays = ({"node-0", "node-1"} - {lost}) | {"node-2"}
+    view = await wait_until(slurm_client, run_id, training_on(stays, view.live_step), 180)
+    training_again_s = time.monotonic() - lost_at
+    assert lost in view.status.cordoned
+    info = await node_state(cluster, lost, {"DRAIN"}, timeout_s=30)
+    assert str(info["reason"]).startswith("trainguard: ") and "node_unresponsive" in str(info["reason"]), info
+    await node_state(cluster, lost, {"DOWN"}, timeout_s=60)  # Slurm's own view, after SlurmdTimeout
+    slurm_down_s = time.monotonic() - lost_at
+    result = await finished(slurm_client, cluster, job)
+    assert result.final_state_digest == quickstart_digest
+    assert [i.kind for i in result.incidents] == [IncidentKind.NODE_UNRESPONSIVE], result.incidents
+    assert job_entry(cluster, job).get("restart_cnt", 0) == 0, "recovered by a requeue, not inside the job"
+    # The node is repaired (its slurmd back), then handed back by the operator: Slurm resumes it.
+    slurm_stack._spawn(f"slurmd-{lost}", cluster.slurmd_argv(lost), env={**os.environ, **cluster.env()})
+    deadline = time.monotonic() + 60
+    while "NOT_RESPONDING" in (await asyncio.to_thread(cluster.node_states))[lost]["state"]:
+        assert time.monotonic() < deadline, "slurmd did not register again"
+        await asyncio.sleep(0.5)
+    done = subprocess.run([str(REPO / ".venv" / "bin" / "trainguard"), "nodes", "uncordon", lost], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **slurm_stack.client_env()})
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + 60
+    while {"DRAIN", "DOWN"} & set((await asyncio.to_thread(cluster.node_states))[lost]["state"]):
+        assert time.monotonic() < deadline, f"{lost} not resumed in Slurm: {cluster.node_states()[lost]}"
+        await asyncio.sleep(0.5)
+    print(f"lost {lost}: training again on the spare after {training_again_s:.1f}s (recovery "
+          f"{result.incidents[0].recovery_s}s after detection); Slurm marked it down after {slurm_down_s:.1f}s")
+
+
+@pytest.mark.slow
+async def test_an_operators_slurm_drain_moves_the_run_off_the_node(
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
+    job = submit(slurm_stack, quick_spec())
+    run_id = f"slurm-{job}"
+    await run_started(slurm_client, run_id)
+    view = await wait_until(slurm_client, run_id, checkpointed, timeout_s=120)
+    drained_at = time.monotonic()
+    cluster.run("scontrol", "update", "nodename=node-1", "state=drain", "reason=operator: memory test")
+    view = await wait_until(slurm_client, run_id, training_on({"node-0", "node-2"}, view.live_step), 120)
+    moved_s = time.monotonic() - drained_at
+    result = await finished(slurm_client, cluster, job)
+    assert result.final_state_digest == quickstart_digest
+    assert cluster.node_states()["node-1"]["reason"] == "operator: memory test"  # the operator's, untouched
+    print(f"operator drain: run training off node-1 after {moved_s:.1f}s")
+
+
+@pytest.mark.slow
+async def test_a_requeued_job_resumes_its_run(
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
+    job = submit(slurm_stack, quick_spec())
+    run_id = f"slurm-{job}"
+    await run_started(slurm_client, run_id)
+    view = await wait_until(slurm_client, run_id, lambda v: checkpointed(v, 110), timeout_s=120)
+    requeued_at = time.monotonic()
+    cluster.run("scontrol", "requeue", str(job))
+    view = await wait_until(slurm_client, run_id, training_on({"node-0", "node-1"}, 0), 180)
+    training_again_s = time.monotonic() - requeued_at
+    checkpoint = view.status.latest_checkpoint
+    result = await finished(slurm_client, cluster, job)
+    assert job_entry(cluster, job).get("restart_cnt") == 1, "the job was not requeued"
+    assert await count_runs(slurm_client, run_id) == 1, "the requeued job started a second run"
+    assert result.final_state_digest == quickstart_digest
+    restarts = [i for i in result.incidents if i.kind is IncidentKind.AGENT_RESTART]
+    assert restarts and checkpoint is not None and restarts[0].resumed_step == checkpoint.step, result.incidents
+    print(f"requeue: training again after {training_again_s:.1f}s, from step {restarts[0].resumed_step}")

@@ -1,0 +1,88 @@
+"""The Slurm pieces that need no cluster: the job script's shape, the dev cluster's slurm.conf and ports, how
+`sinfo --json` is read, which drains are an operator's, and when a job's agents count as up."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainguard.dev_slurm import SlurmCluster, node_states
+from trainguard.models import PoolNode
+from trainguard.pool import agents_not_ready
+from trainguard.ports import Ports, free_port_base, slurm_ports
+from workers.slurm_drains import operator_drains
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
+
+
+def code_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_job_script_is_short_and_keeps_the_job_through_a_node_loss() -> None:
+    text = SCRIPT.read_text()
+    assert len(code_lines(text)) <= 30
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], check=False).returncode == 0
+    directives = re.findall(r"^#SBATCH (\S+)", text, re.MULTILINE)
+    assert {"--requeue", "--no-kill", "--nodes=3"} <= set(directives)
+    # The step too: without its own --no-kill, slurmctld kills the agents' whole step when one node fails.
+    assert re.search(r"^srun .*--no-kill", text, re.MULTILINE)
+    assert 'RUN="slurm-$SLURM_JOB_ID"' in text and '--node "$SLURMD_NODENAME"' in text
+
+
+def test_the_dev_cluster_conf_is_under_its_home_on_the_stacks_ports(tmp_path: Path) -> None:
+    ports = Ports.from_base(30_000)
+    cluster = SlurmCluster(tmp_path / "slurm", ("node-0", "node-1"), ports, slurmd_timeout_s=10)
+    conf = cluster.conf_text()
+    ctld, slurmds = slurm_ports(ports, 2)
+    assert (ctld, slurmds) == (30_030, [30_031, 30_032])
+    assert f"SlurmctldPort={ctld}" in conf and "Port=30031" in conf and "Port=30032" in conf
+    assert f"AuthInfo=socket={tmp_path}/slurm/munge/munge.socket.2,cred_expire=10" in conf
+    assert "SlurmdTimeout=10" in conf and "ReturnToService=1" in conf
+    for key in ("StateSaveLocation", "SlurmdSpoolDir", "SlurmctldPidFile", "SlurmdLogFile"):
+        assert re.search(rf"^{key}={re.escape(str(tmp_path))}/slurm/", conf, re.MULTILINE), key
+    assert cluster.env() == {"SLURM_CONF": f"{tmp_path}/slurm/slurm.conf"}
+
+
+def test_slurm_ports_stay_inside_the_stacks_range() -> None:
+    base = free_port_base(41_000, 4)
+    ctld, slurmds = slurm_ports(Ports.from_base(base), 16)
+    assert base < ctld and slurmds[-1] < base + 50  # the next base's stack starts 50 ports on
+    with pytest.raises(ValueError, match="at most 16"):
+        slurm_ports(Ports.from_base(base), 17)
+
+
+SINFO = {"nodes": [
+    {"name": "node-0", "state": "idle", "state_flags": [], "reason": ""},
+    {"name": "node-1", "state": "idle", "state_flags": ["DRAIN"], "reason": "operator: memory test"},
+    {"name": "node-2", "state": "down", "state_flags": ["DRAIN", "NOT_RESPONDING"],
+     "reason": "trainguard: node_unresponsive: node agent stopped heartbeating"},
+    {"name": "node-3", "state": ["ALLOCATED", "DRAIN"], "reason": "kernel upgrade"},
+]}
+
+
+def test_sinfo_json_is_read_in_both_shapes() -> None:
+    states = node_states(SINFO)
+    assert states["node-2"]["state"] == ["DOWN", "DRAIN", "NOT_RESPONDING"]
+    assert states["node-3"]["state"] == ["ALLOCATED", "DRAIN"]
+
+
+def test_only_an_operators_drains_move_runs() -> None:
+    # trainguard's own drain (its cordon) was already acted on; an undrained node is no one's business.
+    assert operator_drains(SINFO) == {"node-1": "operator: memory test", "node-3": "kernel upgrade"}
+
+
+@pytest.mark.parametrize(("missing", "registered_at", "ready"), [
+    ([], 1_000.0, True),
+    (["node-0"], 1_000.0, False),   # registered, but its poller is gone: an agent of an earlier job
+    ([], 900.0, False),             # polling, but registered before this job's agents started
+    ([], 996.0, True),              # within the clock slack
+])
+def test_a_jobs_agents_count_as_up_only_when_polling_and_registered_since_it_began(
+        missing: list[str], registered_at: float, ready: bool) -> None:
+    pool = [PoolNode(node="node-0", registered_at=registered_at)]
+    assert (agents_not_ready(["node-0"], pool, missing, since=1_000.0) == []) is ready
