@@ -24,7 +24,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 with workflow.unsafe.imports_passed_through():
     # Passed through, not imported again in every workflow's sandbox: a 4,096-node relaunch starts hundreds of
     # node-group children, and defining their pydantic models anew in each cost seconds of controller CPU.
-    from activities.models import WatchEvent, WatchEventKind
+    from activities.models import CheckNodeInput, CheckNodeResult, WatchEvent, WatchEventKind
     from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
     from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import short_cause
@@ -133,6 +133,19 @@ def watch_heartbeat_timeout(heartbeat_every_s: float | None) -> timedelta:
         return WATCH_HEARTBEAT_TIMEOUT
     return max(WATCH_HEARTBEAT_TIMEOUT, timedelta(seconds=HEARTBEAT_TIMEOUT_INTERVALS * heartbeat_every_s))
 
+SILENT_CHECK_SCHEDULE_TO_START = timedelta(seconds=10)
+"""A watch whose heartbeats stopped: its node is asked (`check_node`) whether its agent is there before it is
+taken as lost. The Temporal server restarting loses the heartbeats of every live agent (a restart longer than
+the heartbeat timeout times out every watch at once as it comes back), and an agent killed and started again
+adopts its ranks; either way an agent polls the node's queue within seconds (a restarted server: its worker
+polls again; a new agent: it registers). A node that is really gone is found that much later."""
+SILENT_CHECK_TIMEOUT = timedelta(seconds=5)
+SILENT_CHECK_RETRY = RetryPolicy(maximum_attempts=1)
+"""The check is the question; a retry would only delay the answer."""
+MAX_SILENT_REWATCHES = 3
+"""Watches started again on one node because its agent answered after going silent, per group run: an agent
+that keeps answering while its watches keep timing out has a broken watch, and its node is lost after all."""
+
 TRANSFER_TIMEOUT = timedelta(minutes=30)
 TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
 TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
@@ -203,6 +216,12 @@ def _never_heartbeated(error: ActivityError) -> bool:
     a live node read as lost in 4,096-node relaunches here, a minute after its watch was marked started."""
     return (isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.HEARTBEAT
             and not error.cause.last_heartbeat_details)
+
+
+def _heartbeat_timed_out(error: ActivityError) -> bool:
+    """The activity timed out on its heartbeat after heartbeating: its agent (or the server) went silent."""
+    return (isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.HEARTBEAT
+            and bool(error.cause.last_heartbeat_details))
 
 
 def _failure(node: str, error: ActivityError) -> NodeOutcome:
@@ -304,6 +323,7 @@ class NodeGroupWatch:
         # Nodes whose current watch is their launching one: none has come back yet.
         launching = set(watches) if request.launch is not None else set()
         retried: set[str] = set()
+        rewatched: dict[str, int] = {}
         told = asyncio.ensure_future(workflow.wait_condition(lambda: self._next is not None)) if request.standing \
             else None
         # Watches still running when the group closes are left, not cancelled: a cancel that races a watch
@@ -334,6 +354,7 @@ class NodeGroupWatch:
                                     return_when=asyncio.FIRST_COMPLETED)
             result = NodeGroupWatchResult()
             keepalive = False
+            answered = await self._silent_but_there(request.nodes, watches, launching, rewatched)
             for node in request.nodes:  # a fixed order keeps the workflow deterministic
                 task = watches.get(node)
                 if task is None or not task.done():
@@ -349,6 +370,13 @@ class NodeGroupWatch:
                                                 "in it: scheduled again", node)
                         watches[node] = self._watch(request, node, report_start=node in starters
                                                     and node not in started, launch=True)
+                        continue
+                    if node in answered:  # the server or the agent restarted: not a lost node
+                        rewatched[node] = rewatched.get(node, 0) + 1
+                        workflow.logger.warning("%s's watch stopped heartbeating but its agent answers: watched "
+                                                "again", node)
+                        watches[node] = self._watch(request, node, report_start=node in starters
+                                                    and node not in started)
                         continue
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
@@ -434,6 +462,31 @@ class NodeGroupWatch:
                 result.incidents.append(event)
                 reported.append(node)
         return reported
+
+    async def _silent_but_there(self, nodes: list[str], watches: dict[str, asyncio.Task[WatchEvent]],
+                                launching: set[str], rewatched: dict[str, int]) -> set[str]:
+        """The nodes whose watch timed out on its heartbeat but whose agent answers a check, asked together."""
+        silent = [n for n in nodes if n in watches and watches[n].done() and n not in launching
+                  and rewatched.get(n, 0) < MAX_SILENT_REWATCHES
+                  and isinstance(error := watches[n].exception(), ActivityError) and _heartbeat_timed_out(error)]
+        if not silent:
+            return set()
+        answers = await asyncio.gather(*(self._answers(n) for n in silent))
+        return {n for n, there in zip(silent, answers) if there}
+
+    @staticmethod
+    async def _answers(node: str) -> bool:
+        """Whether `node`'s agent takes up a check within `SILENT_CHECK_SCHEDULE_TO_START`: only a check no agent
+        started says the node is gone (one that failed or ran long was taken up by a live agent)."""
+        try:
+            await workflow.execute_activity(
+                "check_node", CheckNodeInput(workflow_id=workflow.info().workflow_id, node=node),
+                task_queue=node_task_queue(node), schedule_to_start_timeout=SILENT_CHECK_SCHEDULE_TO_START,
+                start_to_close_timeout=SILENT_CHECK_TIMEOUT, retry_policy=SILENT_CHECK_RETRY,
+                result_type=CheckNodeResult, summary=f"is {node} there? (its watch went silent)")
+        except ActivityError as error:
+            return not _not_started(error)
+        return True
 
     @staticmethod
     def _watch(request: NodeGroupWatchInput, node: str, report_start: bool,
