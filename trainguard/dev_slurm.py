@@ -45,9 +45,10 @@ class SlurmUnavailable(RuntimeError):
     """Slurm cannot run here (packages missing, not root): the message says what to install or change."""
 
 
-def unavailable_reason() -> str | None:
-    """Why a dev Slurm cluster cannot start on this machine, or None when it can."""
-    missing = [b for b in SLURM_BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+def unavailable_reason(which: Callable[[str], str | None] = shutil.which, sbin: Path = Path("/usr/sbin")) -> str | None:
+    """Why a dev Slurm cluster cannot start on this machine, or None when it can (`which` and `sbin`: where
+    programs are looked for; the daemons live in /usr/sbin, often off a user's PATH)."""
+    missing = [b for b in SLURM_BINARIES if which(b) is None and not (sbin / b).exists()]
     if missing:
         return (f"Slurm is not installed ({', '.join(missing)} not found): install Debian's packages "
                 f"{' '.join(SLURM_PACKAGES)} (as root: `make slurm-install`)")
@@ -307,10 +308,10 @@ def stop_cluster(stack: Any, echo: Callable[[str], None]) -> None:
     cluster: SlurmCluster = stack.slurm
     if not cluster.conf.exists():
         return
-    names = cluster.components()
     if stack._alive("slurmctld"):
         cluster.cancel_jobs(echo)
-    stack.stop([n for n in names if n.startswith("slurmd-")], echo)
+    # Every slurmd recorded, whatever nodes this stack's settings name now.
+    stack.stop(sorted(p.stem for p in stack.run_dir.glob("slurmd-*.json")), echo)
     stack.stop(["slurmctld"], echo)
     stack.stop(["munged"], echo)
     killed = cluster.kill_strays(set())

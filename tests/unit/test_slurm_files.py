@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.dev_slurm import SlurmCluster, node_states
+from trainguard.dev_slurm import SlurmCluster, node_states, unavailable_reason
 from trainguard.models import PoolNode
 from trainguard.pool import agents_not_ready
 from trainguard.ports import Ports, free_port_base, slurm_ports
@@ -86,3 +86,9 @@ def test_a_jobs_agents_count_as_up_only_when_polling_and_registered_since_it_beg
         missing: list[str], registered_at: float, ready: bool) -> None:
     pool = [PoolNode(node="node-0", registered_at=registered_at)]
     assert (agents_not_ready(["node-0"], pool, missing, since=1_000.0) == []) is ready
+
+
+def test_without_slurm_the_error_names_the_packages_and_the_make_target(tmp_path: Path) -> None:
+    reason = unavailable_reason(which=lambda _name: None, sbin=tmp_path)
+    assert reason is not None
+    assert "slurm-wlm slurmctld slurmd munge slurm-client" in reason and "make slurm-install" in reason
