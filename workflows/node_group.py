@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
     from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import short_cause
+    from trainguard.protocol import WatchHeartbeat
     from workflows.node_group_models import (
         GroupReport,
         GroupStarted,
@@ -224,6 +225,13 @@ def _heartbeat_timed_out(error: ActivityError) -> bool:
             and bool(error.cause.last_heartbeat_details))
 
 
+def _was_downloading(error: ActivityError) -> bool:
+    """The watch's last heartbeat said it was downloading its launch's shards (it had not launched yet)."""
+    details = error.cause.last_heartbeat_details if isinstance(error.cause, TimeoutError) else ()
+    beat = WatchHeartbeat.from_json(details[0]) if details else None
+    return beat is not None and beat.downloading
+
+
 def _failure(node: str, error: ActivityError) -> NodeOutcome:
     cause: BaseException | None = error.cause
     while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
@@ -373,10 +381,15 @@ class NodeGroupWatch:
                         continue
                     if node in answered:  # the server or the agent restarted: not a lost node
                         rewatched[node] = rewatched.get(node, 0) + 1
+                        # A launching watch silent while it downloaded launches again (a launch adopts ranks
+                        # of its attempt already running); one that heartbeated past that had launched.
+                        launch = node in launching and _was_downloading(error)
+                        if not launch:
+                            launching.discard(node)
                         workflow.logger.warning("%s's watch stopped heartbeating but its agent answers: watched "
                                                 "again", node)
                         watches[node] = self._watch(request, node, report_start=node in starters
-                                                    and node not in started)
+                                                    and node not in started, launch=launch)
                         continue
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
@@ -466,8 +479,7 @@ class NodeGroupWatch:
     async def _silent_but_there(self, nodes: list[str], watches: dict[str, asyncio.Task[WatchEvent]],
                                 launching: set[str], rewatched: dict[str, int]) -> set[str]:
         """The nodes whose watch timed out on its heartbeat but whose agent answers a check, asked together."""
-        silent = [n for n in nodes if n in watches and watches[n].done() and n not in launching
-                  and rewatched.get(n, 0) < MAX_SILENT_REWATCHES
+        silent = [n for n in nodes if n in watches and watches[n].done() and rewatched.get(n, 0) < MAX_SILENT_REWATCHES
                   and isinstance(error := watches[n].exception(), ActivityError) and _heartbeat_timed_out(error)]
         if not silent:
             return set()

@@ -188,25 +188,31 @@ def test_a_launching_burst_of_thousands_of_nodes_may_wait_in_proportion_to_be_ma
     assert launch_wait_s(4096) > BURST_SCHEDULE_TO_START.total_seconds()
 
 
+@pytest.mark.parametrize("launching", [False, True], ids=["watch", "launching-watch"])
 @pytest.mark.parametrize("silent_every_time", [False, True], ids=["server-or-agent-restarted", "broken-watch"])
 async def test_a_watch_gone_silent_on_a_node_whose_agent_answers_is_watched_again(
-        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, silent_every_time: bool) -> None:
+        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, silent_every_time: bool, launching: bool) -> None:
     """A watch that heartbeated, then timed out on its heartbeat (the Temporal server restarted, or its agent was
     killed and a new one adopted the ranks): the node is asked, and its agent answering, the node is watched
     again, not lost. A watch that keeps going silent while the agent answers is a lost node after all."""
     monkeypatch.setattr(node_group, "watch_heartbeat_timeout", lambda _every: timedelta(seconds=1))
     monkeypatch.setattr(node_group, "MAX_SILENT_REWATCHES", 2)
     delivered: list[str] = []
+    launched: list[str] = []
 
     @activity.defn(name="watch_ranks")
     async def silent_then_finished(request: WatchRanksInput) -> WatchEvent:
         delivered.append(request.node)
+        if request.launch is not None:
+            launched.append(request.node)
         if request.node == NODES[1] and (silent_every_time or delivered.count(NODES[1]) == 1):
-            activity.heartbeat("watching")
+            activity.heartbeat({"node": request.node, "attempt": request.attempt, "steps": {"1": 5}})
             await asyncio.Event().wait()  # its heartbeats are lost from here on
         return WatchEvent(kind=WatchEventKind.FINISHED, node=request.node, detected_at=time.time(), step=10)
 
-    request = _request(f"group-{uuid4()}", False).model_copy(update={"launch": None, "launched": []})
+    request = _request(f"group-{uuid4()}", False)
+    if not launching:  # else a-1 launches from its watch, and heartbeated a step: it had launched
+        request = request.model_copy(update={"launch": None, "launched": []})
     queue = f"tq-{uuid4()}"
     async with Worker(env.client, task_queue=queue, workflows=[GroupParent, NodeGroupWatch],
                       workflow_runner=UnsandboxedWorkflowRunner()), \
@@ -221,3 +227,4 @@ async def test_a_watch_gone_silent_on_a_node_whose_agent_answers_is_watched_agai
     else:
         assert result.lost == [] and sorted(e.node for e in result.finished) == NODES
         assert delivered.count(NODES[1]) == 2
+    assert launched == ([NODES[1]] if launching else [])  # launched once, not again
