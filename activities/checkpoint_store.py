@@ -63,7 +63,8 @@ from activities.models import (
     PublishAttemptInput,
     ShardInfo,
 )
-from activities.pace import PaceRecord, PaceVerdict, judge_window, read_pace
+from activities.pace import judge_window, read_pace
+from activities.pace_models import PaceRecord, PaceVerdict
 from activities.progress import find_stragglers
 from trainguard.error_types import ErrorType
 from trainguard.models import CheckpointRef

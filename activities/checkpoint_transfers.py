@@ -46,7 +46,8 @@ from activities.models import (
     UploadShardsResult,
     WatchCheckpoints,
 )
-from activities.pace import PaceRecord, pace_key
+from activities.pace import pace_key
+from activities.pace_models import PaceRecord
 from activities.peers import fetch_from_peer
 from trainguard.error_types import ErrorType
 from trainguard.protocol import RunLayout, shard_meta_name, shard_name, step_of_dir_name

@@ -13,7 +13,7 @@ from enum import Enum
 
 from pydantic import BaseModel, Field
 
-from activities.pace import PaceVerdict
+from activities.pace_models import PaceVerdict
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, CheckpointRef, InjectFaultResult, StopReason  # noqa: F401
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.spec import NODE_ID_PATTERN, HealthSpec

@@ -41,7 +41,8 @@ from activities.progress import (
     process_state_words,
     slowest_step,
 )
-from activities.pace import PaceRecord, PaceWindow
+from activities.pace import PaceWindow
+from activities.pace_models import PaceRecord
 from activities.rank_launch import RankLaunch
 from activities.rank_logs import exception_line, failure_signature, read_tail
 from activities.rank_records import AttemptRecord, RankBook, describe_exit, log, read_finish, read_report

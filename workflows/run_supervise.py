@@ -19,7 +19,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.pace import PaceVerdict
+    from activities.pace_models import PaceVerdict
     from activities.models import (CollectEvidenceInput, CollectEvidenceResult, DownloadShardsInput,
                                    LaunchRanksInput, RankEvidence, WatchEvent)
     from trainguard import node_task_queue

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from activities.pace import PaceRecord, PaceWindow, judge_window, window_means
+from activities.pace import PaceWindow, judge_window, window_means
+from activities.pace_models import PaceRecord
 
 
 @dataclass

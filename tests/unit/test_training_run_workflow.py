@@ -64,7 +64,7 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
-from activities.pace import PaceVerdict
+from activities.pace_models import PaceVerdict
 from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard import node_task_queue
