@@ -95,7 +95,7 @@ def cluster(slurm_stack: DevStack) -> Iterator[SlurmCluster]:
 def submit(stack: DevStack, spec: dict[str, object] | None = None, **env: str) -> int:
     """sbatch the example script from the checkout, as a platform team would, with the stack's settings in the
     environment; its agents' folders under the stack's home (so the stack's rank scans find their ranks)."""
-    extra = {"TRAINGUARD_WORKDIR": str(stack.home / "nodes"), **env}
+    extra = {"TRAINGUARD_WORKDIR": str(stack.home / "nodes"), "TRAINGUARD_LOGS": str(stack.slurm.log_dir), **env}
     if spec is not None:
         path = stack.home / f"spec-{uuid.uuid4().hex[:6]}.json"
         path.write_text(json.dumps(spec))
