@@ -174,6 +174,9 @@ def test_run_start_resume_from_records_the_run_in_the_spec(
         async def earlier_run(self, workflow_id: str) -> str | None:
             return None
 
+        async def running(self, workflow_id: str) -> bool:
+            return False
+
         async def controller_running(self, max_idle_s: float = 90.0) -> bool:
             return True
 
@@ -190,3 +193,30 @@ def test_run_start_resume_from_records_the_run_in_the_spec(
     assert spec["checkpoint"]["resume_from"] == "old-run"  # type: ignore[index]
     assert spec["checkpoint"]["namespace"] is None  # type: ignore[index]  # its own: the workflow id
     assert "never prunes that run's checkpoints" in capsys.readouterr().err
+
+
+def test_run_start_under_a_running_runs_id_attaches_to_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requeued Slurm job starts its run again under the same id: it finds the run, and starts no second one."""
+    from trainguard.client import TrainguardClient
+
+    started: list[dict[str, object]] = []
+
+    class Workflows:
+        async def start_workflow(self, _type: str, spec: dict[str, object], **_kwargs: object) -> None:
+            started.append(spec)
+
+    class Client(TrainguardClient):
+        async def running(self, workflow_id: str) -> bool:
+            return workflow_id == "slurm-42"
+
+    async def fake_connect(*_args: object, **_kwargs: object) -> TrainguardClient:
+        return Client(Workflows())  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TrainguardClient, "connect", fake_connect)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(GOOD))
+
+    assert cli.main(["run", "start", str(path), "--id", "slurm-42", "--nodes", "a-0,a-1"]) == 0
+    out = capsys.readouterr()
+    assert started == [] and out.out.strip() == "slurm-42" and "attached to it" in out.err
