@@ -38,7 +38,7 @@ async def test_a_crash_relaunch_is_served_by_parked_processes(
 ) -> None:
     rid = f"it-warm-{uuid.uuid4().hex[:6]}"
     # The baseline's job, slower per step (a sleep: the final state is the same), so there is time to park.
-    await client.start_run(make_spec(prefix, step_time=0.2), workflow_id=rid)
+    await client.start_run(make_spec(prefix, step_time=0.3), workflow_id=rid)
     await wait_until(client, rid, checkpointed)
     await wait_until(client, rid, lambda _view: all(_waiting(stack, n, rid) for n in NODES), timeout_s=60)
     parked = {n: _waiting(stack, n, rid) for n in NODES}

@@ -61,7 +61,7 @@ def _launch(tmp_path: Path, script: str, attempt: int, **changes: object) -> Lau
     return LaunchRanksInput(**fields)  # type: ignore[arg-type]
 
 
-async def _until(check, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+async def _until(check, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, "timed out"
@@ -170,13 +170,16 @@ async def test_parked_processes_die_with_the_agent_and_a_drained_node(agent: Nod
 
 async def test_a_finished_run_keeps_nothing_parked(agent: NodeRanks, tmp_path: Path) -> None:
     finishing = PARKS.replace("time.sleep(120)", """
+while not Path(os.environ["RELEASE"]).exists():  # training, until the test has seen the parked processes
+    time.sleep(0.01)
 protocol.Progress(rank=int(os.environ["RANK"]), step=99, time=time.time(), finished=True
-                  ).write(Path(os.environ["TRAINGUARD_PROGRESS_FILE"]))
-time.sleep(float(os.environ.get("LINGER", "0")))""")
-    await agent.launch.launch_ranks(_launch(tmp_path, finishing, 1, env={"LINGER": "3"}))
+                  ).write(Path(os.environ["TRAINGUARD_PROGRESS_FILE"]))""")
+    release = tmp_path / "release"
+    await agent.launch.launch_ranks(_launch(tmp_path, finishing, 1, env={"RELEASE": str(release)}))
     await _until(lambda: len(_parked(agent)) == 2)
     parked = _parked(agent)
-    await _until(lambda: "wf" not in agent.book.parking, timeout_s=10)  # the ranks finished and exited
+    release.touch()
+    await _until(lambda: "wf" not in agent.book.parking)  # the ranks finished and exited
     assert not any(_alive(pid) for pid in parked)
 
 
