@@ -39,23 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.bench.recovery import (
-    BENCH_DIR,
-    LAUNCHERS,
-    NODES,
-    PORT_SEARCH_START,
-    SLOW_DUTY,
-    SPARE,
-    TORCHRUN_MAX_RESTARTS,
-    Torchrun,
-    duty_cycle,
-    find_worker,
-    machine,
-    repair,
-    say,
-    train_args,
-    write_results,
-)
+from infra.bench.recovery import PORT_SEARCH_START, SPARE, repair
+from infra.bench.recovery_baselines import TORCHRUN_MAX_RESTARTS, Torchrun, duty_cycle, find_worker, train_args
+from infra.bench.recovery_report import BENCH_DIR, LAUNCHERS, NODES, SLOW_DUTY, machine, say, write_results
 
 DEFAULT_JSON = BENCH_DIR / "goodput.json"
 SCHEDULE = ((100, "crash"), (200, "hang"), (300, "slow"), (450, "node-down"))

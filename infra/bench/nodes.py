@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.queues is not None and not 1 <= opts.queues <= 100:
         parser.error("--queues must be between 1 and 100")
 
-    from infra.bench.recovery import say, write_results
+    from infra.bench.recovery_report import say, write_results
 
     # A SIGTERM (a CI job's timeout, `kill PID`) stops it as Ctrl-C does: the run's private Temporal server and
     # controller are stopped by PID and its folder under .bench removed, not left running.

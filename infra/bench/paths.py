@@ -36,18 +36,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from infra.bench.recovery import (
+from infra.bench.recovery import PORT_SEARCH_START, trainguard_fault
+from infra.bench.recovery_baselines import torchrun_floor
+from infra.bench.recovery_report import (
     BENCH_DIR,
     NODES,
-    PORT_SEARCH_START,
     Floor,
     Measurement,
-    _fmt,
+    fmt,
     machine,
     say,
     summary,
-    torchrun_floor,
-    trainguard_fault,
     write_results,
 )
 
@@ -121,10 +120,10 @@ def table(rows: list[tuple[str, Measurement, dict[str, float]]], floor: Floor) -
                            if row["time_to_recover_s"] and floor.cold_start_s else None)
         summary_rows.append(row)
         lines.append(
-            f"{path:<11} {len(ok):>2}/{len(mine):<1} {_fmt(row['detection_s']):>8} {_fmt(row['teardown_s']):>10} "
-            f"{_fmt(row['restore_s']):>9} {_fmt(row['relaunch_s']):>10} {_fmt(row['time_to_recover_s']):>9} "
-            f"{_fmt(row['vs_floor'], '{:.2f}x'):>7}  {', '.join(row['tiers'])}")
-    lines.append(f"{'floor':<11} {'':>4} {'':>8} {'':>10} {'':>9} {'':>10} {_fmt(floor.cold_start_s):>9} "
+            f"{path:<11} {len(ok):>2}/{len(mine):<1} {fmt(row['detection_s']):>8} {fmt(row['teardown_s']):>10} "
+            f"{fmt(row['restore_s']):>9} {fmt(row['relaunch_s']):>10} {fmt(row['time_to_recover_s']):>9} "
+            f"{fmt(row['vs_floor'], '{:.2f}x'):>7}  {', '.join(row['tiers'])}")
+    lines.append(f"{'floor':<11} {'':>4} {'':>8} {'':>10} {'':>9} {'':>10} {fmt(floor.cold_start_s):>9} "
                  f"{'1.00x':>7}  cold start of the same ranks from a local checkpoint, plain torchrun")
     by_path = {row["path"]: row["time_to_recover_s"] for row in summary_rows}
     if by_path.get("s3") and by_path.get("in-process"):

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.bench.recovery import machine, say, write_results
+from infra.bench.recovery_report import machine, say, write_results
 from trainguard.procs import stat_fields
 
 REPO = Path(__file__).resolve().parents[2]
