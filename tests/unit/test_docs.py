@@ -57,7 +57,8 @@ def test_performance_page_says_which_bench_writes_an_absent_file(tmp_path: Path)
 
 def test_performance_tables_come_from_the_json(tmp_path: Path) -> None:
     (tmp_path / "recovery.json").write_text(json.dumps({
-        "results": [{"fault": "hang", "system": "trainguard", "detection_s": 2.06, "time_to_recover_s": 5.87,
+        "results": [{"fault": "hang", "system": "trainguard", "detection_s": 2.06, "restart_s": 4.2,
+                     "time_to_recover_s": 5.87,
                      "goodput": 0.795, "wall_s": 54.1, "completed": True, "recovery_path": "relaunch"}],
         "floor": {"cold_start_s": 5.25}, "machine": {"cpus": 2, "python": "3.11", "loadavg_before": [1.2, 1, 1]}}))
     (tmp_path / "nodes.json").write_text(json.dumps([
@@ -69,7 +70,7 @@ def test_performance_tables_come_from_the_json(tmp_path: Path) -> None:
     recovery = performance.section("recovery", tmp_path)
     nodes = performance.section("nodes", tmp_path)
 
-    assert "| hang | trainguard | 2.06 s | 5.87 s | 79.5 % | 54.1 s | yes | relaunch |" in recovery
+    assert "| hang | trainguard | 2.06 s | 4.20 s | 0.80x | 5.87 s | 79.5 % | 54.1 s | yes | relaunch |" in recovery
     assert "5.25 s" in recovery and "load average 1.2" in recovery
     assert "| 4,096 | yes | 31,496 / 2,404 | 9 | 260 | 49 KB | 5.30 s | 19.3 s / 227 MB | 197 s |" in nodes
     assert "Cannot read .bench/pool.json" in performance.section("pool", tmp_path)
