@@ -267,6 +267,10 @@ CASES = {
     "garbage_manifest": Case(_garbage_manifest, 20, skipped="step 30: unreadable manifest"),
     "every_checkpoint_corrupt": Case(_every_checkpoint_corrupt, 0, num_corrupt_incidents=3),
 }
+FAST_CASES = ("truncated_shard", "flipped_byte_same_size_and_metadata", "every_checkpoint_corrupt")
+"""In `make test`: a shard that fails its size check, one that fails only its checksum, and no checkpoint left to
+trust (about 9 s each); the other damages run in `make test-slow` (the store-level tests below and
+tests/unit/test_checkpoint_store.py check how each is recognised)."""
 
 
 async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, source: Source, workflow_id: str,
@@ -303,7 +307,8 @@ async def assert_resumed_cleanly(client: TrainguardClient, stack: DevStack, sour
     assert lying_checkpoints(stack.s3(), run_prefix, committed) == []
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name if name in FAST_CASES else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in CASES])
 async def test_damaged_checkpoint_is_never_restored_and_the_run_completes(
     client: TrainguardClient, stack: DevStack, source: Source, prefix: str, name: str
 ) -> None:
@@ -322,6 +327,7 @@ async def test_damaged_checkpoint_is_never_restored_and_the_run_completes(
         assert all("sha256" in d for d in detail), detail
 
 
+@pytest.mark.slow  # ~20 s; a flipped byte's restore runs in make test below
 async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     client: TrainguardClient, stack: DevStack, source: Source, prefix: str
 ) -> None:

@@ -36,6 +36,7 @@ def _upload(dev: DevStack, key: str) -> list[str]:
     return sorted(o["Key"] for o in listed if o["Size"] == CHECKPOINT_BYTES)
 
 
+@pytest.mark.slow  # ~45 s: four stack restarts
 def test_the_store_accepts_uploads_after_every_change_of_mode_on_one_home() -> None:
     """`weed mini` kept the address of the mode before in its saved options: after `dev up --hosts` on a home
     first used in loopback mode, every upload failed with InternalError and no checkpoint ever committed."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.evidence import fault_name
@@ -15,6 +17,7 @@ from trainguard.report import read_store_texts
 from .conftest import RUN_TIMEOUT_S, checkpointed, make_spec, wait_until
 
 
+@pytest.mark.slow  # ~30 s; a hang's recovery runs in make test (test_training_run), its culprit in the unit tests
 async def test_python_hang_on_node_1_names_its_rank_with_evidence_and_stores_its_stacks(
     client: TrainguardClient, prefix: str, stack: DevStack
 ) -> None:

@@ -10,6 +10,8 @@ import json
 import uuid
 from typing import Any
 
+import pytest
+
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import IncidentKind, RunResult
@@ -59,6 +61,7 @@ async def test_crash_recovers_in_process_and_the_live_rank_keeps_running(
     assert live_rank_pids(stack) == []  # the standbys went with the finished ranks
 
 
+@pytest.mark.slow  # ~18 s; the workflow test of the fallback runs in make test
 async def test_a_trainer_that_cannot_rejoin_falls_back_to_a_full_relaunch(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:

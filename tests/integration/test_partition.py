@@ -104,6 +104,7 @@ async def cut_off_agent(stack: DevStack, client: TrainguardClient) -> AsyncItera
             await client.uncordon(NODE)
 
 
+@pytest.mark.slow  # ~45 s; a lost node's replacement runs in make test (test_training_run)
 async def test_a_cut_off_node_is_replaced_and_rejoins_after_the_cut_heals(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack, cut_off_agent: Link
 ) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from trainguard import protocol
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
@@ -55,6 +57,7 @@ async def test_a_crash_relaunch_is_served_by_parked_processes(
     assert live_rank_pids(stack) == []  # the parked processes went with the finished run
 
 
+@pytest.mark.slow  # ~25 s; tests/unit/test_parked_ranks.py keeps a script without standby unparked
 async def test_a_script_without_standby_relaunches_cold(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
