@@ -157,6 +157,9 @@ class Size:
     largest_payload_event: str | None = None
     relaunch_p95_s: float | None = None
     relaunch_max_s: float | None = None
+    relaunch_p95_by_kind: dict[str, float | None] = field(default_factory=dict)
+    """The same p95 for each kind of incident on its own (crash, hang, node_unresponsive): a hang's relaunch waits
+    for its evidence, so it is told apart from the others'."""
     continue_as_new: int | None = None
     controller_cpu_s: float | None = None
     controller_peak_rss_mb: float | None = None
@@ -579,6 +582,10 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
         p95 = percentile(every, 0.95)
         size.relaunch_p95_s = None if p95 is None else round(p95, 3)
         size.relaunch_max_s = round(max(every), 3) if every else None
+        for kind in dict.fromkeys(i.kind.value for i in incidents):
+            alone = percentile([s for times in relaunch_times([i for i in incidents if i.kind.value == kind],
+                                                              workflow_id, nodes) for s in times], 0.95)
+            size.relaunch_p95_by_kind[kind] = None if alone is None else round(alone, 3)
         commits = [c for c in controller.commits() if str(c.get("workflow_id", "")).startswith(workflow_id)]
         summarize(size, await read_histories(client, workflow_id, save_histories), workflow_id, commits)
         size.hang = hang_figures(incidents, plan, relaunch_times([i for i in incidents if i.kind.value == "hang"],
@@ -690,6 +697,9 @@ def report(sizes: list[Size]) -> list[str]:
             f"named {h['culprit']} ({'right' if h['culprit_right'] else 'WRONG'}) in {_fmt(h['attribution_s'])} s, "
             f"evidence asked of {h['evidence_asked_of_nodes']} node(s), relaunch p95 "
             f"{_fmt(h['relaunch_p95_s'])} s / max {_fmt(h['relaunch_max_s'])} s")))
+        if s.relaunch_p95_by_kind:
+            lines.append(f"  {s.nodes}: relaunch p95 by incident: " + ", ".join(
+                f"{kind} {_fmt(p95, '{:.1f}')} s" for kind, p95 in s.relaunch_p95_by_kind.items()))
         for note in [*s.incidents, *s.notes]:
             lines.append(f"  {s.nodes}: {note}")
     return lines
