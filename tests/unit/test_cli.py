@@ -159,9 +159,9 @@ def test_run_start_resume_from_refuses_a_bad_run_id_before_connecting(
     assert capsys.readouterr().err.startswith("trainguard run start --resume-from: run id '../victim'")
 
 
-def test_run_start_resume_from_records_the_run_in_the_spec(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--resume-from RUN` is recorded as the spec's `checkpoint.resume_from`, the history's record of it."""
+def _started_runs(monkeypatch: pytest.MonkeyPatch, running: set[str]) -> list[dict[str, object]]:
+    """A client whose Temporal records the specs it is asked to start, with the runs named in `running` running
+    and a controller there."""
     from trainguard.client import TrainguardClient
 
     started: list[dict[str, object]] = []
@@ -175,7 +175,7 @@ def test_run_start_resume_from_records_the_run_in_the_spec(
             return None
 
         async def running(self, workflow_id: str) -> bool:
-            return False
+            return workflow_id in running
 
         async def controller_running(self, max_idle_s: float = 90.0) -> bool:
             return True
@@ -184,6 +184,13 @@ def test_run_start_resume_from_records_the_run_in_the_spec(
         return Client(Workflows())  # type: ignore[arg-type]
 
     monkeypatch.setattr(TrainguardClient, "connect", fake_connect)
+    return started
+
+
+def test_run_start_resume_from_records_the_run_in_the_spec(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume-from RUN` is recorded as the spec's `checkpoint.resume_from`, the history's record of it."""
+    started = _started_runs(monkeypatch, running=set())
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(GOOD))
 
@@ -198,22 +205,7 @@ def test_run_start_resume_from_records_the_run_in_the_spec(
 def test_run_start_under_a_running_runs_id_attaches_to_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A requeued Slurm job starts its run again under the same id: it finds the run, and starts no second one."""
-    from trainguard.client import TrainguardClient
-
-    started: list[dict[str, object]] = []
-
-    class Workflows:
-        async def start_workflow(self, _type: str, spec: dict[str, object], **_kwargs: object) -> None:
-            started.append(spec)
-
-    class Client(TrainguardClient):
-        async def running(self, workflow_id: str) -> bool:
-            return workflow_id == "slurm-42"
-
-    async def fake_connect(*_args: object, **_kwargs: object) -> TrainguardClient:
-        return Client(Workflows())  # type: ignore[arg-type]
-
-    monkeypatch.setattr(TrainguardClient, "connect", fake_connect)
+    started = _started_runs(monkeypatch, running={"slurm-42"})
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(GOOD))
 
