@@ -21,8 +21,9 @@ demo: $(STAMP)
 	$(BIN)/trainguard demo $(DEMO_ARGS)
 
 # The whole suite but the minutes-long soak and benchmark smoke (marked slow): `make test-slow` runs those.
+# The Slurm tests run beside the rest, in a pytest of their own (infra/suite.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m infra.suite $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS)

@@ -1,6 +1,13 @@
-"""The controller's watch on Slurm's own drains: an operator's `scontrol update nodename=X state=drain` moves the
-run that holds X off it at its next checkpoint, as `trainguard run drain RUN --node X` would (the run's
-`drain_node` update; a spare takes X's place).
+"""The controller's watch on Slurm: an operator's drain moves a run off the node, and a job whose batch host was
+lost is ended once its run is.
+
+An operator's `scontrol update nodename=X state=drain` moves the run that holds X off it at its next checkpoint, as
+`trainguard run drain RUN --node X` would (the run's `drain_node` update; a spare takes X's place).
+
+A job loses its batch script with its batch host (node 0 of the allocation): the run goes on inside the job
+(`--no-kill`) and completes, but nothing is left to end the job, which would hold its nodes until its time limit.
+So a running job whose batch host is no longer among its nodes, and whose run (`slurm-<job id>`, the example
+script's id) is over, is cancelled (`scancel`). Jobs with no such run are never touched.
 
 On with the scheduler hook (`TRAINGUARD_SCHEDULER=slurm`). One `sinfo --json` every `DRAIN_POLL_S` answers for
 every node: one RPC to slurmctld a poll however large the cluster, where an agent asking for its own node would
@@ -15,12 +22,13 @@ import asyncio
 import json
 import logging
 import os
+import re
 import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from temporalio.client import Client, WorkflowUpdateFailedError
-from temporalio.service import RPCError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.scheduler import COMMAND_TIMEOUT_S, SCHEDULER_ENV, SLURM_REASON_PREFIX
 from trainguard.pool import pool_nodes
@@ -42,20 +50,48 @@ def operator_drains(sinfo: Mapping[str, Any]) -> dict[str, str]:
             if DRAIN_STATES & set(info["state"]) and not info["reason"].startswith(SLURM_REASON_PREFIX)}
 
 
-def _sinfo(executable: str) -> dict[str, Any]:
-    done = subprocess.run([executable, "--json"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,  # noqa: S603
+def _slurm_json(argv: list[str]) -> dict[str, Any]:
+    done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,  # noqa: S603
                           check=True)
     return dict(json.loads(done.stdout))
 
 
-class SlurmDrainWatch:
-    """Polls Slurm and asks each run holding an operator-drained node to move off it, once per drain."""
+def expand_hostlist(expression: str) -> list[str]:
+    """Slurm's hostlist (`node-[0-2,5],gpu07`) as names: ranges keep their zero padding (`gpu[08-10]`)."""
+    names: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", expression):
+        found = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
+            items = [text]
+            if ranges:
+                items = []
+                for item in ranges.split(","):
+                    low, _, high = item.partition("-")
+                    items += [f"{text}{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
+            found = [head + item for head in found for item in items]
+        names += [name for name in found if name]
+    return names
 
-    def __init__(self, client: Client, executable: str = "sinfo") -> None:
+
+def headless_jobs(squeue: Mapping[str, Any]) -> list[int]:
+    """Running jobs whose batch host is no longer one of their nodes: their batch script died with it."""
+    return [int(job["job_id"]) for job in squeue.get("jobs", [])
+            if str(job.get("job_state", "")).upper() == "RUNNING" and job.get("batch_host")
+            and job["batch_host"] not in expand_hostlist(str(job.get("nodes", "")))]
+
+
+class SlurmDrainWatch:
+    """Polls Slurm: asks each run holding an operator-drained node to move off it, once per drain, and ends the
+    jobs whose batch host was lost once their runs are over."""
+
+    def __init__(self, client: Client, executable: str = "sinfo", squeue: str = "squeue",
+                 scancel: str = "scancel") -> None:
         self.client = client
-        self.executable = executable
+        self.executable, self.squeue, self.scancel = executable, squeue, scancel
         self.told: set[tuple[str, str]] = set()
         """(node, run) pairs already asked, forgotten when the node is no longer drained: a later drain counts."""
+        self.settled: set[int] = set()
+        """Headless jobs already cancelled, or with no trainguard run: never looked at again."""
 
     @classmethod
     def from_env(cls, client: Client, environ: Mapping[str, str] | None = None) -> SlurmDrainWatch | None:
@@ -64,7 +100,7 @@ class SlurmDrainWatch:
 
     async def poll(self) -> list[tuple[str, str]]:
         """One look at Slurm; returns the (node, run) pairs asked to move this time."""
-        drains = operator_drains(await asyncio.to_thread(_sinfo, self.executable))
+        drains = operator_drains(await asyncio.to_thread(_slurm_json, [self.executable]))
         self.told = {(node, run) for node, run in self.told if node in drains}
         if not drains:
             return []
@@ -87,10 +123,35 @@ class SlurmDrainWatch:
             asked.append((entry.node, run))
         return asked
 
+    async def end_headless_jobs(self) -> list[int]:
+        """Cancel each running job that lost its batch host and whose run is over. Returns the jobs cancelled."""
+        squeue = await asyncio.to_thread(_slurm_json, [self.squeue, "--states=RUNNING"])
+        cancelled = []
+        for job in headless_jobs(squeue):
+            if job in self.settled:
+                continue
+            try:
+                status = (await self.client.get_workflow_handle(f"slurm-{job}").describe()).status
+            except RPCError as error:
+                if error.status is RPCStatusCode.NOT_FOUND:
+                    self.settled.add(job)  # not a trainguard job: not ours to end
+                    continue
+                raise
+            if status is WorkflowExecutionStatus.RUNNING:
+                continue  # the run goes on inside the job
+            await asyncio.to_thread(subprocess.run, [self.scancel, str(job)], capture_output=True, check=True,
+                                    timeout=COMMAND_TIMEOUT_S)
+            self.settled.add(job)
+            log.info("Slurm job %d lost its batch host and its run slurm-%d is over (%s): cancelled it", job, job,
+                     status.name.lower() if status else "gone")
+            cancelled.append(job)
+        return cancelled
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await self.poll()
+                await self.end_headless_jobs()
             except (OSError, subprocess.SubprocessError, ValueError, RPCError) as error:
                 log.warning("Slurm drain watch: %s", error)  # slurmctld or Temporal briefly away: next poll
             try:

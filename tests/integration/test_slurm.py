@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -108,10 +109,13 @@ def submit(stack: DevStack, spec: dict[str, object] | None = None, **env: str) -
     return int(done.stdout.strip().split(";")[0])
 
 
-def quick_spec(**health: float) -> dict[str, object]:
-    """The quickstart's spec, with tighter hang bounds (a stopped rank is named in seconds): same training."""
+def quick_spec(step_time: float = 0.05) -> dict[str, object]:
+    """The quickstart's spec, with tighter hang bounds (a stopped rank is named in seconds) and shorter steps (the
+    step time is a sleep standing in for compute): same training, same digest."""
     spec = json.loads(QUICKSTART.read_text())
-    spec["health"] = {"hang_floor_s": 5.0, **health}
+    entrypoint = spec["entrypoint"]
+    entrypoint[entrypoint.index("--step-time") + 1] = str(step_time)
+    spec["health"] = {"hang_floor_s": 5.0}
     return spec
 
 
@@ -203,11 +207,14 @@ def lose_node(stack: DevStack, node: str) -> None:
             *(r.pid for r in harness.scan_ranks(stack.home) if r.node == node)]
     slurmd = stack._alive(f"slurmd-{node}")
     assert slurmd, f"slurmd of {node} not running"
-    for pid in [*pids, slurmd]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # All at once, as a power loss would: frozen first, so no process of the node (the batch step's daemon above
+    # the batch script, say) sees another die and tells slurmctld the job is over before it is killed itself.
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in [slurmd, *reversed(pids)]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 async def node_state(cluster: SlurmCluster, node: str, want: set[str], timeout_s: float = 90) -> dict[str, object]:
@@ -245,16 +252,27 @@ async def count_runs(client: TrainguardClient, run_id: str) -> int:
 
 
 @pytest.fixture(scope="module")
-async def quickstart_digest(client: TrainguardClient) -> str:
-    """The quickstart's final state digest on the session's dev stack (its own agents, no Slurm)."""
-    run_id = await client.start_run(QUICKSTART, workflow_id=f"quickstart-{uuid.uuid4().hex[:8]}")
-    digest = (await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)).final_state_digest
+async def quickstart_digest(slurm_stack: DevStack, slurm_client: TrainguardClient) -> str:
+    """The quickstart's final state digest on the dev stack, without Slurm: three node agents of the stack's own
+    (named apart from Slurm's nodes) run it, and stop once it is done."""
+    names = [f"ref-{index}" for index in range(3)]
+    for node in names:
+        workdir = slurm_stack.home / "nodes" / node
+        workdir.mkdir(parents=True, exist_ok=True)
+        slurm_stack._spawn(f"agent-{node}", [
+            sys.executable, "-m", "workers.node_agent", "--node", node, "--workdir", str(workdir), "--host",
+            "127.0.0.1", "--allow", str(Path(sys.executable).parent)], env=slurm_stack.worker_env(), cwd=REPO)
+    try:
+        spec = {**json.loads(QUICKSTART.read_text()), "nodes": names[:2], "spare_nodes": names[2:]}
+        run_id = await slurm_client.start_run(spec, workflow_id=f"quickstart-{uuid.uuid4().hex[:8]}")
+        digest = (await asyncio.wait_for(slurm_client.result(run_id), RUN_TIMEOUT_S)).final_state_digest
+    finally:
+        slurm_stack.stop([f"agent-{node}" for node in names], echo=lambda _line: None)
     assert digest
     return digest
 
 
 # --------------------------------------------------------------------------------------------------- tests
-@pytest.mark.slow
 async def test_the_job_runs_the_quickstart_to_its_digest(slurm_stack: DevStack, slurm_client: TrainguardClient,
                                                           cluster: SlurmCluster, quickstart_digest: str) -> None:
     began = time.monotonic()
@@ -265,7 +283,6 @@ async def test_the_job_runs_the_quickstart_to_its_digest(slurm_stack: DevStack, 
     print(f"slurm job {job}: submitted to completed in {time.monotonic() - began:.1f}s")
 
 
-@pytest.mark.slow
 async def test_a_crash_and_a_hang_are_recovered_inside_the_job(
         slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
     job = submit(slurm_stack, quick_spec(), TRAINGUARD_CHAOS="on")  # the agents take `trainguard chaos`
@@ -283,7 +300,6 @@ async def test_a_crash_and_a_hang_are_recovered_inside_the_job(
     print("crash, hang: detection->first step " + ", ".join(f"{i.kind.value} {i.recovery_s}s" for i in result.incidents))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lost", ["node-1", "node-0"], ids=["a-node", "the-rendezvous-host"])
 async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
         slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str,
@@ -305,8 +321,10 @@ async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
     assert str(info["reason"]).startswith("trainguard: ") and "node_unresponsive" in str(info["reason"]), info
     await node_state(cluster, lost, {"DOWN"}, timeout_s=60)  # Slurm's own view, after SlurmdTimeout
     slurm_down_s = time.monotonic() - lost_at
-    # The batch script ran on node 0: lost with it, nothing is left to end the job once the run is done.
+    # The batch script ran on node 0 and was lost with it: the controller ends the job once its run is done.
     result = await finished(slurm_client, cluster, job, job_ends_too=lost != "node-0")
+    if lost == "node-0":
+        assert await job_ends(cluster, job, timeout_s=60) == "CANCELLED", job_log(cluster, job)
     assert result.final_state_digest == quickstart_digest
     assert [i.kind for i in result.incidents] == [IncidentKind.NODE_UNRESPONSIVE], result.incidents
     entry = job_entry(cluster, job)
@@ -329,10 +347,10 @@ async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
           f"{result.incidents[0].recovery_s}s after detection); Slurm marked it down after {slurm_down_s:.1f}s")
 
 
-@pytest.mark.slow
 async def test_an_operators_slurm_drain_moves_the_run_off_the_node(
         slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
-    job = submit(slurm_stack, quick_spec())
+    # The run must outlast the drain's poll and its next checkpoint.
+    job = submit(slurm_stack, quick_spec(step_time=0.1))
     run_id = f"slurm-{job}"
     await run_started(slurm_client, run_id)
     view = await wait_until(slurm_client, run_id, checkpointed, timeout_s=120)
@@ -346,10 +364,9 @@ async def test_an_operators_slurm_drain_moves_the_run_off_the_node(
     print(f"operator drain: run training off node-1 after {moved_s:.1f}s")
 
 
-@pytest.mark.slow
 async def test_a_requeued_job_resumes_its_run(
         slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
-    job = submit(slurm_stack, quick_spec())
+    job = submit(slurm_stack, quick_spec(step_time=0.1))  # the run must outlast the requeue itself
     run_id = f"slurm-{job}"
     await run_started(slurm_client, run_id)
     view = await wait_until(slurm_client, run_id, lambda v: checkpointed(v, 110), timeout_s=120)

@@ -13,7 +13,7 @@ from trainguard.dev_slurm import SlurmCluster, node_states, unavailable_reason
 from trainguard.models import PoolNode
 from trainguard.pool import agents_not_ready
 from trainguard.ports import Ports, free_port_base, slurm_ports
-from workers.slurm_drains import operator_drains
+from workers.slurm_drains import expand_hostlist, headless_jobs, operator_drains
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
@@ -74,6 +74,27 @@ def test_sinfo_json_is_read_in_both_shapes() -> None:
 def test_only_an_operators_drains_move_runs() -> None:
     # trainguard's own drain (its cordon) was already acted on; an undrained node is no one's business.
     assert operator_drains(SINFO) == {"node-1": "operator: memory test", "node-3": "kernel upgrade"}
+
+
+@pytest.mark.parametrize(("hostlist", "names"), [
+    ("node-0", ["node-0"]),
+    ("node-[1-2]", ["node-1", "node-2"]),
+    ("node-[0-2,5],gpu07", ["node-0", "node-1", "node-2", "node-5", "gpu07"]),
+    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),
+    ("", []),
+])
+def test_slurm_hostlists_expand_to_node_names(hostlist: str, names: list[str]) -> None:
+    assert expand_hostlist(hostlist) == names
+
+
+def test_only_running_jobs_that_lost_their_batch_host_are_headless() -> None:
+    squeue = {"jobs": [
+        {"job_id": 7, "job_state": "RUNNING", "batch_host": "node-0", "nodes": "node-[1-2]"},  # node 0 lost
+        {"job_id": 8, "job_state": "RUNNING", "batch_host": "node-0", "nodes": "node-[0-2]"},  # whole
+        {"job_id": 9, "job_state": "PENDING", "batch_host": "", "nodes": ""},
+        {"job_id": 10, "job_state": "COMPLETING", "batch_host": "node-3", "nodes": "node-1"},
+    ]}
+    assert headless_jobs(squeue) == [7]
 
 
 @pytest.mark.parametrize(("missing", "registered_at", "ready"), [
