@@ -1,19 +1,23 @@
 """The Slurm pieces that need no cluster: the job script's shape, the dev cluster's slurm.conf and ports, how
-`sinfo --json` is read, which drains are an operator's, and when a job's agents count as up."""
+`sinfo --json` is read, which drains are an operator's, which jobs are ended once their runs are, and when a job's
+agents count as up."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
 
 from trainguard.dev_slurm import SlurmCluster, node_states, unavailable_reason
 from trainguard.models import PoolNode
 from trainguard.pool import agents_not_ready
 from trainguard.ports import Ports, free_port_base, slurm_ports
-from workers.slurm_drains import expand_hostlist, headless_jobs, operator_drains
+from workers.slurm_drains import SlurmDrainWatch, expand_hostlist, headless_jobs, operator_drains
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
@@ -113,3 +117,38 @@ def test_without_slurm_the_error_names_the_packages_and_the_make_target(tmp_path
     reason = unavailable_reason(which=lambda _name: None, sbin=tmp_path)
     assert reason is not None
     assert "slurm-wlm slurmctld slurmd munge slurm-client" in reason and "make slurm-install" in reason
+
+
+class _Handle:
+    def __init__(self, status: WorkflowExecutionStatus | None) -> None:
+        self.status = status
+
+    async def describe(self) -> _Handle:
+        if self.status is None:
+            raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        return self
+
+
+class _Client:
+    """Runs by id: a status, or absent (None)."""
+
+    def __init__(self, runs: dict[str, WorkflowExecutionStatus | None]) -> None:
+        self.runs = runs
+
+    def get_workflow_handle(self, run_id: str) -> _Handle:
+        return _Handle(self.runs.get(run_id))
+
+
+async def test_a_headless_job_is_cancelled_only_once_its_own_run_is_over(tmp_path: Path) -> None:
+    jobs = [{"job_id": job, "job_state": "RUNNING", "batch_host": "node-0", "nodes": "node-[1-2]"} for job in (7, 8, 9)]
+    squeue, scancel, cancelled = tmp_path / "squeue", tmp_path / "scancel", tmp_path / "cancelled"
+    squeue.write_text(f"#!/bin/sh\necho '{json.dumps({'jobs': jobs})}'\n")
+    scancel.write_text(f"#!/bin/sh\necho \"$1\" >> {cancelled}\n")
+    for script in (squeue, scancel):
+        script.chmod(0o755)
+    runs = {"slurm-7": WorkflowExecutionStatus.COMPLETED, "slurm-8": WorkflowExecutionStatus.RUNNING}  # 9: none
+    watch = SlurmDrainWatch(_Client(runs), squeue=str(squeue), scancel=str(scancel))  # type: ignore[arg-type]
+    assert await watch.end_headless_jobs() == [7]
+    runs["slurm-8"] = WorkflowExecutionStatus.FAILED  # its run ended since
+    assert await watch.end_headless_jobs() == [8]
+    assert cancelled.read_text().split() == ["7", "8"]  # each once; job 9, no trainguard run, never
