@@ -27,6 +27,7 @@ from trainguard.client import TrainguardClient
 from trainguard.dev_slurm import SlurmCluster, unavailable_reason
 from trainguard.devstack import SLURM_NODES, DevStack
 from trainguard.models import IncidentKind, RunResult
+from trainguard.pool import wait_for_agents
 from trainguard.settings import Settings
 
 from .conftest import REPO, RUN_TIMEOUT_S, activity_failures, checkpointed, wait_until
@@ -38,6 +39,8 @@ SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
 QUICKSTART = REPO / "examples" / "quickstart.json"
 SLURMD_TIMEOUT_S = 10
 """Short, so a killed slurmd's node is down in ~15 s, not PLATFORM.md's ~35 s (SlurmdTimeout=30)."""
+Reference = asyncio.Task[str]
+"""The quickstart's digest on the dev stack, computed beside the first job (`quickstart_digest`): awaited."""
 JOB_END_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
@@ -252,39 +255,49 @@ async def count_runs(client: TrainguardClient, run_id: str) -> int:
 
 
 @pytest.fixture(scope="module")
-async def quickstart_digest(slurm_stack: DevStack, slurm_client: TrainguardClient) -> str:
-    """The quickstart's final state digest on the dev stack, without Slurm: three node agents of the stack's own
-    (named apart from Slurm's nodes) run it, and stop once it is done."""
-    names = [f"ref-{index}" for index in range(3)]
-    for node in names:
-        workdir = slurm_stack.home / "nodes" / node
-        workdir.mkdir(parents=True, exist_ok=True)
-        slurm_stack._spawn(f"agent-{node}", [
-            sys.executable, "-m", "workers.node_agent", "--node", node, "--workdir", str(workdir), "--host",
-            "127.0.0.1", "--allow", str(Path(sys.executable).parent)], env=slurm_stack.worker_env(), cwd=REPO)
-    try:
-        spec = {**json.loads(QUICKSTART.read_text()), "nodes": names[:2], "spare_nodes": names[2:]}
-        run_id = await slurm_client.start_run(spec, workflow_id=f"quickstart-{uuid.uuid4().hex[:8]}")
-        digest = (await asyncio.wait_for(slurm_client.result(run_id), RUN_TIMEOUT_S)).final_state_digest
-    finally:
-        slurm_stack.stop([f"agent-{node}" for node in names], echo=lambda _line: None)
-    assert digest
-    return digest
+async def quickstart_digest(slurm_stack: DevStack, slurm_client: TrainguardClient) -> AsyncIterator[Reference]:
+    """The quickstart's final state digest on the dev stack, without Slurm, run beside the first test's job: three
+    node agents of the stack's own (named apart from Slurm's nodes) run it, and stop once it is done. Tests
+    `await` it."""
+    async def reference() -> str:
+        names, since = [f"ref-{index}" for index in range(3)], time.time()
+        for node in names:
+            workdir = slurm_stack.home / "nodes" / node
+            workdir.mkdir(parents=True, exist_ok=True)
+            slurm_stack._spawn(f"agent-{node}", [
+                sys.executable, "-m", "workers.node_agent", "--node", node, "--workdir", str(workdir), "--host",
+                "127.0.0.1", "--allow", str(Path(sys.executable).parent)], env=slurm_stack.worker_env(), cwd=REPO)
+        try:
+            assert not await wait_for_agents(slurm_client.client, names, since, timeout_s=120), "agents not up"
+            spec = {**json.loads(QUICKSTART.read_text()), "nodes": names[:2], "spare_nodes": names[2:]}
+            run_id = await slurm_client.start_run(spec, workflow_id=f"quickstart-{uuid.uuid4().hex[:8]}")
+            digest = (await asyncio.wait_for(slurm_client.result(run_id), RUN_TIMEOUT_S)).final_state_digest
+        finally:
+            await asyncio.to_thread(slurm_stack.stop, [f"agent-{node}" for node in names], lambda _line: None)
+        assert digest
+        return digest
+
+    task = asyncio.ensure_future(reference())
+    yield task
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 # --------------------------------------------------------------------------------------------------- tests
 async def test_the_job_runs_the_quickstart_to_its_digest(slurm_stack: DevStack, slurm_client: TrainguardClient,
-                                                          cluster: SlurmCluster, quickstart_digest: str) -> None:
+                                                          cluster: SlurmCluster, quickstart_digest: Reference) -> None:
     began = time.monotonic()
     job = submit(slurm_stack)
     result = await finished(slurm_client, cluster, job)
-    assert result.final_state_digest == quickstart_digest
+    assert result.final_state_digest == await quickstart_digest
     assert result.steps_completed == 300 and result.attempts == 1 and not result.incidents
     print(f"slurm job {job}: submitted to completed in {time.monotonic() - began:.1f}s")
 
 
 async def test_a_crash_and_a_hang_are_recovered_inside_the_job(
-        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster,
+        quickstart_digest: Reference) -> None:
     job = submit(slurm_stack, quick_spec(), TRAINGUARD_CHAOS="on")  # the agents take `trainguard chaos`
     run_id = f"slurm-{job}"
     await run_started(slurm_client, run_id)
@@ -295,14 +308,15 @@ async def test_a_crash_and_a_hang_are_recovered_inside_the_job(
     result = await finished(slurm_client, cluster, job)
     kinds = [i.kind for i in result.incidents]
     assert IncidentKind.CRASH in kinds and IncidentKind.HANG in kinds, result.incidents
-    assert result.final_state_digest == quickstart_digest
+    assert result.final_state_digest == await quickstart_digest
     assert job_entry(cluster, job).get("restart_cnt", 0) == 0, "recovered by a requeue, not inside the job"
-    print("crash, hang: detection->first step " + ", ".join(f"{i.kind.value} {i.recovery_s}s" for i in result.incidents))
+    print("crash, hang: detection->first step "
+          + ", ".join(f"{i.kind.value} {i.recovery_s}s" for i in result.incidents))
 
 
 @pytest.mark.parametrize("lost", ["node-1", "node-0"], ids=["a-node", "the-rendezvous-host"])
 async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
-        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str,
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: Reference,
         lost: str) -> None:
     """Its agent, ranks and slurmd killed: trainguard moves the run onto the spare and cordons the node, which
     drains it in Slurm naming trainguard and the incident; Slurm marks it down too. Back, and uncordoned by
@@ -325,7 +339,7 @@ async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
     result = await finished(slurm_client, cluster, job, job_ends_too=lost != "node-0")
     if lost == "node-0":
         assert await job_ends(cluster, job, timeout_s=60) == "CANCELLED", job_log(cluster, job)
-    assert result.final_state_digest == quickstart_digest
+    assert result.final_state_digest == await quickstart_digest
     assert [i.kind for i in result.incidents] == [IncidentKind.NODE_UNRESPONSIVE], result.incidents
     entry = job_entry(cluster, job)
     assert entry.get("restart_cnt", 0) == 0, "recovered by a requeue, not inside the job"
@@ -348,7 +362,8 @@ async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
 
 
 async def test_an_operators_slurm_drain_moves_the_run_off_the_node(
-        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster,
+        quickstart_digest: Reference) -> None:
     # The run must outlast the drain's poll and its next checkpoint.
     job = submit(slurm_stack, quick_spec(step_time=0.1))
     run_id = f"slurm-{job}"
@@ -359,13 +374,14 @@ async def test_an_operators_slurm_drain_moves_the_run_off_the_node(
     view = await wait_until(slurm_client, run_id, training_on({"node-0", "node-2"}, view.live_step), 120)
     moved_s = time.monotonic() - drained_at
     result = await finished(slurm_client, cluster, job)
-    assert result.final_state_digest == quickstart_digest
+    assert result.final_state_digest == await quickstart_digest
     assert cluster.node_states()["node-1"]["reason"] == "operator: memory test"  # the operator's, untouched
     print(f"operator drain: run training off node-1 after {moved_s:.1f}s")
 
 
 async def test_a_requeued_job_resumes_its_run(
-        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: str) -> None:
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster,
+        quickstart_digest: Reference) -> None:
     job = submit(slurm_stack, quick_spec(step_time=0.1))  # the run must outlast the requeue itself
     run_id = f"slurm-{job}"
     await run_started(slurm_client, run_id)
@@ -379,7 +395,7 @@ async def test_a_requeued_job_resumes_its_run(
     result = await finished(slurm_client, cluster, job)
     assert job_entry(cluster, job).get("restart_cnt") == 1, "the job was not requeued"
     assert await count_runs(slurm_client, run_id) == 1, "the requeued job started a second run"
-    assert result.final_state_digest == quickstart_digest
+    assert result.final_state_digest == await quickstart_digest
     restarts = [i for i in result.incidents if i.kind is IncidentKind.AGENT_RESTART]
     # From the newest checkpoint committed before the requeue, or one committed while it was under way.
     assert restarts and (restarts[0].resumed_step or 0) >= committed, (committed, result.incidents)
