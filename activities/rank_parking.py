@@ -198,6 +198,11 @@ class Parking:
         parked and whether they were already."""
         pool = self.book.parking.get(workflow_id)
         if pool is not None and pool.key == key and not pool.closed:
+            if not pool.spare:  # parked while the node was in the run, which left it (and took it back as a spare)
+                pool.spare = True
+                if pool.keeper is not None:
+                    pool.keeper.cancel()
+                pool.keeper = asyncio.ensure_future(self._keep_spare(pool))
             return len(pool.processes), True
         if pool is not None:
             await self.book.close_parking(workflow_id)

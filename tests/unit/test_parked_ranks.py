@@ -321,3 +321,18 @@ async def test_a_node_that_runs_the_runs_ranks_parks_from_its_launches_not_as_a_
     assert (await agent.launch.park_ranks(_park(tmp_path))).parked == 0
     await _until(lambda: len(_parked(agent)) == 2)
     assert not agent.book.parking["wf"].spare
+
+
+async def test_a_node_the_run_left_and_took_back_as_a_spare_keeps_its_parked_processes(agent: NodeRanks,
+                                                                                     tmp_path: Path) -> None:
+    first = await agent.launch.launch_ranks(_launch(tmp_path, PARKS, 1))
+    await _until(lambda: len(_parked(agent)) == 2)
+    parked = _parked(agent)
+    await _crash(agent, first.pids[0], attempt=1)  # the run replaced the node (a GPU fault) and stopped its ranks
+
+    answer = await agent.launch.park_ranks(_park(tmp_path))  # repaired: the run's spare now
+
+    assert (answer.parked, answer.already) == (2, True) and agent.book.parking["wf"].spare
+    assert agent.book.unwatched(0.0) == []  # its old attempt's record no longer leads the orphan check to them
+    await asyncio.sleep(0.3)  # a few keeper turns: the spare's keeper keeps them
+    assert _parked(agent) == parked and all(_alive(pid) for pid in parked)
