@@ -174,7 +174,8 @@ async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) 
     return stopped
 
 
-async def check_parked_spares(client, ranks: RankBook, every_s: float = SPARE_CHECK_S) -> int:  # type: ignore[no-untyped-def]
+async def check_parked_spares(client, ranks: RankBook,  # type: ignore[no-untyped-def]
+                              every_s: float = SPARE_CHECK_S) -> int:
     """The safety net for processes parked on this spare for a run that vanished without telling (terminated:
     no stop reached the spare): each spare's pool asks Temporal every `every_s` whether its run is still open,
     and goes once it is not. While Temporal cannot be reached nothing is closed. Returns how many pools closed."""

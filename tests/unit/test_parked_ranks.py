@@ -265,11 +265,13 @@ async def test_a_spares_parked_processes_go_with_the_run_a_restarted_agent_and_t
     assert not any(_alive(pid) for pid in parked) and not layout.ranks_file.exists()
 
     await agent.launch.park_ranks(_park(tmp_path))
-    parked = [p.proc.pid for p in agent.book.parking["wf"].processes]
+    old = agent.book.parking.pop("wf")
+    old.closed = True  # its agent was killed: it stopped nothing, and keeps nothing any more
+    parked = [p.proc.pid for p in old.processes]
     restarted = RankBook("node-a", tmp_path / "agent")  # a new agent on the workdir finds them by pid
     await _until(lambda: not any(_alive(pid) for pid in parked))
     assert restarted.record("wf") is None and not layout.ranks_file.exists()
-    await agent.book.close_parking("wf")
+    await old.close()  # reaps them
 
     await agent.launch.park_ranks(_park(tmp_path))
     parked = [p.proc.pid for p in agent.book.parking["wf"].processes]
