@@ -315,8 +315,7 @@ class PruneCheckpointsResult(BaseModel):
 
 
 class RankGroupInput(BaseModel):
-    """One node's part of an attempt's process group: what launch and in-process rejoin both start ranks
-    with."""
+    """One node's part of an attempt's process group: what launch and in-process rejoin start ranks with."""
 
     workflow_id: str
     attempt: int
@@ -545,6 +544,8 @@ class WatchEvent(BaseModel):
     evidence: list["RankEvidence"] = Field(default_factory=list)
     """HANG, with `WatchRanksInput.evidence_with_event`: every local rank's evidence, taken when the hang was
     judged and before anything was stopped (what `collect_evidence` would have answered)."""
+    standby: bool = False
+    """STARTED: the node's ranks of the attempt called `standby()` (the script parks); False in older histories."""
 
 
 class InjectFaultInput(BaseModel):

@@ -34,6 +34,7 @@ from activities.models import (
     StopRanksInput,
     StopRanksResult,
 )
+from activities.parking_models import ParkRanksInput, ParkRanksResult
 from activities.rank_parking import ParkedProcess, Parking, park_key
 from activities.rank_records import AttemptRecord, RankBook, RankProcess, log, read_report
 from trainguard import protocol
@@ -176,6 +177,30 @@ class RankLaunch:
             node=self.node, master_addr=master_addr, master_port=master_port,
             pids=[p.pid for p in record.ranks.values()],
         )
+
+    @activity.defn(name="park_ranks")
+    async def park_ranks(self, request: ParkRanksInput) -> ParkRanksResult:
+        """On a spare the run holds: park the run's processes (its launch template's entrypoint, env and working
+        directory, one per local rank) so the launch that brings this node into the run hands its ranks to them.
+        Idempotent: a pool parked for the same launch already is kept; a node that runs the run's ranks parks
+        for it from its launches, as any run node does."""
+        template = request.launch
+        current = self.book.record(request.workflow_id)
+        if (current is not None and current.chain_id == template.chain_id
+                and any(not p.poll() for p in current.ranks.values())):
+            return ParkRanksResult()
+        cwd = working_dir(template.working_dir, self.code_dir, self.node)
+        template = template.model_copy(update={"entrypoint": self._check_allowed(template, cwd), "node": self.node})
+        layout = RunLayout.of(self.book.workdir, request.workflow_id)
+        layout.tmp_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_as is not None:
+            self.run_as.own(layout.tmp_dir)
+        key = park_key(template.chain_id, template.entrypoint, cwd, template.env,
+                       self.run_as.name if self.run_as is not None else None)
+        parked, already = await self.parking.park_spare(
+            request.workflow_id, key, template.ranks_per_node,
+            lambda role_file: self._park(layout, template, cwd, role_file))
+        return ParkRanksResult(parked=parked, already=already)
 
     def _rank_folders(self, layout: RunLayout, attempt: int) -> None:
         """The folders ranks of `attempt` write into (progress, shards, temporary files, hang evidence), made,

@@ -42,6 +42,11 @@ PARK_AFTER_LAUNCH_MAX_S = 60.0
 """Parked processes are started again after the attempt's first step, or this long after its launch at the
 latest (an attempt that restores a large checkpoint may take longer to its first step)."""
 
+SPARE_CHECK_S = 60.0
+"""How often the agent asks Temporal whether a run it parks processes for on a spare is still open
+(`workers.node_agent.check_parked_spares`): the safety net for a run that vanished without telling (terminated),
+one describe per spare pool a minute."""
+
 MAX_PARK_FAILURES = 3
 """A run whose parked processes exit this many times without taking a role (their imports fail where the
 ranks' did not, say) parks no more on this node: its relaunches start cold, as they did before parking."""
@@ -84,6 +89,11 @@ class RunParking:
     next_number: int = 0
     keeper: asyncio.Task[None] | None = None
     closed: bool = False
+    spare: bool = False
+    """Parked on a spare the run holds (`Parking.park_spare`): no attempt of the run here yet. The launch that
+    brings the spare into the run takes them and keeps the pool from then on (`Parking.keep`)."""
+    checked_at: float = field(default_factory=time.monotonic)
+    """When the agent last found the run of a spare's pool open (monotonic)."""
 
     def take(self) -> ParkedProcess | None:
         """A live parked process for a rank, one that waits in `standby()` already first; None when none is
@@ -169,6 +179,11 @@ class Parking:
         if pool is not None and (pool.key != key or pool.closed):
             await self.book.close_parking(record.workflow_id)
             pool = None
+        if pool is not None and pool.spare:  # the spare joined the run: its pool is kept as any run node's
+            pool.spare = False
+            if pool.keeper is not None:
+                pool.keeper.cancel()
+            pool.keeper = None
         if pool is None:
             pool = RunParking(record.workflow_id, key, RunLayout.of(self.book.workdir, record.workflow_id),
                               ranks_per_node, start)
@@ -176,6 +191,44 @@ class Parking:
         pool.ranks_per_node = ranks_per_node
         if pool.keeper is None or pool.keeper.done():
             pool.keeper = asyncio.ensure_future(self._keep(pool))
+
+    async def park_spare(self, workflow_id: str, key: str, ranks_per_node: int, start: Starter) -> tuple[int, bool]:
+        """On a spare the run holds: park the run's processes now (for what `key` describes), so the launch that
+        brings the spare in is warm. Idempotent: a pool parked for `key` already is kept. Returns how many are
+        parked and whether they were already."""
+        pool = self.book.parking.get(workflow_id)
+        if pool is not None and pool.key == key and not pool.closed:
+            if not pool.spare:  # parked while the node was in the run, which left it (and took it back as a spare)
+                pool.spare = True
+                if pool.keeper is not None:
+                    pool.keeper.cancel()
+                pool.keeper = asyncio.ensure_future(self._keep_spare(pool))
+            return len(pool.processes), True
+        if pool is not None:
+            await self.book.close_parking(workflow_id)
+        pool = RunParking(workflow_id, key, RunLayout.of(self.book.workdir, workflow_id), ranks_per_node, start,
+                          spare=True)
+        self.book.parking[workflow_id] = pool
+        pool.fill()
+        self.book.save_parking(workflow_id)
+        pool.keeper = asyncio.ensure_future(self._keep_spare(pool))
+        log.info("parked %d processes of %s on spare %s for its relaunch", len(pool.processes), workflow_id,
+                 self.book.node)
+        return len(pool.processes), False
+
+    async def _keep_spare(self, pool: RunParking) -> None:
+        """Replace a spare's parked processes that exit, until the spare joins the run or the pool is closed
+        (the run ended or released the spare, the agent found the run closed, the agent stops)."""
+        try:
+            while not pool.closed and pool.spare:
+                pool.reap()
+                if len(pool.processes) < pool.ranks_per_node and pool.fill():
+                    self.book.save_parking(pool.workflow_id)
+                await asyncio.sleep(PARK_POLL_S)
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # a keeper that fails leaves the spare's relaunch cold, never the run broken
+            log.exception("keeping parked processes of %s on a spare failed", pool.workflow_id)
 
     async def _keep(self, pool: RunParking) -> None:
         """Fill the pool once the attempt it serves has started, and close it when the run's ranks here are

@@ -188,6 +188,9 @@ class RankBook:
                 # Parked processes exit when their agent goes; one that has not yet got that far goes now.
                 if item.start_time and start_time(item.pid) == item.start_time:
                     kill_group(item.pid, signal.SIGKILL)
+            if record.attempt == 0 and not record.ranks and record.standby is None:
+                ranks_file.unlink(missing_ok=True)  # a spare's parked processes only (`save_parking`): gone
+                continue
             alive = [p for p in record.ranks.values() if not p.poll()]
             if alive:
                 log.info("adopting %d live ranks of %s attempt %d", len(alive), record.workflow_id, record.attempt)
@@ -203,13 +206,34 @@ class RankBook:
         pool = self.parking.get(record.workflow_id)
         protocol.write_json(layout.ranks_file, record.to_json(pool.entries() if pool is not None else None))
 
+    def save_parking(self, workflow_id: str) -> None:
+        """Write the run's `ranks.json` after its parked processes changed. On a spare (no attempt of the run
+        here) it lists them alone, as attempt 0 with no ranks; with none left it goes."""
+        record = self.attempts.get(workflow_id)
+        if record is not None:
+            self.save(record)
+            return
+        layout = RunLayout.of(self.workdir, workflow_id)
+        pool = self.parking.get(workflow_id)
+        if pool is None or not pool.processes:
+            layout.ranks_file.unlink(missing_ok=True)
+            return
+        layout.root.mkdir(parents=True, exist_ok=True)
+        protocol.AttemptFile(workflow_id=workflow_id, attempt=0, master_addr="", master_port=0, start_step=0,
+                             launched_at=time.time(), parked=pool.entries()).write(layout.ranks_file)
+
+    def spare_parking(self, every_s: float) -> list[RunParking]:
+        """Spares' pools whose run was last found open `every_s` ago or more: to be asked again."""
+        now = time.monotonic()
+        return [p for p in self.parking.values() if p.spare and not p.closed and now - p.checked_at >= every_s]
+
     def unwatched(self, idle_s: float) -> list[AttemptRecord]:
         """Attempts with live ranks that no watch has looked at for `idle_s`: after a partition heals (or a
         long controller outage), ranks of an attempt the run has since replaced elsewhere."""
         now = time.monotonic()
         return [r for r in self.attempts.values() if now - r.last_watched > idle_s and (
             any(not p.poll() for p in r.ranks.values()) or (r.standby is not None and not r.standby.poll())
-            or r.workflow_id in self.parking)]
+            or (r.workflow_id in self.parking and not self.parking[r.workflow_id].spare))]
 
     async def close_parking(self, workflow_id: str) -> int:
         """Kill the run's parked processes here (the run ended, left this node, or runs something else)."""
@@ -217,9 +241,7 @@ class RankBook:
         if pool is None:
             return 0
         closed = await pool.close()
-        record = self.attempts.get(workflow_id)
-        if record is not None:
-            self.save(record)
+        self.save_parking(workflow_id)
         if closed:
             log.info("stopped %d parked processes of %s on %s", closed, workflow_id, self.node)
         return closed

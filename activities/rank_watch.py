@@ -225,7 +225,9 @@ class RankWatch:
             if ready and request.checkpoints is not None:
                 self._upload_ready(record, request.checkpoints, ready, compute, node_step)
             if report_start and record.first_step_at is not None:
-                return event(WatchEventKind.STARTED)
+                # Whether the script parks: the run then parks its processes on its spares too.
+                return event(WatchEventKind.STARTED,
+                             standby=protocol.StandbyMark.read(layout.standby_mark(record.attempt)) is not None)
 
             if self.health.injected is not None or time.monotonic() >= next_gpu_check:
                 next_gpu_check = time.monotonic() + health.gpu_check_interval_s

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,7 @@ from activities.nodes import peer_urls, register_node
 from activities.peers import PEER_TOKEN_ENV, ShardServer, peer_token
 from activities.rank_launch import RankLaunch
 from activities.rank_logs import RankLogActivities
+from activities.rank_parking import SPARE_CHECK_S
 from activities.rank_records import RankBook
 from activities.rank_watch import Decisions, Downloader, Pacer, RankWatch, Uploader
 from trainguard import node_task_queue
@@ -110,6 +112,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
             ranks.launch.launch_ranks,
             ranks.launch.rejoin_ranks,
             ranks.launch.stop_ranks,
+            ranks.launch.park_ranks,
             ranks.watch.watch_ranks,
             ranks.watch.request_checkpoint,
             ranks.chaos.inject_fault,
@@ -137,6 +140,7 @@ async def fence_orphans(client, ranks: RankBook) -> None:  # type: ignore[no-unt
     while True:
         await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
         await check_orphans(client, ranks)
+        await check_parked_spares(client, ranks)
 
 
 async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) -> int:  # type: ignore[no-untyped-def]
@@ -168,6 +172,31 @@ async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) 
         elif status.attempt > record.attempt:
             stopped += await ranks.fence(record, f"the run is at attempt {status.attempt}", leaving=False)
     return stopped
+
+
+async def check_parked_spares(client, ranks: RankBook,  # type: ignore[no-untyped-def]
+                              every_s: float = SPARE_CHECK_S) -> int:
+    """The safety net for processes parked on this spare for a run that vanished without telling (terminated:
+    no stop reached the spare): each spare's pool asks Temporal every `every_s` whether its run is still open,
+    and goes once it is not. While Temporal cannot be reached nothing is closed. Returns how many pools closed."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    closed = 0
+    for pool in ranks.spare_parking(every_s):
+        try:
+            described = await asyncio.wait_for(client.get_workflow_handle(pool.workflow_id).describe(), timeout=10)
+        except (RPCError, asyncio.TimeoutError) as error:
+            log.info("cannot check %s with its workflow yet (%s); keeping its parked processes", pool.workflow_id,
+                     getattr(error, "message", None) or type(error).__name__)
+            continue
+        pool.checked_at = time.monotonic()
+        if described.status is not WorkflowExecutionStatus.RUNNING:
+            log.warning("the run %s is %s: closing its processes parked on spare %s", pool.workflow_id,
+                        described.status.name.lower(), ranks.node)
+            await ranks.close_parking(pool.workflow_id)
+            closed += 1
+    return closed
 
 
 def run_as_problem(run_as: RunAs, workdir: Path, code_dir: Path, allowed: tuple[str, ...]) -> str | None:

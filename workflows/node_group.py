@@ -322,6 +322,7 @@ class NodeGroupWatch:
     @workflow.run
     async def run(self, request: NodeGroupWatchInput) -> NodeGroupWatchResult:
         started = dict(request.started)
+        parks = False  # a starter's ranks of the attempt called `standby()`: the run may park on its spares
         started_attempt = request.watch.attempt
         finished = {e.node: e for e in request.finished}
         signalled = request.signalled
@@ -348,6 +349,7 @@ class NodeGroupWatch:
                     continue  # nothing new (a report the run took for a previous history's, say)
                 if told_of.watch.attempt > request.watch.attempt:
                     started, started_attempt, signalled, finished = {}, told_of.watch.attempt, False, {}
+                    parks = False
                 request = told_of.model_copy(update={"standing": True})
                 starters = [n for n in request.nodes if request.starters is None or n in request.starters]
                 watches = {n: t for n, t in watches.items() if n in request.nodes}
@@ -402,9 +404,10 @@ class NodeGroupWatch:
                 launching.discard(node)
                 of = event.attempt or request.watch.attempt
                 if of > started_attempt:  # a standing group's node took up a newer attempt in place
-                    started, started_attempt, signalled = {}, of, False
+                    started, started_attempt, signalled, parks = {}, of, False, False
                 if event.kind is WatchEventKind.STARTED:
                     started[node] = event.first_step_at or event.detected_at
+                    parks = parks or event.standby
                     watches[node] = self._watch(request, node, report_start=False)
                 elif event.kind is WatchEventKind.KEEPALIVE:
                     keepalive = True
@@ -432,7 +435,7 @@ class NodeGroupWatch:
                 # group would watch on while its run waits for it to close.
                 self._signals.append(asyncio.ensure_future(_tell_run(request.run_workflow_id, "group_started", GroupStarted(
                     attempt=started_attempt, group=request.group, first_step_at=min(started.values()),
-                    all_started_at=max(started.values())))))
+                    all_started_at=max(started.values()), parks=parks))))
             if result.incidents or result.lost:
                 if (request.watch.evidence_with_event and watches and not result.lost
                         and any(e.kind is WatchEventKind.HANG for e in result.incidents)):

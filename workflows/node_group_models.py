@@ -71,6 +71,9 @@ class GroupStarted(BaseModel):
     """Unix time of the group's first step of the attempt."""
     all_started_at: float
     """Unix time by which every node of the group had run a step of the attempt."""
+    parks: bool = False
+    """The starters' ranks called `standby()` (the script parks): the run parks its processes on its spares
+    too. False from groups of older builds."""
 
 
 class UploadTrouble(BaseModel):

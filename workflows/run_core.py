@@ -99,6 +99,8 @@ class RunCore:
     def replace(self, node: str, spare: str) -> None:
         self.status.nodes = [spare if n == node else n for n in self.status.nodes]
         self.status.cordoned = [*self.status.cordoned, node]
+        if spare in self.state.parked_spares:  # its launch takes what it parked; a spare again, it parks again
+            self.state.parked_spares = [n for n in self.state.parked_spares if n != spare]
 
     def committed(self, ref: CheckpointRef) -> None:
         """The committer already applied retention; the history records the commit."""

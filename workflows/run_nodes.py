@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         FindNodeAgentsResult,
         InjectFaultInput,
         InjectFaultResult,
+        LaunchRanksInput,
         LaunchRanksResult,
         NotifySchedulerInput,
         NotifySchedulerResult,
@@ -38,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         StopRanksInput,
         StopRanksResult,
     )
+    from activities.parking_models import ParkRanksInput, ParkRanksResult
     from trainguard import node_task_queue
     from trainguard.error_types import ErrorType
     from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, Action, AgentsBackInput, AgentsBackResult,
@@ -93,6 +95,15 @@ POOL_TIMEOUT = timedelta(seconds=30)
 """One update on the node pool workflow: milliseconds when the controller is up."""
 POOL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 """The pool lives in the same Temporal as the run: retry until it answers (each call is idempotent)."""
+
+PARK_TIMEOUT = timedelta(seconds=30)
+"""A spare's agent parks the run's processes: it starts them (a fork and exec each) and returns; their imports
+go on in the background."""
+PARK_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
+                         maximum_attempts=3)
+"""Parking is an optimisation: a spare that cannot park after three tries starts its ranks cold when it joins,
+as it did before; more retries would only keep a background activity open. A spare whose agent is gone never
+starts it (`NODE_SCHEDULE_TO_START`), and that is not retried."""
 
 AGENT_RETURN_POLL = timedelta(seconds=2)
 """How often a run waiting for restarting agents asks the pool whether they are back."""
@@ -366,7 +377,7 @@ class RunNodes:
         return [n for n in nodes if n in got.spares]
 
     async def reclaim_spares(self) -> None:
-        """A node a spare replaced is back: it becomes one of this run's spares."""
+        """A node a spare replaced is back: it becomes one of this run's spares (parking for it, if it parks)."""
         state = self.core.state
         back = await self.reclaim(state.replaced)
         if back:
@@ -374,6 +385,34 @@ class RunNodes:
             state.spares = [*state.spares, *back]
             state.status.cordoned = [n for n in state.status.cordoned if n not in back]
             workflow.logger.info("%s back as spare", ", ".join(back))
+            self.park_spares()
+
+    def park_spares(self) -> None:
+        """Once the run knows its script parks (`RunState.parks`): ask each spare it holds and has not asked yet
+        to park its processes (`park_ranks`), in the background (nothing waits on it; a spare that cannot park
+        starts cold when it joins). Once per spare: O(spares) activities per run."""
+        core, state, spec = self.core, self.core.state, self.core.the_spec
+        if not state.parks:
+            return
+        wid, chain = core.wid(), workflow.info().first_execution_run_id
+        for spare in state.spares:
+            if spare in state.parked_spares:
+                continue
+            state.parked_spares = [*state.parked_spares, spare]
+            template = LaunchRanksInput(
+                workflow_id=wid, attempt=core.status.attempt, chain_id=chain, node=spare, node_rank=0,
+                num_nodes=len(core.status.nodes), ranks_per_node=spec.ranks_per_node, entrypoint=spec.entrypoint,
+                env=spec.env, working_dir=spec.working_dir, checkpoint_every=spec.checkpoint.every_steps)
+            core.live.background.append(workflow.start_activity(
+                "park_ranks", ParkRanksInput(workflow_id=wid, node=spare, launch=template),
+                task_queue=node_task_queue(spare), start_to_close_timeout=PARK_TIMEOUT,
+                schedule_to_start_timeout=NODE_SCHEDULE_TO_START, retry_policy=PARK_RETRY,
+                result_type=ParkRanksResult, summary=f"park processes on spare {spare} for a warm relaunch"))
+
+    def parked_spares(self) -> list[str]:
+        """Spares still holding processes parked for the run: stopped with its ranks when it ends."""
+        state = self.core.state
+        return [n for n in state.parked_spares if n in state.spares]
 
     async def cordon_lost(self, incident: Incident) -> None:
         """Cordon the incident's node; a node found lost only if its agent has not registered since."""

@@ -48,6 +48,12 @@ class RunState(BaseModel):
     """Workflow-clock time of the run's first start request, so wall time and goodput span every history."""
     spares: list[str] = Field(default_factory=list)
     """Spare nodes the run holds."""
+    parks: bool = False
+    """The run's script parks: its master node's ranks called `standby()` (`GroupStarted.parks`). From then on
+    the run has its spares park its processes too, so a spare's relaunch is warm."""
+    parked_spares: list[str] = Field(default_factory=list)
+    """Spares asked to park the run's processes (`RunNodes.park_spares`), once each; a spare that joins the run
+    leaves the list (its launch took them). Those still spares are stopped with the run's ranks when it ends."""
     leased: bool = False
     """The pool has leased nodes to the run: it releases them when the run ends."""
     launched: bool = False

@@ -152,9 +152,13 @@ class TrainingRun:
     @workflow.signal
     def group_started(self, started: GroupStarted) -> None:
         """A node group has run the attempt's first step on its master node: the previous incident's time to
-        recover ends here (every rank steps together, so the first step of one group is the first step of all)."""
+        recover ends here (every rank steps together, so the first step of one group is the first step of all).
+        Where its ranks called `standby()` the script parks: the spares park its processes from now on."""
         if started.attempt != self.core.status.attempt:
             return  # a late signal of an attempt already over
+        if started.parks and not self.core.state.parks:
+            self.core.state.parks = True
+            self.nodes.park_spares()
         self.core.state.goodput.started(started.attempt, started.first_step_at)
         for incident in self.core.status.incidents:
             if incident.recovery_s is None and incident.action is not Action.REPORT and (
@@ -200,6 +204,9 @@ class TrainingRun:
                 await self._between_attempts(attempt, outcome)
             await self._finish_background()
             await workflow.wait_condition(workflow.all_handlers_finished)
+            if parked := self.nodes.parked_spares():  # the ranks finished; the spares' parked processes go too
+                await self.nodes.stop_everywhere(parked, None, "run ended: stop parked processes",
+                                                 StopReason.RUN_ENDED)
             await self.nodes.release()
             return self._result(attempt, outcome.final_events)
         except workflow.ContinueAsNewError:
@@ -209,9 +216,9 @@ class TrainingRun:
             if core.status.phase is not Phase.FAILED:
                 core.status.reason = core.status.reason or cause_text(error)
                 core.set_phase(Phase.FAILED)
-            if core.state.launched:
-                await self.nodes.stop_everywhere(core.status.nodes, None, "run ended: stop every rank",
-                                                 StopReason.RUN_ENDED)
+            if core.state.launched:  # the spares' parked processes too
+                await self.nodes.stop_everywhere([*core.status.nodes, *self.nodes.parked_spares()], None,
+                                                 "run ended: stop every rank", StopReason.RUN_ENDED)
             await self.nodes.release()
             raise
 

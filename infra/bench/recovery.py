@@ -7,7 +7,8 @@ and the same faults.
 Measured side by side in one run, on this machine, for a 2-rank gloo job of `examples/train.py`
 (`--steps 400 --step-time 0.1 --hidden 64`, a checkpoint every 50 steps), each fault hitting rank 1 (node-1)
 once training has passed step `--fault-step` (120) and, for trainguard, its node agents have parked the processes
-for the next relaunch (the run's steady state; `parked_wait_s` says how long that took, at most 120 s):
+for the next relaunch (the run's steady state; `parked_wait_s` says how long that took, at most 120 s), on the
+spare too for the node faults (the spare takes the node's place, from the processes it parked for the run):
 
 - crash: SIGKILL of the rank; hang: SIGSTOP of the rank; slow: the rank stopped 80% of every 0.1 s (a GPU at
   a fifth of its speed); gpu: node-1's GPU check reports an XID; node-down: node-1's agent dies with its ranks.
@@ -148,11 +149,12 @@ agents park them after the attempt's first step; a quiet machine takes 2-4 s to,
 minute), and real faults come minutes to days into a run, not seconds."""
 
 
-def parked_ready(home: Path, run_id: str) -> bool:
-    """Every node of the run has its processes for the next relaunch parked, waiting in `tg.standby()`."""
+def parked_ready(home: Path, run_id: str, nodes: tuple[str, ...] = NODES) -> bool:
+    """Every node of the run (and its spare, for a node fault: the spare takes the node's place) has its processes
+    for the next relaunch parked, waiting in `tg.standby()`."""
     from trainguard.protocol import RunLayout, StandbyMark, read_attempt_file
 
-    for node in NODES:
+    for node in nodes:
         layout = RunLayout.of(home / "nodes" / node, run_id)
         record = read_attempt_file(layout.ranks_file)
         if record is None or not record.parked:
@@ -192,6 +194,7 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
     run_id = await client.start_run(spec, workflow_id=f"bench-recovery-{fault}-{tag}")
     result.workflow_id = run_id
     timeout_s = 180 + 3 * opts.steps * opts.step_time
+    warm_on = (*NODES, SPARE) if fault in NODE_FAULTS else NODES
     deadline = time.monotonic() + timeout_s
     finished = False
     passed_at: float | None = None
@@ -218,11 +221,11 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
             if step is not None and step >= opts.fault_step and passed_at is None:
                 passed_at = time.monotonic()
             if passed_at is not None and time.monotonic() - passed_at < PARKED_WAIT_MAX_S \
-                    and not parked_ready(home, run_id):
+                    and not parked_ready(home, run_id, warm_on):
                 await asyncio.sleep(0.1)  # the steady state: the relaunch it measures is served warm
                 continue
             if step is not None and step >= opts.fault_step:
-                if parked_ready(home, run_id):
+                if parked_ready(home, run_id, warm_on):
                     assert passed_at is not None
                     result.parked_wait_s = round(time.monotonic() - passed_at, 2)
                 if cut is not None:

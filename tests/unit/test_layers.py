@@ -16,7 +16,7 @@ FORBIDDEN = {
 }
 """Package -> the top-level packages none of its modules may import."""
 
-WORKFLOWS_MAY_IMPORT = ("activities.models", "activities.pace_models")
+WORKFLOWS_MAY_IMPORT = ("activities.models", "activities.pace_models", "activities.parking_models")
 """The only `activities` modules a workflow imports: models, never an activity's implementation."""
 
 

@@ -19,11 +19,13 @@ import pytest
 
 from activities import rank_parking
 from activities.models import LaunchRanksInput, StopRanksInput
+from activities.parking_models import ParkRanksInput
+from activities.rank_records import RankBook
 from trainguard import protocol
 from trainguard.models import StopReason
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
-from workers.node_agent import NodeRanks, node_ranks
+from workers.node_agent import NodeRanks, check_parked_spares, node_ranks
 
 # A rank that parks (a stand-in for a training script: imports, `standby()`, then one step and a long wait).
 PARKS = """
@@ -216,3 +218,123 @@ def test_a_rank_started_as_itself_marks_and_returns_at_once(tmp_path: Path, monk
     rank_module.standby()
     assert protocol.StandbyMark.read(tmp_path / "mark.json") == protocol.StandbyMark(os.getpid(), parked=False)
     assert json.loads((tmp_path / "mark.json").read_text()) == {"pid": os.getpid(), "parked": False}
+
+
+# ------------------------------------------------------------------------------------------------ on a spare
+
+
+def _park(tmp_path: Path, script: str = PARKS, **changes: object) -> ParkRanksInput:
+    """What the run asks a spare: its attempt's launch template (the node's own fields placeholders)."""
+    return ParkRanksInput(workflow_id="wf", node="node-a", launch=_launch(tmp_path, script, 1, **changes))
+
+
+async def test_a_spare_parks_for_the_run_and_the_launch_that_brings_it_in_is_warm(agent: NodeRanks,
+                                                                                  tmp_path: Path) -> None:
+    answer = await agent.launch.park_ranks(_park(tmp_path))
+    assert (answer.parked, answer.already) == (2, False)
+    await _until(lambda: len(_parked(agent)) == 2)
+    parked = _parked(agent)
+    recorded = _recorded(tmp_path)  # found by pid, as any node's parked processes: `dev down`, a new agent
+    assert (recorded.attempt, recorded.ranks, sorted(p.pid for p in recorded.parked)) == (0, [], parked)
+    again = await agent.launch.park_ranks(_park(tmp_path))  # a retry, or the run asking twice
+    assert (again.parked, again.already, _parked(agent)) == (2, True, parked)
+    assert agent.book.unwatched(0.0) == []  # no attempt here: nothing for the orphan check to fence
+
+    # A GPU fault elsewhere: the spare joins as node rank 1 of attempt 3.
+    started = time.monotonic()
+    joined = await agent.launch.launch_ranks(_launch(tmp_path, PARKS, 3, node_rank=1, num_nodes=2))
+
+    assert sorted(joined.pids) == parked  # no rank started cold
+    layout = RunLayout.of(tmp_path / "agent", "wf")
+    await _until(lambda: all(protocol.read_progress(layout.progress_file(3, r)) is not None for r in (2, 3)))
+    assert time.monotonic() - started < 2.0
+    assert "rank 3 of attempt 3" in layout.log_file(3, 3).read_text()
+    # From here on it parks as any node of the run: replaced in the background after the first step.
+    await _until(lambda: len(_parked(agent)) == 2)
+    assert not set(_parked(agent)) & set(parked) and not agent.book.parking["wf"].spare
+    assert sorted(p.pid for p in _recorded(tmp_path).ranks) == parked
+
+
+async def test_a_spares_parked_processes_go_with_the_run_a_restarted_agent_and_the_agent(agent: NodeRanks,
+                                                                                       tmp_path: Path) -> None:
+    layout = RunLayout.of(tmp_path / "agent", "wf")
+    await agent.launch.park_ranks(_park(tmp_path))
+    parked = _parked(agent) or [p.proc.pid for p in agent.book.parking["wf"].processes]
+    await agent.launch.stop_ranks(StopRanksInput(workflow_id="wf", node="node-a", attempt=None,
+                                                 reason=StopReason.RUN_ENDED))  # the run ended
+    assert not any(_alive(pid) for pid in parked) and not layout.ranks_file.exists()
+
+    await agent.launch.park_ranks(_park(tmp_path))
+    old = agent.book.parking.pop("wf")
+    old.closed = True  # its agent was killed: it stopped nothing, and keeps nothing any more
+    parked = [p.proc.pid for p in old.processes]
+    restarted = RankBook("node-a", tmp_path / "agent")  # a new agent on the workdir finds them by pid
+    await _until(lambda: not any(_alive(pid) for pid in parked))
+    assert restarted.record("wf") is None and not layout.ranks_file.exists()
+    await old.close()  # reaps them
+
+    await agent.launch.park_ranks(_park(tmp_path))
+    parked = [p.proc.pid for p in agent.book.parking["wf"].processes]
+    await agent.book.stop_all(grace_s=0.5)  # the agent stops
+    assert not any(_alive(pid) for pid in parked)
+
+
+class _Run:
+    def __init__(self, status: str | None) -> None:
+        self.status = status
+
+    async def describe(self) -> object:
+        from types import SimpleNamespace
+
+        from temporalio.client import WorkflowExecutionStatus
+        from temporalio.service import RPCError, RPCStatusCode
+
+        if self.status is None:
+            raise RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")
+        return SimpleNamespace(status=WorkflowExecutionStatus[self.status])
+
+
+class _Client:
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def get_workflow_handle(self, workflow_id: str) -> _Run:
+        assert workflow_id == "wf"
+        return self.run
+
+
+async def test_a_spare_closes_what_it_parked_for_a_run_found_closed_and_only_then(agent: NodeRanks,
+                                                                                tmp_path: Path) -> None:
+    await agent.launch.park_ranks(_park(tmp_path))
+    parked = [p.proc.pid for p in agent.book.parking["wf"].processes]
+    assert await check_parked_spares(_Client(_Run(None)), agent.book, every_s=0.0) == 0  # Temporal unreachable
+    assert await check_parked_spares(_Client(_Run("RUNNING")), agent.book, every_s=0.0) == 0
+    assert await check_parked_spares(_Client(_Run("TERMINATED")), agent.book) == 0  # asked a minute apart
+    assert all(_alive(pid) for pid in parked)
+
+    # Terminated without telling its spares: the next look closes them.
+    assert await check_parked_spares(_Client(_Run("TERMINATED")), agent.book, every_s=0.0) == 1
+    assert not any(_alive(pid) for pid in parked) and "wf" not in agent.book.parking
+
+
+async def test_a_node_that_runs_the_runs_ranks_parks_from_its_launches_not_as_a_spare(agent: NodeRanks,
+                                                                                    tmp_path: Path) -> None:
+    await agent.launch.launch_ranks(_launch(tmp_path, PARKS, 1))
+    assert (await agent.launch.park_ranks(_park(tmp_path))).parked == 0
+    await _until(lambda: len(_parked(agent)) == 2)
+    assert not agent.book.parking["wf"].spare
+
+
+async def test_a_node_the_run_left_and_took_back_as_a_spare_keeps_its_parked_processes(agent: NodeRanks,
+                                                                                     tmp_path: Path) -> None:
+    first = await agent.launch.launch_ranks(_launch(tmp_path, PARKS, 1))
+    await _until(lambda: len(_parked(agent)) == 2)
+    parked = _parked(agent)
+    await _crash(agent, first.pids[0], attempt=1)  # the run replaced the node (a GPU fault) and stopped its ranks
+
+    answer = await agent.launch.park_ranks(_park(tmp_path))  # repaired: the run's spare now
+
+    assert (answer.parked, answer.already) == (2, True) and agent.book.parking["wf"].spare
+    assert agent.book.unwatched(0.0) == []  # its old attempt's record no longer leads the orphan check to them
+    await asyncio.sleep(0.3)  # a few keeper turns: the spare's keeper keeps them
+    assert _parked(agent) == parked and all(_alive(pid) for pid in parked)

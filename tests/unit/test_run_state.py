@@ -26,7 +26,8 @@ def _everything_set() -> RunState:
     return RunState(
         status=RunStatus(phase=Phase.RUNNING, attempt=3, nodes=["node-0"], incidents=[crash], step=40,
                          latest_checkpoint=CheckpointRef(step=40, manifest_key="k", bucket="b")),
-        started_at=1.5, spares=["node-9"], leased=True, launched=True, restart_times=[2.5],
+        started_at=1.5, spares=["node-9"], parks=True, parked_spares=["node-9"], leased=True, launched=True,
+        restart_times=[2.5],
         restarts_without_checkpoint=1, last_committed_step=40, state_since_attempt=3, straggler_streak={1: 2},
         slow_window_end=1010.5,
         lost=["node-3"], replaced=["node-4"], corrupt_steps=[30], commit_times=[4.0, 5.0], commit_clock_from=5.0,

@@ -65,6 +65,7 @@ from activities.models import (
     WatchRanksInput,
 )
 from activities.pace_models import PaceVerdict
+from activities.parking_models import ParkRanksInput, ParkRanksResult
 from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard import node_task_queue
@@ -197,6 +198,8 @@ class Cluster:
     slow_windows: list[PaceVerdict] = field(default_factory=list)
     """Windows of training the nodes' pace records show slow, in order: a committer returns the first that ends
     after the run's `pace_after`, as the real one compares them (`activities.pace`)."""
+    parks: bool = False
+    """The ranks call `standby()`: a starter's STARTED event says so (`WatchEvent.standby`)."""
     hold: dict[str, asyncio.Event] = field(default_factory=dict)
     """Activity name -> an event its next call waits for (heartbeating) before it answers: an update's handler
     held in flight."""
@@ -458,7 +461,7 @@ class Cluster:
                 trained = step.kind in (WatchEventKind.CHECKPOINT_READY, WatchEventKind.KEEPALIVE)
                 if trained and report_start:
                     script.insert(0, step)  # the node trained: its first step comes first
-                    return _event(WatchEventKind.STARTED, first_step_at=now()).model_copy(
+                    return _event(WatchEventKind.STARTED, first_step_at=now(), standby=self.parks).model_copy(
                         update={"node": request.node, "attempt": attempt if follow else None})
                 if step.kind is WatchEventKind.CHECKPOINT_READY and request.checkpoints is not None:
                     self._upload_in_watch(request, step, attempt)
@@ -495,8 +498,14 @@ class Cluster:
             await self._held("request_checkpoint")
             return RequestCheckpointResult(node=request.node, step=25, step_time_s=0.5)
 
+        @activity.defn(name="park_ranks")
+        async def park_ranks(request: ParkRanksInput) -> ParkRanksResult:
+            assert request.node == activity.info().task_queue.removeprefix("trainguard-node-")
+            self.calls["park_ranks"].append(request)
+            return ParkRanksResult(parked=request.launch.ranks_per_node)
+
         return [check_node, download_shards, launch_ranks, rejoin_ranks, watch_ranks, inject_fault,
-                stop_ranks, collect_evidence, request_checkpoint]
+                stop_ranks, collect_evidence, request_checkpoint, park_ranks]
 
 
 def _manifest_key(run_prefix: str, step: int) -> str:
@@ -2073,3 +2082,98 @@ async def test_a_run_paused_for_a_lost_node_resumes_by_itself_when_the_node_come
     assert len(cluster.inputs("find_agents_back")) == 3
     relaunches = sorted(_by_attempt(cluster.inputs("launch_ranks"), 2), key=lambda r: r.node_rank)
     assert [r.node for r in relaunches] == nodes and cluster.inputs("cordon_node") == []
+
+
+# ------------------------------------------------------------------------------- spares park too (warm spares)
+
+
+def _parked_on(cluster: Cluster) -> list[str]:
+    return [p.node for p in cluster.inputs("park_ranks")]
+
+
+def _spare_stops(cluster: Cluster, spares: Sequence[str]) -> list[tuple[str, int | None, StopReason | None]]:
+    return [(s.node, s.attempt, s.reason) for s in cluster.inputs("stop_ranks") if s.node in spares]
+
+
+async def test_a_run_whose_script_parks_has_its_spare_park_once_and_stops_it_when_it_ends(
+        env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, parks=True)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), Until(lambda: bool(_parked_on(cluster))), _ready(20), _finished(30)],
+        (1, nodes[1]): [_ready(10), _ready(20), _finished(30)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares, env={"LR": "0.1"}, working_dir="/code"))
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    [park] = cluster.inputs("park_ranks")  # once, although a later commit could have asked again
+    assert park.node == spares[0] and park.workflow_id == run.handle.id
+    # The launch template the spare's launch will be given: what its agent keys the parked processes by.
+    [master] = [r for r in cluster.inputs("launch_ranks") if r.node == nodes[0]]
+    assert (park.launch.entrypoint, park.launch.env, park.launch.working_dir, park.launch.chain_id,
+            park.launch.ranks_per_node) == (master.entrypoint, master.env, master.working_dir, master.chain_id,
+                                            master.ranks_per_node)
+    # The ranks finished by themselves; the spare's parked processes are stopped by the run.
+    assert _spare_stops(cluster, spares) == [(spares[0], None, StopReason.RUN_ENDED)]
+    assert all(s.node in spares for s in cluster.inputs("stop_ranks"))
+
+
+async def test_a_script_that_never_calls_standby_is_never_parked_on_a_spare(env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, parks=False, watch_script={
+        (1, nodes[0]): [_ready(10), _ready(20), _finished(30)],
+        (1, nodes[1]): [_ready(10), _ready(20), _finished(30)],
+    })
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    assert cluster.inputs("park_ranks") == [] and cluster.inputs("stop_ranks") == []
+
+
+async def test_a_parked_spare_that_joins_is_not_parked_again_and_a_spare_reclaimed_later_is(
+        env: WorkflowEnvironment) -> None:
+    """The spare parks once the run has started; a GPU fault swaps it in (its launch takes what it parked: no
+    second park on it, and it is no spare to stop at the end); the repaired node comes back as a spare and
+    parks in its turn, and is the one stopped when the run ends."""
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, parks=True)
+
+    def repaired() -> bool:
+        cluster.returned.add(nodes[1])
+        return True
+
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), Until(lambda: bool(_parked_on(cluster))),
+                        _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79")],
+        (2, nodes[0]): [_ready(20), Until(lambda: len(_parked_on(cluster)) == 2), _finished(30)],
+        (2, spares[0]): [Until(repaired), _ready(20), Until(lambda: len(_parked_on(cluster)) == 2), _finished(30)],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.GPU_UNHEALTHY, Action.REPLACE_NODE)]
+    assert (run.status.nodes, run.status.spares) == ([nodes[0], spares[0]], [nodes[1]])
+    assert _parked_on(cluster) == [spares[0], nodes[1]]
+    # What the old spare parked went to its launch; the spare of the end is stopped with the run.
+    assert _spare_stops(cluster, [*spares, nodes[1]]) == [(nodes[1], 1, StopReason.INCIDENT),
+                                                          (nodes[1], None, StopReason.RUN_ENDED)]
+
+
+async def test_a_run_that_fails_stops_its_parked_spares_with_its_ranks(env: WorkflowEnvironment) -> None:
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, parks=True)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), Until(lambda: bool(_parked_on(cluster))), _exited(1)],
+        (1, nodes[1]): [_ready(10), BLOCK],
+    }
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares, restarts={"max_restarts": 0}))
+
+    assert isinstance(run.outcome, WorkflowFailureError)
+    ended = {s.node for s in cluster.inputs("stop_ranks") if s.attempt is None}
+    assert ended == {*nodes, spares[0]}, "nothing parked outlives the run"
