@@ -99,6 +99,10 @@ def manifest_key_from_env(environ: dict[str, str] | None = None) -> bytes | None
 STORE_ERROR_POLL_S = 5.0
 """How often a committer whose store is out tries it again (it heartbeats meanwhile)."""
 
+ADOPT_RECHECK_S = 10.0
+"""How often a committer looks again for a manifest of its own run that nothing reported, per step above the
+run's last commit with no record of the current attempt: one GET per such step at most this often."""
+
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -135,6 +139,8 @@ class _CommitterState:
     """Pace record key -> (ETag, record), as `records`."""
     next_pace: float = 0.0
     """Monotonic time of the next look at the nodes' pace."""
+    adopt_next: dict[int, float] = field(default_factory=dict)
+    """Step -> monotonic time of the next look for a manifest of this run's that nothing reported (`_adopt`)."""
 
 
 class StoreActivities:
@@ -459,6 +465,8 @@ class StoreActivities:
                 log.warning("%s; not committing step %d", error.message, step)
                 state.refused.add(step)
                 continue
+            if done is None and not any(r.attempt == request.attempt for r in found):
+                done = self._adopt(client, request, step, state)
             if done is not None:
                 commits.append(done)
             elif any(r.attempt == request.attempt for r in found):
@@ -470,6 +478,29 @@ class StoreActivities:
                                               keep_last=request.keep_last, workflow_id=request.workflow_id,
                                               protect_steps=[max(c.ref.step for c in commits)]))
         return commits, pending, changed
+
+    def _adopt(self, client: Any, request: CommitCheckpointsInput, step: int,
+               state: _CommitterState) -> CommittedCheckpoint | None:
+        """A step this run committed in an attempt whose records no longer count: a committer given up as its
+        attempt ended still wrote the manifest, and nothing reported it. Reported now, so the run's newest
+        commit is the store's (its status, its result, retention's count). Looked at once every
+        `ADOPT_RECHECK_S` per step: such a step stays above the run's last commit until it is pruned."""
+        now = time.monotonic()
+        if not request.chain_id or now < state.adopt_next.get(step, 0.0):
+            return None
+        state.adopt_next[step] = now + ADOPT_RECHECK_S
+        key = manifest_key(request.run_prefix, step)
+        try:
+            manifest = read_manifest(client, request.bucket, key, secret=self.secret)
+        except ValueError:  # unreadable or refused: not known to be ours
+            return None
+        if manifest is None or manifest.chain_id != request.chain_id or manifest.workflow_id != request.workflow_id:
+            return None
+        log.info("step %d was committed by attempt %d of this run without being reported: reporting it", step,
+                 manifest.attempt)
+        return CommittedCheckpoint(ref=CheckpointRef(step=step, manifest_key=key, bucket=request.bucket,
+                                                     world_size=manifest.world_size, total_bytes=manifest.total_bytes,
+                                                     reshardable=manifest.reshardable), step=step)
 
     @staticmethod
     def _node_records(client: Any, request: CommitCheckpointsInput, step: int,
@@ -513,7 +544,7 @@ class StoreActivities:
                         "not committing it", step)
             return None
         manifest = Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
-                            attempt=request.attempt, shards=shards, total_bytes=sum(s.size_bytes for s in shards),
+                            attempt=request.attempt, chain_id=request.chain_id, shards=shards, total_bytes=sum(s.size_bytes for s in shards),
                             created_at=time.time(), state_format=state_format_of(shards),
                             reshardable=reshardable_of(shards))
         ref = self._put_manifest(client, request.bucket, request.run_prefix, manifest)

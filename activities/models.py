@@ -112,10 +112,11 @@ class Manifest(BaseModel):
     shards: list[ShardInfo] = Field(default_factory=list)
     pages: list[ManifestPage] = Field(default_factory=list)
     """Where the shard list is when it is not inline (`shards` empty)."""
-    total_bytes: int = 0
-    """Sum of shard sizes, bytes."""
-    created_at: float = 0.0
-    """Unix time the controller wrote the manifest."""
+    total_bytes: int = 0  # sum of shard sizes, bytes
+    created_at: float = 0.0  # Unix time the controller wrote the manifest
+    chain_id: str = ""
+    """The run (its first execution's run id) that committed it: a committer reports its own chain's commits
+    however they were made. Empty in manifests written before it."""
     state_format: str = "torch"
     """`torch`: one `torch.save` per rank, rank r restores shard r mod `world_size`. `dcp`: a
     `torch.distributed.checkpoint` under `step-N/dcp/` that every node downloads whole and loads resharded
@@ -419,8 +420,7 @@ class AttemptLaunch(BaseModel):
     """The attempt's launch, `node` and `node_rank` left for each node to fill in (a node taking up a decision
     keeps its node rank). None: the ranks run already (a watch after continue-as-new)."""
     download: DownloadShardsInput | None = None
-    """With `launch`: what each node downloads first (its `node` and `ranks` filled in); None: a start from
-    scratch."""
+    """With `launch`: what each node downloads first (its `node` and `ranks` filled in); None: a start from scratch."""
     starters: list[str] | None = None
     """The nodes whose first step of the attempt is reported (the run's master node: every rank steps in
     lockstep with it, and a report per node would cost a 4,096-node relaunch 8,192 more events); None: all."""
@@ -457,8 +457,7 @@ class WatchRanksInput(BaseModel):
     max_duration_s: float = 600.0
     """Return KEEPALIVE after this long so no single activity runs forever."""
     checkpoints: WatchCheckpoints | None = None
-    """Upload complete local steps and write their `NodeCheckpointRecord` instead of returning
-    CHECKPOINT_READY."""
+    """Upload complete local steps and write their `NodeCheckpointRecord` instead of returning CHECKPOINT_READY."""
     report_start: bool = False
     """Return STARTED once the attempt's first step is seen here."""
     launch: LaunchRanksInput | None = None

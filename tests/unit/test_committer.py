@@ -156,6 +156,18 @@ def test_a_previous_run_under_the_same_workflow_id_never_makes_a_checkpoint(stor
     assert commit.ref.step == 10
 
 
+def test_a_commit_no_one_reported_is_reported_by_the_next_attempts_committer(store: MemoryStore) -> None:
+    # Attempt 2's committer wrote step 10's manifest, then was given up as its attempt ended: no one reported it.
+    _upload(store, 10, 0, 1, attempt=2, chain_id="chain-a")
+    _upload(store, 10, 1, 1, attempt=2, chain_id="chain-a")
+    assert [c.ref.step for c in _commit_once(_request(2, 2, chain_id="chain-a")).commits] == [10]
+    # Attempt 3 counts only its own records, yet reports step 10: the run's newest commit is the store's.
+    [commit] = _commit_once(_request(2, 2, chain_id="chain-a", attempt=3, min_attempt=3)).commits
+    assert (commit.ref.step, commit.ref.world_size, commit.ref.manifest_key) == (10, 2, manifest_key(RUN, 10))
+    # A rerun under the same id (another chain) never takes the first run's commit for its own.
+    assert _commit_once(_request(2, 2, chain_id="chain-b", attempt=3, min_attempt=3)).commits == []
+
+
 def test_the_committer_judges_stragglers_and_applies_retention(store: MemoryStore) -> None:
     for step in (10, 20, 30):
         _upload(store, step, 0, 2, attempt=2)
