@@ -1820,6 +1820,78 @@ async def test_a_hang_only_some_watches_brought_evidence_for_asks_only_the_other
     assert [c.node for c in cluster.inputs("collect_evidence")] == [nodes[1]]
 
 
+
+def _hang_every_node_reports(nodes: list[str], culprit: int, culprit_reports: WatchScriptEntry,
+                             culprit_event: WatchEvent) -> Cluster:
+    """Every node (one rank each) saves step 10; once it is committed every node's watch judges a hang with its
+    evidence, a victim's rank inside the collective its peers wait in; the culprit's node reports
+    `culprit_event` only once `culprit_reports` holds. Attempt 2 trains to the end a second after that report
+    (a real attempt trains on for long after its hang's last report)."""
+    cluster = Cluster(nodes=nodes)
+    committed = Until(lambda: bool(cluster.inputs("commit_checkpoint")))
+    reported: list[float] = []
+
+    def a_second_after_the_culprits_report() -> bool:
+        if not reported and any(e is culprit_event for e in cluster.calls["events"]):
+            reported.append(time.monotonic())
+        return bool(reported) and time.monotonic() - reported[0] > 1.0
+
+    cluster.watch_script = {
+        **{(1, n): [_ready(10), committed, _hang_with_evidence(n, i, True, 21, 1_000.0)]
+           for i, n in enumerate(nodes)},
+        (1, nodes[culprit]): [_ready(10), culprit_reports, culprit_event],
+        **{(2, n): [_ready(20), Until(a_second_after_the_culprits_report), _finished(30)] for n in nodes}}
+    return cluster
+
+
+async def test_a_hang_of_a_run_whose_groups_stand_relaunches_before_every_nodes_evidence_is_in(
+        env: WorkflowEnvironment) -> None:
+    """At thousands of nodes every node's watch reports a hang with its evidence, and taking all of it in before
+    the relaunch held a 4,096-node run's relaunch for 24 s. A run whose groups stand publishes the relaunch from
+    the first reports and names the culprit as the rest come in: here the culprit's node reports only once the
+    relaunch is published (a run that waited for its evidence would never relaunch), and the incident still
+    names its rank, with no node asked for evidence."""
+    nodes = _node_ids(80)
+    cluster = _hang_every_node_reports(nodes, 50, Until(lambda: bool(cluster.inputs("publish_attempt"))),
+                                       _hang_with_evidence(nodes[50], 50, False, 20, 1_000.5))
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    [incident] = result.incidents
+    assert (incident.kind, incident.action, incident.node, incident.rank) == (
+        IncidentKind.HANG, Action.RESTART, nodes[50], 50)
+    assert incident.evidence.startswith("rank 50 is not inside a collective (entered 20) while its peers are")
+    assert incident.detail.startswith("rank 50 hung (outside-collective); the watch first saw rank ")
+    assert incident.attribution_s is not None and incident.recovery_s is not None
+    assert cluster.inputs("collect_evidence") == []
+    assert [p.decision.attempt for p in cluster.inputs("publish_attempt")] == [2]
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
+
+
+async def test_a_gpu_fault_the_hung_culprits_node_reports_after_the_relaunch_sends_it_to_a_spare(
+        env: WorkflowEnvironment) -> None:
+    """The relaunch of a hang is published before every node has reported: a node whose late report of the
+    hung attempt is a GPU fault is not trained on, its spare takes its place."""
+    nodes, spares = _node_ids(80), ["spare-0"]
+    cluster = _hang_every_node_reports(nodes, 50, Until(lambda: bool(cluster.inputs("publish_attempt"))),
+                                       _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79"))
+    for node in nodes:  # attempt 2 trains on until the GPU fault relaunches it (attempt 3) on the spare
+        cluster.watch_script[(2, node)] = [BLOCK]
+        cluster.watch_script[(3, node)] = [_ready(20), _finished(30)]
+    cluster.watch_script[(3, spares[0])] = [_ready(20), _finished(30)]
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.HANG, Action.RESTART),
+                                                             (IncidentKind.GPU_UNHEALTHY, Action.REPLACE_NODE)]
+    assert result.incidents[1].node == nodes[50]
+    assert nodes[50] not in run.status.nodes and spares[0] in run.status.nodes
+
+
 # ------------------------------------------------------------------- controls at the continue-as-new boundary
 
 
