@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from types import SimpleNamespace
 from uuid import uuid4
 
 import pytest
@@ -76,6 +77,7 @@ from trainguard.models import (
     DrainRequest,
     StopReason,
     CheckpointRef,
+    Incident,
     IncidentKind,
     OperatorRequest,
     OperatorResult,
@@ -86,6 +88,9 @@ from trainguard.models import (
 from workflows.node_pool import grant, release
 from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.run_nodes import DIRECT_NODE_CALLS
+from workflows.node_group_models import GroupReport, NodeGroupWatchResult
+from workflows.run_state import HangAttribution, Live
+from workflows.run_watch import Watches
 from workflows.training_run import TrainingRun
 
 RUN_TIMEOUT_S = 20.0
@@ -1870,26 +1875,27 @@ async def test_a_hang_of_a_run_whose_groups_stand_relaunches_before_every_nodes_
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
 
 
-async def test_a_gpu_fault_the_hung_culprits_node_reports_after_the_relaunch_sends_it_to_a_spare(
-        env: WorkflowEnvironment) -> None:
-    """The relaunch of a hang is published before every node has reported: a node whose late report of the
-    hung attempt is a GPU fault is not trained on, its spare takes its place."""
-    nodes, spares = _node_ids(80), ["spare-0"]
-    cluster = _hang_every_node_reports(nodes, 50, Until(lambda: bool(cluster.inputs("publish_attempt"))),
-                                       _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79"))
-    for node in nodes:  # attempt 2 trains on until the GPU fault relaunches it (attempt 3) on the spare
-        cluster.watch_script[(2, node)] = [BLOCK]
-        cluster.watch_script[(3, node)] = [_ready(20), _finished(30)]
-    cluster.watch_script[(3, spares[0])] = [_ready(20), _finished(30)]
+def test_a_late_report_of_a_hang_relaunched_early_adds_its_evidence_and_keeps_a_sick_gpu_as_an_incident() -> None:
+    """What a standing group reports of the hung attempt after the relaunch was published: its nodes' evidence goes
+    to the attribution (the culprit is named again from it), and a GPU fault among it is an incident of the
+    attempt now running, so its node goes to a spare rather than being trained on."""
+    nodes = _node_ids(3)
+    incident = Incident(kind=IncidentKind.HANG, node=nodes[0], rank=0, attempt=1, detected_at=1_000.0)
+    hang = HangAttribution(incident=incident, attempt=1, nodes=nodes, evidence={}, watch_rank=0,
+                           watch_node=nodes[0])
+    core = SimpleNamespace(live=Live(attributing=hang), status=SimpleNamespace(nodes=nodes))
+    late_hang = _hang_with_evidence(nodes[1], 1, False, 20, 1_000.5).model_copy(update={"node": nodes[1],
+                                                                                       "attempt": 1})
+    sick = _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79").model_copy(update={"node": nodes[2],
+                                                                                          "attempt": 1})
+    report = GroupReport(group=0, attempt=2, result=NodeGroupWatchResult(incidents=[late_hang, sick]))
 
-    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+    kept = Watches(core)._late_evidence(report)  # type: ignore[arg-type]
 
-    result = run.outcome
-    assert isinstance(result, RunResult), result
-    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.HANG, Action.RESTART),
-                                                             (IncidentKind.GPU_UNHEALTHY, Action.REPLACE_NODE)]
-    assert result.incidents[1].node == nodes[50]
-    assert nodes[50] not in run.status.nodes and spares[0] in run.status.nodes
+    assert kept == [sick]
+    assert hang.fresh and hang.evidence == {nodes[1]: late_hang.evidence}
+    core.status.nodes = nodes[:2]  # a node the run has left already: no incident of it
+    assert Watches(core)._late_evidence(report) == []  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------- controls at the continue-as-new boundary
