@@ -40,6 +40,26 @@ STACKS_UPLOAD_RETRY_S = 30.0
 """The full stacks are uploaded beside the recovery, never in its way: a store that is out is tried again
 for this long, then the stacks stay on the node (its log says where)."""
 
+PEER_HANG_REPORT_DELAY_S = 20.0
+"""In a run whose groups stand (thousands of nodes), a watch whose hang evidence shows every local rank waiting in
+a collective for a peer holds its report this long, and takes up the run's relaunch instead if it comes first:
+the node whose rank is to blame (stopped, outside the collective, not answering) reports at once, and that one
+report relaunches the run. When all 4,096 nodes' watches reported at once, their completions, their groups'
+reports and the watches started again cost a 4,096-node run 24 s before its relaunch (`make bench-nodes`); a
+relaunch there is published within about 10 s and read within `decision_every_s` (4.1 s). A culprit's node that
+cannot report (its agent gone) still has the hang reported by its peers, this much later. The held node's full
+stacks are in the store already (`evidence_key`)."""
+
+STUCK_STATES = frozenset({"T", "t", "D", "Z"})
+"""Process states of a rank that cannot run (stopped, traced, in uninterruptible I/O, defunct)."""
+
+
+def waits_on_a_peer(evidence: list[RankEvidence]) -> bool:
+    """Every local rank answered from inside a collective: this node's ranks wait for a rank elsewhere, and
+    nothing here is to blame for the hang."""
+    return bool(evidence) and all(e.answered and e.in_collective is True and e.state not in STUCK_STATES
+                                  for e in evidence)
+
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 

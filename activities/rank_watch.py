@@ -15,6 +15,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.evidence import PEER_HANG_REPORT_DELAY_S, waits_on_a_peer
 from activities.health import NodeHealth
 from activities.models import (
     AttemptDecision,
@@ -162,6 +163,8 @@ class RankWatch:
         next_decision = started
         report_start = request.report_start
         decision: AttemptDecision | None = None
+        held: tuple[AttemptRecord, float, WatchEvent] | None = None
+        """A hang whose evidence shows this node's ranks waiting for a peer's, held until the time given."""
         while True:
             if activity.is_worker_shutdown():
                 # Said before its ranks stop with it: their exits must not read as a crash, nor the agent's
@@ -264,6 +267,11 @@ class RankWatch:
                 alive_reported = len(running)
                 activity.metric_meter().create_gauge("trainguard_ranks_alive", "Rank processes alive").set(
                     alive_reported, {"node": self.node})
+            if held is not None and held[0] is record:  # its report held: sent once due, or the relaunch came
+                if time.monotonic() >= held[1]:
+                    return held[2]
+                await asyncio.sleep(min(health.poll_interval_s, request.decision_every_s))
+                continue
             states = {r: process_state(record.ranks[r].pid) for r in running}
             hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states,
                                   grace_s=0.0 if request.evidence else COLLECTIVE_WAIT_GRACE_S)
@@ -275,11 +283,17 @@ class RankWatch:
                 log_path = layout.log_file(record.attempt, rank)
                 evidence = (await self.hang_evidence(record, layout, request.checkpoints)
                             if request.evidence_with_event and self.hang_evidence is not None else [])
-                return event(WatchEventKind.HANG, rank=rank, fault_at=fault_at, evidence=evidence,
-                             occurred_at=record.faults.get(rank), log_path=str(log_path),
-                             log_tail=read_tail(log_path),
-                             detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
-                                    f"{report.step if report else 'none'}; process {state})")
+                found = event(WatchEventKind.HANG, rank=rank, fault_at=fault_at, evidence=evidence,
+                              occurred_at=record.faults.get(rank), log_path=str(log_path),
+                              log_tail=read_tail(log_path),
+                              detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
+                                     f"{report.step if report else 'none'}; process {state})")
+                if not (follow and waits_on_a_peer(evidence)):
+                    return found
+                log.info("%s: attempt %d hangs, every rank here waits for a peer: reported in %.0fs unless the "
+                         "run relaunches first", request.workflow_id, record.attempt, PEER_HANG_REPORT_DELAY_S)
+                held = (record, time.monotonic() + PEER_HANG_REPORT_DELAY_S, found)
+                continue
 
             trouble = self._upload_trouble(record.workflow_id)
             if trouble is not None:

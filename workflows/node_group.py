@@ -425,6 +425,10 @@ class NodeGroupWatch:
                     # the next from a new watch, as the nodes reported do.
                     watches[node] = self._watch(request, node, report_start=node in starters, launch=True)
                     launching.add(node)
+                    if event.evidence or event.kind is WatchEventKind.GPU_UNHEALTHY:
+                        # ...and the run still hears of it: a hang relaunched before every node's evidence was
+                        # in names its culprit from it, and a sick GPU is not trained on.
+                        result.incidents.append(event)
                 else:
                     result.incidents.append(event)
             waiting = [n for n in starters if n not in started and n not in finished]

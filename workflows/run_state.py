@@ -94,6 +94,26 @@ class RunState(BaseModel):
 
 
 @dataclass
+class HangAttribution:
+    """A hang's culprit being named from every node's evidence (`workflows.culprit`) while the run goes on."""
+
+    incident: Incident
+    attempt: int
+    """The attempt that hung."""
+    nodes: list[str]
+    """Its nodes: the attribution is complete once each has given its evidence."""
+    evidence: dict[str, list[RankEvidence]]
+    """What each node's ranks showed, by node."""
+    watch_rank: int | None
+    watch_node: str | None
+    """The rank the first watch judged hung: the culprit when the evidence tells the ranks apart no better."""
+    prefix: str = ""
+    """What naming a rank other than the watch's put in front of the incident's detail (replaced when renamed)."""
+    fresh: bool = False
+    """Evidence came in since the culprit was last named."""
+
+
+@dataclass
 class Live:
     """What one history of the run rebuilds rather than carries. The run continues as new only from a quiet
     supervisor (no incident, no relaunch under way) after its watch groups and background activities ended, so
@@ -115,6 +135,10 @@ class Live:
     continue-as-new)."""
     event_evidence: dict[str, list[RankEvidence]] = field(default_factory=dict)
     """Hang evidence watches brought with their events, by node: per incident."""
+    attributing: HangAttribution | None = None
+    """A hang relaunched before every node's evidence was in (a run whose groups stand): the groups' later
+    reports of the hung attempt add theirs and the culprit is named again. Dropped at a continue-as-new (the
+    culprit stays as named so far): a run continues as new only at a commit, long after a hang's reports."""
     reports: list[GroupReport] = field(default_factory=list)
     """What standing groups reported, not yet taken by the supervisor. Groups end before continue-as-new."""
     standing: dict[int, asyncio.Task[NodeGroupWatchResult]] = field(default_factory=dict)

@@ -19,11 +19,11 @@ from temporalio.workflow import ActivityCancellationType
 with workflow.unsafe.imports_passed_through():
     from activities.models import (AttemptDecision, CommitCheckpointsInput, CommitCheckpointsResult,
                                    DownloadShardsInput, LaunchRanksInput, PublishAttemptInput, WatchCheckpoints,
-                                   WatchRanksInput)
+                                   WatchEvent, WatchEventKind, WatchRanksInput)
     from workflows.node_group import (BURST_SCHEDULE_TO_START, NODE_SCHEDULE_TO_START,
                                       NODES_PER_GROUP, WATCH_MAX_DURATION_S, WATCH_NODES_PER_GROUP,
                                       NodeGroupWatch, groups_of, launch_wait_s, watch_heartbeat_every_s)
-    from workflows.node_group_models import NodeGroupWatchInput, NodeGroupWatchResult
+    from workflows.node_group_models import GroupReport, NodeGroupWatchInput, NodeGroupWatchResult
     from workflows.run_core import RunCore, cause_text
     from workflows.run_decisions import decision_every_s, pace_window_s, stale_after_s
     from workflows.run_nodes import FAN_OUT_GROUPS, STORE_HEARTBEAT_TIMEOUT, STORE_RETRY, STORE_TIMEOUT
@@ -156,7 +156,8 @@ class Watches:
         results, behind = [], []
         for report in taken:
             result = report.result
-            current = [e for e in result.incidents if (e.attempt or report.attempt) >= attempt]
+            late = self._late_evidence(report)
+            current = [e for e in result.incidents if (e.attempt or report.attempt) >= attempt or e in late]
             if (report.attempt < attempt or len(current) < len(result.incidents)) and report.group not in behind:
                 behind.append(report.group)
             if current or result.lost:
@@ -165,6 +166,24 @@ class Watches:
         # after the decision brings one report per group.
         await asyncio.gather(*(self.tell(live.group_requests[g]) for g in behind if g in live.group_requests))
         return results
+
+    def _late_evidence(self, report: GroupReport) -> list[WatchEvent]:
+        """A report of the hang the run relaunched before every node's evidence was in (`live.attributing`):
+        its nodes' evidence goes to the attribution. Returns its GPU faults on nodes still in the run: a sick
+        GPU found in the hung attempt is an incident of the attempt now running (its node goes to a spare)."""
+        hang = self.core.live.attributing
+        if hang is None:
+            return []
+        sick = []
+        for event in report.result.incidents:
+            if (event.attempt or report.attempt) != hang.attempt:
+                continue
+            if event.evidence and event.node not in hang.evidence:
+                hang.evidence[event.node] = event.evidence
+                hang.fresh = True
+            if event.kind is WatchEventKind.GPU_UNHEALTHY and event.node in self.core.status.nodes:
+                sick.append(event)
+        return sick
 
     def keep_standing(self, watches: Groups, reporting: set[int]) -> None:
         """The groups stand for the relaunch to take up; `drop_standing` ends them if it decides otherwise."""

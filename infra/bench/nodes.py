@@ -45,6 +45,8 @@ any child workflows: listed by workflow id prefix and followed through history l
 - `continue_as_new`, `controller_cpu_s` (during the run), `controller_peak_rss_mb` (VmHWM), `wall_s`.
 
 A benchmark, not a test: it prints figures next to issue 12's targets and writes them to JSON, never asserts.
+The processes it runs live in `infra/bench/nodes_processes.py`, its figures and report in
+`infra/bench/nodes_report.py`.
 """
 
 from __future__ import annotations
@@ -58,17 +60,16 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import time
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
-from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from contextlib import suppress
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import AsyncIterator
 from typing import Any
 
-from infra.bench.history import HistoryFigures, marginal_per_checkpoint, percentile
+from infra.bench.history import percentile
+from infra.bench.nodes_processes import (SERVER_ARGS, Controller, cpu_s, read_histories, seed_pool, serve_controller,
+                                         standin_workers, terminate_all, wait_for_controller)
+from infra.bench.nodes_report import Size, hang_figures, relaunch_times, report, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
@@ -81,24 +82,6 @@ STUCK_CHECK_S = 5.0
 STUCK_ATTEMPTS = 5
 """A workflow task that fails this many times in a row is refused every time (e.g. over the pending-activities
 limit): the run is stuck and the benchmark stops waiting for it."""
-CONTROLLER_READY_S = 60.0
-SERVER_ARGS = ("--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off")
-"""The dev server's SQLite without a sync per commit: durability across a crash of this machine is not what
-is measured, and the disk's commit rate would otherwise be what limits 4,096 nodes here, not trainguard (a
-production Temporal cluster runs on Cassandra or PostgreSQL, sharded)."""
-
-NAMESPACE_POLLS = 1100
-"""Activity polls the stand-ins keep open in all, under the server's default limit of 1,200 concurrent polls
-per namespace (`frontend.namespaceCount`): past it the server refuses polls ("namespace concurrent poller
-limit exceeded"), as a production namespace refuses agents' polls past its limit (the README's Scale section).
-With the limit raised to 5,000 (64 queues x 20 polls all open) a 4,096-node first launch missed its bound
-again, with the dev server at a full core; that run had other tests beside it, so it does not say by how much
-the extra polls were to blame."""
-
-STANDIN_HEARTBEAT_INTERVAL = timedelta(seconds=4)
-"""How often a stand-in watch's heartbeat reaches Temporal, as an agent's `TRAINGUARD_HEARTBEAT_INTERVAL_S`
-would at thousands of nodes (the README says 5 s there). Left to the SDK it is 0.8 x the 10 s heartbeat
-timeout, 2 s of slack: at 4,096 nodes sharing two cores with the server, late heartbeats read as lost nodes."""
 
 NODES_PER_QUEUE = 16
 MAX_QUEUES = 64
@@ -116,76 +99,9 @@ LARGE_RUN_NODES = 1024
 4,096-node run then lasts 12 s, not 3 s, so its faults, injected through updates the run answers in seconds at
 that size, land while it trains (with 3 s, the run finished before its crash took effect)."""
 
-MAX_POLLS_PER_QUEUE = 20
-"""Activity polls a shared queue's worker keeps open: as many as its nodes' agents would (5 each, the SDK's
-default), up to this. A burst of one activity per node (a watch each after a checkpoint) must start well within
-the node-pinned schedule-to-start timeout (10 s); `start_wait_s` shows whether it did. Measured here at 64
-nodes: 5 polls a queue, node activities waited up to 5.3 s to start; 20, up to 1.2 s; 50 (at 256 nodes) loads
-the dev server more and helps nothing."""
 FAULT_UPDATE_TIMEOUT_S = 60.0
-CLOCK_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-TARGET_PENDING = 1000
-TARGET_PAYLOAD_BYTES = 256 * 1024
-TARGET_RELAUNCH_P95_S = 15.0
 
 log = logging.getLogger("trainguard.bench.nodes")
-
-
-def target_events_per_checkpoint(nodes: int) -> float:
-    """Issue 12: history events per committed checkpoint, all histories together, at most 50 + N/10."""
-    return 50 + nodes / 10
-
-
-@dataclass(slots=True)
-class Size:
-    """The figures of one N."""
-
-    nodes: int
-    ranks_per_node: int = 8
-    completed: bool = False
-    wall_s: float | None = None
-    events_total: int | None = None
-    events_root: int | None = None
-    events_per_checkpoint: dict[str, Any] = field(default_factory=dict)
-    """`all`, `root`: marginal events per checkpoint (`method` says `marginal`, or `average` where no attempt
-    committed twice)."""
-    events_per_commit_avg: dict[str, float | None] = field(default_factory=dict)
-    max_pending: int | None = None
-    max_pending_execution: str | None = None
-    largest_payload_bytes: int | None = None
-    largest_payload_event: str | None = None
-    relaunch_p95_s: float | None = None
-    relaunch_max_s: float | None = None
-    relaunch_p95_by_kind: dict[str, float | None] = field(default_factory=dict)
-    """The same p95 for each kind of incident on its own (crash, hang, node_unresponsive): a hang's relaunch waits
-    for its evidence, so it is told apart from the others'."""
-    continue_as_new: int | None = None
-    controller_cpu_s: float | None = None
-    controller_peak_rss_mb: float | None = None
-    server_cpu_s: float | None = None
-    """The Temporal dev server's CPU seconds during the run."""
-    standins_cpu_s: float | None = None
-    """This process's (the stand-in nodes') CPU seconds during the run."""
-    hang: dict[str, Any] = field(default_factory=dict)
-    """The hang's incident (`hang` above)."""
-    histories: int | None = None
-    commits: int = 0
-    incidents: list[str] = field(default_factory=list)
-    activities: dict[str, int] = field(default_factory=dict)
-    """Activities scheduled across all histories, by type."""
-    workflow_task_failures: dict[str, int] = field(default_factory=dict)
-    activity_troubles: dict[str, int] = field(default_factory=dict)
-    """Activities that timed out or failed, by type and how."""
-    start_wait_s: dict[str, float | None] = field(default_factory=dict)
-    """p95 and max seconds from scheduled to started, node-pinned activities (`node_p95`, `node_max`: the
-    stand-ins keeping up, or not) and the controller's (`controller_p95`, `controller_max`)."""
-    stack_up_s: float | None = None
-    queues: int | None = None
-    """Shared queues the stand-ins were served on (`queues_for`)."""
-    step_s: float | None = None
-    """Simulated seconds per step (`step_s_for`)."""
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,120 +152,9 @@ class Plan:
         return self.nodes[(2 * len(self.nodes)) // 3]
 
 
-# ------------------------------------------------------------------------------------ the controller
-
-
-async def serve_controller(num_queues: int, commits_file: Path) -> None:
-    """The controller worker as `workers.controller` builds it, with the stand-in store and shared queues."""
-    import workers.controller as controller
-    from infra.bench.standins import NodeRecords, StandinStore, install_routing
-    from trainguard.connect import connect
-    from workers.common import setup_logging, stop_event
-
-    setup_logging("bench-controller")
-    StandinStore.commits_file = commits_file
-    StandinStore.records = NodeRecords(commits_file.parent / "records")
-    controller.StoreActivities = StandinStore  # type: ignore[misc]
-    install_routing(num_queues)
-    client = await connect()
-    stop = stop_event()
-    async with controller.build_worker(client):
-        await stop.wait()
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process, from /proc (0 once it is gone)."""
-    from trainguard.procs import stat_fields
-
-    fields = stat_fields(pid)
-    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) * CLOCK_TICK_S
-
-
-class Controller:
-    """The controller subprocess: started, measured from /proc, stopped."""
-
-    def __init__(self, home: Path, num_queues: int) -> None:
-        self.log_path = home / "logs" / "bench-controller.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.commits_file = home / "commits.jsonl"
-        self.commits_file.touch()
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(  # noqa: S603 - argv list
-                [sys.executable, "-m", "infra.bench.nodes", "--serve-controller", "--queues", str(num_queues),
-                 "--commits-file", str(self.commits_file)],
-                cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def cpu_s(self) -> float:
-        return cpu_s(self.proc.pid)
-
-    def peak_rss_mb(self) -> float | None:
-        with suppress(OSError):
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-        return None
-
-    def commits(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.commits_file.read_text().splitlines() if line.strip()]
-
-    def log_tail(self, lines: int = 15) -> list[str]:
-        with suppress(OSError):
-            return self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        return []
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-async def wait_for_controller(client: Any, controller: Controller) -> None:
-    from temporalio.api.enums.v1 import TaskQueueType
-
-    from activities.nodes import has_pollers
-    from trainguard import TASK_QUEUE
-
-    deadline = time.monotonic() + CONTROLLER_READY_S
-    while not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, 30.0):
-        if controller.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("controller did not start: " + " | ".join(controller.log_tail(5)))
-        await asyncio.sleep(0.2)
-
-
-async def wait_for_standins(client: Any, queues: list[str]) -> None:
-    """Until every shared queue has a poller: the run's `find_node_agents` looks for them at once."""
-    from temporalio.api.enums.v1 import TaskQueueType
-
-    from activities.nodes import has_pollers
-
-    deadline = time.monotonic() + CONTROLLER_READY_S
-    waiting = list(queues)
-    while waiting:
-        waiting = [q for q in waiting
-                   if not await has_pollers(client, q, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY, 30.0)]
-        if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"no stand-in polls {', '.join(waiting)}")
-        await asyncio.sleep(0.2 if waiting else 0)
-
 
 # -------------------------------------------------------------------------------------------- a run
 
-
-async def seed_pool(client: Any, plan: Plan) -> None:
-    """The node pool with every node and spare registered (as their agents would have on start), started packed
-    as the pool continues as new: 4,098 nodes are 790 KB of plain JSON, over Temporal's 512 KB payload warning,
-    and about 60 KB packed."""
-    from trainguard import TASK_QUEUE
-    from trainguard.models import PoolNode, PoolStatus
-    from workflows.node_pool import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE
-
-    nodes = [PoolNode(node=n, host=f"{n}.sim", healthy=True) for n in [*plan.nodes, *plan.spares]]
-    await client.start_workflow(POOL_WORKFLOW_TYPE, PoolStatus.pack(nodes), id=POOL_WORKFLOW_ID,
-                                task_queue=TASK_QUEUE)
 
 
 def stuck_reason(description: Any) -> str | None:
@@ -424,127 +229,7 @@ async def drive(client: Any, plan: Plan, workflow_id: str, controller: Controlle
     return result, incidents
 
 
-async def executions(client: Any, workflow_id: str) -> list[tuple[str, str]]:
-    """(workflow id, run id) of every execution whose workflow id starts with the run's."""
-    found: list[tuple[str, str]] = []
-    with suppress(Exception):
-        async for execution in client.list_workflows(f"WorkflowId STARTS_WITH '{workflow_id}'"):
-            found.append((execution.id, execution.run_id))
-    if not found:
-        async for execution in client.list_workflows(f"WorkflowId = '{workflow_id}'"):
-            found.append((execution.id, execution.run_id))
-    return found
 
-
-async def read_histories(client: Any, workflow_id: str, save: Path | None = None) -> list[HistoryFigures]:
-    """Every history of the run, each walked once as its pages arrive; children and continued runs found from the
-    histories themselves too (visibility may lag)."""
-    queue = await executions(client, workflow_id)
-    seen: set[tuple[str, str]] = set()
-    figures: list[HistoryFigures] = []
-    while queue:
-        key = queue.pop()
-        if key in seen or not key[1]:
-            continue
-        seen.add(key)
-        walked = HistoryFigures(workflow_id=key[0], run_id=key[1])
-        async for event in client.get_workflow_handle(key[0], run_id=key[1]).fetch_history_events():
-            walked.add(event)
-        figures.append(walked)
-        if save is not None:
-            save.mkdir(parents=True, exist_ok=True)
-            history = await client.get_workflow_handle(key[0], run_id=key[1]).fetch_history()
-            (save / f"{key[0].replace('/', '%2F')}-{key[1]}.json").write_text(history.to_json())
-        queue.extend(walked.children)
-        if walked.next_run_id:
-            queue.append((key[0], walked.next_run_id))
-    return figures
-
-
-async def terminate_all(client: Any, workflow_id: str) -> int:
-    from temporalio.client import WorkflowExecutionStatus
-
-    ended = 0
-    for wid, rid in await executions(client, workflow_id):
-        handle = client.get_workflow_handle(wid, run_id=rid)
-        with suppress(Exception):
-            if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-                await handle.terminate("node-scale benchmark: run did not finish in time")
-                ended += 1
-    return ended
-
-
-def relaunch_times(incidents: list[Any], workflow_id: str, nodes: Any) -> list[list[float]]:
-    """Per recovered incident: for each node of the next attempt, seconds from detection to its launch."""
-    per_incident = []
-    for incident in incidents:
-        if incident.action.value == "report" or not incident.detected_at:
-            continue
-        launched = nodes.launch_times(workflow_id, incident.attempt + 1)
-        per_incident.append([max(0.0, at - incident.detected_at) for at in launched.values()])
-    return per_incident
-
-
-def summarize(size: Size, histories: list[HistoryFigures], workflow_id: str, commits: list[dict[str, Any]]) -> None:
-    root = [h for h in histories if h.workflow_id == workflow_id]
-    size.histories = len(histories)
-    size.events_total = sum(h.events for h in histories)
-    size.events_root = sum(h.events for h in root)
-    size.commits = len(commits)
-    marks = [(c["at"], c["attempt"]) for c in commits]
-    size.events_per_commit_avg = {
-        "all": round(size.events_total / len(commits), 1) if commits else None,
-        "root": round(size.events_root / len(commits), 1) if commits else None}
-    marginal = {"all": marginal_per_checkpoint(marks, histories), "root": marginal_per_checkpoint(marks, root)}
-    if marginal["all"] is None:  # no two commits in one attempt (few checkpoints): the plain average it is
-        size.events_per_checkpoint = {**size.events_per_commit_avg, "method": "average"}
-    else:
-        size.events_per_checkpoint = {**marginal, "method": "marginal"}
-    if histories:
-        worst = max(histories, key=lambda h: h.max_pending)
-        size.max_pending, size.max_pending_execution = worst.max_pending, f"{worst.workflow_id} {worst.run_id}"
-        biggest = max(histories, key=lambda h: h.largest_payload_bytes)
-        size.largest_payload_bytes = biggest.largest_payload_bytes
-        size.largest_payload_event = f"{biggest.workflow_id}: event {biggest.largest_payload_event}"
-    size.continue_as_new = sum(h.continued_as_new for h in histories)
-    from trainguard import TASK_QUEUE
-
-    waits: dict[str, list[float]] = {"node": [], "controller": []}
-    for h in histories:
-        for queue, found in h.start_waits.items():
-            waits["controller" if queue == TASK_QUEUE else "node"].extend(found)
-    for side, found in waits.items():
-        p95 = percentile(found, 0.95)
-        size.start_wait_s[f"{side}_p95"] = None if p95 is None else round(p95, 3)
-        size.start_wait_s[f"{side}_max"] = round(max(found), 3) if found else None
-    for h in histories:
-        for name, count in h.activity_counts.items():
-            size.activities[name] = size.activities.get(name, 0) + count
-        for cause, count in h.workflow_task_failures.items():
-            size.workflow_task_failures[cause] = size.workflow_task_failures.get(cause, 0) + count
-        for trouble, count in h.activity_troubles.items():
-            size.activity_troubles[trouble] = size.activity_troubles.get(trouble, 0) + count
-
-
-@asynccontextmanager
-async def standin_workers(client: Any, nodes: Any, num_queues: int, per_queue: int) -> AsyncIterator[None]:
-    """A worker per shared queue serving the stand-in nodes' activities, polled before it yields."""
-    from temporalio.worker import Worker
-
-    from infra.bench.standins import shared_queues
-
-    async with AsyncExitStack() as workers:
-        for queue in shared_queues(num_queues):
-            await workers.enter_async_context(Worker(
-                client, task_queue=queue, activities=nodes.activities(),
-                max_concurrent_activities=max(200, 8 * per_queue),
-                max_concurrent_activity_task_polls=min(MAX_POLLS_PER_QUEUE, 5 * per_queue,
-                                                       max(1, NAMESPACE_POLLS // num_queues)),
-                max_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
-                default_heartbeat_throttle_interval=STANDIN_HEARTBEAT_INTERVAL,
-                graceful_shutdown_timeout=timedelta(seconds=1)))
-        await wait_for_standins(client, shared_queues(num_queues))
-        yield
 
 
 async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s: float, server_pid: int,
@@ -554,7 +239,7 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
 
     install_routing(num_queues)
     client = await connect()
-    await seed_pool(client, plan)
+    await seed_pool(client, [*plan.nodes, *plan.spares])
     controller = Controller(home, num_queues)
     workflow_id = f"bench-nodes-{secrets.token_hex(3)}-n{len(plan.nodes)}"
     nodes = StandinNodes(runs=[workflow_id], records=NodeRecords(controller.commits_file.parent / "records"))
@@ -594,22 +279,6 @@ async def measure(size: Size, plan: Plan, home: Path, num_queues: int, timeout_s
         controller.stop()
 
 
-def hang_figures(incidents: list[Any], plan: Plan, relaunch: list[list[float]],
-                 activities: dict[str, int]) -> dict[str, Any]:
-    """The hang's incident: whom it named (against the rank the benchmark stopped), how soon, how many nodes the
-    run had to ask for evidence, and its own relaunch."""
-    hang = next((i for i in incidents if i.kind.value == "hang"), None)
-    if hang is None:
-        return {"note": "no hang incident"}
-    stopped = (plan.hang_node, plan.nodes.index(plan.hang_node) * plan.ranks_per_node)
-    times = [s for per in relaunch for s in per]
-    p95 = percentile(times, 0.95)
-    return {"culprit": f"rank {hang.rank} on {hang.node}", "culprit_right": (hang.node, hang.rank) == stopped,
-            "attribution_s": hang.attribution_s, "detection_s": hang.detection_s,
-            "evidence_asked_of_nodes": activities.get("collect_evidence", 0),
-            "relaunch_p95_s": None if p95 is None else round(p95, 3),
-            "relaunch_max_s": round(max(times), 3) if times else None, "evidence": (hang.evidence or "")[:200]}
-
 
 def queues_for(num_nodes: int, asked: int | None) -> int:
     """`--queues` if given, else a shared queue per `NODES_PER_QUEUE` nodes, 16 to `MAX_QUEUES`."""
@@ -640,69 +309,6 @@ def run_size(num_nodes: int, opts: argparse.Namespace) -> Size:
         asyncio.run(measure(size, plan, stack.home, queues, timeout_s, server_pid, opts.save_histories))
     return size
 
-
-# ------------------------------------------------------------------------------------------- report
-
-
-def _fmt(value: float | int | None, pattern: str = "{:.0f}") -> str:
-    return "-" if value is None else pattern.format(value)
-
-
-def _verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("pass" if ok else "FAIL")
-
-
-def targets(size: Size) -> dict[str, bool | None]:
-    per_checkpoint = size.events_per_checkpoint.get("all")
-    return {
-        "completed": size.completed,
-        "max_pending": None if size.max_pending is None else size.max_pending <= TARGET_PENDING,
-        "events_per_checkpoint": None if per_checkpoint is None
-        else per_checkpoint <= target_events_per_checkpoint(size.nodes),
-        "payload": None if size.largest_payload_bytes is None else size.largest_payload_bytes <= TARGET_PAYLOAD_BYTES,
-        "relaunch_p95": None if size.relaunch_p95_s is None else size.relaunch_p95_s <= TARGET_RELAUNCH_P95_S,
-    }
-
-
-def report(sizes: list[Size]) -> list[str]:
-    lines = [f"{'nodes':>5} {'done':>4} {'wall_s':>7} {'events all/root':>15} {'ev/ckpt all/root':>16} "
-             f"{'avg/ckpt':>8} {'pending':>7} {'payload_KB':>10} {'relaunch p95/max':>16} {'CAN':>3} "
-             f"{'commits':>7} {'ctl_cpu_s':>9} {'ctl_MB':>6}"]
-    for s in sizes:
-        per = s.events_per_checkpoint
-        lines.append(
-            f"{s.nodes:>5} {'yes' if s.completed else 'NO':>4} {_fmt(s.wall_s, '{:.1f}'):>7} "
-            f"{_fmt(s.events_total) + ' / ' + _fmt(s.events_root):>15} "
-            f"{_fmt(per.get('all'), '{:.0f}') + ' / ' + _fmt(per.get('root'), '{:.0f}'):>16} "
-            f"{_fmt(s.events_per_commit_avg.get('all')):>8} {_fmt(s.max_pending):>7} "
-            f"{_fmt(None if s.largest_payload_bytes is None else s.largest_payload_bytes / 1024, '{:.1f}'):>10} "
-            f"{_fmt(s.relaunch_p95_s, '{:.2f}') + ' / ' + _fmt(s.relaunch_max_s, '{:.2f}'):>16} "
-            f"{_fmt(s.continue_as_new):>3} {s.commits:>7} {_fmt(s.controller_cpu_s, '{:.1f}'):>9} "
-            f"{_fmt(s.controller_peak_rss_mb):>6}")
-    lines += ["", "issue 12 targets: pending <= 1000, events/checkpoint (all) <= 50 + N/10, payload <= 256 KB, "
-              "relaunch p95 <= 15 s",
-              f"{'nodes':>5} {'completed':>9} {'pending':>16} {'events/ckpt':>22} {'payload':>18} {'relaunch':>16}"]
-    for s in sizes:
-        ok = targets(s)
-        per = s.events_per_checkpoint.get("all")
-        lines.append(
-            f"{s.nodes:>5} {_verdict(ok['completed']):>9} "
-            f"{_fmt(s.max_pending) + ' <= 1000 ' + _verdict(ok['max_pending']):>16} "
-            f"{_fmt(per) + ' <= ' + _fmt(target_events_per_checkpoint(s.nodes)) + ' ' + _verdict(ok['events_per_checkpoint']):>22} "
-            f"{_fmt(None if s.largest_payload_bytes is None else s.largest_payload_bytes / 1024, '{:.0f}KB') + ' <= 256KB ' + _verdict(ok['payload']):>18} "
-            f"{_fmt(s.relaunch_p95_s, '{:.1f}s') + ' <= 15s ' + _verdict(ok['relaunch_p95']):>16}")
-    for s in sizes:
-        h = s.hang or {"note": "not measured"}
-        lines.append(f"  {s.nodes}: hang: " + (h.get("note") or (
-            f"named {h['culprit']} ({'right' if h['culprit_right'] else 'WRONG'}) in {_fmt(h['attribution_s'])} s, "
-            f"evidence asked of {h['evidence_asked_of_nodes']} node(s), relaunch p95 "
-            f"{_fmt(h['relaunch_p95_s'])} s / max {_fmt(h['relaunch_max_s'])} s")))
-        if s.relaunch_p95_by_kind:
-            lines.append(f"  {s.nodes}: relaunch p95 by incident: " + ", ".join(
-                f"{kind} {_fmt(p95, '{:.1f}')} s" for kind, p95 in s.relaunch_p95_by_kind.items()))
-        for note in [*s.incidents, *s.notes]:
-            lines.append(f"  {s.nodes}: {note}")
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

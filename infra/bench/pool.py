@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from infra.bench.history import percentile
-from infra.bench.nodes import (SERVER_ARGS, Controller, Plan, seed_pool, standin_workers, terminate_all,
-                               wait_for_controller)
+from infra.bench.nodes import Plan
+from infra.bench.nodes_processes import (SERVER_ARGS, Controller, seed_pool, standin_workers, terminate_all,
+                                         wait_for_controller)
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
@@ -194,7 +195,7 @@ async def measure(figures: Figures, home: Path, num_queues: int, timeout_s: floa
     install_routing(num_queues)
     client = await connect()
     plan = Plan.of(figures.pool_nodes, 1, 1, 20, STEP_S)
-    await seed_pool(client, plan)
+    await seed_pool(client, [*plan.nodes, *plan.spares])
     controller = Controller(home, num_queues)
     tag = secrets.token_hex(3)
     run_ids = [f"bench-pool-{tag}-{i:03d}" for i in range(figures.runs)]

@@ -24,7 +24,9 @@ Faults, as the real agent carries them out (`activities/chaos.py`):
 - `hang`: one rank of the node is stopped (SIGSTOP); no rank of the attempt steps on, and every node's watch
   judges a hang once its ranks are silent past the hang bound (`health.hang_floor_s`, `hang_step_multiplier`
   step times) and returns HANG with its ranks' evidence, as a real watch does (`evidence_with_event`): the
-  stopped rank in state `T` one collective behind, every other rank asleep inside the next one.
+  stopped rank in state `T` one collective behind, every other rank asleep inside the next one. As the agent's
+  watch, one that follows decisions and whose ranks all wait for a peer holds its report for
+  `PEER_HANG_REPORT_DELAY_S` and takes up the run's relaunch instead if it comes first.
 - `node-down`: the node's watch stops heartbeating and never returns, so Temporal times it out (the watch's
   heartbeat timeout); every later call to the node never completes (a real dead agent would never start it,
   and its schedule-to-start timeout would fire instead); the other nodes' ranks stop stepping, as for a crash.
@@ -47,6 +49,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.evidence import PEER_HANG_REPORT_DELAY_S, waits_on_a_peer
 from activities.models import (
     AttemptDecision,
     PublishAttemptInput,
@@ -311,6 +314,7 @@ class StandinNodes:
         next_heartbeat = began + request.first_heartbeat_s()  # as the agent's watch
         next_decision = began
         decision: AttemptDecision | None = None
+        held: tuple[Attempt, float, WatchEvent] | None = None  # as the agent's watch: a peer's hang, held
         while True:
             if request.node in self.down:
                 await asyncio.Event().wait()  # no heartbeat, no answer: the heartbeat timeout notices
@@ -359,14 +363,21 @@ class StandinNodes:
             if state.stopped and not (follow and self.nodes.get((run, request.node)) is not state):
                 rank = state.ranks()[0]
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-15, detail=f"rank {rank} stopped")
-            if attempt.hung is not None and attempt.halted_at is not None and not state.stopped and (
+            if held is not None and held[0] is attempt and not state.stopped:
+                if time.monotonic() >= held[1]:
+                    return held[2]
+            elif attempt.hung is not None and attempt.halted_at is not None and not state.stopped and (
                     now >= attempt.halted_at + hang_bound_s(request.health, attempt.step_s)):
                 culprit = attempt.hung[0] == request.node
-                return event(WatchEventKind.HANG, rank=attempt.hung[1] if culprit else state.ranks()[0],
-                             fault_at=attempt.halted_at, occurred_at=attempt.halted_at if culprit else None,
-                             evidence=self._evidence(request.node, state, attempt, step),
-                             detail=f"rank {attempt.hung[1] if culprit else state.ranks()[0]} made no progress "
-                                    f"for {now - attempt.halted_at:.1f}s (stand-in hang)")
+                evidence = self._evidence(request.node, state, attempt, step)
+                found = event(WatchEventKind.HANG, rank=attempt.hung[1] if culprit else state.ranks()[0],
+                              fault_at=attempt.halted_at, occurred_at=attempt.halted_at if culprit else None,
+                              evidence=evidence,
+                              detail=f"rank {attempt.hung[1] if culprit else state.ranks()[0]} made no progress "
+                                     f"for {now - attempt.halted_at:.1f}s (stand-in hang)")
+                if not (follow and waits_on_a_peer(evidence)):
+                    return found
+                held = (attempt, time.monotonic() + PEER_HANG_REPORT_DELAY_S, found)
             if state.crashed is not None:
                 rank, at = state.crashed
                 return event(WatchEventKind.RANK_EXITED, rank=rank, exit_code=-9, fault_at=at, occurred_at=at,
@@ -389,7 +400,9 @@ class StandinNodes:
                        max(0.0, next_heartbeat - time.monotonic()) + 0.001)
             if follow:
                 wait = min(wait, max(0.0, next_decision - time.monotonic()) + 0.001)
-            if attempt.hung is not None and attempt.halted_at is not None:
+            if held is not None and held[0] is attempt:
+                wait = min(wait, max(0.0, held[1] - time.monotonic()) + 0.001)
+            elif attempt.hung is not None and attempt.halted_at is not None:
                 wait = min(wait, max(0.0, attempt.halted_at + hang_bound_s(request.health, attempt.step_s) - now)
                            + 0.001)
             if attempt.started_at is not None and attempt.halted_at is None:

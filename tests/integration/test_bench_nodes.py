@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bench_nodes_runs_a_crash_and_a_lost_node_to_the_end(tmp_path: Path) -> None:
+def test_bench_nodes_runs_a_crash_a_hang_and_a_lost_node_to_the_end(tmp_path: Path) -> None:
     results = tmp_path / "nodes.json"
     done = subprocess.run(  # noqa: S603 - argv list
         [sys.executable, "-m", "infra.bench.nodes", "--nodes", "16", "--checkpoints", "3", "--every-steps", "30",
@@ -27,7 +27,8 @@ def test_bench_nodes_runs_a_crash_and_a_lost_node_to_the_end(tmp_path: Path) -> 
 
     assert size["completed"], size["notes"]
     assert size["nodes"] == 16 and size["commits"] >= 3
-    assert [i.split(" on ")[0] for i in size["incidents"]] == ["crash", "node_unresponsive"]
+    assert [i.split(" on ")[0] for i in size["incidents"]] == ["crash", "hang", "node_unresponsive"]
+    assert size["hang"]["culprit_right"], size["hang"]
     assert size["events_total"] >= size["events_root"] > 0
     assert 16 <= size["max_pending"] < 2000
     assert size["largest_payload_bytes"] > 0

@@ -20,7 +20,8 @@ from temporalio.api.history.v1 import (
 from temporalio.client import WorkflowHistory
 
 from infra.bench.history import HistoryFigures, largest_payload, marginal_per_checkpoint, percentile, walk
-from infra.bench.nodes import Plan, target_events_per_checkpoint
+from infra.bench.nodes import Plan
+from infra.bench.nodes_report import target_events_per_checkpoint
 from infra.bench.standins import Attempt, parse_entrypoint, shared_queue, shared_queues
 
 HISTORIES = Path(__file__).resolve().parents[1] / "histories"

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from activities.models import (
     DownloadShardsResult,
     HealthSpec,
     LaunchRanksInput,
+    RankEvidence,
     WatchCheckpoints,
     WatchEventKind,
     WatchRanksInput,
@@ -292,3 +294,64 @@ def test_a_large_runs_watches_spread_their_first_heartbeats_over_the_interval() 
     assert len({round(f) for f in firsts}) >= 10, "spread over the interval, not in one burst"
     assert firsts == [small.model_copy(update={"node": f"node-{i:04d}", "heartbeat_every_s": 20.48})
                       .first_heartbeat_s() for i in range(4096)]
+
+
+def _hang_evidence(stopped: int | None) -> Callable[..., Any]:
+    """The agent's evidence taker: every local rank (2 and 3) asleep inside the collective its peers wait in,
+    but `stopped`, which is stopped outside it."""
+    async def take(record: Any, layout: Any, checkpoints: Any) -> list[RankEvidence]:
+        taken.append(record.attempt)
+        return [RankEvidence(node="node-b", rank=r, state="T" if r == stopped else "S", answered=r != stopped,
+                             collectives_enqueued=20 if r == stopped else 21, in_collective=r != stopped)
+                for r in (2, 3)]
+    taken: list[int] = []
+    take.taken = taken  # type: ignore[attr-defined]
+    return take
+
+
+def _hanging(attempt: int = 1) -> WatchRanksInput:
+    """A large run's watch (it follows decisions) of ranks that never step: a hang within half a second."""
+    return _following(attempt).model_copy(update={
+        "evidence": True, "evidence_with_event": True,
+        "health": HealthSpec(poll_interval_s=0.05, startup_grace_s=0.5)})
+
+
+async def test_a_large_runs_watch_whose_ranks_wait_for_a_peer_takes_up_the_relaunch_instead_of_reporting(
+        agent: NodeRanks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a hang every node's watch judges it; one whose ranks all wait inside a collective for a peer is not to
+    blame: it holds its report, and the run's relaunch (published from the culprit's node's report) comes
+    first, so it takes that up in place and never reports: thousands of nodes do not all report at once."""
+    monkeypatch.setattr(rank_watch, "PEER_HANG_REPORT_DELAY_S", 30.0)
+    agent.watch.downloader = Store(tmp_path)
+    await _training(agent)
+    agent.watch.hang_evidence = evidence = _hang_evidence(stopped=None)
+    decisions = Decisions()
+    agent.watch.decisions = decisions
+
+    publishing = asyncio.ensure_future(decisions.publish_once_read(_decision(2), after=lambda: bool(evidence.taken)))
+    event = await ActivityEnvironment().run(agent.watch.watch_ranks, _hanging())
+    await publishing
+
+    assert event.kind is WatchEventKind.FINISHED and event.attempt == 2
+    assert evidence.taken == [1]
+
+
+async def test_a_large_runs_watch_reports_a_hang_at_once_when_its_own_rank_is_to_blame_or_no_relaunch_comes(
+        agent: NodeRanks, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node whose rank is stopped reports the hang as soon as it is judged; a node whose ranks wait for a peer
+    reports it too once `PEER_HANG_REPORT_DELAY_S` passed with no relaunch (the culprit's node could not)."""
+    monkeypatch.setattr(rank_watch, "PEER_HANG_REPORT_DELAY_S", 1.0)
+    agent.watch.decisions = Decisions()
+    await _training(agent)
+    agent.watch.hang_evidence = _hang_evidence(stopped=3)
+    began = time.monotonic()
+    blamed = await ActivityEnvironment().run(agent.watch.watch_ranks, _hanging())
+    at_once = time.monotonic() - began
+
+    agent.watch.hang_evidence = _hang_evidence(stopped=None)
+    began = time.monotonic()
+    waited = await ActivityEnvironment().run(agent.watch.watch_ranks, _hanging())
+
+    assert blamed.kind is WatchEventKind.HANG and [e.state for e in blamed.evidence] == ["S", "T"]
+    assert waited.kind is WatchEventKind.HANG and waited.attempt == 1
+    assert at_once < 1.0 <= time.monotonic() - began  # its ranks silent already: judged at once, then held

@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from types import SimpleNamespace
 from uuid import uuid4
 
 import pytest
@@ -77,6 +78,7 @@ from trainguard.models import (
     DrainRequest,
     StopReason,
     CheckpointRef,
+    Incident,
     IncidentKind,
     OperatorRequest,
     OperatorResult,
@@ -87,6 +89,9 @@ from trainguard.models import (
 from workflows.node_pool import grant, release
 from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.run_nodes import DIRECT_NODE_CALLS
+from workflows.node_group_models import GroupReport, NodeGroupWatchResult
+from workflows.run_state import HangAttribution, Live
+from workflows.run_watch import Watches
 from workflows.training_run import TrainingRun
 
 RUN_TIMEOUT_S = 20.0
@@ -1827,6 +1832,79 @@ async def test_a_hang_only_some_watches_brought_evidence_for_asks_only_the_other
     [incident] = run.outcome.incidents
     assert (incident.node, incident.rank) == (nodes[1], 1)
     assert [c.node for c in cluster.inputs("collect_evidence")] == [nodes[1]]
+
+
+
+def _hang_every_node_reports(nodes: list[str], culprit: int, culprit_reports: WatchScriptEntry,
+                             culprit_event: WatchEvent) -> Cluster:
+    """Every node (one rank each) saves step 10; once it is committed every node's watch judges a hang with its
+    evidence, a victim's rank inside the collective its peers wait in; the culprit's node reports
+    `culprit_event` only once `culprit_reports` holds. Attempt 2 trains to the end a second after that report
+    (a real attempt trains on for long after its hang's last report)."""
+    cluster = Cluster(nodes=nodes)
+    committed = Until(lambda: bool(cluster.inputs("commit_checkpoint")))
+    reported: list[float] = []
+
+    def a_second_after_the_culprits_report() -> bool:
+        if not reported and any(e is culprit_event for e in cluster.calls["events"]):
+            reported.append(time.monotonic())
+        return bool(reported) and time.monotonic() - reported[0] > 1.0
+
+    cluster.watch_script = {
+        **{(1, n): [_ready(10), committed, _hang_with_evidence(n, i, True, 21, 1_000.0)]
+           for i, n in enumerate(nodes)},
+        (1, nodes[culprit]): [_ready(10), culprit_reports, culprit_event],
+        **{(2, n): [_ready(20), Until(a_second_after_the_culprits_report), _finished(30)] for n in nodes}}
+    return cluster
+
+
+async def test_a_hang_of_a_run_whose_groups_stand_relaunches_before_every_nodes_evidence_is_in(
+        env: WorkflowEnvironment) -> None:
+    """At thousands of nodes every node's watch reports a hang with its evidence, and taking all of it in before
+    the relaunch held a 4,096-node run's relaunch for 24 s. A run whose groups stand publishes the relaunch from
+    the first reports and names the culprit as the rest come in: here the culprit's node reports only once the
+    relaunch is published (a run that waited for its evidence would never relaunch), and the incident still
+    names its rank, with no node asked for evidence."""
+    nodes = _node_ids(80)
+    cluster = _hang_every_node_reports(nodes, 50, Until(lambda: bool(cluster.inputs("publish_attempt"))),
+                                       _hang_with_evidence(nodes[50], 50, False, 20, 1_000.5))
+
+    run = await _run(env, cluster, _spec(nodes))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    [incident] = result.incidents
+    assert (incident.kind, incident.action, incident.node, incident.rank) == (
+        IncidentKind.HANG, Action.RESTART, nodes[50], 50)
+    assert incident.evidence.startswith("rank 50 is not inside a collective (entered 20) while its peers are")
+    assert incident.detail.startswith("rank 50 hung (outside-collective); the watch first saw rank ")
+    assert incident.attribution_s is not None and incident.recovery_s is not None
+    assert cluster.inputs("collect_evidence") == []
+    assert [p.decision.attempt for p in cluster.inputs("publish_attempt")] == [2]
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
+
+
+def test_a_late_report_of_a_hang_relaunched_early_adds_its_evidence_and_keeps_a_sick_gpu_as_an_incident() -> None:
+    """What a standing group reports of the hung attempt after the relaunch was published: its nodes' evidence goes
+    to the attribution (the culprit is named again from it), and a GPU fault among it is an incident of the
+    attempt now running, so its node goes to a spare rather than being trained on."""
+    nodes = _node_ids(3)
+    incident = Incident(kind=IncidentKind.HANG, node=nodes[0], rank=0, attempt=1, detected_at=1_000.0)
+    hang = HangAttribution(incident=incident, attempt=1, nodes=nodes, evidence={}, watch_rank=0,
+                           watch_node=nodes[0])
+    core = SimpleNamespace(live=Live(attributing=hang), status=SimpleNamespace(nodes=nodes))
+    late_hang = _hang_with_evidence(nodes[1], 1, False, 20, 1_000.5).model_copy(update={"node": nodes[1],
+                                                                                       "attempt": 1})
+    sick = _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79").model_copy(update={"node": nodes[2],
+                                                                                          "attempt": 1})
+    report = GroupReport(group=0, attempt=2, result=NodeGroupWatchResult(incidents=[late_hang, sick]))
+
+    kept = Watches(core)._late_evidence(report)  # type: ignore[arg-type]
+
+    assert kept == [sick]
+    assert hang.fresh and hang.evidence == {nodes[1]: late_hang.evidence}
+    core.status.nodes = nodes[:2]  # a node the run has left already: no incident of it
+    assert Watches(core)._late_evidence(report) == []  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------- controls at the continue-as-new boundary
