@@ -30,17 +30,33 @@ from trainguard.pool import (  # noqa: F401 - the pool client helpers live in th
 from trainguard.search_attributes import registered
 
 
+AGENT_RETURN_WAIT_S = 60.0
+"""How long `find_node_agents` waits for nodes registered in the pool whose agents do not poll right now: a
+restarting agent is back within seconds, and after a Temporal restart no agent shows as polling until it polls
+again. A run starting then must not fail its spec over a node it knows. A node the pool has never seen is
+reported at once: a misspelt node fails its spec without the wait."""
+AGENT_RETURN_POLL_S = 2.0
+
+
 class NodeActivities:
     def __init__(self, client: Client) -> None:
         self.client = client
 
     @activity.defn(name="find_node_agents")
     async def find_node_agents(self, request: FindNodeAgentsInput) -> FindNodeAgentsResult:
-        """Which of the nodes have no agent polling their queue (as the server saw it recently)."""
-        return FindNodeAgentsResult(
-            missing=await missing_agents(self.client, request.nodes, request.max_idle_s),
-            search_attributes=await registered(self.client),
-        )
+        """Which of the nodes have no agent polling their queue (as the server saw it recently), once the
+        registered ones among them had `AGENT_RETURN_WAIT_S` to come back."""
+        missing = await missing_agents(self.client, request.nodes, request.max_idle_s)
+        known = {n.node for n in await pool_nodes(self.client)} if missing else set()
+        waiting = [node for node in missing if node in known]
+        deadline = time.monotonic() + AGENT_RETURN_WAIT_S
+        while waiting and time.monotonic() < deadline:
+            activity.heartbeat()
+            await asyncio.sleep(AGENT_RETURN_POLL_S)
+            back = set(waiting) - set(await missing_agents(self.client, waiting, request.max_idle_s))
+            missing = [node for node in missing if node not in back]
+            waiting = [node for node in waiting if node not in back]
+        return FindNodeAgentsResult(missing=missing, search_attributes=await registered(self.client))
 
     @activity.defn(name="find_agents_back")
     async def find_agents_back(self, request: AgentsBackInput) -> AgentsBackResult:
