@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import RunResult
@@ -30,6 +32,9 @@ async def test_checkpoint_now_commits_an_extra_checkpoint_at_the_step_it_names(
     assert manifests == {f"step-{target:08d}", "step-00000060"}
 
 
+# In `make test-slow`: `make test` runs an operator's Slurm drain moving the run onto the spare at its next
+# checkpoint through the same `drain_node` update (tests/integration/test_slurm.py).
+@pytest.mark.slow
 async def test_drained_node_is_replaced_by_a_spare_at_the_next_checkpoint(
     client: TrainguardClient, baseline: RunResult, prefix: str
 ) -> None:

@@ -157,6 +157,9 @@ async def test_temporal_cli_starts_a_run_that_completes(client: TrainguardClient
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
 
 
+# In `make test-slow`: `make test` runs a node lost the Slurm way replaced by the allocation's spare on the real
+# stack (tests/integration/test_slurm.py), and the decisions in workflow unit tests.
+@pytest.mark.slow
 async def test_unresponsive_node_is_replaced_by_a_spare(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
