@@ -1884,6 +1884,30 @@ async def test_a_hang_of_a_run_whose_groups_stand_relaunches_before_every_nodes_
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
 
 
+async def test_a_gpu_fault_the_hung_culprits_node_reports_after_the_relaunch_sends_it_to_a_spare(
+        env: WorkflowEnvironment) -> None:
+    """The relaunch of a hang is published before every node has reported: a node whose late report of the
+    hung attempt is a GPU fault is not trained on, its spare takes its place."""
+    nodes, spares = _node_ids(80), ["spare-0"]
+    cluster = _hang_every_node_reports(nodes, 50, Until(lambda: bool(cluster.inputs("publish_attempt"))),
+                                       _event(WatchEventKind.GPU_UNHEALTHY, detail="GPU 0: XID 79"))
+    cluster.spares = spares  # its agent polls, as a spare's does
+    for node in nodes:  # attempt 2 trains on until the GPU fault relaunches it (attempt 3) on the spare
+        cluster.watch_script[(2, node)] = [BLOCK]
+        cluster.watch_script[(3, node)] = [_ready(20), _finished(30)]
+    cluster.watch_script[(3, spares[0])] = [_ready(20), _finished(30)]
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares))
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert [(i.kind, i.action) for i in result.incidents] == [(IncidentKind.HANG, Action.RESTART),
+                                                             (IncidentKind.GPU_UNHEALTHY, Action.REPLACE_NODE)]
+    assert result.incidents[1].node == nodes[50]
+    assert nodes[50] not in run.status.nodes and spares[0] in run.status.nodes
+
+
+
 def test_a_late_report_of_a_hang_relaunched_early_adds_its_evidence_and_keeps_a_sick_gpu_as_an_incident() -> None:
     """What a standing group reports of the hung attempt after the relaunch was published: its nodes' evidence goes
     to the attribution (the culprit is named again from it), and a GPU fault among it is an incident of the
