@@ -409,6 +409,15 @@ class RunNodes:
                 schedule_to_start_timeout=NODE_SCHEDULE_TO_START, retry_policy=PARK_RETRY,
                 result_type=ParkRanksResult, summary=f"park processes on spare {spare} for a warm relaunch"))
 
+    async def unpark_spares(self, reason: StopReason) -> None:
+        """A paused run relaunches nothing soon: its spares' parked processes stop (on a GPU node each holds
+        memory and a CUDA context), and the spares park again when it resumes (`park_spares`)."""
+        parked = self.parked_spares()
+        if not parked:
+            return
+        self.core.state.parked_spares = [n for n in self.core.state.parked_spares if n not in parked]
+        await self.stop_everywhere(parked, None, "paused: stop the processes parked on spares", reason)
+
     def parked_spares(self) -> list[str]:
         """Spares still holding processes parked for the run: stopped with its ranks when it ends."""
         state = self.core.state

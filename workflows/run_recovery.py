@@ -86,7 +86,8 @@ class Recovery:
             raise core.fail(decision.reason, ErrorType.RUN_STOPPED)
         if decision.action is Action.PAUSE:
             core.status.reason = decision.reason
-            await self.wait_for_operator(heal=incident if incident.kind in NODE_FAULTS else None)
+            await self.wait_for_operator(StopReason.INCIDENT_PAUSE,
+                                         heal=incident if incident.kind in NODE_FAULTS else None)
             return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
             await self.nodes.swap_in_spare(incident, decision.replacement)
@@ -171,11 +172,13 @@ class Recovery:
         workflow.logger.info("grow back onto %s: %d nodes", ", ".join(returned), len(core.status.nodes))
         core.set_phase(Phase.RESTORING)
 
-    async def wait_for_operator(self, heal: Incident | None = None) -> None:
+    async def wait_for_operator(self, reason: StopReason, heal: Incident | None = None) -> None:
         """PAUSED until an operator resumes (relaunch, budgets afresh) or aborts (the run fails). Paused for a
         lost node (`heal`), the run also resumes by itself once that node's agent registers healthy again: the
-        relaunch then counts against the restart budget like any other."""
+        relaunch then counts against the restart budget like any other. No process of the run stays parked on
+        its spares while it waits (`reason`: why, for their agents' reports); they park again as it resumes."""
         core, intents = self.core, self.core.state.intents
+        await self.nodes.unpark_spares(reason)
         core.set_phase(Phase.PAUSED)
         # A resume accepted while the pause was on its way is kept: the run goes straight back.
         intents.pause = False
@@ -198,6 +201,7 @@ class Recovery:
         else:
             core.state.restart_times.clear()
             core.state.restarts_without_checkpoint = 0
+        self.nodes.park_spares()
         core.set_phase(Phase.RESTORING)
 
     async def _wait_for_node(self, heal: Incident, decided: Callable[[], bool]) -> bool:

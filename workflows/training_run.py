@@ -228,7 +228,7 @@ class TrainingRun:
         elif outcome.paused:
             await self.nodes.stop_everywhere(self.core.status.nodes, attempt, "paused by an operator",
                                              StopReason.OPERATOR_PAUSE)
-            await self.recovery.wait_for_operator()
+            await self.recovery.wait_for_operator(StopReason.OPERATOR_PAUSE)
         elif outcome.drain:
             await self.recovery.move_off_drained(attempt)
         elif outcome.grow:

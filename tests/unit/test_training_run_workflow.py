@@ -2266,6 +2266,37 @@ async def test_a_parked_spare_that_joins_is_not_parked_again_and_a_spare_reclaim
                                                           (nodes[1], None, StopReason.RUN_ENDED)]
 
 
+async def test_a_paused_run_keeps_nothing_parked_on_its_spares_and_parks_them_again_as_it_resumes(
+        env: WorkflowEnvironment) -> None:
+    """A pause can last hours, and a parked process on a GPU spare holds memory: the pause stops them with the
+    ranks, and the resume has the spare park again for the relaunch."""
+    nodes, spares = _node_ids(2), _node_ids(1)
+    cluster = Cluster(nodes=nodes, spares=spares, parks=True)
+    cluster.watch_script = {
+        (1, nodes[0]): [_ready(10), BLOCK],
+        (1, nodes[1]): [_ready(10), BLOCK],
+        (2, nodes[0]): [_ready(20), Until(lambda: len(_parked_on(cluster)) == 2), _finished(30)],
+        (2, nodes[1]): [_ready(20), _finished(30)],
+    }
+    paused: list[list[tuple[str, int | None, StopReason | None]]] = []
+
+    async def pause_then_resume(handle: WorkflowHandle[Any, Any]) -> None:
+        while not _parked_on(cluster):
+            await asyncio.sleep(0.02)
+        await handle.execute_update(TrainingRun.pause, OperatorRequest(reason="rack maintenance"))
+        await _wait_for_phase(handle, Phase.PAUSED)
+        paused.append(_spare_stops(cluster, spares))
+        await handle.execute_update(TrainingRun.resume, OperatorRequest())
+
+    run = await _run(env, cluster, _spec(nodes, spare_nodes=spares), operator=pause_then_resume)
+
+    assert isinstance(run.outcome, RunResult), run.outcome
+    assert paused == [[(spares[0], None, StopReason.OPERATOR_PAUSE)]], "stopped by the time the run says PAUSED"
+    assert _parked_on(cluster) == [spares[0], spares[0]]
+    assert _spare_stops(cluster, spares) == [(spares[0], None, StopReason.OPERATOR_PAUSE),
+                                             (spares[0], None, StopReason.RUN_ENDED)]
+
+
 async def test_a_run_that_fails_stops_its_parked_spares_with_its_ranks(env: WorkflowEnvironment) -> None:
     nodes, spares = _node_ids(2), _node_ids(1)
     cluster = Cluster(nodes=nodes, spares=spares, parks=True)
