@@ -101,6 +101,7 @@ class Soak(SoakVerdict):
         self.rng = random.Random(self.seed)
         self.nodes = pool_nodes(config.pools)
         self.t0 = time.monotonic()
+        self.t0_wall = time.time()
         self.runs: dict[str, RunRecord] = {}
         self.baselines: dict[str, RunRecord] = {}
         self.errors: list[str] = []

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from infra.soak_sampler import RankSampler
 
 
+LOST_NODE_LOOKBACK_S = 60.0
+"""How far before a node was taken as lost its report lists the kills (a watch's heartbeat timeout, its
+node's check and a restart of the component all fit in it)."""
+
+
 class SoakVerdict:
     """The checks and the report of a `Soak`, from what it recorded."""
 
@@ -26,6 +31,8 @@ class SoakVerdict:
     errors: list[str]
     uncordons: int
     leftovers: list[str]
+    t0_wall: float
+    """Unix time of the soak clock's zero (incidents carry Unix times)."""
     stack: Any
     chaos: Chaos | None
     sampler: RankSampler | None
@@ -67,6 +74,25 @@ class SoakVerdict:
             expected = baseline_digest.get(record.job)
             record.digest_ok = record.final_digest is not None and record.final_digest == expected
 
+    def nodes_taken_as_lost(self) -> list[dict[str, Any]]:
+        """Each incident that took a node out of its run (a spare in its place, or the node cordoned), with the
+        kills of the `LOST_NODE_LOOKBACK_S` before it. The soak only restarts components, so each one is a
+        restart read as a lost node, unless the node's agent stayed away past the node timeout (its kill's
+        `down_s` says)."""
+        assert self.chaos is not None
+        found = []
+        for record in self.runs.values():
+            for incident in record.incidents:
+                if incident["kind"] != "node_unresponsive":
+                    continue
+                at_s = round(incident["detected_at"] - self.t0_wall, 1)
+                found.append({
+                    "workflow_id": record.workflow_id, "node": incident["node"], "at_s": at_s,
+                    "action": incident["action"],
+                    "kills_before": [f"{k.target} {k.signal} at {k.at_s}s (back after {k.down_s}s)"
+                                     for k in self.chaos.kills if at_s - LOST_NODE_LOOKBACK_S <= k.at_s <= at_s]})
+        return found
+
     def report(self) -> SoakReport:
         assert self.chaos is not None and self.sampler is not None
         runs = list(self.runs.values())
@@ -80,6 +106,7 @@ class SoakVerdict:
         lost = sum(len(r.lost_steps) for r in completed)
         skipped = sum(len(r.skipped_steps) for r in completed)
         mismatched = [r for r in completed if not r.digest_ok]
+        taken = self.nodes_taken_as_lost()
         duplicates = len(self.sampler.duplicates) + len(self.sampler.record_mismatches)
         commits_seen = sum(len(r.committed_seen) for r in completed)
         resumes = sum(r.resumes for r in runs)
@@ -116,6 +143,7 @@ class SoakVerdict:
             "checkpoints_lost": lost,
             "checkpoints_skipped": skipped,
             "digest_mismatches": len(mismatched),
+            "nodes_taken_as_lost": len(taken),
         }
         failures = []
         if not runs:
@@ -168,6 +196,8 @@ class SoakVerdict:
             *([f"warning: {skipped} checkpoints never committed (skipped, not lost): " + "; ".join(
                 f"{r.workflow_id}: steps {r.skipped_steps} (manifests left: {r.manifests_left})"
                 for r in completed if r.skipped_steps)] if skipped else []),
+            *(f"warning: {t['node']} taken as lost by {t['workflow_id']} at {t['at_s']}s ({t['action']}); kills "
+              f"in the {LOST_NODE_LOOKBACK_S:g} s before: {', '.join(t['kills_before']) or 'none'}" for t in taken),
             "result: " + ("PASS" if not failures else "FAIL"),
             *(f"  - {f}" for f in failures),
         ]
@@ -185,6 +215,7 @@ class SoakVerdict:
             "kills": [asdict(k) for k in self.chaos.kills],
             "baselines": [r.to_json() for r in self.baselines.values()],
             "runs": [r.to_json() for r in runs],
+            "nodes_taken_as_lost": taken,
             "duplicates": [asdict(d) for d in self.sampler.duplicates],
             "record_mismatches": self.sampler.record_mismatches,
             "errors": self.errors,

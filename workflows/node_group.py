@@ -220,9 +220,11 @@ def _never_heartbeated(error: ActivityError) -> bool:
 
 
 def _heartbeat_timed_out(error: ActivityError) -> bool:
-    """The activity timed out on its heartbeat after heartbeating: its agent (or the server) went silent."""
-    return (isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.HEARTBEAT
-            and bool(error.cause.last_heartbeat_details))
+    """The activity timed out on its heartbeat: its agent (or the server) went silent, or, with no heartbeat
+    recorded, its agent was killed or the server restarted before its first one came (a soak lost a live node
+    of a starting run each way: an agent killed 1.4 s into the launch, back 6 s later; Temporal killed 0.6 s
+    in). Either way only the node, asked, can say whether it is gone."""
+    return isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.HEARTBEAT
 
 
 def _was_downloading(error: ActivityError) -> bool:
@@ -364,7 +366,9 @@ class NodeGroupWatch:
                                     return_when=asyncio.FIRST_COMPLETED)
             result = NodeGroupWatchResult()
             keepalive = False
-            answered = await self._silent_but_there(request.nodes, watches, launching, rewatched)
+            # A launching watch of a large run that never heartbeated is scheduled once more without asking.
+            second_chance = {n for n in launching if request.launch_second_chance and n not in retried}
+            answered = await self._silent_but_there(request.nodes, watches, second_chance, rewatched)
             for node in request.nodes:  # a fixed order keeps the workflow deterministic
                 task = watches.get(node)
                 if task is None or not task.done():
@@ -383,9 +387,10 @@ class NodeGroupWatch:
                         continue
                     if node in answered:  # the server or the agent restarted: not a lost node
                         rewatched[node] = rewatched.get(node, 0) + 1
-                        # A launching watch silent while it downloaded launches again (a launch adopts ranks
-                        # of its attempt already running); one that heartbeated past that had launched.
-                        launch = node in launching and _was_downloading(error)
+                        # A launching watch silent while it downloaded, or before its first heartbeat, launches
+                        # again (a launch adopts ranks of its attempt already running); one that heartbeated past
+                        # that had launched.
+                        launch = node in launching and (_was_downloading(error) or _never_heartbeated(error))
                         if not launch:
                             launching.discard(node)
                         workflow.logger.warning("%s's watch stopped heartbeating but its agent answers: watched "
@@ -484,10 +489,12 @@ class NodeGroupWatch:
         return reported
 
     async def _silent_but_there(self, nodes: list[str], watches: dict[str, asyncio.Task[WatchEvent]],
-                                launching: set[str], rewatched: dict[str, int]) -> set[str]:
-        """The nodes whose watch timed out on its heartbeat but whose agent answers a check, asked together."""
+                                second_chance: set[str], rewatched: dict[str, int]) -> set[str]:
+        """The nodes whose watch timed out on its heartbeat but whose agent answers a check, asked together
+        (not those whose launching watch never heartbeated and gets its `second_chance` unasked)."""
         silent = [n for n in nodes if n in watches and watches[n].done() and rewatched.get(n, 0) < MAX_SILENT_REWATCHES
-                  and isinstance(error := watches[n].exception(), ActivityError) and _heartbeat_timed_out(error)]
+                  and isinstance(error := watches[n].exception(), ActivityError) and _heartbeat_timed_out(error)
+                  and not (n in second_chance and _never_heartbeated(error))]
         if not silent:
             return set()
         answers = await asyncio.gather(*(self._answers(n) for n in silent))
