@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -34,14 +36,16 @@ uploading a checkpoint takes a while the restart can land in."""
 BUCKET = "trainguard"
 
 
-async def _finished_undisturbed(client: TrainguardClient, rid: str, baseline: RunResult) -> RunResult:
-    """The run ends by itself as if nothing happened: its nodes and spare kept, nothing cordoned, no pause."""
+async def _finished_undisturbed(client: TrainguardClient, rid: str, baseline: RunResult,
+                                allowed: frozenset[IncidentKind] = frozenset({IncidentKind.AGENT_RESTART})) -> RunResult:
+    """The run ends by itself as if nothing happened: its nodes and spare kept, nothing cordoned, no pause, no
+    incident but the `allowed` kinds."""
     result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
     status = (await client.status(rid)).status
     assert status.nodes == ["node-0", "node-1"] and status.spares == ["node-2"], result.incidents
     assert status.phase.value == "completed" and status.cordoned == []
     assert {n.node: n.cordoned for n in await client.nodes() if n.cordoned} == {}
-    assert {i.kind for i in result.incidents} <= {IncidentKind.AGENT_RESTART}, result.incidents
+    assert {i.kind for i in result.incidents} <= allowed, result.incidents
     assert result.final_state_digest == baseline.final_state_digest
     return result
 
@@ -57,6 +61,24 @@ async def test_an_agent_restarted_mid_run_costs_no_node_and_no_spare(
     result = await _finished_undisturbed(client, rid, baseline)
     [incident] = result.incidents
     assert incident.node == "node-1" and incident.recovery_s is not None
+
+
+async def test_an_agent_killed_as_its_run_launches_costs_no_node_and_no_spare(
+        client: TrainguardClient, stack: DevStack, prefix: str, baseline: RunResult) -> None:
+    """The 60-minute soak's case: an agent SIGKILLed in its run's first second, as the launching watches start,
+    and started again 3 s later. Its watch times out on its heartbeat, maybe before its first one; its node is
+    asked, answers, and is watched (or launches) again: the run keeps its nodes and its spare. Its ranks may
+    not survive an agent killed as it starts them: a crash, relaunched on the same nodes, is allowed."""
+    spec = make_spec(prefix, every=10, step_time=0.25, spares=("node-2",))
+    rid = await client.start_run(spec, workflow_id=f"it-launchkill-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, rid, lambda v: v.status.phase.value in ("launching", "running"), timeout_s=60)
+    pid = stack.status()["agent-node-1"]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await asyncio.sleep(GAP_S)
+    await asyncio.to_thread(stack.up, lambda _line: None)
+    await _finished_undisturbed(client, rid, baseline,
+                                allowed=frozenset({IncidentKind.AGENT_RESTART, IncidentKind.CRASH}))
 
 
 # ------------------------------------------------------------------------------------- the restart matrix
@@ -83,7 +105,8 @@ class Case:
 
 
 FAST_CASE = Case("controller", 0, "mid-training")
-"""The one matrix case in `make test` (about 20 s); the agent's restart above is the other."""
+"""The one matrix case in `make test` (about 20 s); the agent's restart and its kill at launch above are the
+others."""
 CASES = [Case(t, g, m) for t in TARGETS for g in (0, 5, 30) for m in ("mid-training", "mid-commit")]
 
 
