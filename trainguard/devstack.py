@@ -49,6 +49,8 @@ STOP_GRACE_S = 10.0
 # look that old. Liveness of our own processes is checked by PID alongside.
 POLLER_IDLE_S = 90.0
 
+STARTING_SERVER_ERRORS = frozenset({"CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED"})
+"""What a Temporal server just started may answer for a moment ("context canceled" at load 8): not ready yet."""
 
 DEV_RANKS_USER = "nobody"
 """The user a stack started as root runs its ranks as when `TRAINGUARD_RUN_AS` names none: Debian's and most
@@ -538,6 +540,7 @@ class DevStack:
         import asyncio
 
         from temporalio.api.enums.v1 import TaskQueueType
+        from temporalio.service import RPCError
         from trainguard.pool import has_pollers, missing_agents, pool_nodes
         from trainguard import TASK_QUEUE
 
@@ -554,15 +557,20 @@ class DevStack:
                 if dead:
                     raise RuntimeError(f"{', '.join(dead)} exited during start-up; see {self.log_dir}")
                 agents = [] if self.config.slurm else list(self.config.nodes)
-                missing = await missing_agents(client, agents, max_idle_s=POLLER_IDLE_S)
-                if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, POLLER_IDLE_S):
-                    missing.append("controller")
-                else:
-                    # Registered by the agent running now (a restarted agent re-registers: it may be repairing a
-                    # cordoned node), not by one before it.
-                    registered = {n.node: n.registered_at for n in await pool_nodes(client)}
-                    missing += [f"{n} (pool registration)" for n in agents
-                                if registered.get(n, 0.0) < self._spawned_at(f"agent-{n}") - 1.0]
+                try:
+                    missing = await missing_agents(client, agents, max_idle_s=POLLER_IDLE_S)
+                    if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, POLLER_IDLE_S):
+                        missing.append("controller")
+                    else:
+                        # Registered by the agent running now (a restarted agent re-registers: it may be repairing
+                        # a cordoned node), not by one before it.
+                        registered = {n.node: n.registered_at for n in await pool_nodes(client)}
+                        missing += [f"{n} (pool registration)" for n in agents
+                                    if registered.get(n, 0.0) < self._spawned_at(f"agent-{n}") - 1.0]
+                except RPCError as error:
+                    if error.status.name not in STARTING_SERVER_ERRORS:
+                        raise
+                    missing = [f"Temporal answering ({error.status.name}: {error.message})"]
                 if not missing:
                     return
                 if time.monotonic() > deadline:
