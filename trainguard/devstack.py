@@ -49,9 +49,6 @@ STOP_GRACE_S = 10.0
 # look that old. Liveness of our own processes is checked by PID alongside.
 POLLER_IDLE_S = 90.0
 
-STARTING_SERVER_ERRORS = frozenset({"CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED"})
-"""What a Temporal server just started may answer for a moment ("context canceled" at load 8): not ready yet."""
-
 DEV_RANKS_USER = "nobody"
 """The user a stack started as root runs its ranks as when `TRAINGUARD_RUN_AS` names none: Debian's and most
 distributions' unprivileged user, which owns nothing."""
@@ -541,7 +538,7 @@ class DevStack:
 
         from temporalio.api.enums.v1 import TaskQueueType
         from temporalio.service import RPCError
-        from trainguard.pool import has_pollers, missing_agents, pool_nodes
+        from trainguard.pool import STARTING_SERVER_ERRORS, has_pollers, missing_agents, pool_nodes
         from trainguard import TASK_QUEUE
 
         async def wait() -> None:

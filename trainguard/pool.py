@@ -32,6 +32,11 @@ looking up 4,096 nodes' queues at a run's start, beside the agents' heartbeats, 
 and the lookup failed the reservation. Refused lookups are asked again soon, jittered and backing off."""
 
 
+STARTING_SERVER_ERRORS = frozenset({"CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED"})
+"""What a Temporal server just started may answer a lookup for a moment ("context canceled" at load 8): not
+ready yet. A caller with a deadline (`DevStack.up`) asks again."""
+
+
 async def has_pollers(client: Client, task_queue: str, kind: TaskQueueType.ValueType, max_idle_s: float) -> bool:
     """Whether a worker polled `task_queue` within `max_idle_s` (as the server saw it)."""
     from temporalio.service import RPCError, RPCStatusCode
