@@ -141,6 +141,8 @@ class _CommitterState:
     """Monotonic time of the next look at the nodes' pace."""
     adopt_next: dict[int, float] = field(default_factory=dict)
     """Step -> monotonic time of the next look for a manifest of this run's that nothing reported (`_adopt`)."""
+    pruned: bool = False
+    """Retention ran in this activity (a drain applies it once even when it commits nothing)."""
 
 
 class StoreActivities:
@@ -416,7 +418,9 @@ class StoreActivities:
             if commits or pace is not None:
                 return CommitCheckpointsResult(commits=commits, pace=pace)
             now = time.monotonic()
-            last_change = now if changed else last_change
+            # A finished run's drain counts its quiet from when the store answers again.
+            if changed or (request.wait_for_store and store_error is not None):
+                last_change = now
             if now >= deadline:
                 return CommitCheckpointsResult(store_error=store_error)
             if request.quiet_s is not None and (not pending or now - last_change >= request.quiet_s):
@@ -473,10 +477,16 @@ class StoreActivities:
                 # Only this attempt's nodes still upload (an agent fences older attempts): half a step left by
                 # an older one is not waited for again, as after a relaunch in which nothing trained.
                 pending = True
-        if commits:
+        if commits or (request.quiet_s is not None and not state.pruned):
+            # The run's newest known commit stays until the run has heard of a newer one: a committer whose
+            # result never reaches the run (given up as its attempt or the run ended) must not delete the
+            # checkpoint the run's status and result name. A drain applies retention even when it commits
+            # nothing, so what such a committer spared is pruned by the run's last pass.
+            protect = [*(c.ref.step for c in commits[-1:]), *([request.after_step] if request.after_step >= 0 else [])]
             self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,
                                               keep_last=request.keep_last, workflow_id=request.workflow_id,
-                                              protect_steps=[max(c.ref.step for c in commits)]))
+                                              protect_steps=protect))
+            state.pruned = True
         return commits, pending, changed
 
     def _adopt(self, client: Any, request: CommitCheckpointsInput, step: int,

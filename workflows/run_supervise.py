@@ -160,7 +160,7 @@ class Supervisor:
         if ending is Ending.CONTINUE:
             return Outcome(False, continue_as_new=True)
         # Shards already saved may still commit: a checkpoint is valid whoever crashed after it.
-        await self.watches.commit_the_rest(attempt)
+        await self.watches.commit_the_rest(attempt, finished=ending is Ending.FINISHED)
         if ending is Ending.INCIDENT:
             return Outcome(False, seen.incident)
         if ending is Ending.PAUSE:

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
+from temporalio.exceptions import TimeoutError as TemporalTimeout
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
@@ -38,6 +39,10 @@ DRAIN_MARGIN = timedelta(seconds=10)
 """What the last pass may take beyond `DRAIN_TIMEOUT`: its final look at the store and a manifest write."""
 DRAIN_QUIET_S = 3.0
 """...and the drain ends sooner once no node has reported a new upload for this long."""
+FINISH_DRAIN_TIMEOUT = timedelta(minutes=5)
+"""A finished run's last passes wait this long for a store or controller that is restarting: its last
+checkpoints are what it trained for, and its result names the newest. (A recovery's drain does not wait:
+it can do without a checkpoint.)"""
 COMMITTER_MAX_DURATION_S = 600.0
 """The committer returns after this long even if nothing was committed, so no activity runs unbounded."""
 COMMITTER_MIN_DURATION_S = 1.0
@@ -215,7 +220,9 @@ class Watches:
         await asyncio.gather(*running, return_exceptions=True)
 
     # ------------------------------------------------------------------------------------- committer
-    def committer(self, attempt: int, quiet_s: float | None = None) -> asyncio.Task[CommitCheckpointsResult]:
+    def committer(self, attempt: int, quiet_s: float | None = None, drain: timedelta = DRAIN_TIMEOUT,
+                  finished: bool = False) -> asyncio.Task[CommitCheckpointsResult]:
+        """`quiet_s`: a last pass, bounded by `drain`; a finished run's waits through store errors."""
         core, spec = self.core, self.core.the_spec
         state = core.state
         window = pace_window_s(spec.health.straggler_window_s, len(core.status.nodes))
@@ -230,12 +237,12 @@ class Watches:
                                    straggler_ratio=spec.health.straggler_ratio,
                                    pace_window_s=None if quiet_s else window,
                                    pace_after=state.slow_window_end + 0.5 * window,
-                                   max_duration_s=DRAIN_TIMEOUT.total_seconds() if quiet_s else self._until_stale(),
-                                   quiet_s=quiet_s),
+                                   max_duration_s=drain.total_seconds() if quiet_s else self._until_stale(),
+                                   quiet_s=quiet_s, wait_for_store=finished),
             start_to_close_timeout=COMMITTER_TIMEOUT,
             # The last pass is bounded whatever the store does: with the store down its retries would hold
             # recovery for minutes, for a checkpoint the run can do without.
-            schedule_to_close_timeout=DRAIN_TIMEOUT + DRAIN_MARGIN if quiet_s else None,
+            schedule_to_close_timeout=drain + DRAIN_MARGIN if quiet_s else None,
             heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
             retry_policy=STORE_RETRY,
             result_type=CommitCheckpointsResult,
@@ -257,13 +264,25 @@ class Watches:
         age = core.checkpoint_age_s() or 0.0
         return round(min(COMMITTER_MAX_DURATION_S, max(COMMITTER_MIN_DURATION_S, bound - age)), 3)
 
-    async def commit_the_rest(self, attempt: int) -> None:
+    async def commit_the_rest(self, attempt: int, finished: bool = False) -> None:
         """One last committer pass, bounded by `DRAIN_TIMEOUT` and ending once uploads go quiet: with the
-        store down, an upload retries for hours, and recovery must not wait on a checkpoint it can do without."""
-        try:
-            result = await self.committer(attempt, quiet_s=DRAIN_QUIET_S)
-        except ActivityError as error:
-            workflow.logger.warning("last commit pass failed: %s", cause_text(error))
-            return
-        for commit in result.commits:
-            self.core.committed(commit.ref)
+        store down, an upload retries for hours, and recovery must not wait on a checkpoint it can do without.
+
+        `finished`: the run trained to its end. Passes follow one another until one commits nothing with the
+        store answering, within `FINISH_DRAIN_TIMEOUT` (a pass returns at its first commits; a store or
+        controller restarting is waited for), so the result names the store's newest commit."""
+        until = workflow.now() + FINISH_DRAIN_TIMEOUT
+        while True:
+            drain = max(DRAIN_TIMEOUT, until - workflow.now()) if finished else DRAIN_TIMEOUT
+            try:
+                result = await self.committer(attempt, quiet_s=DRAIN_QUIET_S, drain=drain, finished=finished)
+            except ActivityError as error:
+                workflow.logger.warning("last commit pass failed: %s", cause_text(error))
+                # A controller that stayed away past the pass's retries: asked again while time is left.
+                if finished and isinstance(error.cause, TemporalTimeout) and workflow.now() < until:
+                    continue
+                return
+            for commit in result.commits:
+                self.core.committed(commit.ref)
+            if not finished or workflow.now() >= until or not (result.commits or result.store_error):
+                return

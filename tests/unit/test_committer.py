@@ -180,6 +180,59 @@ def test_the_committer_judges_stragglers_and_applies_retention(store: MemoryStor
     assert manifest_key(RUN, 20) in store.objects and manifest_key(RUN, 30) in store.objects
 
 
+def test_retention_never_deletes_the_newest_commit_the_run_has_heard_of(store: MemoryStore) -> None:
+    """A committer whose result never reaches the run (given up as the run ended) keeps the step the run's
+    status and result name; the run's next drain, knowing the newer steps, prunes it."""
+    for step in (10, 20, 30, 40):
+        _upload(store, step, 0, 1, attempt=2)
+        _upload(store, step, 1, 1, attempt=2)
+    _commit_once(_request(2, 2, after_step=-1, max_duration_s=0.0))
+    assert manifest_key(RUN, 10) not in store.objects  # keep_last=2: 30 and 40 kept
+    for step in (50, 60, 70):
+        _upload(store, step, 0, 1, attempt=2)
+        _upload(store, step, 1, 1, attempt=2)
+    # The run knows of step 40 only; this pass's report of 50..70 is lost.
+    assert [c.ref.step for c in _commit_once(_request(2, 2, after_step=40)).commits] == [50, 60, 70]
+    kept = sorted(s for s in (30, 40, 50, 60, 70) if manifest_key(RUN, s) in store.objects)
+    assert kept == [40, 60, 70], "step 40, which the run names, outlives the committer it never heard from"
+    # A drain that commits nothing new (the run has heard of 70 since) applies retention: 40 goes.
+    drain = _request(2, 2, after_step=70, quiet_s=0.0)
+    assert _commit_once(drain).commits == []
+    assert sorted(s for s in (40, 60, 70) if manifest_key(RUN, s) in store.objects) == [60, 70]
+
+
+async def test_a_finished_runs_drain_waits_through_store_errors_and_commits_once_it_answers(
+        store: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain gives up once uploads go quiet, and with the store out nothing is ever new; a finished run's
+    drain (`wait_for_store`) keeps asking to its bound and commits the final step once the store answers."""
+    from temporalio.testing import ActivityEnvironment
+
+    monkeypatch.setattr(checkpoint_store, "STORE_ERROR_POLL_S", 0.05)
+    _upload(store, 10, 0, 1, attempt=2)
+    _upload(store, 10, 1, 1, attempt=2)
+    down = {"out": True}
+
+    def out_or_memory() -> Any:
+        if down["out"]:
+            raise OSError("Could not connect to the endpoint URL")
+        return store
+
+    monkeypatch.setattr(checkpoint_store, "s3_client", out_or_memory)
+    committer = StoreActivities().commit_checkpoints
+    drain = _request(2, 2, max_duration_s=30.0, quiet_s=0.2, poll_interval_s=0.01)
+    gave_up = await ActivityEnvironment().run(committer, drain)
+    assert gave_up.commits == [] and gave_up.store_error is not None
+
+    async def store_comes_back() -> None:
+        await asyncio.sleep(0.6)  # well past quiet_s
+        down["out"] = False
+
+    back = asyncio.ensure_future(store_comes_back())
+    [commit] = (await ActivityEnvironment().run(committer, drain.model_copy(update={"wait_for_store": True}))).commits
+    await back
+    assert commit.ref.step == 10 and manifest_key(RUN, 10) in store.objects
+
+
 async def test_drain_mode_returns_once_uploads_go_quiet_and_commits_what_arrives_meanwhile(
         store: MemoryStore) -> None:
     from temporalio.testing import ActivityEnvironment

@@ -261,9 +261,11 @@ class Cluster:
             patience = request.max_duration_s if self.committer_patience_s is None else min(
                 request.max_duration_s, self.committer_patience_s)
             deadline = time.monotonic() + (0.05 if request.quiet_s is not None else patience)
+            # A finished run's last pass waits through the store's errors (to its bound), as the real one.
+            out_deadline = time.monotonic() + patience if request.wait_for_store else deadline
             while True:
                 if self.store_out is not None:
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= out_deadline:
                         return CommitCheckpointsResult(store_error=self.store_out)
                     activity.heartbeat()
                     await asyncio.sleep(0.01)
@@ -2103,6 +2105,29 @@ async def test_checkpoints_that_stop_committing_are_an_incident_until_they_commi
     [closed] = run.status.incidents
     assert closed.recovery_s is not None, "the commit that came next closed it"
     assert run.status.store_error is None and run.status.last_commit_at is not None
+
+
+async def test_a_run_that_finishes_while_the_store_is_out_waits_for_it_and_names_its_final_checkpoint(
+        env: WorkflowEnvironment) -> None:
+    """The soak's case: the store was restarting as the ranks finished. The run's last pass waits for it, and
+    the result names the final checkpoint (the pass that gave up at once left the result naming none, or an
+    older one that retention then deleted)."""
+    nodes = _node_ids(1)
+    cluster = Cluster(nodes=nodes, store_out="EndpointConnectionError: Could not connect to the endpoint URL")
+    cluster.watch_script = {(1, nodes[0]): [_ready(10), _ready(20), _finished(20)]}
+
+    async def store_comes_back(handle: WorkflowHandle[Any, Any]) -> None:
+        while not any(r.quiet_s is not None for r in cluster.inputs("commit_checkpoints")):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # the last pass has begun, and the store is still out
+        cluster.store_out = None
+
+    run = await _run(env, cluster, _spec(nodes, checkpoint={"every_steps": 10}), operator=store_comes_back)
+
+    result = run.outcome
+    assert isinstance(result, RunResult), result
+    assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
+    assert run.status.phase is Phase.COMPLETED
 
 
 async def test_an_agent_that_shuts_down_and_comes_back_costs_no_node_no_spare_and_no_budget(
