@@ -141,6 +141,11 @@ class _CommitterState:
     """Monotonic time of the next look at the nodes' pace."""
     adopt_next: dict[int, float] = field(default_factory=dict)
     """Step -> monotonic time of the next look for a manifest of this run's that nothing reported (`_adopt`)."""
+    settled: set[int] = field(default_factory=set)
+    """Steps at or below the run's newest commit known to have a manifest: not looked at again."""
+    late_next: dict[int, float] = field(default_factory=dict)
+    """Step -> monotonic time of the next look at such a step without a manifest and without this attempt's
+    records (a crashed attempt's leftovers: at 4,096 nodes a look is several LISTs)."""
     pruned: bool = False
     """Retention ran in this activity (a drain applies it once even when it commits nothing)."""
 
@@ -449,11 +454,14 @@ class StoreActivities:
         uploaded by this attempt, whether any node record is new since the last pass)."""
         client = s3_client()
         commits: list[CommittedCheckpoint] = []
+        late_commits = 0
         pending = changed = False
         try:
-            steps = sorted(s for s in list_steps(client, request.bucket, request.run_prefix) if s > request.after_step)
+            listed = list_steps(client, request.bucket, request.run_prefix)
         except ClientError as error:
             raise _bucket_missing(error, request.bucket) or error
+        late = self._late_steps(client, request, listed, state)
+        steps = sorted([*late, *(s for s in listed if s > request.after_step)])
         for step in steps:
             found, new = self._node_records(client, request, step, state.records)
             changed = changed or new
@@ -469,6 +477,17 @@ class StoreActivities:
                 log.warning("%s; not committing step %d", error.message, step)
                 state.refused.add(step)
                 continue
+            if step <= request.after_step:
+                # Uploads run side by side: a newer step can commit while an older one still uploads. Committed
+                # when whole (a checkpoint the user may want), never reported: the run's newest is newer.
+                if done is not None:
+                    state.settled.add(step)
+                    late_commits += 1
+                elif any(r.attempt == request.attempt for r in found):
+                    pending = True
+                else:  # an older attempt's leftovers, until retention clears them: looked at now and then
+                    state.late_next[step] = time.monotonic() + ADOPT_RECHECK_S
+                continue
             if done is None and not any(r.attempt == request.attempt for r in found):
                 done = self._adopt(client, request, step, state)
             if done is not None:
@@ -477,7 +496,7 @@ class StoreActivities:
                 # Only this attempt's nodes still upload (an agent fences older attempts): half a step left by
                 # an older one is not waited for again, as after a relaunch in which nothing trained.
                 pending = True
-        if commits or (request.quiet_s is not None and not state.pruned):
+        if commits or late_commits or (request.quiet_s is not None and not state.pruned):
             # The run's newest known commit stays until the run has heard of a newer one: a committer whose
             # result never reaches the run (given up as its attempt or the run ended) must not delete the
             # checkpoint the run's status and result name. A drain applies retention even when it commits
@@ -488,6 +507,20 @@ class StoreActivities:
                                               protect_steps=protect))
             state.pruned = True
         return commits, pending, changed
+
+    def _late_steps(self, client: Any, request: CommitCheckpointsInput, listed: list[int],
+                    state: _CommitterState) -> list[int]:
+        """Steps at or below the run's newest commit without a manifest (looked up once per step and
+        committer: retention deletes such a folder once `keep_last` newer checkpoints are committed)."""
+        late, now = [], time.monotonic()
+        for step in listed:
+            if step > request.after_step or step in state.settled or now < state.late_next.get(step, 0.0):
+                continue
+            if self._exists(client, request.bucket, manifest_key(request.run_prefix, step)):
+                state.settled.add(step)
+            else:
+                late.append(step)
+        return late
 
     def _adopt(self, client: Any, request: CommitCheckpointsInput, step: int,
                state: _CommitterState) -> CommittedCheckpoint | None:

@@ -201,6 +201,26 @@ def test_retention_never_deletes_the_newest_commit_the_run_has_heard_of(store: M
     assert sorted(s for s in (40, 60, 70) if manifest_key(RUN, s) in store.objects) == [60, 70]
 
 
+def test_an_older_step_whole_after_a_newer_one_committed_is_committed_too(store: MemoryStore) -> None:
+    """Uploads run side by side: step 20 can be whole while step 10 still uploads on a node. Step 10 is
+    committed once whole (not reported: the run's newest is 20), and a drain waits for it meanwhile."""
+    _upload(store, 10, 0, 1, attempt=2)
+    for node in (0, 1):
+        _upload(store, 20, node, 1, attempt=2)
+    assert [c.ref.step for c in _commit_once(_request(2, 2, keep_last=3)).commits] == [20]
+    assert manifest_key(RUN, 10) not in store.objects
+    # Step 10 is half uploaded by this attempt: a drain of the run that knows of 20 waits for it...
+    began = time.monotonic()
+    assert _commit_once(_request(2, 2, keep_last=3, after_step=20, quiet_s=0.3, max_duration_s=5.0,
+                                 poll_interval_s=0.01)).commits == []
+    assert time.monotonic() - began >= 0.3, "the drain waited for the older step"
+    # ...which, once whole, commits without being reported.
+    _upload(store, 10, 1, 1, attempt=2)
+    assert _commit_once(_request(2, 2, keep_last=3, after_step=20)).commits == []
+    manifest = read_manifest(store, BUCKET, manifest_key(RUN, 10))
+    assert manifest is not None and [s.rank for s in manifest.shards] == [0, 1]
+
+
 async def test_a_finished_runs_drain_waits_through_store_errors_and_commits_once_it_answers(
         store: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """A drain gives up once uploads go quiet, and with the store out nothing is ever new; a finished run's
