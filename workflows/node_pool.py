@@ -11,7 +11,7 @@ Registration is guarded (issue 27 item 6): its validator refuses a malformed one
 on any host but the node's own, labels, sizes) before it enters history; a healthy registration lifts a cordon a
 run or a failed GPU check set, never one an operator set; and the agent proves it holds the pool's peer token. A
 workflow cannot read a secret, so the proof (an HMAC of the registration, `trainguard.pool.registration_proof`)
-is checked by a local activity on the controller (`verify_registration`) with the controller's own copy of the
+is checked by an activity on the controller (`verify_registration`) with the controller's own copy of the
 token: the tag and the verdict enter history, the token never does. A controller without a token takes any
 well-formed registration (a dev stack without peers): unauthenticated, but an operator's cordon still stands.
 """
@@ -60,10 +60,23 @@ PATCH_SCHEDULER_UNCORDON = "scheduler-uncordon"
 PATCH_GUARDED_REGISTRATION = "guarded-registration"
 """Histories before this patch took any registration unchecked, and a healthy one lifted an operator's cordon."""
 
+PATCH_REGISTRATION_ACTIVITY = "registration-activity"
+"""Histories before this patch checked the proof in a local activity. An update handler awaiting one wrote
+histories the SDK (temporalio 1.35) cannot replay: a check resolved in one workflow task whose handler then
+completed in the next, after other registrations were accepted, replays as accepted and completed at once
+("UpdateMachine in state CompletedCommandCreated ... WorkflowExecutionUpdateAccepted"), and the pool, which
+every run leases from, failed every workflow task after a full restart of the stack. An activity's result is an
+event of its own, so the handler resumes at the same place on replay."""
+
 VERIFY_TIMEOUT = timedelta(seconds=5)
 """Checking a registration's proof is one HMAC on the controller: milliseconds."""
 VERIFY_RETRY = RetryPolicy(maximum_attempts=3)
 """Only a controller restarting mid-check fails it; a refused proof is a verdict, not an error."""
+VERIFY_ACTIVITY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5))
+"""The check as an activity: asked again while the controller restarts (a refused proof is a verdict, not an
+error), within `VERIFY_SCHEDULE_TO_CLOSE`."""
+VERIFY_SCHEDULE_TO_CLOSE = timedelta(minutes=2)
+"""A controller away longer fails the registration; the agent registers again."""
 
 SCHEDULER_TIMEOUT = timedelta(seconds=60)
 """At most two scheduler commands (cordon + taint) of at most 20 s each."""
@@ -331,11 +344,17 @@ class NodePool:
     async def register(self, request: RegisterNodeRequest) -> PoolNode:
         self._counted()
         guarded = workflow.patched(PATCH_GUARDED_REGISTRATION)
-        if guarded:
+        if guarded and workflow.patched(PATCH_REGISTRATION_ACTIVITY):
+            verdict = await workflow.execute_activity(
+                "verify_registration", request, result_type=RegistrationVerdict,
+                start_to_close_timeout=VERIFY_TIMEOUT, schedule_to_close_timeout=VERIFY_SCHEDULE_TO_CLOSE,
+                retry_policy=VERIFY_ACTIVITY_RETRY, summary=f"check {request.node}'s registration proof")
+        elif guarded:
             verdict = await workflow.execute_local_activity(
                 "verify_registration", request, result_type=RegistrationVerdict,
                 start_to_close_timeout=VERIFY_TIMEOUT, retry_policy=VERIFY_RETRY,
                 summary=f"check {request.node}'s registration proof")
+        if guarded:
             # Another registration of the node may have landed while this one was checked.
             problem = verdict.why if not verdict.accepted else registration_problem(
                 request, self._nodes.get(request.node))

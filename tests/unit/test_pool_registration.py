@@ -4,6 +4,7 @@ listener, which then received the pool's peer token on the next restore."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import uuid
@@ -11,12 +12,13 @@ import uuid
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowUpdateFailedError
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from activities.nodes import RegistrationActivities
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
-from trainguard.models import AcquireNodesRequest, NodeRequest, PoolNode, RegisterNodeRequest
+from trainguard.models import AcquireNodesRequest, NodeRequest, PoolNode, RegisterNodeRequest, RegistrationVerdict
 from trainguard.pool import REGISTRATION_MAX_SKEW_S, check_registration, registration_proof, signed_registration
 from workflows.node_pool import (UNHEALTHY_AT_REGISTRATION, NodePool, cordon, grant, operator_cordon, register,
                                  registration_problem)
@@ -188,3 +190,36 @@ async def test_the_pool_takes_only_guarded_registrations(env: WorkflowEnvironmen
     assert TOKEN.encode() not in payloads and TOKEN not in history  # the token never is
     assert [n.node for n in status.nodes] == ["node-0"]  # no phantom
     assert status.nodes[0].peer_url == "http://10.0.0.5:7300"  # no refused address taken
+
+
+async def test_registrations_checked_side_by_side_leave_a_history_that_replays(env: WorkflowEnvironment) -> None:
+    """A full restart of the stack: every agent registers at once and one check is slow. The pool's history must
+    replay (a check in a local activity wrote one that did not: the pool failed every workflow task after)."""
+    verifier = RegistrationActivities(TOKEN)
+
+    @activity.defn(name="verify_registration")
+    async def slow_for_node_0(request: RegisterNodeRequest) -> RegistrationVerdict:
+        if request.node == "node-0":
+            await asyncio.sleep(0.5)
+        return await verifier.verify_registration(request)
+
+    queue = f"pool-{uuid.uuid4()}"
+    nodes = [_request(node=f"node-{i}", host=f"10.0.0.{i + 5}", peer_url=f"http://10.0.0.{i + 5}:7300")
+             for i in range(4)]
+    async with Worker(env.client, task_queue=queue, workflows=[NodePool],
+                      activities=[slow_for_node_0, notify_scheduler]):
+        handle = await env.client.start_workflow(NodePool.run, id=queue, task_queue=queue)
+
+        async def registered(request: RegisterNodeRequest, after_s: float) -> PoolNode:
+            await asyncio.sleep(after_s)
+            return await handle.execute_update(NodePool.register, signed_registration(request, TOKEN),
+                                               result_type=PoolNode)
+
+        done = await asyncio.gather(*(registered(r, 0.0 if i == 0 else 0.2) for i, r in enumerate(nodes)))
+        history = await handle.fetch_history()
+        await handle.terminate()
+
+    assert [n.node for n in done] == [r.node for r in nodes]
+    checks = [e for e in history.events if e.HasField("activity_task_scheduled_event_attributes")]
+    assert len(checks) == len(nodes), "each proof checked by an activity, its result an event of its own"
+    await Replayer(workflows=[NodePool], data_converter=pydantic_data_converter).replay_workflow(history)
