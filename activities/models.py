@@ -272,10 +272,9 @@ class CommitCheckpointsInput(BaseModel):
     max_duration_s: float = 600.0
     poll_interval_s: float = 0.5
     quiet_s: float | None = None
-    """Drain mode: return once nothing new was uploaded for this long (and nothing is left to commit)."""
+    """Drain mode: return once nothing new was uploaded for this long (and nothing is left to commit); with
+    `wait_for_store` (a finished run's drain), store errors are not quiet (`max_duration_s` still bounds it)."""
     wait_for_store: bool = False
-    """...a finished run's drain: time with the store erroring is not quiet (its last checkpoints are what it
-    trained for); `max_duration_s` still bounds the wait."""
     pace_window_s: float | None = None
     """Also compare the nodes' `PaceRecord`s ten times a window and return a slow one (None: not)."""
     pace_after: float = 0.0
