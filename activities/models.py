@@ -272,8 +272,7 @@ class CommitCheckpointsInput(BaseModel):
     max_duration_s: float = 600.0
     poll_interval_s: float = 0.5
     quiet_s: float | None = None
-    """Drain mode: return once nothing new was uploaded for this long (and nothing is left to commit); with
-    `wait_for_store` (a finished run's drain), store errors are not quiet (`max_duration_s` still bounds it)."""
+    """Drain mode: return after this long with no new upload (`wait_for_store`: nor store error), or when done."""
     wait_for_store: bool = False
     pace_window_s: float | None = None
     """Also compare the nodes' `PaceRecord`s ten times a window and return a slow one (None: not)."""
