@@ -387,14 +387,16 @@ class NodeGroupWatch:
                         continue
                     if node in answered:  # the server or the agent restarted: not a lost node
                         rewatched[node] = rewatched.get(node, 0) + 1
-                        # A launching watch silent while it downloaded, or before its first heartbeat, launches
-                        # again (a launch adopts ranks of its attempt already running); one that heartbeated past
-                        # that had launched.
-                        launch = node in launching and (_was_downloading(error) or _never_heartbeated(error))
+                        # A launching watch silent while it downloaded, before its first heartbeat, or never
+                        # started, launches again (a launch adopts ranks of its attempt already running); one that
+                        # heartbeated past that had launched.
+                        launch = node in launching and (_was_downloading(error) or _never_heartbeated(error)
+                                                        or _not_started(error))
                         if not launch:
                             launching.discard(node)
-                        workflow.logger.warning("%s's watch stopped heartbeating but its agent answers: watched "
-                                                "again", node)
+                        workflow.logger.warning("%s's watch %s but its agent answers: watched again", node,
+                                                "was not started in time" if _not_started(error)
+                                                else "stopped heartbeating")
                         watches[node] = self._watch(request, node, report_start=node in starters
                                                     and node not in started, launch=launch)
                         continue
@@ -490,11 +492,14 @@ class NodeGroupWatch:
 
     async def _silent_but_there(self, nodes: list[str], watches: dict[str, asyncio.Task[WatchEvent]],
                                 second_chance: set[str], rewatched: dict[str, int]) -> set[str]:
-        """The nodes whose watch timed out on its heartbeat but whose agent answers a check, asked together
-        (not those whose launching watch never heartbeated and gets its `second_chance` unasked)."""
+        """The nodes whose watch timed out on its heartbeat, or waiting for its agent to start it, but whose agent
+        answers a check, asked together (not those whose launching watch gets its `second_chance` unasked). An
+        agent killed as its run launched and back 13 s later (a loaded machine) had left its launching watch
+        unstarted past `NODE_SCHEDULE_TO_START`, and the restart matrix's run took the live node as lost."""
         silent = [n for n in nodes if n in watches and watches[n].done() and rewatched.get(n, 0) < MAX_SILENT_REWATCHES
-                  and isinstance(error := watches[n].exception(), ActivityError) and _heartbeat_timed_out(error)
-                  and not (n in second_chance and _never_heartbeated(error))]
+                  and isinstance(error := watches[n].exception(), ActivityError)
+                  and (_heartbeat_timed_out(error) or _not_started(error))
+                  and not (n in second_chance and (_never_heartbeated(error) or _not_started(error)))]
         if not silent:
             return set()
         answers = await asyncio.gather(*(self._answers(n) for n in silent))

@@ -80,9 +80,10 @@ class Watches:
         master = nodes[:1]
         second_chance = len(nodes) > FAN_OUT_GROUPS * NODES_PER_GROUP
         # A run of one call group: its launching watches are a burst of at most 64, matched in well under the
-        # stop's 10 s even on a loaded machine, and that is how fast a node lost with its ranks (its peers' crash
-        # seen first) is found. Larger relaunches wait 30 s (at 256 nodes, load 16, 10 s read a live node as
-        # lost); past 3,000 nodes the wait grows with the burst (`launch_wait_s`).
+        # stop's 10 s even on a loaded machine, and that, with its check 10 s more (`_silent_but_there`), is how
+        # fast a node lost with its ranks (its peers' crash seen first) is found. Larger relaunches wait 30 s (at
+        # 256 nodes, load 16, 10 s read a live node as lost); past 3,000 nodes the wait grows with the burst
+        # (`launch_wait_s`).
         launch_wait: float | None = NODE_SCHEDULE_TO_START.total_seconds() if len(nodes) <= NODES_PER_GROUP else None
         if launch_wait is None and launch_wait_s(len(nodes)) > BURST_SCHEDULE_TO_START.total_seconds():
             launch_wait = launch_wait_s(len(nodes))

@@ -91,29 +91,52 @@ def _request(parent: str, second_chance: bool) -> NodeGroupWatchInput:
 
 
 @pytest.mark.parametrize("second_chance", [True, False], ids=["thousands-of-nodes", "small-run"])
-async def test_a_node_matched_late_to_its_launching_watch_gets_a_second_chance_only_when_asked(
+async def test_a_node_matched_late_to_its_launching_watch_launches_there_again(
         env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, second_chance: bool) -> None:
+    """A launching watch no agent started in time: a server busy with a burst of thousands of them, or an agent
+    killed as its run launched and back only after the schedule-to-start timeout. A large run schedules it once
+    more unasked; a small run asks the node, and its agent answering, launches there again: no live node lost."""
     # Real time, not skipped (the test never waits on a result until the late agent polls): a 2 s wait to be
     # matched, and the workflows unsandboxed so they see it.
     monkeypatch.setattr(node_group, "BURST_SCHEDULE_TO_START", timedelta(seconds=2))
+    monkeypatch.setattr(node_group, "NODE_SCHEDULE_TO_START", timedelta(seconds=2))
+    checked: list[str] = []
+
+    @activity.defn(name="check_node")
+    async def check(request: CheckNodeInput) -> CheckNodeResult:
+        checked.append(request.node)
+        return await healthy_check(request)
+
     queue = f"tq-{uuid4()}"
     parent = f"group-{uuid4()}"
     async with Worker(env.client, task_queue=queue, workflows=[GroupParent, NodeGroupWatch],
                       workflow_runner=UnsandboxedWorkflowRunner()), \
-            Worker(env.client, task_queue=node_task_queue(NODES[0]), activities=[finished_watch]):
+            Worker(env.client, task_queue=node_task_queue(NODES[0]), activities=[finished_watch, check]):
         handle = await env.client.start_workflow(GroupParent.run, _request(parent, second_chance), id=parent,
                                                  task_queue=queue, result_type=NodeGroupWatchResult)
-        # a-1's agent polls only once its launching watch has timed out waiting to be matched (a server busy
-        # with a burst of thousands of them).
-        await _until_a_call_timed_out(env, f"{parent}/g")
-        async with Worker(env.client, task_queue=node_task_queue(NODES[1]), activities=[finished_watch]):
+        await _until_a_call_timed_out(env, f"{parent}/g")  # a-1's agent polls only after that
+        async with Worker(env.client, task_queue=node_task_queue(NODES[1]), activities=[finished_watch, check]):
             result = await handle.result()
-    if second_chance:
-        assert result.lost == []
-        assert sorted(e.node for e in result.finished) == NODES
-    else:
-        assert [lost.node for lost in result.lost] == [NODES[1]] and result.finished == []
-        assert result.lost[0].never_started  # it launched nothing: a spare may take its place in the attempt
+    assert result.lost == []
+    assert sorted(e.node for e in result.finished) == NODES
+    assert checked == ([] if second_chance else [NODES[1]])
+
+
+async def test_a_node_whose_agent_never_starts_its_launching_watch_nor_answers_is_lost_and_never_started(
+        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node is gone: its launching watch is not started in time, nor is the check that asks it. It launched
+    nothing, so a spare may take its place in the attempt."""
+    monkeypatch.setattr(node_group, "BURST_SCHEDULE_TO_START", timedelta(seconds=1))
+    monkeypatch.setattr(node_group, "NODE_SCHEDULE_TO_START", timedelta(seconds=1))
+    monkeypatch.setattr(node_group, "SILENT_CHECK_SCHEDULE_TO_START", timedelta(seconds=1))
+    queue, parent = f"tq-{uuid4()}", f"group-{uuid4()}"
+    async with Worker(env.client, task_queue=queue, workflows=[GroupParent, NodeGroupWatch],
+                      workflow_runner=UnsandboxedWorkflowRunner()), \
+            Worker(env.client, task_queue=node_task_queue(NODES[0]), activities=[finished_watch, healthy_check]):
+        result = await env.client.execute_workflow(GroupParent.run, _request(parent, False), id=parent,
+                                                   task_queue=queue, result_type=NodeGroupWatchResult)
+    assert [lost.node for lost in result.lost] == [NODES[1]]
+    assert result.lost[0].never_started
 
 
 @pytest.mark.parametrize("second_chance", [True, False], ids=["thousands-of-nodes", "small-run"])
