@@ -379,7 +379,7 @@ class NodeGroupWatch:
                 except ActivityError as error:
                     if (node in launching and request.launch_second_chance and node not in retried
                             and (_not_started(error) or _never_heartbeated(error))):
-                        retried.add(node)  # once: a second miss is a lost node
+                        retried.add(node)  # once: a second miss is asked (`_silent_but_there`)
                         workflow.logger.warning("%s did not start its launching watch in time, or never heartbeated "
                                                 "in it: scheduled again", node)
                         watches[node] = self._watch(request, node, report_start=node in starters
