@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from types import SimpleNamespace
@@ -87,6 +88,7 @@ from trainguard.models import (
     RunStatus,
 )
 from workflows.node_pool import grant, release
+from workflows import node_group
 from workflows.node_group import NodeCalls, NodeGroupWatch
 from workflows.run_nodes import DIRECT_NODE_CALLS
 from workflows.node_group_models import GroupReport, NodeGroupWatchResult
@@ -1163,10 +1165,13 @@ async def test_a_replaced_node_that_returns_becomes_a_spare(env: WorkflowEnviron
 
 
 async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_that_node(
-        env: WorkflowEnvironment) -> None:
+        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch) -> None:
     """A node that died takes its ranks with it; its peers fail in the collective and are seen first. A relaunch
     sends no stop, so the node is found when it does not take up the relaunch: it becomes the incident, and
     the relaunch it cost is not counted against the restart budget twice."""
+    # The dead node's queue: nothing takes up its launching watch, nor the check that asks it before it is
+    # taken as lost. That check gives up in 1 s, not 10: the master's watch waits for the spare in real time.
+    monkeypatch.setattr(node_group, "SILENT_CHECK_SCHEDULE_TO_START", timedelta(seconds=1))
     nodes, spares = _node_ids(2), _node_ids(1)
 
     async def take_it_down(handle: WorkflowHandle[Any, Any]) -> None:  # chaos: injected at 123.0 (the stand-in's)
@@ -1234,9 +1239,12 @@ async def test_a_crash_whose_peer_node_is_dead_replaces_that_node_before_the_rel
 
 
 async def test_two_nodes_that_do_not_take_up_the_relaunch_are_both_replaced_within_it(
-        env: WorkflowEnvironment) -> None:
+        env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two nodes of one group lost with their ranks: each gets a spare in its place in the same relaunch, and the
     group is watched again once, not once per spare."""
+    # The dead node's queue: nothing takes up its launching watch, nor the check that asks it before it is
+    # taken as lost. That check gives up in 1 s, not 10: the master's watch waits for the spare in real time.
+    monkeypatch.setattr(node_group, "SILENT_CHECK_SCHEDULE_TO_START", timedelta(seconds=1))
     nodes, spares = _node_ids(3), _node_ids(2)
 
     def both_spares_launched() -> bool:
