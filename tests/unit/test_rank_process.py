@@ -20,7 +20,10 @@ def _child(seconds: float) -> RankProcess:
 
 def test_exit_time_is_stamped_when_it_happens_not_when_first_polled() -> None:
     proc = _child(0.2)
-    time.sleep(1.2)  # no watch polls meanwhile (a controller is down, say)
+    deadline = time.time() + 10  # a loaded machine may take a while to start the child at all
+    while proc.exited_at is None and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.0)  # no watch polls meanwhile (a controller is down, say)
     polled_at = time.time()
 
     assert proc.poll()
