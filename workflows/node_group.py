@@ -219,6 +219,12 @@ def _never_heartbeated(error: ActivityError) -> bool:
             and not error.cause.last_heartbeat_details)
 
 
+def _unheard(error: ActivityError) -> bool:
+    """No agent ever reported on the activity: not started in time, or timed out before its first heartbeat.
+    A launching watch so ended gets a large run's unasked second chance, and, asked, launches again."""
+    return _not_started(error) or _never_heartbeated(error)
+
+
 def _heartbeat_timed_out(error: ActivityError) -> bool:
     """The activity timed out on its heartbeat: its agent (or the server) went silent, or, with no heartbeat
     recorded, its agent was killed or the server restarted before its first one came (a soak lost a live node
@@ -377,8 +383,7 @@ class NodeGroupWatch:
                 try:
                     event = task.result()
                 except ActivityError as error:
-                    if (node in launching and request.launch_second_chance and node not in retried
-                            and (_not_started(error) or _never_heartbeated(error))):
+                    if node in launching and request.launch_second_chance and node not in retried and _unheard(error):
                         retried.add(node)  # once: a second miss is asked (`_silent_but_there`)
                         workflow.logger.warning("%s did not start its launching watch in time, or never heartbeated "
                                                 "in it: scheduled again", node)
@@ -390,8 +395,7 @@ class NodeGroupWatch:
                         # A launching watch silent while it downloaded, before its first heartbeat, or never
                         # started, launches again (a launch adopts ranks of its attempt already running); one that
                         # heartbeated past that had launched.
-                        launch = node in launching and (_was_downloading(error) or _never_heartbeated(error)
-                                                        or _not_started(error))
+                        launch = node in launching and (_was_downloading(error) or _unheard(error))
                         if not launch:
                             launching.discard(node)
                         workflow.logger.warning("%s's watch %s but its agent answers: watched again", node,
@@ -499,7 +503,7 @@ class NodeGroupWatch:
         silent = [n for n in nodes if n in watches and watches[n].done() and rewatched.get(n, 0) < MAX_SILENT_REWATCHES
                   and isinstance(error := watches[n].exception(), ActivityError)
                   and (_heartbeat_timed_out(error) or _not_started(error))
-                  and not (n in second_chance and (_never_heartbeated(error) or _not_started(error)))]
+                  and not (n in second_chance and _unheard(error))]
         if not silent:
             return set()
         answers = await asyncio.gather(*(self._answers(n) for n in silent))
