@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from enum import Enum
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -62,30 +63,49 @@ def redact(text: str, known: Iterable[str] | None = None) -> str:
     return _AWS_SECRET.sub(REDACTED, text)
 
 
-TEXT_FIELDS = frozenset({"detail", "log_tail", "failure_signature", "innermost", "collective", "text"})
-"""The fields of the agent's results that carry what a rank wrote (its log, its exception, its frames): the
-ones `redact_model` redacts. Ids, paths and digests the agent makes itself are left as they are."""
+IDENTIFIER_FIELDS = frozenset({
+    "node", "host", "master_addr", "workflow_id", "chain_id", "bucket", "run_prefix", "key", "manifest_key",
+    "stacks_key", "sha256", "path", "log_path", "restore_dir",
+})
+"""The only text fields `redact_model` leaves alone: ids, addresses, store keys, checksums and paths the agent or
+the controller made, which the workflow acts on and which must reach it byte for byte (a redacted restore folder
+or store key would break the next launch). Every other text, in any model, list or dict, is redacted: a field
+added tomorrow that carries what a rank wrote (an upload error, a state digest, a process state) is covered
+without anyone remembering to list it. Add a name here only for a value no rank can write."""
 
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def redact_model(model: Model, known: Iterable[str] | None = None) -> Model:
-    """A copy of `model` with `redact` applied to its `TEXT_FIELDS`, in nested models and lists of them too:
-    what the agent returns to Temporal (a watch's event, hang evidence, a log chunk) passes through here."""
+def redact_value(value: Any, known: Iterable[str] | None = None, name: str = "") -> Any:
+    """`value` with `redact` applied to every text in it (models, lists, tuples and dict values, however deep)
+    except the fields named in `IDENTIFIER_FIELDS` and enum members; a model comes back as a copy."""
     if known is None:
         from trainguard.settings import held_secret_values
 
         known = held_secret_values()
     values = list(known)
 
-    def clean(value: Any, name: str = "") -> Any:
-        if isinstance(value, str) and name in TEXT_FIELDS:
-            return redact(value, values)
-        if isinstance(value, BaseModel):
-            changes = {field: clean(getattr(value, field), field) for field in type(value).model_fields}
-            return value.model_copy(update={k: v for k, v in changes.items() if v is not getattr(value, k)})
-        if isinstance(value, list):
-            return [clean(item, name) for item in value]
-        return value
+    def clean(item: Any, field: str) -> Any:
+        if isinstance(item, Enum) or field in IDENTIFIER_FIELDS:
+            return item
+        if isinstance(item, str):
+            return redact(item, values)
+        if isinstance(item, BaseModel):
+            changes = {f: clean(getattr(item, f), f) for f in type(item).model_fields}
+            return item.model_copy(update={k: v for k, v in changes.items() if v is not getattr(item, k)})
+        if isinstance(item, list):
+            return [clean(element, field) for element in item]
+        if isinstance(item, tuple):
+            return tuple(clean(element, field) for element in item)
+        if isinstance(item, dict):
+            return {key: clean(element, field) for key, element in item.items()}
+        return item
 
-    return clean(model)  # type: ignore[no-any-return]
+    return clean(value, name)
+
+
+def redact_model(model: Model, known: Iterable[str] | None = None) -> Model:
+    """A copy of `model` with `redact` applied to every text field but `IDENTIFIER_FIELDS`, in nested models,
+    lists and dicts too: whatever a node agent returns to Temporal passes through here (`workers.redaction`
+    applies it to every node activity's result and failure)."""
+    return redact_value(model, known)  # type: ignore[no-any-return]

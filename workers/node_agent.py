@@ -41,6 +41,7 @@ from trainguard.run_as import RUN_AS_ENV, RunAs, run_as_from
 from trainguard.settings import env_flag, hold_agent_secrets
 from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_LABELS_ENV, is_node_id, parse_labels
 from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
+from workers.redaction import RedactNodeResults
 
 log = logging.getLogger("trainguard.node_agent")
 
@@ -125,6 +126,8 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
         max_concurrent_activity_task_polls=AGENT_POLLS,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_heartbeat_throttle_interval=timedelta(seconds=heartbeat_interval_s),
+        # Every result and failure leaves the node redacted, whichever activity or field carries a rank's text.
+        interceptors=[RedactNodeResults()],
     )
     return worker, ranks.book
 
