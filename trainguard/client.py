@@ -13,7 +13,6 @@ result = await tg.result(run_id)                     # waits; RunResult
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from datetime import timedelta
@@ -47,7 +46,7 @@ from trainguard.models import (
     RunStatus,
 )
 from trainguard.settings import Settings
-from trainguard.spec import RunSpec, SpecError, parse_spec
+from trainguard.spec import RunSpec, SpecError, loads_spec_json, parse_spec
 
 
 @dataclass
@@ -58,6 +57,9 @@ class RunView:
     execution_status: str
     status: RunStatus
     rank_steps: dict[int, int | None] = field(default_factory=dict)
+    long_phases: dict[int, str] = field(default_factory=dict)
+    """Ranks between steps for longer than their step bound, and what they do (`busy 12.3s (eval)`, `waiting
+    8.0s (a collective)`): an evaluation, a save, a wait for a peer. Not hung; from the watch heartbeats."""
 
     @property
     def live_step(self) -> int:
@@ -78,33 +80,6 @@ def node_of_rank(status: RunStatus, rank: int) -> str:
     return status.nodes[rank // per_node]
 
 
-@dataclass(frozen=True, slots=True)
-class _HugeNumber:
-    """An integer in a spec file with more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300
-    by default): kept as its size, so the error names its field instead of the conversion's bare
-    `Exceeds the limit (4300 digits)`."""
-
-    digits: int
-
-
-def _json_int(text: str) -> int | _HugeNumber:
-    try:
-        return int(text)
-    except ValueError:  # json hands over only well-formed integers: the only failure is their length
-        return _HugeNumber(len(text.lstrip("-")))
-
-
-def _find_huge_number(value: Any, path: str = "") -> tuple[str, int] | None:
-    """The dotted path (`checkpoint.every_steps`, `nodes.3`) and size of the first `_HugeNumber` in `value`."""
-    if isinstance(value, _HugeNumber):
-        return path or "(spec)", value.digits
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if (found := _find_huge_number(item, f"{path}.{key}" if path else str(key))) is not None:
-            return found
-    return None
-
-
 def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
     """Validate a spec, or a spec file (UTF-8 JSON, a byte-order mark allowed). Raises `SpecError`; for a file,
     its message starts with the file's name, whether the file cannot be read, is not JSON, or is a bad spec."""
@@ -118,17 +93,7 @@ def load_spec(source: RunSpec | dict[str, Any] | str | Path) -> RunSpec:
     except UnicodeDecodeError as error:
         raise SpecError(f"{source}: not UTF-8 text (byte {error.start}): save the spec as UTF-8 JSON") from None
     try:
-        raw = json.loads(text, parse_int=_json_int)
-    except json.JSONDecodeError as error:
-        raise SpecError(f"{source}: not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") \
-            from None
-    except RecursionError:
-        raise SpecError(f"{source}: not valid JSON: nested too deeply") from None
-    if (huge := _find_huge_number(raw)) is not None:
-        path, digits = huge
-        raise SpecError(f"{source}: {path}: a number of {digits} digits, too large for any field") from None
-    try:
-        return parse_spec(raw)
+        return parse_spec(loads_spec_json(text))
     except SpecError as error:
         raise SpecError(f"{source}: {error}") from None
 
@@ -233,6 +198,7 @@ class TrainguardClient:
                 raise NoController(no_controller_hint(self.client.service_client.config.target_host)) from error
             raise
         steps: dict[int, int | None] = {}
+        phases: dict[int, str] = {}
         live = status.phase in (Phase.RUNNING, Phase.FINISHING)
         if status.at_risk_since is not None and description.status == WorkflowExecutionStatus.RUNNING:
             status.checkpoint_age_s = round(max(0.0, time.time() - status.at_risk_since), 1)
@@ -252,8 +218,9 @@ class TrainguardClient:
                 if beat is None or beat.attempt != status.attempt:
                     continue  # a cancelled watch of an earlier attempt, not yet acknowledged
                 steps.update(beat.steps or {})
+                phases.update(beat.phases or {})
         execution = description.status.name if description.status else "UNKNOWN"
-        return RunView(workflow_id, execution, status, dict(sorted(steps.items())))
+        return RunView(workflow_id, execution, status, dict(sorted(steps.items())), dict(sorted(phases.items())))
 
     async def result(self, workflow_id: str) -> RunResult:
         return await self.client.get_workflow_handle(workflow_id, result_type=RunResult).result()

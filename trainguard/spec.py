@@ -6,7 +6,9 @@ by the workers from their own environment.
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
@@ -472,6 +474,52 @@ def describe_validation_error(error: ValidationError) -> str:
         path = ".".join(str(part) for part in problem["loc"] if part != "[key]") or "(spec)"
         lines.append(f"{path}: {problem['msg']}")
     return "; ".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class _HugeNumber:
+    """An integer in a spec's JSON with more digits than Python converts (`sys.get_int_max_str_digits()`, 4,300
+    by default): kept as its size, so the error names its field instead of the conversion's bare
+    `Exceeds the limit (4300 digits)`."""
+
+    digits: int
+
+
+def _json_int(text: str) -> int | _HugeNumber:
+    try:
+        return int(text)
+    except ValueError:  # json hands over only well-formed integers: the only failure is their length
+        return _HugeNumber(len(text.lstrip("-")))
+
+
+def _find_huge_number(value: Any, path: str = "") -> tuple[str, int] | None:
+    """The dotted path (`checkpoint.every_steps`, `nodes.3`) and size of the first `_HugeNumber` in `value`."""
+    if isinstance(value, _HugeNumber):
+        return path or "(spec)", value.digits
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _find_huge_number(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
+
+
+def loads_spec_json(text: str | bytes) -> Any:
+    """A spec's JSON text (a file, or the payload `temporal workflow start` sent) as plain values, for
+    `parse_spec`. Raises `SpecError` saying what to fix for text that is not JSON, not UTF-8, nested too deeply,
+    or holds a number too long for Python to convert (naming its field): never a bare ValueError, which the
+    workflow could not tell from a bug."""
+    try:
+        raw = json.loads(text, parse_int=_json_int)
+    except json.JSONDecodeError as error:
+        raise SpecError(f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    except UnicodeDecodeError as error:
+        raise SpecError(f"not UTF-8 text (byte {error.start}): save the spec as UTF-8 JSON") from None
+    except RecursionError:
+        raise SpecError("not valid JSON: nested too deeply") from None
+    if (huge := _find_huge_number(raw)) is not None:
+        path, digits = huge
+        raise SpecError(f"{path}: a number of {digits} digits, too large for any field")
+    return raw
 
 
 def parse_spec(raw: Any) -> RunSpec:

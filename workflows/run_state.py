@@ -15,12 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 from temporalio import workflow
+from temporalio.api.common.v1 import Payload
+from temporalio.common import RawValue
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import RankEvidence
     from trainguard.ids import validate_workflow_id
     from trainguard.models import Incident, RunStatus
-    from trainguard.spec import RunSpec, SpecError, parse_spec
+    from trainguard.spec import RunSpec, SpecError, loads_spec_json, parse_spec
     from workflows.goodput import Goodput
     from workflows.node_group_models import GroupReport, NodeGroupWatchInput, NodeGroupWatchResult
 
@@ -169,6 +171,36 @@ class RunInput:
 def continued_input(spec: RunSpec, state: RunState) -> dict[str, Any]:
     """The input of the run's next history."""
     return {"spec": spec.model_dump(mode="json"), "carried": state.model_dump(mode="json")}
+
+
+NO_INPUT = RawValue(Payload())
+"""What `TrainingRun.run` is given when the start request carried no input at all (`temporal workflow start`
+without `--input`): refused like a bad spec, where a missing argument would fail every workflow task forever."""
+
+JSON_ENCODING = b"json/plain"
+NULL_ENCODING = b"binary/null"
+"""The payload encodings a start input may have: JSON (what `temporal workflow start --input` and every SDK's
+JSON converter send), or an explicit null (refused by `parse_spec` naming it)."""
+
+
+def decode_run_input(raw: RawValue) -> Any:
+    """The run's input payload as plain values. The workflow decodes it itself, not the SDK: a payload the SDK
+    fails to decode (a number of 5,001 digits, JSON that is not JSON) fails the workflow *task*, which Temporal
+    retries forever while the run sits Running. Here every such input raises `RunInputError`, so the run fails at
+    once as a bad spec, saying what to fix."""
+    if raw is NO_INPUT:
+        raise RunInputError("the run's input is missing: start TrainingRun with its spec as the input "
+                            "(`temporal workflow start ... --input-file examples/<spec>.json`)")
+    encoding = raw.payload.metadata.get("encoding", b"")
+    if encoding == NULL_ENCODING:
+        return None
+    if encoding != JSON_ENCODING:
+        raise RunInputError(f"the run's input is encoded as {encoding.decode(errors='replace')[:40]!r}: start "
+                            "TrainingRun with its spec as JSON")
+    try:
+        return loads_spec_json(raw.payload.data)
+    except SpecError as error:
+        raise RunInputError(f"invalid run input: {error}") from None
 
 
 def parse_run_input(raw: Any, *, continued: bool, workflow_id: str) -> RunInput:

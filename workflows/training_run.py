@@ -14,9 +14,8 @@ attempts); the decisions they take are pure functions (workflows/policy.py, work
 
 from __future__ import annotations
 
-from typing import Any
-
 from temporalio import workflow
+from temporalio.common import RawValue
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
@@ -31,7 +30,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run_core import RunCore, cause_text
     from workflows.run_nodes import RunNodes
     from workflows.run_recovery import Recovery
-    from workflows.run_state import RunInputError, RunState, continued_input, parse_run_input
+    from workflows.run_state import (NO_INPUT, RunInputError, RunState, continued_input, decode_run_input,
+                                     parse_run_input)
     from workflows.run_supervise import Outcome, Supervisor
     from workflows.run_watch import Watches
 
@@ -170,10 +170,10 @@ class TrainingRun:
 
     # --------------------------------------------------------------------------------------------- run
     @workflow.run
-    async def run(self, raw_input: Any) -> RunResult:
+    async def run(self, raw_input: RawValue = NO_INPUT) -> RunResult:
         core, info = self.core, workflow.info()
         try:
-            parsed = parse_run_input(raw_input, continued=info.continued_run_id is not None,
+            parsed = parse_run_input(decode_run_input(raw_input), continued=info.continued_run_id is not None,
                                      workflow_id=info.workflow_id)
         except RunInputError as error:
             raise core.fail(str(error), ErrorType.INVALID_SPEC, phase=True) from None

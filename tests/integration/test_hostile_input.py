@@ -227,3 +227,33 @@ async def test_a_spec_file_with_a_huge_number_names_the_file_and_the_field(
     assert started.stderr.strip() == f"{path}: checkpoint.every_steps: a number of 5001 digits, too large for any " \
                                      "field", started.stderr
     assert "Traceback" not in started.stderr
+
+
+# ------------------------------------------------------------------- issue 40 finding 12: input that cannot decode
+@pytest.mark.parametrize(("case", "expected"), [
+    ("huge", "checkpoint.every_steps: a number of 5001 digits, too large for any field"),
+    ("none", "the run's input is missing"),
+])
+async def test_input_temporal_workflow_start_cannot_decode_fails_the_run_at_once(
+        client: TrainguardClient, stack: DevStack, prefix: str, tmp_path: Path, case: str, expected: str) -> None:
+    """Issue 40 finding 12: a number of 5,001 digits through `temporal workflow start` failed to decode in the
+    workflow task, which then failed and was retried forever: the run sat Running. No input at all did the same."""
+    text = json.dumps(make_spec(prefix, every=12345)).replace('"every_steps": 12345', '"every_steps": ' + "7" * 5001)
+    path = tmp_path / "huge.json"
+    path.write_text(text)
+    workflow_id = f"it-undecodable-{uuid.uuid4().hex[:6]}"
+    temporal = Path(sys.executable).parent / "temporal"
+    argv = [str(temporal), "workflow", "start", "--type", WORKFLOW_TYPE, "--task-queue", TASK_QUEUE,
+            "--workflow-id", workflow_id, "--address", stack.config.temporal_address]
+    started = await asyncio.to_thread(subprocess.run, [*argv, *(["--input-file", str(path)] if case == "huge" else [])],
+                                      capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started
+
+    handle = client.client.get_workflow_handle(workflow_id)
+    with pytest.raises(WorkflowFailureError) as failure:
+        await asyncio.wait_for(handle.result(), REFUSED_AT_ONCE_S)  # before the fix: Running, its task retried
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidSpec", cause
+    assert expected in cause.message, cause.message
+    history = history_text(await handle.fetch_history())
+    assert not [a for a in ("acquire_nodes", "find_node_agents", "launch_ranks", "NodeGroupWatch") if a in history]

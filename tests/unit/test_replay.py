@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from temporalio import workflow
 from temporalio.client import WorkflowHistory
+from temporalio.common import RawValue
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
@@ -74,7 +75,7 @@ class _TrainingRunThatWaitsFirst(TrainingRun):
     that no recorded history has, and no `workflow.patched` guard."""
 
     @workflow.run
-    async def run(self, raw_spec: Any) -> RunResult:
+    async def run(self, raw_spec: RawValue) -> RunResult:
         await workflow.sleep(0.001)
         return await super().run(raw_spec)
 
@@ -84,7 +85,7 @@ class _TrainingRunThatWaitsFirstBehindAPatch(TrainingRun):
     """The same change behind `workflow.patched`: old histories replay without the timer."""
 
     @workflow.run
-    async def run(self, raw_spec: Any) -> RunResult:
+    async def run(self, raw_spec: RawValue) -> RunResult:
         if workflow.patched("test-wait-first"):
             await workflow.sleep(0.001)
         return await super().run(raw_spec)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from temporalio.api.common.v1 import Payload
+from temporalio.common import RawValue
 
 from trainguard.models import CheckpointRef, Incident, IncidentKind, Phase, RunStatus
 from workflows.goodput import AttemptPace, Goodput
 from workflows.run_core import RunCore
-from workflows.run_state import (Live, OperatorIntents, RunInputError, RunState, continued_input,
-                                 parse_run_input)
+from workflows.run_state import (NO_INPUT, Live, OperatorIntents, RunInputError, RunState, continued_input,
+                                 decode_run_input, parse_run_input)
 from workflows.training_run import TrainingRun
 
 SPEC: dict[str, Any] = {"nodes": ["node-0"], "entrypoint": ["python", "train.py"]}
@@ -93,3 +96,28 @@ def test_a_bad_input_is_refused_naming_what_to_fix(raw: Any, continued: bool, wo
 def test_a_spec_alone_starts_a_run() -> None:
     parsed = parse_run_input(SPEC, continued=False, workflow_id="run-1")
     assert parsed.carried is None and parsed.spec.nodes == ["node-0"]
+
+
+def _payload(data: bytes, encoding: bytes = b"json/plain") -> RawValue:
+    return RawValue(Payload(metadata={"encoding": encoding}, data=data))
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    (_payload(b'{"checkpoint": {"every_steps": ' + b"7" * 5001 + b"}}"),
+     "checkpoint.every_steps: a number of 5001 digits, too large for any field"),
+    (_payload(b'{"nodes": [1, -' + b"9" * 4301 + b"]}"), "nodes.1: a number of 4301 digits"),
+    (_payload(b"{not json"), "not valid JSON"),
+    (_payload(b"[" * 100_000), "nested too deeply"),
+    (_payload(b"\x8a\x01", encoding=b"binary/protobuf"), "encoded as 'binary/protobuf'"),
+    (NO_INPUT, "the run's input is missing"),
+])
+def test_an_input_that_does_not_decode_is_refused_naming_what_to_fix(raw: RawValue, says: str) -> None:
+    """Issue 40 finding 12: the SDK decoding these failed the workflow task, retried forever."""
+    with pytest.raises(RunInputError) as refused:
+        decode_run_input(raw)
+    assert says in str(refused.value)
+
+
+def test_a_json_spec_decodes_to_what_parse_run_input_takes() -> None:
+    assert decode_run_input(_payload(json.dumps(SPEC).encode())) == SPEC
+    assert decode_run_input(_payload(b"", encoding=b"binary/null")) is None
