@@ -178,6 +178,39 @@ def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
     return evidence, texts
 
 
+def ask_positions(layout: RunLayout, record: AttemptRecord, ranks: set[int],
+                  clock: Callable[[], float] = time.monotonic) -> dict[int, channel.Position | None]:
+    """Where each of `ranks` waits, from its helper's evidence thread (no signal, no stacks: a quiet rank is
+    asked this while the watch judges it, `activities.rank_activity`). None for a rank that did not answer
+    within `ANSWER_TIMEOUT_S` (stopped, holding the GIL in C, or without the evidence channel). Blocking."""
+    request = uuid.uuid4().hex
+    asked: dict[int, channel.Paths] = {}
+    for rank in sorted(ranks):
+        base = evidence_base(layout, record.attempt, rank)
+        if base is None:
+            continue
+        paths = channel.Paths(base)
+        try:
+            channel.write_atomic(paths.request, request)
+        except OSError:
+            continue
+        asked[rank] = paths
+    answers: dict[int, channel.Position | None] = {rank: None for rank in ranks}
+    deadline = clock() + ANSWER_TIMEOUT_S
+    while asked and clock() < deadline:
+        for rank, paths in list(asked.items()):
+            try:
+                found = channel.Position.from_json(paths.answer.read_text())
+            except (OSError, ValueError, TypeError):
+                continue
+            if found.request == request:
+                answers[rank] = found
+                del asked[rank]
+        if asked:
+            time.sleep(0.01)
+    return answers
+
+
 def _stacks_text(node: str, rank: int, state: str, position: channel.Position | None, stacks: str) -> str:
     head = [f"rank {rank} on {node}, process state {state}"]
     if position is None:

@@ -485,6 +485,8 @@ class WatchRanksInput(BaseModel):
     nothing of it or an older one, and take up the next in place when it is published (a node leaving the run
     returns KEEPALIVE then). A large run's every reporting node thus waits in a watch, and a fault every node
     reports (a hang every watch judges) still relaunches with no activity per node after the decision."""
+    learned_gaps: dict[int, float] = Field(default_factory=dict)
+    """Gaps between steps the run learned its healthy ranks take (`WatchEvent.gaps`): expected next time."""
     heartbeat_every_s: float | None = None
     """Heartbeat at most this often (a large run bounds its heartbeats per second: `HEARTBEATS_PER_S` in
     `workflows/node_group.py`); None: at every poll, as the agent's worker throttles them."""
@@ -546,6 +548,10 @@ class WatchEvent(BaseModel):
     judged and before anything was stopped (what `collect_evidence` would have answered)."""
     standby: bool = False
     """STARTED: the node's ranks of the attempt called `standby()` (the script parks); False in older histories."""
+    gaps: dict[int, float] = Field(default_factory=dict)
+    """Gaps between steps this node's healthy ranks took: step -> seconds (`activities.rank_activity.GapBook`)."""
+    phase_s: dict[str, float] = Field(default_factory=dict)
+    """FINISHED: seconds the node's ranks spent in each phase their script named (the longest rank's)."""
 
 
 class InjectFaultInput(BaseModel):

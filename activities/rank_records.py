@@ -151,6 +151,9 @@ def read_report(path: Path) -> RankReport | None:
         finished=data.finished,
         compute_s=data.compute_s,
         error=data.error,
+        phase=data.phase,
+        phase_since=data.phase_since,
+        phase_expected_s=data.phase_expected_s,
     )
 
 

@@ -31,17 +31,18 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
+from activities.evidence import ask_positions
 from activities.progress import (
     COLLECTIVE_WAIT_GRACE_S,
     RankReport,
     complete_steps,
     failed_rank,
     fault_time,
-    find_hung_rank,
     first_step_time,
     process_state_words,
     slowest_step,
 )
+from activities.rank_activity import AttemptActivity, GapBook, describe, hung as hung_rank
 from activities.pace import PaceWindow
 from activities.pace_models import PaceRecord
 from activities.rank_launch import RankLaunch
@@ -135,6 +136,10 @@ class RankWatch:
         """Run -> the last failed upload's error, until an upload of the run succeeds."""
         self._upload_error_told: dict[str, float] = {}
         """Run -> when a watch last told the run of it (monotonic)."""
+        self._gaps: dict[str, GapBook] = {}
+        """Run -> the gaps between steps its ranks here took, learned (outlives the watches of one attempt)."""
+        self._activity: dict[str, tuple[str, int, AttemptActivity]] = {}
+        """Run -> (chain, attempt, what its quiet ranks here are doing)."""
 
     @activity.defn(name="watch_ranks")
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
@@ -202,6 +207,7 @@ class RankWatch:
                 continue
             now = time.time()
             reports = {r: read_report(layout.progress_file(record.attempt, r)) for r in local_ranks}
+            watching = self._attempt_activity(record, request)
             if record.first_step_at is None:
                 record.first_step_at = first_step_time(reports, record.start_step)
             node_step = slowest_step(reports, record.start_step)
@@ -211,14 +217,15 @@ class RankWatch:
                 next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
                 activity.heartbeat(protocol.WatchHeartbeat(
                     node=self.node, attempt=record.attempt,
-                    steps={r: (rep.step if rep else None) for r, rep in reports.items()}).to_json())
+                    steps={r: (rep.step if rep else None) for r, rep in reports.items()},
+                    phases={r: describe(v) for r, v in watching.long_phases().items()}).to_json())
 
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 # Redacted of the agent's secrets and secret-looking values: ranks write what its texts carry.
                 return redact_model(WatchEvent(
                     kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at, step=node_step,
                     restore_tiers=record.restore_tiers, attempt=record.attempt if follow else None,
-                    **fields))  # type: ignore[arg-type]
+                    gaps=dict(watching.gaps.gaps), **fields))  # type: ignore[arg-type]
 
             ready = complete_steps(self._saved_steps(layout), local_ranks, max(request.reported_step,
                                                                                  record.start_step))
@@ -259,7 +266,7 @@ class RankWatch:
                     await self._upload_all(record, request.checkpoints, ready, compute, node_step,
                                            until=started + request.max_duration_s + FINAL_UPLOAD_MARGIN_S)
                 return event(WatchEventKind.FINISHED, state_digest=finish.digest,
-                             mean_step_s=finish.mean_step_s)
+                             mean_step_s=finish.mean_step_s, phase_s=self._phase_times(layout, record))
 
             record.last_watched = time.monotonic()
             running = {r for r in local_ranks if not record.ranks[r].poll()}
@@ -273,8 +280,11 @@ class RankWatch:
                 await asyncio.sleep(min(health.poll_interval_s, request.decision_every_s))
                 continue
             states = {r: process_state(record.ranks[r].pid) for r in running}
-            hung = find_hung_rank(reports, running, record.start_step, record.launched_at, now, health, states,
-                                  grace_s=0.0 if request.evidence else COLLECTIVE_WAIT_GRACE_S)
+            verdicts = await watching.judge(
+                reports, {r: record.ranks[r].pid for r in running}, states, record.start_step, record.launched_at, now, health,
+                lambda ranks: ask_positions(layout, record, ranks),
+                grace_s=0.0 if request.evidence else COLLECTIVE_WAIT_GRACE_S)
+            hung = hung_rank(verdicts)
             if hung is not None:
                 rank, silent = hung
                 report = reports[rank]
@@ -287,7 +297,8 @@ class RankWatch:
                               occurred_at=record.faults.get(rank), log_path=str(log_path),
                               log_tail=read_tail(log_path),
                               detail=f"rank {rank} made no progress for {silent:.1f}s (last step "
-                                     f"{report.step if report else 'none'}; process {state})")
+                                     f"{report.step if report else 'none'}; process {state}; "
+                                     f"{verdicts[rank].where or 'idle outside any collective'})")
                 if not (follow and waits_on_a_peer(evidence)):
                     return found
                 log.info("%s: attempt %d hangs, every rank here waits for a peer: reported in %.0fs unless the "
@@ -301,6 +312,26 @@ class RankWatch:
             if time.monotonic() - started > request.max_duration_s:
                 return event(WatchEventKind.KEEPALIVE)
             await asyncio.sleep(health.poll_interval_s)
+
+    def _attempt_activity(self, record: AttemptRecord, request: WatchRanksInput) -> AttemptActivity:
+        """What this attempt's quiet ranks are doing, kept across the watch's polls (and the watches of one
+        attempt); its gaps learned across the run's attempts, and from the run's (`learned_gaps`)."""
+        gaps = self._gaps.setdefault(f"{record.workflow_id}/{record.chain_id}", GapBook())
+        gaps.merge(request.learned_gaps)
+        kept = self._activity.get(record.workflow_id)
+        if kept is None or kept[:2] != (record.chain_id, record.attempt):
+            kept = (record.chain_id, record.attempt, AttemptActivity(gaps))
+            self._activity[record.workflow_id] = kept
+        return kept[2]
+
+    @staticmethod
+    def _phase_times(layout: RunLayout, record: AttemptRecord) -> dict[str, float]:
+        """Seconds in each named phase, the longest local rank's (ranks of one run spend phases together)."""
+        times: dict[str, float] = {}
+        for rank in record.ranks:
+            for name, seconds in (read_finish(layout.progress_file(record.attempt, rank)).phase_s or {}).items():
+                times[name] = round(max(seconds, times.get(name, 0.0)), 3)
+        return times
 
     def _keep_pace(self, record: AttemptRecord, target: WatchCheckpoints, window_s: float,
                    reports: dict[int, RankReport | None], node_step: int, now: float) -> None:

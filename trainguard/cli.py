@@ -190,7 +190,7 @@ async def _run_cmd(args: argparse.Namespace) -> int:
     if args.action == "status":
         view = await client.status(args.id)
         _print_json({"execution": view.execution_status, "rank_steps": view.rank_steps,
-                     **view.status.model_dump(mode="json")})
+                     "long_phases": view.long_phases, **view.status.model_dump(mode="json")})
     elif args.action == "result":
         _print_json((await client.result(args.id)).model_dump(mode="json"))
     elif args.action == "cancel":

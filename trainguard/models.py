@@ -203,7 +203,10 @@ class RunResult(BaseModel):
     """Wall time of the run, seconds: from the start request (a wait for a controller included) to the end,
     on the workflow clock, as `trainguard run report` counts it."""
     mean_step_s: float | None = None
-    """Mean step time of the final attempt as reported by rank 0, seconds."""
+    """Mean step time of the final attempt as reported by rank 0, seconds (named phases left out)."""
+    phase_s: dict[str, float] = Field(default_factory=dict)
+    """Seconds the final attempt spent in each phase the script named (`RankRun.phase`): useful time, counted in
+    `useful_s` beside its steps; empty when the script names none."""
 
 
 class RunStatus(BaseModel):

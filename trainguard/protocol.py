@@ -264,6 +264,14 @@ class Progress:
     """At finish: the model's `state_digest`."""
     mean_step_s: float | None = None
     """At finish: the mean of all the rank's timed steps."""
+    phase: str | None = None
+    """The phase the script named and is in now (`RankRun.phase`)."""
+    phase_since: float | None = None
+    """Unix time the named phase began."""
+    phase_expected_s: float | None = None
+    """The named phase's expected length, when the script gave one."""
+    phase_s: dict[str, float] | None = None
+    """Seconds spent in each named phase so far (this process's), for the run report."""
 
     _ALWAYS = ("rank", "pid", "attempt", "step", "time", "step_time_s", "compute_s", "timed_steps")
 
@@ -277,6 +285,10 @@ class Progress:
             payload["saving"] = True
         if self.error is not None:
             payload["error"] = self.error
+        if self.phase is not None:
+            payload.update(phase=self.phase, phase_since=self.phase_since, phase_expected_s=self.phase_expected_s)
+        if self.phase_s:
+            payload["phase_s"] = self.phase_s
         if self.finished:
             payload.update(finished=True, digest=self.digest, mean_step_s=self.mean_step_s)
         return payload
@@ -291,10 +303,29 @@ class Progress:
             timed_steps=int(data.get("timed_steps") or 0), evidence=data.get("evidence"),
             saving=bool(data.get("saving")), error=data.get("error"), finished=bool(data.get("finished")),
             digest=data.get("digest"), mean_step_s=_optional_float(data.get("mean_step_s")),
+            phase=_phase_name(data.get("phase")), phase_since=_optional_float(data.get("phase_since")),
+            phase_expected_s=_optional_float(data.get("phase_expected_s")), phase_s=_phase_times(data.get("phase_s")),
         )
 
     def write(self, path: Path) -> None:
         write_json(path, self.to_json())
+
+
+PHASE_NAME_MAX = 64
+"""A named phase's name is cut to this many characters: it is shown in status and carried in heartbeats."""
+PHASES_MAX = 32
+"""At most this many distinct phase names are kept per rank (the first ones): a script that names phases from
+data (a step number in the name) cannot grow what the agent reads and reports."""
+
+
+def _phase_name(value: Any) -> str | None:
+    return str(value)[:PHASE_NAME_MAX] if value else None
+
+
+def _phase_times(value: Any) -> dict[str, float] | None:
+    if not isinstance(value, dict):
+        return None
+    return {str(name)[:PHASE_NAME_MAX]: float(seconds) for name, seconds in list(value.items())[:PHASES_MAX]}
 
 
 def read_progress(path: Path) -> Progress | None:
@@ -314,6 +345,8 @@ class Finish:
 
     digest: str | None = None
     mean_step_s: float | None = None
+    phase_s: dict[str, float] | None = None
+    """Seconds the rank spent in each named phase."""
 
 
 def read_finish(path: Path) -> Finish:
@@ -321,7 +354,7 @@ def read_finish(path: Path) -> Finish:
     progress = read_progress(path)
     if progress is None:
         return Finish()
-    return Finish(digest=progress.digest, mean_step_s=progress.mean_step_s)
+    return Finish(digest=progress.digest, mean_step_s=progress.mean_step_s, phase_s=progress.phase_s)
 
 
 # ------------------------------------------------------------------------------------- agent to ranks
@@ -534,6 +567,8 @@ class WatchHeartbeat:
     """The watch is downloading the shards its launch restores from."""
     uploading: int | None = None
     """The watch is finishing the uploads of this many checkpoint steps."""
+    phases: dict[int, str] | None = None
+    """Local ranks in a long phase, in words (`busy 12.3s (eval)`, `waiting 8.0s (a collective)`)."""
 
     def to_json(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"node": self.node, "attempt": self.attempt}
@@ -543,6 +578,8 @@ class WatchHeartbeat:
             payload["downloading"] = True
         if self.uploading is not None:
             payload["uploading"] = self.uploading
+        if self.phases:
+            payload["phases"] = {str(rank): text for rank, text in self.phases.items()}
         return payload
 
     @classmethod
@@ -557,6 +594,7 @@ class WatchHeartbeat:
                 steps=None if steps is None else {int(r): (None if s is None else int(s)) for r, s in steps.items()},
                 downloading=bool(data.get("downloading")),
                 uploading=None if data.get("uploading") is None else int(data["uploading"]),
+                phases={int(r): str(t) for r, t in data["phases"].items()} if data.get("phases") else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             return None

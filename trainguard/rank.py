@@ -40,7 +40,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -159,6 +159,11 @@ class RankRun:
         self._compute_ema: float | None = None
         self._num_timed_steps = 0
         self._sum_step_s = 0.0
+        self._phase: tuple[str, float, float | None] | None = None
+        """The named phase the rank is in: (name, unix time it began, expected length)."""
+        self._phase_s: dict[str, float] = {}
+        self._phase_since_step_s = 0.0
+        """Named-phase time since the last step: a step's time leaves it out."""
         self._step = self.start_step
         self._saved: set[int] = set()
         self._dcp_group: Any = None
@@ -195,6 +200,8 @@ class RankRun:
             rank=self.rank, pid=os.getpid(), attempt=self.attempt, step=self._step, time=now,
             step_time_s=self._step_time_ema, compute_s=self._compute_ema, timed_steps=self._num_timed_steps,
             evidence=str(self._evidence.paths.base) if self._evidence is not None else None,
+            phase=self._phase[0] if self._phase else None, phase_since=self._phase[1] if self._phase else None,
+            phase_expected_s=self._phase[2] if self._phase else None, phase_s=dict(self._phase_s) or None,
             **extra,
         ).write(self._progress_path)
         self._last_write = now
@@ -211,17 +218,53 @@ class RankRun:
             ema = self._compute_ema
             self._compute_ema = compute_s if ema is None else 0.8 * ema + 0.2 * compute_s
         if self._last_step_at is not None:
-            elapsed = now - self._last_step_at
+            elapsed = max(0.0, now - self._last_step_at - self._phase_since_step_s)
             self._sum_step_s += elapsed
             self._num_timed_steps += 1
             ema = self._step_time_ema
             self._step_time_ema = elapsed if ema is None else 0.8 * ema + 0.2 * elapsed
         self._last_step_at = now
+        self._phase_since_step_s = 0.0
         self._step = step
         self._check_saves(step)
         self._write_progress()
         if self._evidence is not None:
             self._evidence.on_step(step)  # where a chaos hang asked for takes hold
+
+    @contextlib.contextmanager
+    def phase(self, name: str, expected_s: float | None = None) -> Iterator[None]:
+        """Name a phase between steps: an evaluation, a save, an epoch's data loading.
+
+            with run.phase("eval", expected_s=60):
+                evaluate(model)
+
+        No script needs this to be safe: a rank busy between steps (CPU, I/O) or waiting in a collective is
+        never taken for hung before `health.hang_max_s`. Naming a phase says where the rank is in `run status`,
+        the Web UI and the run report (its time counts as the phase's, not as lost), and covers an idle wait the
+        agent cannot see through (polling a file, a sleep): a rank idle in a named phase is hung only after twice
+        `expected_s`, or `hang_max_s` without it. A phase longer than `hang_max_s` needs `expected_s`. The time in
+        a phase does not count as step time. Phases nest: the innermost is shown. A no-op outside trainguard.
+        """
+        if not name:
+            raise ValueError("run.phase(name): give the phase a name, e.g. 'eval', 'save' or 'data'")
+        if expected_s is not None and not expected_s > 0:
+            raise ValueError(f"run.phase({name!r}, expected_s={expected_s!r}): expected_s must be a positive "
+                             "number of seconds, or None")
+        outer = self._phase
+        began = time.time()
+        self._phase = (name[:_protocol.PHASE_NAME_MAX], began, expected_s)
+        self._write_progress(force=True)
+        try:
+            yield
+        finally:
+            spent = time.time() - began
+            key = self._phase[0]
+            if key in self._phase_s or len(self._phase_s) < _protocol.PHASES_MAX:
+                self._phase_s[key] = self._phase_s.get(key, 0.0) + spent
+            if outer is None:
+                self._phase_since_step_s += spent
+            self._phase = outer
+            self._write_progress(force=True)
 
     def hook_ddp(self, ddp: Any) -> Any:
         """Route a DDP model's gradient all-reduce through trainguard's comm hook: torch's own all-reduce,

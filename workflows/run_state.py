@@ -80,6 +80,9 @@ class RunState(BaseModel):
     """Workflow-clock times of the last two commits: the interval the staleness bound is measured in."""
     commit_clock_from: float | None = None
     """Since when the run counts as without a commit: the newest commit, the first launch, or a resume."""
+    learned_gaps: dict[int, float] = Field(default_factory=dict)
+    """Gaps between steps the run's healthy ranks took (step -> seconds, `WatchEvent.gaps`): every watch is told
+    them, so a gap that recurs is expected after a relaunch or a continue-as-new too."""
     restore_tier: str | None = None
     """Where the current attempt's restore read its shards from (`local`, `peer`, `store`, joined by `+`)."""
     warm: Incident | None = None

@@ -20,6 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.pace_models import PaceVerdict
+    from activities.progress import merge_gaps
     from activities.models import (CollectEvidenceInput, CollectEvidenceResult, DownloadShardsInput,
                                    LaunchRanksInput, WatchEvent)
     from trainguard import node_task_queue
@@ -197,6 +198,7 @@ class Supervisor:
         """Nodes that never took up their launching watch, by group: a spare may join in their place."""
         for group, result in results:
             self._add_restore_tiers([*result.incidents, *result.finished])
+            self._learn_gaps([*result.incidents, *result.finished])
             for lost in result.lost:
                 if lost.error_type in LAUNCH_SPEC_FAULTS:
                     seen.spec_fault = seen.spec_fault or lost
@@ -298,6 +300,11 @@ class Supervisor:
             kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt, action=Action.REPORT, detected_at=now,
             detail=f"no checkpoint committed for {age:.0f}s (bound {bound:.0f}s) to "
                    f"s3://{spec.checkpoint.bucket}/{core.run_prefix()}: {why}; training goes on"))
+
+    def _learn_gaps(self, events: list[WatchEvent]) -> None:
+        state = self.core.state
+        for event in events:
+            state.learned_gaps = merge_gaps(state.learned_gaps, event.gaps)
 
     def _add_restore_tiers(self, events: list[WatchEvent]) -> None:
         state = self.core.state

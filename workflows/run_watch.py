@@ -72,7 +72,7 @@ class Watches:
             health=spec.health.model_copy(update={"straggler_window_s": window}),
             # Steps up to the newest commit need no upload again (after continue-as-new too).
             reported_step=max(core.status.resumed_step, core.state.last_committed_step),
-            evidence=True, evidence_with_event=True,
+            evidence=True, evidence_with_event=True, learned_gaps=core.state.learned_gaps,
             max_duration_s=WATCH_MAX_DURATION_S,
             heartbeat_every_s=watch_heartbeat_every_s(len(nodes)),
             checkpoints=WatchCheckpoints(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix()),

@@ -260,7 +260,11 @@ class TrainingRun:
         steps = min((e.step for e in events), default=0)
         first = events[0] if events else None
         mean = first.mean_step_s if first else None
-        useful = core.state.goodput.useful(attempts, steps, mean)
+        phases: dict[str, float] = {}
+        for event in events:
+            for name, seconds in event.phase_s.items():
+                phases[name] = max(seconds, phases.get(name, 0.0))
+        useful = min(wall, core.state.goodput.useful(attempts, steps, mean) + sum(phases.values()))
         goodput = min(1.0, useful / wall)
         core.status.step = max(core.status.step, steps)
         core.set_phase(Phase.COMPLETED)
@@ -277,4 +281,5 @@ class TrainingRun:
             useful_s=round(useful, 3),
             wall_s=round(wall, 3),
             mean_step_s=mean,
+            phase_s=phases,
         )

@@ -1,0 +1,201 @@
+"""A hang is a rank that makes no progress of any kind: the verdict table (`judge_rank`), the activity window, the
+learned gaps, and the watch's eyes (`AttemptActivity`) over a fake /proc and fake ranks' answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from activities.progress import (
+    NAMED_PHASE_SAFETY,
+    RankActivity,
+    RankReport,
+    RankSignals,
+    Usage,
+    activity_busy,
+    judge_rank,
+    merge_gaps,
+)
+from activities.rank_activity import AttemptActivity, GapBook, describe, hung
+from trainguard.evidence import Position
+from trainguard.spec import HealthSpec
+
+HEALTH = HealthSpec(hang_floor_s=2.0, hang_max_s=300.0, startup_grace_s=180.0)
+T0 = 1_000.0
+"""Launch time; every report here is of step 100 at T0 + 10, a rank stepping every 0.1 s (bound 2 s)."""
+
+
+def _report(**fields: object) -> RankReport:
+    base: dict[str, object] = {"rank": 0, "step": 100, "time": T0 + 10, "step_time_s": 0.1}
+    return RankReport(**{**base, **fields})  # type: ignore[arg-type]
+
+
+BUSY = RankSignals(busy=True)
+IDLE_IN_COLLECTIVE = RankSignals(busy=False, in_collective=True, asked=True)
+IDLE_OUTSIDE = RankSignals(busy=False, in_collective=False, asked=True)
+IDLE_NO_ANSWER = RankSignals(busy=False, in_collective=None, asked=True)
+IDLE_NOT_ASKED = RankSignals(busy=False)
+
+
+@pytest.mark.parametrize(
+    ("report", "signals", "state", "silent_s", "expected"),
+    [
+        pytest.param(_report(), IDLE_OUTSIDE, "S", 1.9, RankActivity.STEPPING, id="within-its-step-bound"),
+        pytest.param(_report(), IDLE_OUTSIDE, "T", 2.1, RankActivity.HUNG, id="stopped-is-hung-at-its-bound"),
+        pytest.param(_report(), BUSY, "T", 2.1, RankActivity.HUNG, id="stopped-is-hung-whatever-it-did-before"),
+        pytest.param(_report(), IDLE_OUTSIDE, "S", 2.1, RankActivity.HUNG, id="idle-on-a-lock-is-hung-at-its-bound"),
+        pytest.param(_report(), IDLE_NOT_ASKED, "S", 2.1, RankActivity.STEPPING, id="idle-not-asked-yet-is-asked"),
+        pytest.param(_report(), IDLE_NO_ANSWER, "S", 2.5, RankActivity.STEPPING, id="no-answer-gets-the-grace"),
+        pytest.param(_report(), IDLE_NO_ANSWER, "S", 3.1, RankActivity.HUNG, id="no-answer-hung-after-the-grace"),
+        pytest.param(_report(), BUSY, "R", 12.0, RankActivity.BUSY, id="an-evaluation-is-a-long-phase"),
+        pytest.param(_report(), BUSY, "R", 299.0, RankActivity.BUSY, id="busy-is-never-killed-before-hang-max"),
+        pytest.param(_report(), BUSY, "R", 301.0, RankActivity.HUNG, id="busy-forever-costs-hang-max"),
+        pytest.param(_report(), IDLE_IN_COLLECTIVE, "S", 60.0, RankActivity.WAITING,
+                     id="peers-waiting-for-a-rank-0-save-are-waiting"),
+        pytest.param(_report(), IDLE_IN_COLLECTIVE, "S", 301.0, RankActivity.HUNG, id="waiting-past-hang-max-is-hung"),
+        pytest.param(_report(), IDLE_OUTSIDE, "D", 30.0, RankActivity.BUSY, id="storage-io-is-a-long-phase"),
+        pytest.param(_report(phase="save", phase_expected_s=20.0), IDLE_OUTSIDE, "S", 39.0, RankActivity.PHASE,
+                     id="idle-in-a-named-phase-within-twice-its-length"),
+        pytest.param(_report(phase="save", phase_expected_s=20.0), IDLE_OUTSIDE, "S", 41.0, RankActivity.HUNG,
+                     id="idle-in-a-named-phase-past-twice-its-length"),
+        pytest.param(_report(phase="data"), IDLE_OUTSIDE, "S", 299.0, RankActivity.PHASE,
+                     id="idle-in-a-named-phase-without-a-length-until-hang-max"),
+        pytest.param(_report(phase="eval", phase_expected_s=400.0), BUSY, "R", 700.0, RankActivity.BUSY,
+                     id="a-named-phase-longer-than-hang-max"),
+        pytest.param(_report(phase="eval"), IDLE_OUTSIDE, "T", 2.1, RankActivity.HUNG,
+                     id="a-named-phase-does-not-shield-a-stopped-rank"),
+        pytest.param(_report(step=0), BUSY, "R", 250.0, RankActivity.BUSY, id="a-first-step-of-minutes"),
+        pytest.param(_report(step=0), IDLE_OUTSIDE, "S", 179.0, RankActivity.STEPPING,
+                     id="before-the-first-step-the-startup-grace"),
+    ],
+)
+def test_a_rank_is_hung_only_when_it_makes_no_progress_of_any_kind(
+        report: RankReport, signals: RankSignals, state: str, silent_s: float, expected: RankActivity) -> None:
+    verdict = judge_rank(report, signals, state, 0, T0, report.time + silent_s, HEALTH)
+
+    assert verdict.activity is expected, verdict
+
+
+def test_an_idle_rank_not_asked_yet_needs_its_position() -> None:
+    verdict = judge_rank(_report(), IDLE_NOT_ASKED, "S", 0, T0, T0 + 13, HEALTH)
+
+    assert verdict.needs_position
+    assert not judge_rank(_report(), IDLE_OUTSIDE, "S", 0, T0, T0 + 13, HEALTH).needs_position
+
+
+def test_a_learned_gap_covers_the_step_it_follows() -> None:
+    assert judge_rank(_report(), IDLE_OUTSIDE, "S", 0, T0, T0 + 20, HEALTH, expected_gap_s=15).activity \
+        is RankActivity.STEPPING
+    assert judge_rank(_report(), IDLE_OUTSIDE, "S", 0, T0, T0 + 26, HEALTH, expected_gap_s=15).activity \
+        is RankActivity.HUNG
+
+
+def test_the_named_phase_safety_is_what_the_docs_say() -> None:
+    assert NAMED_PHASE_SAFETY == 2.0
+
+
+@pytest.mark.parametrize(
+    ("samples", "expected"),
+    [
+        pytest.param([Usage(0.0, 5.0, 0)], None, id="one-sample-says-nothing"),
+        pytest.param([Usage(0.0, 5.0, 0), Usage(0.2, 5.2, 0)], None, id="too-short-a-window"),
+        pytest.param([Usage(0.0, 5.0, 0), Usage(1.0, 5.9, 0)], True, id="computing"),
+        pytest.param([Usage(0.0, 5.0, 0), Usage(1.0, 5.01, 100)], False, id="asleep-in-a-lock"),
+        pytest.param([Usage(0.0, 5.0, 0), Usage(1.0, 5.0, 50_000_000)], True, id="writing-a-checkpoint"),
+        pytest.param([Usage(0.0, 5.0, None), Usage(1.0, 5.0, None)], False, id="io-unreadable-and-no-cpu"),
+        pytest.param([Usage(t / 4, 5.0 + min(t, 4) * 0.25, 0) for t in range(9)], False,
+                     id="busy-earlier-idle-in-the-last-window"),
+    ],
+)
+def test_the_activity_window(samples: list[Usage], expected: bool | None) -> None:
+    assert activity_busy(samples) is expected
+
+
+def test_a_gap_that_recurs_every_100_steps_is_expected_the_next_time() -> None:
+    book = GapBook()
+    book.add(100, 12.0)
+    assert book.expected_s(200) == 0.0  # once is not a pattern
+    book.add(200, 11.0)
+
+    assert book.expected_s(300) == pytest.approx(18.0)
+    assert book.expected_s(250) == 0.0
+    assert book.expected_s(100) == pytest.approx(18.0)  # a relaunch replays step 100
+
+
+def test_learned_gaps_merge_keep_the_longest_and_the_newest() -> None:
+    merged = merge_gaps({100: 12.0, 200: 9.0}, {200: 11.0, 300: 5.0}, keep=2)
+
+    assert merged == {200: 11.0, 300: 5.0}
+
+
+class FakeProc:
+    """A fake /proc: each rank's CPU seconds and bytes, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[int, float] = {}
+        self.io: dict[int, int] = {}
+
+    def usage(self, pid: int) -> tuple[float, int | None] | None:
+        return (self.cpu.get(pid, 0.0), self.io.get(pid, 0)) if pid in self.cpu else None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _watch(activity: AttemptActivity, clock: Clock, proc: FakeProc, reports: dict[int, RankReport],
+           answers: dict[int, bool | None], seconds: float, cpu_per_s: dict[int, float]) -> dict[int, object]:
+    """Poll as the watch does, every 0.2 s for `seconds`, burning `cpu_per_s` per rank; the last verdicts."""
+    asked: list[set[int]] = []
+
+    def positions(ranks: set[int]) -> dict[int, Position | None]:
+        asked.append(set(ranks))
+        return {r: (None if answers.get(r) is None else Position(request="x", in_collective=answers[r]))
+                for r in ranks}
+
+    verdicts: dict[int, object] = {}
+    for _ in range(round(seconds / 0.2)):
+        clock.now += 0.2
+        for rank, rate in cpu_per_s.items():
+            proc.cpu[100 + rank] = proc.cpu.get(100 + rank, 0.0) + rate * 0.2
+        verdicts = asyncio.run(activity.judge(reports, {r: 100 + r for r in reports}, {r: "S" for r in reports},
+                                              0, T0, T0 + 10 + clock.now, HEALTH, positions, grace_s=0.0))
+    return verdicts
+
+
+def test_a_rank_0_save_while_its_peers_wait_in_the_all_reduce_is_a_long_phase_not_a_hang() -> None:
+    clock, proc = Clock(), FakeProc()
+    activity = AttemptActivity(GapBook(), clock=clock, usage=proc.usage)
+    reports = {r: _report(rank=r) for r in range(2)}
+
+    verdicts = _watch(activity, clock, proc, reports, {1: True}, 12.0, {0: 0.9, 1: 0.002})
+
+    assert hung(verdicts) is None  # type: ignore[arg-type]
+    assert {r: v.activity for r, v in activity.long_phases().items()} == {0: RankActivity.BUSY,
+                                                                          1: RankActivity.WAITING}
+    assert describe(activity.long_phases()[1]).startswith("waiting 12.")
+
+
+def test_a_rank_blocked_on_a_lock_while_its_peer_waits_is_found_at_its_bound() -> None:
+    clock, proc = Clock(), FakeProc()
+    activity = AttemptActivity(GapBook(), clock=clock, usage=proc.usage)
+    reports = {r: _report(rank=r) for r in range(2)}
+
+    verdicts = _watch(activity, clock, proc, reports, {0: False, 1: True}, 2.4, {0: 0.002, 1: 0.002})
+
+    assert hung(verdicts) == (0, pytest.approx(2.4))  # type: ignore[arg-type]
+
+
+def test_a_gap_a_rank_went_on_after_is_learned() -> None:
+    clock, proc = Clock(), FakeProc()
+    gaps = GapBook()
+    activity = AttemptActivity(gaps, clock=clock, usage=proc.usage)
+    _watch(activity, clock, proc, {0: _report()}, {}, 0.4, {0: 1.0})
+    _watch(activity, clock, proc, {0: _report(step=101, time=T0 + 22.0)}, {}, 0.2, {0: 1.0})
+
+    assert gaps.gaps == {100: pytest.approx(12.0)}
