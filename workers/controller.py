@@ -15,7 +15,7 @@ from activities.checkpoint_store import MANIFEST_KEY_ENV, StoreActivities, manif
 from activities.nodes import NodeActivities, PoolActivities, RegistrationActivities, pool_handle
 from activities.peers import peer_token
 from activities.scheduler import SchedulerActivities
-from workers.slurm_drains import SlurmDrainWatch
+from workers.slurm_drains import SlurmDrainWatch, keep_watching
 from trainguard import TASK_QUEUE
 from trainguard.connect import connect
 from trainguard.search_attributes import ensure_registered
@@ -102,7 +102,8 @@ async def main() -> None:
     drains = SlurmDrainWatch.from_env(client)  # TRAINGUARD_SCHEDULER=slurm: an operator's drain moves runs off
     async with worker:
         await pool_handle(client)  # the node inventory exists from the first controller on
-        watching = asyncio.create_task(drains.run(stop)) if drains else None
+        # Restarted, with an error logged, should it ever end while the controller runs (`keep_watching`).
+        watching = asyncio.create_task(keep_watching(drains, stop)) if drains else None
         await stop.wait()
         if watching:
             await watching

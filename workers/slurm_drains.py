@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.exceptions import TemporalError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.scheduler import COMMAND_TIMEOUT_S, SCHEDULER_ENV, SLURM_REASON_PREFIX
@@ -38,6 +39,15 @@ log = logging.getLogger(__name__)
 DRAIN_POLL_S = 5.0
 """How often Slurm is asked. A drain is acted on at the run's next checkpoint anyway (tens of seconds to
 minutes apart): 5 s adds little to that, and costs slurmctld one cheap RPC."""
+
+POLL_BACKOFF_MAX_S = 60.0
+"""The longest wait between looks while looks keep failing (slurmctld or Temporal away, an answer the watch cannot
+read): the wait doubles from `DRAIN_POLL_S` up to this, so an outage of hours costs slurmctld and the log one
+try a minute, and the watch is back within a minute of the cause going."""
+
+EXPECTED_TROUBLE = (OSError, subprocess.SubprocessError, ValueError, TemporalError)
+"""What the world causes (a command missing or timing out, JSON cut short, Temporal away, an update timed out):
+logged as one line. Anything else is a bug, logged with its traceback; the watch goes on either way."""
 
 DRAIN_STATES = frozenset({"DRAIN", "DRAINING", "DRAINED"})
 
@@ -85,8 +95,11 @@ class SlurmDrainWatch:
     jobs whose batch host was lost once their runs are over."""
 
     def __init__(self, client: Client, executable: str = "sinfo", squeue: str = "squeue",
-                 scancel: str = "scancel") -> None:
+                 scancel: str = "scancel", poll_s: float = DRAIN_POLL_S,
+                 max_backoff_s: float = POLL_BACKOFF_MAX_S) -> None:
         self.client = client
+        self.poll_s, self.max_backoff_s = poll_s, max_backoff_s
+        """Seconds between looks, and the longest wait while they keep failing (`POLL_BACKOFF_MAX_S`)."""
         self.executable, self.squeue, self.scancel = executable, squeue, scancel
         self.told: set[tuple[str, str]] = set()
         """(node, run) pairs already asked, forgotten when the node is no longer drained: a later drain counts."""
@@ -111,14 +124,18 @@ class SlurmDrainWatch:
             run = entry.leased_to
             if entry.node not in drains or not run or (entry.node, run) in self.told:
                 continue
-            self.told.add((entry.node, run))
             reason = f"Slurm drain: {drains[entry.node] or 'no reason given'}"
             try:
                 await TrainguardClient(self.client).drain_node(run, entry.node, reason)
-            except (WorkflowUpdateFailedError, RPCError) as error:
+            except WorkflowUpdateFailedError as error:
+                self.told.add((entry.node, run))  # refused: the run's answer stands, asking again changes nothing
                 log.warning("%s drained in Slurm (%s): run %s refused to move off it: %s", entry.node, reason, run,
-                            getattr(error, "cause", None) or error)
+                            error.cause or error)
                 continue
+            except Exception as error:  # noqa: BLE001 - a timeout or an outage: asked again at the next look
+                _log_trouble(f"{entry.node} drained in Slurm ({reason}): asking run {run} to move off it", error)
+                continue
+            self.told.add((entry.node, run))
             log.info("%s drained in Slurm (%s): run %s moves off it at its next checkpoint", entry.node, reason, run)
             asked.append((entry.node, run))
         return asked
@@ -147,14 +164,51 @@ class SlurmDrainWatch:
             cancelled.append(job)
         return cancelled
 
+    async def look(self) -> bool:
+        """One look at drains, then one at headless jobs, each whatever the other did: True when both went
+        through. A failure is logged (`_log_trouble`), never raised: the caller only waits longer."""
+        ok = True
+        for what, step in (("looking for drained nodes", self.poll), ("looking for headless jobs",
+                                                                      self.end_headless_jobs)):
+            try:
+                await step()
+            except Exception as error:  # noqa: BLE001 - whatever Slurm or Temporal answered, the watch goes on
+                _log_trouble(what, error)
+                ok = False
+        return ok
+
     async def run(self, stop: asyncio.Event) -> None:
+        """Look every `poll_s` until `stop`; while looks fail, wait twice as long each time, up to
+        `max_backoff_s`."""
+        failures = 0
         while not stop.is_set():
+            failures = 0 if await self.look() else min(failures + 1, 32)
             try:
-                await self.poll()
-                await self.end_headless_jobs()
-            except (OSError, subprocess.SubprocessError, ValueError, RPCError) as error:
-                log.warning("Slurm drain watch: %s", error)  # slurmctld or Temporal briefly away: next poll
-            try:
-                await asyncio.wait_for(stop.wait(), DRAIN_POLL_S)
+                await asyncio.wait_for(stop.wait(), min(self.poll_s * 2 ** failures, self.max_backoff_s))
             except asyncio.TimeoutError:
                 pass
+
+
+def _log_trouble(what: str, error: BaseException) -> None:
+    expected = isinstance(error, EXPECTED_TROUBLE)
+    log.warning("Slurm watch: %s failed (%s: %s); it looks again", what, type(error).__name__,
+                getattr(error, "cause", None) or error, exc_info=None if expected else error)
+
+
+async def keep_watching(watch: SlurmDrainWatch, stop: asyncio.Event) -> None:
+    """The controller's hold on its watch: `watch.run` until `stop`. Should it end or raise before (a bug no
+    look caught), that is logged as an error and the watch restarted after `watch.max_backoff_s`: drains and
+    cancels never stop quietly while the controller runs."""
+    while not stop.is_set():
+        try:
+            await watch.run(stop)
+        except Exception:  # noqa: BLE001 - logged whole; the restart is the remedy
+            log.exception("Slurm watch stopped: restarting it in %.0fs", watch.max_backoff_s)
+        else:
+            if not stop.is_set():
+                log.error("Slurm watch ended before the controller stopped: restarting it in %.0fs",
+                          watch.max_backoff_s)
+        try:
+            await asyncio.wait_for(stop.wait(), watch.max_backoff_s)
+        except asyncio.TimeoutError:
+            pass

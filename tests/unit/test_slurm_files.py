@@ -152,3 +152,91 @@ async def test_a_headless_job_is_cancelled_only_once_its_own_run_is_over(tmp_pat
     runs["slurm-8"] = WorkflowExecutionStatus.FAILED  # its run ended since
     assert await watch.end_headless_jobs() == [8]
     assert cancelled.read_text().split() == ["7", "8"]  # each once; job 9, no trainguard run, never
+
+
+# ------------------------------------------------------------------- issue 40 finding 11: the watch keeps going
+def _script(path: Path, lines: list[str]) -> Path:
+    """An executable that prints `lines[i]` on its i-th call, then the last one for ever."""
+    count = path.with_suffix(".count")
+    answers = path.with_suffix(".answers")
+    answers.write_text(json.dumps(lines))
+    path.write_text(f"#!/bin/sh\nn=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}\n"
+                    f"exec python3 -c 'import json,sys; a=json.load(open(\"{answers}\")); "
+                    f"print(a[min(int(sys.argv[1]), len(a) - 1)])' \"$n\"\n")
+    path.chmod(0o755)
+    return path
+
+
+async def test_the_watch_logs_and_keeps_going_through_a_malformed_answer_and_an_update_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 40 finding 11: a `KeyError` (a node without a name in `sinfo --json`) or an update that timed out
+    ended the watch quietly: drains and cancels stopped until the controller restarted."""
+    import asyncio
+    import logging
+
+    from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
+
+    from trainguard.client import TrainguardClient
+    from workers import slurm_drains
+
+    drained = {"nodes": [{"name": "node-1", "state": "idle", "state_flags": ["DRAIN"], "reason": "memtest"}]}
+    sinfo = _script(tmp_path / "sinfo", [json.dumps({"nodes": [{"state": "idle"}]}), json.dumps(drained)])
+    squeue = _script(tmp_path / "squeue", [json.dumps({"jobs": []})])
+
+    async def pool_nodes(_client: object) -> list[PoolNode]:
+        return [PoolNode(node="node-1", leased_to="run-a")]
+
+    asked: list[tuple[str, str]] = []
+
+    async def drain_node(_self: object, run: str, node: str, reason: str = "") -> None:
+        asked.append((run, node))
+        if len(asked) == 1:
+            raise WorkflowUpdateRPCTimeoutOrCancelledError()
+
+    monkeypatch.setattr(slurm_drains, "pool_nodes", pool_nodes)
+    monkeypatch.setattr(TrainguardClient, "drain_node", drain_node)
+    watch = SlurmDrainWatch(object(), executable=str(sinfo), squeue=str(squeue),  # type: ignore[arg-type]
+                            poll_s=0.01, max_backoff_s=0.05)
+    stop = asyncio.Event()
+    caplog.set_level(logging.WARNING, logger=slurm_drains.__name__)
+    watching = asyncio.create_task(watch.run(stop))
+    for _ in range(500):
+        if len(asked) >= 2 or watching.done():
+            break
+        await asyncio.sleep(0.01)
+
+    assert not watching.done(), watching.exception()  # before the fix: ended by the KeyError
+    assert asked == [("run-a", "node-1"), ("run-a", "node-1")]  # the timed-out request asked again
+    stop.set()
+    await asyncio.wait_for(watching, 5)
+    logged = caplog.text
+    assert "KeyError" in logged and "WorkflowUpdateRPCTimeoutOrCancelledError" in logged
+
+
+async def test_the_controller_restarts_a_watch_that_ends_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+    import logging
+
+    from workers import slurm_drains
+
+    class _Dies(SlurmDrainWatch):
+        runs = 0
+
+        async def run(self, stop: asyncio.Event) -> None:
+            type(self).runs += 1
+            if type(self).runs == 1:
+                raise RuntimeError("a bug in the loop")
+            await stop.wait()
+
+    stop = asyncio.Event()
+    watch = _Dies(object(), poll_s=0.01, max_backoff_s=0.01)  # type: ignore[arg-type]
+    caplog.set_level(logging.ERROR, logger=slurm_drains.__name__)
+    task = asyncio.create_task(slurm_drains.keep_watching(watch, stop))
+    for _ in range(200):
+        if _Dies.runs >= 2:
+            break
+        await asyncio.sleep(0.01)
+    assert _Dies.runs == 2 and not task.done()
+    assert "a bug in the loop" in caplog.text and "restart" in caplog.text
+    stop.set()
+    await asyncio.wait_for(task, 5)
