@@ -164,7 +164,21 @@ class AttemptActivity:
         if position is None:
             return RankSignals(busy=busy)
         answer = position[1]
-        return RankSignals(busy=busy, in_collective=answer.in_collective if answer is not None else None, asked=True)
+        if answer is None:
+            return RankSignals(busy=busy, in_collective=None, asked=True)
+        return RankSignals(busy=busy, in_collective=self._inside(answer), asked=True)
+
+    def _inside(self, answer: Position) -> bool | None:
+        """Whether an answer puts its rank inside a collective. The DDP hook's count is exact. The Flight
+        Recorder's alone is not for DDP (it marks DDP's all-reduce complete only once waited on, which DDP never
+        does, so every DDP rank soon reads as inside): a rank that entered fewer collectives than a local peer
+        that answered too is behind it, outside the collective its peers wait in, and is not waiting for them."""
+        if answer.in_collective is not True or answer.extra.get("ddp_hooked") or answer.collectives_enqueued is None:
+            return answer.in_collective
+        peers = [kept.position[1].collectives_enqueued for kept in self.ranks.values()
+                 if kept.position is not None and kept.position[1] is not None
+                 and kept.position[1].collectives_enqueued is not None]
+        return not any(entered > answer.collectives_enqueued for entered in peers)
 
     def long_phases(self) -> dict[int, Verdict]:
         """The ranks in a long phase now (busy, waiting in a collective, or in a named phase)."""

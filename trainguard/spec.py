@@ -255,13 +255,16 @@ class HealthSpec(_Strict):
     """Silence allowed before a rank's first step (imports, rendezvous, restore). Default 180 s."""
 
     hang_floor_s: float = Field(2.0, gt=0, le=86_400)
-    """A rank silent for less than this is never a hang, however fast its steps. Default 2 s."""
+    """A rank without a step for less than this is never looked at, however fast its steps; past its step bound
+    it is hung only if it makes no progress of any kind (stopped, or idle outside any collective). Default 2 s."""
 
     hang_step_multiplier: float = Field(10.0, ge=1, le=10_000)
     """A rank is hung once silent for this many of its own recent step times (above the floor). Default 10."""
 
     hang_max_s: float = Field(300.0, gt=0, le=86_400)
-    """A rank silent this long is hung whatever its step times say. Default 300 s."""
+    """A rank without a step this long is hung even while busy or waiting in a collective (a long phase): what a
+    rank that burns CPU forever costs. A phase the script names with a longer `expected_s` may run twice that.
+    Default 300 s."""
 
     checkpoint_grace_s: float = Field(60.0, ge=0, le=86_400)
     """Extra silence allowed while a rank is taking its in-memory checkpoint snapshot. Default 60 s."""

@@ -199,3 +199,25 @@ def test_a_gap_a_rank_went_on_after_is_learned() -> None:
     _watch(activity, clock, proc, {0: _report(step=101, time=T0 + 22.0)}, {}, 0.2, {0: 1.0})
 
     assert gaps.gaps == {100: pytest.approx(12.0)}
+
+
+def test_without_the_ddp_hook_a_rank_behind_its_peers_in_collectives_is_not_waiting_for_them() -> None:
+    # Flight Recorder alone: both ranks read as inside (DDP's all-reduce is never waited on), but rank 1 entered
+    # one collective fewer: it hangs outside the all-reduce rank 0 waits in.
+    clock, proc = Clock(), FakeProc()
+    activity = AttemptActivity(GapBook(), clock=clock, usage=proc.usage)
+    reports = {r: _report(rank=r) for r in range(2)}
+
+    def positions(ranks: set[int]) -> dict[int, Position | None]:
+        return {r: Position(request="x", in_collective=True, collectives_enqueued=41 if r == 1 else 42)
+                for r in ranks}
+
+    verdicts = {}
+    for _ in range(12):
+        clock.now += 0.2
+        verdicts = asyncio.run(activity.judge(reports, {0: 100, 1: 101}, {0: "S", 1: "S"}, 0, T0, T0 + 10 + clock.now,
+                                              HEALTH, positions, grace_s=0.0))
+        proc.cpu.update({100: 0.0, 101: 0.0})
+
+    assert hung(verdicts) == (1, pytest.approx(2.4))
+    assert verdicts[0].activity is RankActivity.WAITING
