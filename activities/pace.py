@@ -40,17 +40,20 @@ def pace_key(run_prefix: str, node: str) -> str:
 
 def window_means(samples: Mapping[int, Iterable[tuple[float, float]]], first_seen: Mapping[int, float], now: float,
                  window_s: float) -> dict[int, float]:
-    """Each rank's mean compute per step over the window ending `now`, from its (unix time, compute_s) samples,
-    one per step the watch saw. A rank the watch has seen stepping for less than `COVERED` of a window, or with
+    """Each rank's typical compute per step over the window ending `now`: the median of its (unix time, compute_s)
+    samples, one per step the watch saw. The median, not the mean: one long step (a rank-0-only evaluation or save
+    the script counted as compute, which the helper's moving average then carries for a dozen steps) must not
+    make a healthy rank a straggler, while a rank slow on most of its steps is. A rank the watch has seen stepping for less than `COVERED` of a window, or with
     fewer than `MIN_SAMPLES` steps in it, has no mean yet."""
     means: dict[int, float] = {}
     for rank, taken in samples.items():
         since = first_seen.get(rank)
         if since is None or now - since < COVERED * window_s:
             continue
-        inside = [compute for at, compute in taken if now - window_s < at <= now]
+        inside = sorted(compute for at, compute in taken if now - window_s < at <= now)
         if len(inside) >= MIN_SAMPLES:
-            means[rank] = round(sum(inside) / len(inside), 6)
+            middle = len(inside) // 2
+            means[rank] = round(inside[middle] if len(inside) % 2 else (inside[middle - 1] + inside[middle]) / 2, 6)
     return means
 
 

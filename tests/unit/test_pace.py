@@ -94,3 +94,22 @@ def test_the_committer_compares_every_nodes_newest_window_of_this_attempt(
     assert (verdict.slow if verdict else None) == slow
     if verdict is not None:
         assert (verdict.window_end, verdict.step) == (101.0, 100)
+
+
+def test_a_rank_0_only_evaluation_counted_as_compute_makes_no_straggler() -> None:
+    # Rank 0 reports a 12 s evaluation as the compute of one step; the helper's moving average (0.8/0.2) carries it
+    # for a dozen steps. Every rank's steps vary +-50%.
+    rng = random.Random(7)
+    compute = {rank: _jittered(rng, 100, jitter=0.5) for rank in range(4)}
+    ema, smoothed = None, []
+    for step, own in enumerate(compute[0]):
+        own = 12.0 if step == 50 else own
+        ema = own if ema is None else 0.8 * ema + 0.2 * own
+        smoothed.append(ema)
+    compute[0] = smoothed
+    samples = {rank: [(990.0 + 0.1 * (n + 1), c) for n, c in enumerate(values)] for rank, values in compute.items()}
+
+    means = window_means(samples, {rank: 985.0 for rank in samples}, 1000.0, 10.0)
+
+    assert judge_window([PaceRecord(node="n", attempt=1, window_end=1000.0, window_s=10.0, rank_compute_s=means)],
+                        ratio=1.5, after=0.0) is None
