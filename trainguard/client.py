@@ -46,6 +46,7 @@ from trainguard.models import (
     RunStatus,
 )
 from trainguard.settings import Settings
+from trainguard.slurm_job import job_memo
 from trainguard.spec import RunSpec, SpecError, loads_spec_json, parse_spec
 
 
@@ -150,6 +151,8 @@ class TrainguardClient:
             id=workflow_id,
             task_queue=TASK_QUEUE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            # Inside a Slurm job: the job this run belongs to, the only one the controller may end for it.
+            memo=job_memo(),
         )
         return workflow_id
 

@@ -7,7 +7,9 @@ An operator's `scontrol update nodename=X state=drain` moves the run that holds 
 A job loses its batch script with its batch host (node 0 of the allocation): the run goes on inside the job
 (`--no-kill`) and completes, but nothing is left to end the job, which would hold its nodes until its time limit.
 So a running job whose batch host is no longer among its nodes, and whose run (`slurm-<job id>`, the example
-script's id) is over, is cancelled (`scancel`). Jobs with no such run are never touched.
+script's id) is over, is cancelled (`scancel`), but only when that run recorded the job as its own at its start
+and the job marks itself trainguard's (`trainguard.slurm_job`): anyone may start a run named after any job.
+Jobs with no such run are never touched.
 
 On with the scheduler hook (`TRAINGUARD_SCHEDULER=slurm`). One `sinfo --json` every `DRAIN_POLL_S` answers for
 every node: one RPC to slurmctld a poll however large the cluster, where an agent asking for its own node would
@@ -25,6 +27,7 @@ import os
 import re
 import subprocess
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
@@ -33,6 +36,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.scheduler import COMMAND_TIMEOUT_S, SCHEDULER_ENV, SLURM_REASON_PREFIX
 from trainguard.pool import pool_nodes
+from trainguard.slurm_job import not_the_runs_job
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,8 @@ class SlurmDrainWatch:
         """(node, run) pairs already asked, forgotten when the node is no longer drained: a later drain counts."""
         self.settled: set[int] = set()
         """Headless jobs already cancelled, or with no trainguard run: never looked at again."""
+        self.not_ours: set[tuple[int, datetime]] = set()
+        """(job, its run's start) of headless jobs whose over run did not record them as its own: said once."""
 
     @classmethod
     def from_env(cls, client: Client, environ: Mapping[str, str] | None = None) -> SlurmDrainWatch | None:
@@ -143,19 +149,30 @@ class SlurmDrainWatch:
     async def end_headless_jobs(self) -> list[int]:
         """Cancel each running job that lost its batch host and whose run is over. Returns the jobs cancelled."""
         squeue = await asyncio.to_thread(_slurm_json, [self.squeue, "--states=RUNNING"])
+        entries = {int(job["job_id"]): job for job in squeue.get("jobs", [])}
         cancelled = []
         for job in headless_jobs(squeue):
             if job in self.settled:
                 continue
             try:
-                status = (await self.client.get_workflow_handle(f"slurm-{job}").describe()).status
+                description = await self.client.get_workflow_handle(f"slurm-{job}").describe()
             except RPCError as error:
                 if error.status is RPCStatusCode.NOT_FOUND:
                     self.settled.add(job)  # not a trainguard job: not ours to end
                     continue
                 raise
+            status = description.status
             if status is WorkflowExecutionStatus.RUNNING:
                 continue  # the run goes on inside the job
+            # A run id is only a name: anyone may start `slurm-<any job>`. End the job only if the run recorded
+            # this very job as the one it was started from, and the job marks itself trainguard's.
+            why_not = not_the_runs_job(entries[job], await description.memo(), description.start_time)
+            if why_not is not None:
+                if (job, description.start_time) not in self.not_ours:
+                    self.not_ours.add((job, description.start_time))
+                    log.warning("Slurm job %d lost its batch host and run slurm-%d is over, but the job is not the "
+                                "run's to end (%s): left to its owner", job, job, why_not)
+                continue
             await asyncio.to_thread(subprocess.run, [self.scancel, str(job)], capture_output=True, check=True,
                                     timeout=COMMAND_TIMEOUT_S)
             self.settled.add(job)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import WorkflowExecutionStatus
@@ -17,6 +19,7 @@ from trainguard.dev_slurm import SlurmCluster, node_states, unavailable_reason
 from trainguard.models import PoolNode
 from trainguard.pool import agents_not_ready
 from trainguard.ports import Ports, free_port_base, slurm_ports
+from trainguard.slurm_job import JOB_COMMENT, job_memo, not_the_runs_job
 from workers.slurm_drains import SlurmDrainWatch, expand_hostlist, headless_jobs, operator_drains
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,39 +122,91 @@ def test_without_slurm_the_error_names_the_packages_and_the_make_target(tmp_path
     assert "slurm-wlm slurmctld slurmd munge slurm-client" in reason and "make slurm-install" in reason
 
 
+JOB_START = 1_000_000.0
+"""When the fake squeue's jobs started (Unix time); their runs started after."""
+
+
 class _Handle:
-    def __init__(self, status: WorkflowExecutionStatus | None) -> None:
-        self.status = status
+    def __init__(self, status: WorkflowExecutionStatus | None, memo: dict[str, Any] | None = None,
+                 started: float = JOB_START + 60) -> None:
+        self.status, self._memo = status, memo or {}
+        self.start_time = datetime.fromtimestamp(started, timezone.utc)
 
     async def describe(self) -> _Handle:
         if self.status is None:
             raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
         return self
 
+    async def memo(self) -> dict[str, Any]:
+        return self._memo
+
 
 class _Client:
-    """Runs by id: a status, or absent (None)."""
+    """Runs by id: a status (None: absent), with the memo its start recorded and when it started."""
 
-    def __init__(self, runs: dict[str, WorkflowExecutionStatus | None]) -> None:
-        self.runs = runs
+    def __init__(self, runs: dict[str, WorkflowExecutionStatus | None],
+                 memos: dict[str, dict[str, Any]] | None = None, started: dict[str, float] | None = None) -> None:
+        self.runs, self.memos, self.started = runs, memos or {}, started or {}
 
     def get_workflow_handle(self, run_id: str) -> _Handle:
-        return _Handle(self.runs.get(run_id))
+        return _Handle(self.runs.get(run_id), self.memos.get(run_id), self.started.get(run_id, JOB_START + 60))
 
 
-async def test_a_headless_job_is_cancelled_only_once_its_own_run_is_over(tmp_path: Path) -> None:
-    jobs = [{"job_id": job, "job_state": "RUNNING", "batch_host": "node-0", "nodes": "node-[1-2]"} for job in (7, 8, 9)]
+def _headless(job: int, **fields: Any) -> dict[str, Any]:
+    """A running job of `alice` whose batch host node-0 was lost, marked trainguard's by the job script."""
+    return {"job_id": job, "job_state": "RUNNING", "batch_host": "node-0", "nodes": "node-[1-2]",
+            "user_name": "alice", "cluster": "lab", "comment": JOB_COMMENT, "start_time": int(JOB_START), **fields}
+
+
+def _memo(job: int, user: str = "alice", cluster: str = "lab") -> dict[str, Any]:
+    """What `trainguard run start` inside job `job` records (`trainguard.slurm_job.job_memo`)."""
+    return job_memo({"SLURM_JOB_ID": str(job), "SLURM_JOB_USER": user, "SLURM_CLUSTER_NAME": cluster}) or {}
+
+
+def _fake_slurm(tmp_path: Path, jobs: list[dict[str, Any]]) -> tuple[Path, Path, Path]:
     squeue, scancel, cancelled = tmp_path / "squeue", tmp_path / "scancel", tmp_path / "cancelled"
     squeue.write_text(f"#!/bin/sh\necho '{json.dumps({'jobs': jobs})}'\n")
     scancel.write_text(f"#!/bin/sh\necho \"$1\" >> {cancelled}\n")
     for script in (squeue, scancel):
         script.chmod(0o755)
+    return squeue, scancel, cancelled
+
+
+async def test_a_headless_job_is_cancelled_only_once_its_own_run_is_over(tmp_path: Path) -> None:
+    squeue, scancel, cancelled = _fake_slurm(tmp_path, [_headless(job) for job in (7, 8, 9)])
     runs = {"slurm-7": WorkflowExecutionStatus.COMPLETED, "slurm-8": WorkflowExecutionStatus.RUNNING}  # 9: none
-    watch = SlurmDrainWatch(_Client(runs), squeue=str(squeue), scancel=str(scancel))  # type: ignore[arg-type]
+    client = _Client(runs, memos={"slurm-7": _memo(7), "slurm-8": _memo(8)})
+    watch = SlurmDrainWatch(client, squeue=str(squeue), scancel=str(scancel))  # type: ignore[arg-type]
     assert await watch.end_headless_jobs() == [7]
     runs["slurm-8"] = WorkflowExecutionStatus.FAILED  # its run ended since
     assert await watch.end_headless_jobs() == [8]
     assert cancelled.read_text().split() == ["7", "8"]  # each once; job 9, no trainguard run, never
+
+
+@pytest.mark.parametrize(("job", "memo", "run_started"), [
+    # Issue 40 finding 6(a): `temporal workflow start --workflow-id slurm-4242` (no job recorded), failed: the
+    # controller cancelled job 4242, another user's job that was not trainguard's.
+    (_headless(4242, user_name="bob", comment="", name="bobs-sim"), {}, JOB_START + 60),
+    (_headless(4242), {}, JOB_START + 60),                                 # a run that recorded no job
+    (_headless(4242), _memo(4241), JOB_START + 60),                        # recorded another job
+    (_headless(4242, comment=""), _memo(4242), JOB_START + 60),           # the job does not mark itself ours
+    (_headless(4242, user_name="bob"), _memo(4242), JOB_START + 60),      # another user's job
+    (_headless(4242, cluster="other"), _memo(4242), JOB_START + 60),      # the same id on another cluster
+    (_headless(4242), _memo(4242), JOB_START - 3600),                     # a run older than the job: ids restart
+])
+async def test_a_headless_job_its_run_did_not_record_as_its_own_is_never_cancelled(
+        tmp_path: Path, job: dict[str, Any], memo: dict[str, Any], run_started: float) -> None:
+    squeue, scancel, cancelled = _fake_slurm(tmp_path, [job])
+    client = _Client({"slurm-4242": WorkflowExecutionStatus.FAILED}, memos={"slurm-4242": memo},
+                     started={"slurm-4242": run_started})
+    watch = SlurmDrainWatch(client, squeue=str(squeue), scancel=str(scancel))  # type: ignore[arg-type]
+
+    assert await watch.end_headless_jobs() == []
+    assert not cancelled.exists()
+
+
+def test_the_job_script_marks_its_job_as_trainguards() -> None:
+    assert f"#SBATCH --comment={JOB_COMMENT}\n" in SCRIPT.read_text()
 
 
 # ------------------------------------------------------------------- issue 40 finding 11: the watch keeps going
@@ -240,3 +295,27 @@ async def test_the_controller_restarts_a_watch_that_ends_and_says_so(caplog: pyt
     assert "a bug in the loop" in caplog.text and "restart" in caplog.text
     stop.set()
     await asyncio.wait_for(task, 5)
+
+
+async def test_a_run_started_inside_a_slurm_job_records_the_job_the_controller_checks(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other half of finding 6(a): `trainguard run start` inside job J records J, which is what makes the
+    controller's check pass for the job script's own run, and fail for a run anyone started under `slurm-J`."""
+    import uuid
+
+    from trainguard.client import TrainguardClient
+
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "alice", "SLURM_CLUSTER_NAME": "lab"}.items():
+        monkeypatch.setenv(name, value)
+    run_id = f"slurm-4242-{uuid.uuid4().hex[:6]}"
+    await TrainguardClient(env.client).start_run({"entrypoint": ["python", "train.py"], "nodes": ["node-0"]},
+                                                 workflow_id=run_id)
+    handle = env.client.get_workflow_handle(run_id)
+    try:
+        description = await handle.describe()
+        memo = await description.memo()
+    finally:
+        await handle.terminate("test: no worker runs it")
+
+    assert not_the_runs_job(_headless(4242), memo, description.start_time) is None
+    assert "started from job 4242" in (not_the_runs_job(_headless(4243), memo, description.start_time) or "")
