@@ -552,3 +552,12 @@ def test_a_rank_incident_shows_its_log_and_traceback() -> None:
     text = render_table(report)
     assert "log /n/runs/r/attempt-0001/logs/rank-00001.log" in text
     assert "   | ValueError: nan" in text
+
+
+def test_named_phases_are_useful_time_in_the_report() -> None:
+    result = RunResult(workflow_id="r", steps_completed=100, attempts=1, wall_s=30.0, mean_step_s=0.1,
+                       useful_s=10.0 + 12.5, goodput=0.75, phase_s={"eval": 12.5})
+    report = compute_report([], start=T0, end=T0 + 30.0, incidents=[], result=result)
+
+    assert report.named_phases == {"eval": 12.5}
+    assert "100 steps x 0.1000 s + eval 12.50 s" in render_table(report)

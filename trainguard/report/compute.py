@@ -182,7 +182,7 @@ def compute_report(
         segments=segments, incidents=losses, steps_completed=steps, mean_step_s=mean_step, useful_s=useful,
         goodput=goodput, lost_s=lost, attempts=attempts,
         points=sorted(points, key=lambda p: p.at_s), result_wall_s=result.wall_s if result else None,
-        notes=notes,
+        notes=notes, named_phases=dict(result.phase_s) if result is not None else {},
     )
 
 

@@ -130,6 +130,8 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
     hangs: list[tuple[int, Incident]] = field(default_factory=list)
     """Hang incidents (numbered as in the table) whose evidence is stored with the run."""
+    named_phases: dict[str, float] = field(default_factory=dict)
+    """Seconds in each phase the script named (`RunResult.phase_s`): part of the useful time, not badput."""
 
     @property
     def overhead_s(self) -> float | None:

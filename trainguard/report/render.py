@@ -76,8 +76,9 @@ def render_table(report: RunReport) -> str:
             lines.append(f"attempt {attempt}: " + ", ".join(f"{p} {s:.2f} s" for p, s in spent.items()))
     lines += ["", "goodput"]
     steps = "-" if report.steps_completed is None else str(report.steps_completed)
+    named = "".join(f" + {name} {seconds:.2f} s" for name, seconds in report.named_phases.items())
     lines.append(f"  useful training   {_f(report.useful_s):>9} s  ({steps} steps x "
-                 f"{_f(report.mean_step_s, '{:.4f}')} s)")
+                 f"{_f(report.mean_step_s, '{:.4f}')} s{named})")
     lines.append(f"  lost to incidents {report.lost_s:>9.2f} s")
     lines.append(f"  other overhead    {_f(report.overhead_s):>9} s  (first start, checkpoints, finishing)")
     percent = None if report.goodput is None else 100 * report.goodput
