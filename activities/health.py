@@ -6,6 +6,7 @@ Without NVML (no driver, no GPU) the checks report "unavailable" and never fail 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,60 @@ def read_gpu_health() -> GpuHealth:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+GPU_ACTIVITY_WINDOW_S = 1.0
+"""A rank's GPU is busy when NVML sampled its process using SMs or memory bandwidth within this long."""
+
+
+class GpuActivity:
+    """Which processes used a GPU lately, as NVML samples it (`nvmlDeviceGetProcessUtilization`): a rank whose
+    kernels run (a long evaluation batch, a rank waiting on its GPU with a blocking sync) is busy though its CPU
+    sleeps. Where NVML cannot tell (no GPU, no driver, an old driver), no process is busy by it, and the agent
+    judges from CPU and I/O alone; a missing library is not asked again."""
+
+    def __init__(self, nvml: Any | None = None, clock: Any = time.time) -> None:
+        self._nvml = nvml
+        self._clock = clock
+        self._unavailable = False
+
+    def _library(self) -> Any | None:
+        if self._nvml is None and not self._unavailable:
+            try:
+                import pynvml
+            except ImportError:
+                self._unavailable = True
+                return None
+            self._nvml = pynvml
+        return None if self._unavailable else self._nvml
+
+    def busy_pids(self, window_s: float = GPU_ACTIVITY_WINDOW_S) -> set[int]:
+        nvml = self._library()
+        if nvml is None:
+            return set()
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError:
+            self._unavailable = True
+            return set()
+        busy: set[int] = set()
+        since_us = int((self._clock() - window_s) * 1e6)
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                try:
+                    samples = nvml.nvmlDeviceGetProcessUtilization(handle, since_us)
+                except nvml.NVMLError:
+                    continue  # no sample in the window (NOT_FOUND), or a driver without it
+                busy.update(int(s.pid) for s in samples if getattr(s, "smUtil", 0) or getattr(s, "memUtil", 0))
+        except nvml.NVMLError:
+            return busy
+        finally:
+            try:
+                nvml.nvmlShutdown()
+            except nvml.NVMLError:
+                pass
+        return busy
 
 
 CRITICAL_XIDS = frozenset({13, 31, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 119, 120, 121, 140})

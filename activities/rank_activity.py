@@ -98,11 +98,15 @@ class AttemptActivity:
     """The activity of one attempt's ranks on this node, judged at each of the watch's polls."""
 
     def __init__(self, gaps: GapBook, clock: Callable[[], float] = time.monotonic,
-                 usage: Callable[[int], tuple[float, int | None] | None] = tree_usage) -> None:
+                 usage: Callable[[int], tuple[float, int | None] | None] = tree_usage,
+                 gpu_busy: Callable[[], set[int]] | None = None) -> None:
         self.gaps = gaps
         self.clock = clock
         self.usage = usage
         """A process tree's (CPU seconds, bytes moved), None once it is gone (`trainguard.procs.tree_usage`)."""
+        self.gpu_busy = gpu_busy
+        """The pids NVML saw using a GPU lately (`activities.health.GpuActivity.busy_pids`); None: not asked."""
+        self._gpu: set[int] = set()
         self.ranks: dict[int, _Rank] = {}
         self.pids: dict[int, int] = {}
         self.verdicts: dict[int, Verdict] = {}
@@ -140,6 +144,8 @@ class AttemptActivity:
                 used = self.usage(self.pids[rank])
                 if used is not None:
                     self.ranks[rank].samples.append(Usage(self.clock(), used[0], used[1]))
+        sampled = [rank for rank in running if self.ranks[rank].samples]
+        self._gpu = await asyncio.to_thread(self.gpu_busy) if sampled and self.gpu_busy is not None else set()
         signals = {rank: self._signals(rank) for rank in running}
         verdicts = judge_ranks(reports, running, start_step, launched_at, now, health, states, signals, expected,
                                grace_s)
@@ -158,6 +164,8 @@ class AttemptActivity:
     def _signals(self, rank: int) -> RankSignals:
         kept = self.ranks[rank]
         busy = activity_busy(list(kept.samples), ACTIVITY_WINDOW_S)
+        if self.pids.get(rank) in self._gpu:
+            busy = True  # its kernels run: a GPU-bound phase, whatever its CPU does
         position = kept.position
         if position is not None and self.clock() - position[0] > POSITION_RECHECK_S:
             position = kept.position = None

@@ -16,7 +16,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.evidence import PEER_HANG_REPORT_DELAY_S, waits_on_a_peer
-from activities.health import NodeHealth
+from activities.health import GpuActivity, NodeHealth
 from activities.models import (
     AttemptDecision,
     DownloadShardsInput,
@@ -136,6 +136,8 @@ class RankWatch:
         """Run -> the last failed upload's error, until an upload of the run succeeds."""
         self._upload_error_told: dict[str, float] = {}
         """Run -> when a watch last told the run of it (monotonic)."""
+        self.gpu_activity = GpuActivity()
+        """Which rank processes NVML saw using a GPU lately: a quiet rank whose kernels run is busy."""
         self._gaps: dict[str, GapBook] = {}
         """Run -> the gaps between steps its ranks here took, learned (outlives the watches of one attempt)."""
         self._activity: dict[str, tuple[str, int, AttemptActivity]] = {}
@@ -320,7 +322,7 @@ class RankWatch:
         gaps.merge(request.learned_gaps)
         kept = self._activity.get(record.workflow_id)
         if kept is None or kept[:2] != (record.chain_id, record.attempt):
-            kept = (record.chain_id, record.attempt, AttemptActivity(gaps))
+            kept = (record.chain_id, record.attempt, AttemptActivity(gaps, gpu_busy=self.gpu_activity.busy_pids))
             self._activity[record.workflow_id] = kept
         return kept[2]
 

@@ -221,3 +221,54 @@ def test_without_the_ddp_hook_a_rank_behind_its_peers_in_collectives_is_not_wait
 
     assert hung(verdicts) == (1, pytest.approx(2.4))
     assert verdicts[0].activity is RankActivity.WAITING
+
+
+def test_a_rank_whose_gpu_runs_kernels_is_busy_though_its_cpu_sleeps() -> None:
+    clock, proc = Clock(), FakeProc()
+    activity = AttemptActivity(GapBook(), clock=clock, usage=proc.usage, gpu_busy=lambda: {100})
+    reports = {0: _report(rank=0)}
+
+    verdicts = _watch(activity, clock, proc, reports, {0: False}, 12.0, {0: 0.0})
+
+    assert hung(verdicts) is None  # type: ignore[arg-type]
+    assert activity.long_phases()[0].activity is RankActivity.BUSY
+
+
+class FakeNvml:
+    """pynvml's shape: one GPU whose samples name the processes that used it."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, samples: list[tuple[int, int]], available: bool = True) -> None:
+        self.samples = samples
+        self.available = available
+        self.inits = 0
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+        if not self.available:
+            raise self.NVMLError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> object:
+        return index
+
+    def nvmlDeviceGetProcessUtilization(self, handle: object, since_us: int) -> list[object]:
+        from types import SimpleNamespace
+        return [SimpleNamespace(pid=pid, smUtil=sm, memUtil=0) for pid, sm in self.samples]
+
+
+def test_gpu_activity_names_the_processes_nvml_saw_computing_and_gives_up_without_a_driver() -> None:
+    from activities.health import GpuActivity
+
+    assert GpuActivity(FakeNvml([(100, 87), (101, 0)])).busy_pids() == {100}
+    absent = FakeNvml([(100, 87)], available=False)
+    gpu = GpuActivity(absent)
+    assert gpu.busy_pids() == set() and gpu.busy_pids() == set()
+    assert absent.inits == 1  # not asked again
