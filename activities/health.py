@@ -166,6 +166,10 @@ class GpuActivity:
             return set()
         busy: set[int] = set()
         since_us = int((self._clock() - window_s) * 1e6)
+        if getattr(nvml, "nvmlDeviceGetProcessUtilization", None) is None:  # a binding without it
+            self._unavailable = True
+            nvml.nvmlShutdown()
+            return busy
         try:
             for index in range(nvml.nvmlDeviceGetCount()):
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
