@@ -137,6 +137,9 @@ class _CommitterState:
     """Steps another writer's manifest holds: never committed by this one."""
     pace: dict[str, tuple[str, PaceRecord]] = field(default_factory=dict)
     """Pace record key -> (ETag, record), as `records`."""
+    pace_before: dict[str, PaceRecord] = field(default_factory=dict)
+    """Node -> the record its newest one replaced: the node's step wall time, which a rank's reported compute
+    is checked against (`activities.pace.plausible_compute`)."""
     next_pace: float = 0.0
     """Monotonic time of the next look at the nodes' pace."""
     adopt_next: dict[int, float] = field(default_factory=dict)
@@ -439,14 +442,19 @@ class StoreActivities:
         if request.pace_window_s is None or time.monotonic() < state.next_pace:
             return None
         state.next_pace = time.monotonic() + max(PACE_POLL_MIN_S, request.pace_window_s / PACE_POLLS_PER_WINDOW)
+        known = {record.node: record for _, record in state.pace.values()}
         try:
             records = await asyncio.to_thread(read_pace, s3_client(), request.bucket, request.run_prefix, state.pace)
         except (BotoCoreError, ClientError, OSError) as error:
             log.warning("reading the nodes' pace under s3://%s/%s failed: %s", request.bucket, request.run_prefix,
                         error)
             return None
+        for record in records:
+            if (earlier := known.get(record.node)) is not None and earlier is not record:
+                state.pace_before[record.node] = earlier
         return judge_window(records, ratio=request.straggler_ratio, after=request.pace_after,
-                            chain_id=request.chain_id, min_attempt=request.min_attempt, attempt=request.attempt)
+                            chain_id=request.chain_id, min_attempt=request.min_attempt, attempt=request.attempt,
+                            before=state.pace_before)
 
     def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:

@@ -34,6 +34,31 @@ FRESH_WINDOWS = 2.0
 node stopped writing (lost, finished), and a mean of another stretch of training says nothing of this one."""
 
 
+PLAUSIBLE_COMPUTE_SLACK = 1.5
+"""A rank's compute per step (outside collectives) cannot exceed what a step of its node takes by the node's own
+clock (`step_wall_s`); this much over it allows for a median of samples against a mean over a window. A figure
+beyond it is one the rank made up (or a bug in how it counts): the rank is left out of the comparison, never
+judged slow on it. Only a bound: a rank may still report any figure under its step time."""
+
+
+def step_wall_s(record: PaceRecord, before: PaceRecord | None) -> float | None:
+    """Wall time per step on `record`'s node between its previous record and this one: the agent's clock over the
+    steps its slowest rank made; None without an earlier record of the same attempt, or without steps between."""
+    if (before is None or before.attempt != record.attempt or before.chain_id != record.chain_id
+            or record.step <= before.step or record.window_end <= before.window_end):
+        return None
+    return (record.window_end - before.window_end) / (record.step - before.step)
+
+
+def plausible_compute(record: PaceRecord, before: PaceRecord | None) -> dict[int, float]:
+    """`record`'s ranks' compute per step, less any a rank reports beyond its node's step wall time
+    (`PLAUSIBLE_COMPUTE_SLACK`)."""
+    wall = step_wall_s(record, before)
+    if wall is None:
+        return dict(record.rank_compute_s)
+    return {rank: c for rank, c in record.rank_compute_s.items() if c <= wall * PLAUSIBLE_COMPUTE_SLACK}
+
+
 def pace_key(run_prefix: str, node: str) -> str:
     return f"{run_prefix}/{PACE_DIR}/{node}.json"
 
@@ -58,11 +83,12 @@ def window_means(samples: Mapping[int, Iterable[tuple[float, float]]], first_see
 
 
 def judge_window(records: Iterable[PaceRecord], *, ratio: float, after: float, chain_id: str = "",
-                 min_attempt: int = 0, attempt: int | None = None) -> PaceVerdict | None:
+                 min_attempt: int = 0, attempt: int | None = None,
+                 before: Mapping[str, PaceRecord] | None = None) -> PaceVerdict | None:
     """The ranks slower than `ratio` times their peers' median over the newest windows of the run's nodes,
     when that window ended after `after`; None when every rank keeps pace (or nothing new was written).
     Records of another chain, of attempts outside `min_attempt`..`attempt`, or stale (`FRESH_WINDOWS`) are left
-    out."""
+    out. `before`: each node's previous record, against which a rank's figure is checked (`plausible_compute`)."""
     ours = [r for r in records if not (chain_id and r.chain_id and r.chain_id != chain_id)
             and min_attempt <= r.attempt and (attempt is None or r.attempt <= attempt) and r.rank_compute_s]
     if not ours:
@@ -71,7 +97,8 @@ def judge_window(records: Iterable[PaceRecord], *, ratio: float, after: float, c
     if newest <= after:
         return None
     fresh = [r for r in ours if newest - r.window_end <= FRESH_WINDOWS * r.window_s]
-    compute = {rank: c for r in fresh for rank, c in r.rank_compute_s.items()}
+    earlier = before or {}
+    compute = {rank: c for r in fresh for rank, c in plausible_compute(r, earlier.get(r.node)).items()}
     slow = find_stragglers(compute, ratio)
     if not slow:
         return None

@@ -42,6 +42,12 @@ def next_phase(current: Phase, new: Phase) -> Phase:
 # ------------------------------------------------------------------------------------------- decisions
 
 NODE_FAULTS = frozenset({IncidentKind.NODE_UNRESPONSIVE, IncidentKind.GPU_UNHEALTHY})
+
+STRAGGLER_REPLACE_EVERY_S = 6 * 3600.0
+"""A run replaces at most one straggler's node per this long, and at most as many as its own nodes over its life.
+A straggler is judged from the compute each rank reports of itself (`compute_s`), which a script can make up or
+make true on purpose (a sleep on one rank): unbounded, it spent a spare every few windows. Slow hardware is rare
+and stays slow, so one replacement fixes it; the bound keeps what a script can do to one spare per 6 h."""
 RANK_FAULTS = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.CHECKPOINT_CORRUPT})
 
 
@@ -55,6 +61,8 @@ class RecoveryBudget:
     """Relaunches since the last newly committed checkpoint."""
     same_failure_attempts: int = 0
     """Consecutive attempts, this one included, whose crash had the incident's signature (`same_failure_streak`)."""
+    straggler_replaced_at: tuple[float, ...] = ()
+    """Workflow-clock times (unix seconds) of the run's earlier straggler replacements (`STRAGGLER_REPLACE_EVERY_S`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,10 @@ class Decision:
     reason: str
     replacement: str | None = None
     """The spare taking the failed node's place (REPLACE_NODE)."""
+    cordon: bool = True
+    """REPLACE_NODE, SHRINK: the node leaving is cordoned in the pool, for every run (a node fault the agent saw).
+    False for a straggler: its slowness is what the run's own ranks report, which must not take a node from
+    other runs; it leaves this run only and goes back to the pool."""
 
 
 def same_failure_streak(incident: Incident, earlier: Sequence[Incident]) -> int:
@@ -79,6 +91,12 @@ def same_failure_streak(incident: Incident, earlier: Sequence[Incident]) -> int:
             break
         streak, expected = streak + 1, expected - 1
     return streak
+
+
+def straggler_replaced_at(incidents: Sequence[Incident]) -> tuple[float, ...]:
+    """When the run replaced a straggler's node, from its incidents (carried across continue-as-new)."""
+    return tuple(i.detected_at for i in incidents
+                 if i.kind is IncidentKind.STRAGGLER and i.action is Action.REPLACE_NODE)
 
 
 def classify_exit(exit_code: int | None) -> IncidentKind:
@@ -99,6 +117,26 @@ def _not_reshardable(kind: IncidentKind, node: str, newest: CheckpointRef, new_w
         f"cannot be resharded onto {new_world_size}. Paused for an operator: fix the node or free a spare and "
         f"`resume`, or `abort`. To let the run shrink, save sharded state with DCP "
         f"(tg.init(checkpoint_format=\"auto\") or \"dcp\")"))
+
+
+def _straggler(node: str | None, spec: RunSpec, active_nodes: list[str], spares: list[str], budget: RecoveryBudget,
+               now: float, persisted: bool) -> Decision:
+    """A persisted straggler's node leaves the run for a spare, uncordoned, within `STRAGGLER_REPLACE_EVERY_S`
+    and the run's own node count; otherwise it is reported and training goes on."""
+    if not (persisted and node in active_nodes and spares):
+        return Decision(Action.REPORT, "straggler reported; training goes on")
+    done = budget.straggler_replaced_at
+    if len(done) >= len(spec.nodes):
+        return Decision(Action.REPORT, f"straggler on {node} persisted; not replaced: the run replaced {len(done)} "
+                                       f"stragglers already, as many as its nodes; training goes on")
+    last = max(done, default=None)
+    if last is not None and now - last < STRAGGLER_REPLACE_EVERY_S:
+        return Decision(Action.REPORT, f"straggler on {node} persisted; not replaced: the run replaced one "
+                                       f"{(now - last) / 60:.0f} min ago and replaces at most one every "
+                                       f"{STRAGGLER_REPLACE_EVERY_S / 3600:.0f} h; training goes on")
+    return Decision(Action.REPLACE_NODE, f"straggler on {node} persisted: replaced by spare {spares[0]}; {node} left "
+                                         f"to the pool uncordoned (only the run's own ranks say it is slow)",
+                    replacement=spares[0], cordon=False)
 
 
 def decide(
@@ -130,10 +168,7 @@ def decide(
         return Decision(Action.PAUSE, "checkpoint store unreachable at restore: paused for an operator "
                                       "(`resume` once the store is back, or `abort`)")
     if kind is IncidentKind.STRAGGLER:
-        if persisted and node in active_nodes and spares:
-            return Decision(Action.REPLACE_NODE, f"straggler on {node} persisted: replaced by spare {spares[0]}",
-                            replacement=spares[0])
-        return Decision(Action.REPORT, "straggler reported; training goes on")
+        return _straggler(node, spec, active_nodes, spares, budget, now, persisted)
     recent = [t for t in budget.restart_times if now - t < spec.restarts.window_s]
     if len(recent) >= spec.restarts.max_restarts:
         return Decision(

@@ -96,9 +96,11 @@ class RunCore:
         self.state.restart_times = self.state.restart_times[:-1]
         self.state.restarts_without_checkpoint = max(0, self.state.restarts_without_checkpoint - 1)
 
-    def replace(self, node: str, spare: str) -> None:
+    def replace(self, node: str, spare: str, cordoned: bool = True) -> None:
+        """`spare` in `node`'s place; `cordoned`: the run cordoned `node` in the pool (its status lists it)."""
         self.status.nodes = [spare if n == node else n for n in self.status.nodes]
-        self.status.cordoned = [*self.status.cordoned, node]
+        if cordoned:
+            self.status.cordoned = [*self.status.cordoned, node]
         if spare in self.state.parked_spares:  # its launch takes what it parked; a spare again, it parks again
             self.state.parked_spares = [n for n in self.state.parked_spares if n != spare]
 

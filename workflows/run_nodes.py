@@ -431,10 +431,15 @@ class RunNodes:
         await self.cordon(incident.node, f"{incident.kind.value}: {short_cause(incident.detail.split('; ')[0])}",
                           since)
 
-    async def swap_in_spare(self, incident: Incident, spare: str) -> None:
-        """The incident's node cordoned in the pool and `spare` in its place in the run."""
+    async def swap_in_spare(self, incident: Incident, spare: str, cordon: bool = True) -> None:
+        """`spare` in the place of the incident's node in the run, and that node cordoned in the pool; without
+        `cordon` (a straggler: `Decision.cordon`) the node is released to the pool instead, and this run does not
+        take it back as a spare."""
         assert incident.node is not None
-        await self.cordon_lost(incident)
-        self.core.state.replaced.append(incident.node)
+        if cordon:
+            await self.cordon_lost(incident)
+            self.core.state.replaced.append(incident.node)
+        else:
+            await self.release(incident.node)
         self.core.state.spares.remove(spare)
-        self.core.replace(incident.node, spare)
+        self.core.replace(incident.node, spare, cordoned=cordon)

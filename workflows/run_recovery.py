@@ -16,7 +16,8 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from trainguard.error_types import ErrorType
     from trainguard.models import Action, Incident, IncidentKind, Phase, StopReason
-    from workflows.policy import NODE_FAULTS, RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak
+    from workflows.policy import (NODE_FAULTS, RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak,
+                                  straggler_replaced_at)
     from workflows.run_core import RunCore
     from workflows.run_decisions import stop_reason
     from workflows.run_nodes import LIVENESS_SCHEDULE_TO_START, RunNodes
@@ -56,7 +57,8 @@ class Recovery:
         same = same_failure_streak(incident, core.status.incidents)
         decision: Decision = decide(
             incident.kind, incident.node, spec, core.status.nodes, state.spares,
-            RecoveryBudget(tuple(state.restart_times), state.restarts_without_checkpoint, same), now,
+            RecoveryBudget(tuple(state.restart_times), state.restarts_without_checkpoint, same,
+                           straggler_replaced_at(core.status.incidents)), now,
             persisted=incident.kind is IncidentKind.STRAGGLER, newest=core.status.latest_checkpoint,
         )
         seen_as = incident.detail
@@ -90,7 +92,7 @@ class Recovery:
                                          heal=incident if incident.kind in NODE_FAULTS else None)
             return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
-            await self.nodes.swap_in_spare(incident, decision.replacement)
+            await self.nodes.swap_in_spare(incident, decision.replacement, cordon=decision.cordon)
         if decision.action is Action.SHRINK and incident.node:
             await self.nodes.cordon_lost(incident)
             state.lost.append(incident.node)

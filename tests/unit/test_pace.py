@@ -113,3 +113,22 @@ def test_a_rank_0_only_evaluation_counted_as_compute_makes_no_straggler() -> Non
 
     assert judge_window([PaceRecord(node="n", attempt=1, window_end=1000.0, window_s=10.0, rank_compute_s=means)],
                         ratio=1.5, after=0.0) is None
+
+
+def test_a_ranks_compute_the_nodes_own_clock_contradicts_makes_no_straggler() -> None:
+    """Issue 40 finding 10: the committer took each rank's reported `compute_s` as it came. A rank cannot compute
+    longer per step than its node takes per step (its records' steps over its clock): such a claim is refused."""
+    before = {"a": PaceRecord(node="a", attempt=2, chain_id="c1", window_end=1000.0, window_s=10.0,
+                              rank_compute_s={0: 0.1, 1: 0.1}, step=100),
+              "b": PaceRecord(node="b", attempt=2, chain_id="c1", window_end=1000.0, window_s=10.0,
+                              rank_compute_s={2: 0.1, 3: 0.1}, step=100)}
+    # 100 steps in 10 s: 0.1 s a step. Rank 1 claims 5 s of compute a step, rank 3 0.09 (plausible, not slow).
+    now = [before["a"].model_copy(update={"window_end": 1010.0, "step": 200, "rank_compute_s": {0: 0.05, 1: 5.0}}),
+           before["b"].model_copy(update={"window_end": 1010.0, "step": 200, "rank_compute_s": {2: 0.05, 3: 0.05}})]
+
+    assert judge_window(now, ratio=1.5, after=0.0, chain_id="c1") is not None  # unchecked: taken as it comes
+    assert judge_window(now, ratio=1.5, after=0.0, chain_id="c1", before=before) is None
+    # A rank that is slow within what a step takes stays a straggler.
+    slowed = [now[0].model_copy(update={"rank_compute_s": {0: 0.02, 1: 0.09}}), now[1]]
+    verdict = judge_window(slowed, ratio=1.5, after=0.0, chain_id="c1", before=before)
+    assert verdict is not None and set(verdict.slow) == {1}

@@ -8,6 +8,7 @@ from trainguard.models import Action, CheckpointRef, Incident, IncidentKind, Pha
 from trainguard.spec import RunSpec, parse_spec
 from workflows.policy import (
     ALLOWED_TRANSITIONS,
+    STRAGGLER_REPLACE_EVERY_S,
     IllegalTransition,
     RecoveryBudget,
     classify_exit,
@@ -278,3 +279,42 @@ def test_the_same_failure_again_stops_the_run_before_the_budget_is_spent(limit: 
     assert decision.action is action
     if action is Action.STOP:
         assert f"the same failure on {attempts} attempts in a row" in decision.reason
+
+
+# ---------------------------------------------------------- issue 40 finding 10: a rank's own figures, bounded
+def _replacing_stragglers(every_s: float, times: int) -> list[tuple[Action, bool]]:
+    """A script that reports one rank slow for ever, judged persisted every `every_s`: each decision's action and
+    whether it cordons the node in the pool. Spares as many as it takes; each replacement swaps one in."""
+    nodes, spares = list(NODES), [f"spare-{i}" for i in range(times)]
+    replaced_at: list[float] = []
+    decisions = []
+    for index in range(times):
+        now = NOW + index * every_s
+        decision = decide(IncidentKind.STRAGGLER, nodes[1], _spec(), nodes, spares,
+                          RecoveryBudget(straggler_replaced_at=tuple(replaced_at)), now, persisted=True)
+        decisions.append((decision.action, decision.action is Action.REPLACE_NODE and decision.cordon))
+        if decision.action is Action.REPLACE_NODE:
+            replaced_at.append(now)
+            nodes[1] = spares.pop(0)
+    return decisions
+
+
+def test_a_script_reporting_its_rank_slow_cannot_cordon_a_node_per_spare() -> None:
+    """Issue 40 finding 10: a rank's own `compute_s` drove straggler replacement and a pool-wide cordon, so a
+    script could cordon as many healthy nodes as it had spares, one every few windows."""
+    decisions = _replacing_stragglers(every_s=60.0, times=4)
+
+    assert decisions[0] == (Action.REPLACE_NODE, False)  # moved off this run; the pool keeps the node
+    assert decisions[1:] == [(Action.REPORT, False)] * 3  # one replacement per STRAGGLER_REPLACE_EVERY_S
+
+
+def test_straggler_replacements_never_outnumber_the_runs_own_nodes() -> None:
+    decisions = _replacing_stragglers(every_s=STRAGGLER_REPLACE_EVERY_S, times=4)
+
+    assert [action for action, _ in decisions] == [Action.REPLACE_NODE] * len(NODES) + [Action.REPORT] * 2
+    assert not any(cordon for _, cordon in decisions)
+
+
+def test_a_node_fault_still_cordons_its_node() -> None:
+    decision = decide(IncidentKind.GPU_UNHEALTHY, "node-1", _spec(), NODES, ["spare-0"], RecoveryBudget(), NOW)
+    assert (decision.action, decision.cordon) == (Action.REPLACE_NODE, True)
