@@ -504,6 +504,19 @@ class WatchRanksInput(BaseModel):
         return round(self.heartbeat_every_s * (0.5 + share / 2), 3)
 
 
+GAPS_KEPT = 16
+"""Learned gaps kept per run (the newest steps'): what a watch input, an event and the run's state carry."""
+
+
+def merge_gaps(known: dict[int, float], more: dict[int, float], keep: int = GAPS_KEPT) -> dict[int, float]:
+    """Learned gaps (step it followed -> seconds) joined: the longest per step, the newest `keep` steps."""
+    merged = dict(known)
+    for step, gap in more.items():
+        merged[int(step)] = max(float(gap), merged.get(int(step), 0.0))
+    return {step: merged[step] for step in sorted(merged)[-keep:]}
+
+
+
 class WatchEvent(BaseModel):
     kind: WatchEventKind
     node: str

@@ -236,18 +236,6 @@ def find_hung_rank(
     return max(hung, key=lambda found: (found[1], -found[0])) if hung else None
 
 
-GAPS_KEPT = 16
-"""Learned gaps kept per run (the newest steps'): what a watch input, an event and the run's state carry."""
-
-
-def merge_gaps(known: dict[int, float], more: dict[int, float], keep: int = GAPS_KEPT) -> dict[int, float]:
-    """Learned gaps (step it followed -> seconds) joined: the longest per step, the newest `keep` steps."""
-    merged = dict(known)
-    for step, gap in more.items():
-        merged[int(step)] = max(float(gap), merged.get(int(step), 0.0))
-    return {step: merged[step] for step in sorted(merged)[-keep:]}
-
-
 ACTIVITY_WINDOW_S = 1.0
 """A quiet rank is busy when its process tree used CPU or moved bytes over this long."""
 

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from activities.models import merge_gaps
 from activities.progress import (
     ACTIVITY_WINDOW_S,
     COLLECTIVE_WAIT_GRACE_S,
@@ -29,7 +30,6 @@ from activities.progress import (
     Verdict,
     activity_busy,
     judge_ranks,
-    merge_gaps,
     silence_bound_s,
     silent_for_s,
 )

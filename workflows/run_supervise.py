@@ -20,7 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.pace_models import PaceVerdict
-    from activities.progress import merge_gaps
+    from activities.models import merge_gaps
     from activities.models import (CollectEvidenceInput, CollectEvidenceResult, DownloadShardsInput,
                                    LaunchRanksInput, WatchEvent)
     from trainguard import node_task_queue

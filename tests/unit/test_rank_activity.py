@@ -15,8 +15,8 @@ from activities.progress import (
     Usage,
     activity_busy,
     judge_rank,
-    merge_gaps,
 )
+from activities.models import merge_gaps
 from activities.rank_activity import AttemptActivity, GapBook, describe, hung
 from trainguard.evidence import Position
 from trainguard.spec import HealthSpec
