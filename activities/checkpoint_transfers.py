@@ -126,6 +126,54 @@ class _HashingReader:
         return bytes(data)
 
 
+def _meta_name(rank: int, name: str) -> str:
+    """The record of a restored file's check: a `torch.save` shard's meta file, which the rank helper reads; a
+    DCP file's stays out of the DCP folder, which a reader lists."""
+    return shard_meta_name(rank) if name == shard_name(rank) else f".{name.replace('/', '_')}.verified.json"
+
+
+def _partial_name(name: str) -> str:
+    return f".{name}.part"
+
+
+def restored_names(shards: list[ShardInfo]) -> set[str]:
+    """Every path under a restore folder that downloading `shards` writes: each file the manifest names, its
+    check's record, and the partial file it is downloaded into."""
+    names: set[str] = set()
+    for shard in shards:
+        files = [name for name, _ in shard_objects(shard)] if shard.files is not None else [shard_name(shard.rank)]
+        for name in files:
+            folder, _, base = name.rpartition("/")
+            names |= {name, _meta_name(shard.rank, name), f"{folder}/{_partial_name(base)}" if folder
+                      else _partial_name(base)}
+    return names
+
+
+def clear_unnamed(restore_dir: Path, names: set[str]) -> list[str]:
+    """Remove from `restore_dir` everything that is not one of `names` (paths under it) or a folder holding one;
+    links are removed, never followed. Returns what went, for the log."""
+    keep_dirs = {parent.as_posix() for name in names for parent in Path(name).parents if parent.as_posix() != "."}
+    removed: list[str] = []
+
+    def sweep(folder: Path, relative: str) -> None:
+        for entry in folder.iterdir():
+            path = f"{relative}{entry.name}"
+            if entry.is_dir() and not entry.is_symlink() and path in keep_dirs:
+                sweep(entry, f"{path}/")
+            elif path not in names or entry.is_symlink() or not entry.is_file():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()  # a link goes itself: what it points at is left alone
+                removed.append(path)
+
+    sweep(restore_dir, "")
+    if removed:
+        log.info("restore folder %s: removed what the manifest does not name: %s", restore_dir,
+                 ", ".join(sorted(removed)[:10]) + (" ..." if len(removed) > 10 else ""))
+    return removed
+
+
 class _HashingWriter:
     """A file written once, front to back, hashed on the way: the download and its checksum pass are one
     write. Not seekable, so the transfer manager hands it the parts in order (fetching them in parallel).
@@ -312,6 +360,9 @@ class NodeCheckpointActivities:
         step = step_of(request.shards[0].key)
         restore_dir = layout.restore_dir(step)
         restore_dir.mkdir(parents=True, exist_ok=True)
+        # What an earlier job under the same run id, an earlier world size or another format left here would be
+        # read as part of this checkpoint (a leftover `dcp/` made the rank helper take a torch.save for DCP).
+        await asyncio.to_thread(clear_unnamed, restore_dir, restored_names(request.shards))
         started = time.monotonic()
         tiers: dict[int, str] = {}
         peers = await self._peers(request)
@@ -419,10 +470,8 @@ class NodeCheckpointActivities:
         Without a `local_step_dir` (the local tier is off) it always comes from the store."""
         name = name or shard_name(shard.rank)
         final = restore_dir / name
-        # A DCP file's record of its check stays out of the DCP folder, which a reader lists.
-        meta = (restore_dir / shard_meta_name(shard.rank) if name == shard_name(shard.rank)
-                else restore_dir / f".{name.replace('/', '_')}.verified.json")
-        partial = final.with_name(f".{final.name}.part")
+        meta = restore_dir / _meta_name(shard.rank, name)
+        partial = final.with_name(_partial_name(final.name))
         partial.parent.mkdir(parents=True, exist_ok=True)
 
         def keep(tier: str) -> str:
@@ -431,9 +480,10 @@ class NodeCheckpointActivities:
             meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
             return tier
 
-        if (local_step_dir is not None and final.exists() and meta.exists()
-                and json.loads(meta.read_text()).get("sha256") == shard.sha256):
-            return "local"
+        if (local_step_dir is not None and final.is_file() and not final.is_symlink() and meta.exists()
+                and json.loads(meta.read_text()).get("sha256") == shard.sha256
+                and final.stat().st_size == shard.size_bytes and sha256_file(final) == shard.sha256):
+            return "local"  # verified here, not taken on its record's word: the record may be of other bytes
         local = local_step_dir / name if local_step_dir is not None else None
         if (local is not None and local.exists() and local.stat().st_size == shard.size_bytes
                 and sha256_file(local) == shard.sha256):
