@@ -248,7 +248,7 @@ class RankLaunch:
                      protocol.ENV_NODE: self.node, **env})
         log_file = log_path.open("ab")
         try:
-            return subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
+            popen = subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
                 request.entrypoint,
                 cwd=cwd,
                 env=full,
@@ -258,6 +258,8 @@ class RankLaunch:
                 start_new_session=True,
                 **(self.run_as.popen_args() if self.run_as is not None else {}),  # type: ignore[arg-type]
             )
+            self.book.cgroups.join(request.workflow_id, popen.pid)  # before it can fork: fencing kills all of it
+            return popen
         except Exception as error:
             if classify_launch_error(error) is None:
                 raise  # the node's (EMFILE, ENOMEM, EAGAIN): retried

@@ -42,10 +42,12 @@ PARK_AFTER_LAUNCH_MAX_S = 60.0
 """Parked processes are started again after the attempt's first step, or this long after its launch at the
 latest (an attempt that restores a large checkpoint may take longer to its first step)."""
 
-SPARE_CHECK_S = 60.0
+SPARE_CHECK_S = 20.0
 """How often the agent asks Temporal whether a run it parks processes for on a spare is still open
 (`workers.node_agent.check_parked_spares`): the safety net for a run that vanished without telling (terminated),
-one describe per spare pool a minute."""
+one describe per spare pool every 20 s. With its 10 s describe timeout, a terminated run's parked processes are
+gone before the pool gives its nodes to another run (`activities.nodes.RECLAIM_AFTER_CLOSED_S`, 45 s): user code
+of one run never shares a node with the next."""
 
 MAX_PARK_FAILURES = 3
 """A run whose parked processes exit this many times without taking a role (their imports fail where the

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from activities.progress import RankReport
 from trainguard import protocol
+from trainguard.cgroups import RunCgroups, kill_tree
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
 
@@ -174,6 +175,8 @@ class RankBook:
         """Workflow id -> the newest attempt of that run this node has launched."""
         self.parking: dict[str, RunParking] = {}
         """Workflow id -> the run's processes parked here for its next relaunch (`activities.rank_parking`)."""
+        self.cgroups = RunCgroups(node, workdir)
+        """One cgroup per run here: every process started for it joins it, and fencing kills all of it."""
         self._reconcile()
 
     def _reconcile(self) -> None:
@@ -273,7 +276,9 @@ class RankBook:
         while time.monotonic() < deadline and not all(p.poll() for p in live):
             await asyncio.sleep(0.05)
         for proc in live:
-            # The whole group, so children a rank spawned (data loader workers) go too.
+            # The whole group, so children a rank spawned (data loader workers) go too, and its whole tree,
+            # so a child that made a session of its own goes too.
+            kill_tree(proc.pid)
             kill_group(proc.pid, signal.SIGKILL)
         for proc in live:
             if proc.popen is not None:
@@ -291,6 +296,11 @@ class RankBook:
         if leaving:
             await self.close_parking(record.workflow_id)
         stopped = await self.stop(record, grace_s=2.0)
+        if leaving:  # whatever else the run started here (a daemonized child) goes with it
+            escaped = await asyncio.to_thread(self.cgroups.kill, record.workflow_id)
+            if escaped:
+                log.warning("fenced %d more processes of %s in its cgroup on %s", escaped, record.workflow_id,
+                            self.node)
         if stopped:
             log.warning("fenced %d ranks of %s attempt %d on %s: %s", stopped, record.workflow_id,
                         record.attempt, self.node, why)
@@ -303,4 +313,5 @@ class RankBook:
             await self.close_parking(workflow_id)
         for record in list(self.attempts.values()):
             stopped += await self.stop(record, grace_s)
+        await asyncio.to_thread(self.cgroups.kill_all)
         return stopped

@@ -177,6 +177,10 @@ async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) 
     return stopped
 
 
+SPARE_DESCRIBE_TIMEOUT_S = 10.0
+"""A spare's describe of its run that takes longer is tried at its next check (Temporal is restarting)."""
+
+
 async def check_parked_spares(client, ranks: RankBook,  # type: ignore[no-untyped-def]
                               every_s: float = SPARE_CHECK_S) -> int:
     """The safety net for processes parked on this spare for a run that vanished without telling (terminated:
@@ -188,7 +192,8 @@ async def check_parked_spares(client, ranks: RankBook,  # type: ignore[no-untype
     closed = 0
     for pool in ranks.spare_parking(every_s):
         try:
-            described = await asyncio.wait_for(client.get_workflow_handle(pool.workflow_id).describe(), timeout=10)
+            described = await asyncio.wait_for(client.get_workflow_handle(pool.workflow_id).describe(),
+                                           timeout=SPARE_DESCRIBE_TIMEOUT_S)
         except (RPCError, asyncio.TimeoutError) as error:
             log.info("cannot check %s with its workflow yet (%s); keeping its parked processes", pool.workflow_id,
                      getattr(error, "message", None) or type(error).__name__)
@@ -198,6 +203,8 @@ async def check_parked_spares(client, ranks: RankBook,  # type: ignore[no-untype
             log.warning("the run %s is %s: closing its processes parked on spare %s", pool.workflow_id,
                         described.status.name.lower(), ranks.node)
             await ranks.close_parking(pool.workflow_id)
+            if pool.workflow_id not in ranks.attempts:  # nothing of it runs here: whatever it left goes too
+                await asyncio.to_thread(ranks.cgroups.kill, pool.workflow_id)
             closed += 1
     return closed
 

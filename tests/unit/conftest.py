@@ -14,6 +14,13 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 
+@pytest.fixture(autouse=True)
+def no_run_cgroups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests' agents fence by process group and tree: their many short-lived books must not make cgroups on
+    the host (tests/unit/test_cgroups.py makes its own, and removes them)."""
+    monkeypatch.setenv("TRAINGUARD_CGROUPS", "off")
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def env() -> AsyncIterator[WorkflowEnvironment]:
     environment = await WorkflowEnvironment.start_time_skipping(
