@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import tempfile
 import uuid
 from pathlib import Path
@@ -68,6 +69,10 @@ async def test_a_rank_printing_the_agents_secrets_leaves_none_in_the_history(
     assert "marker: the rank got this far" in crash.log_tail  # the tail did reach the history
     assert "RuntimeError: cannot reach the store with [redacted] as [redacted]" in crash.detail
     runs_as = stack.ranks_user()[0]
+    wanted = os.environ.get("TRAINGUARD_RUN_AS")
+    if wanted:  # CI (.ci/run) runs every rank as a user of its own: the boundary is crossed, not skipped
+        assert runs_as == wanted, stack.ranks_user()
+        assert f"uid {pwd.getpwnam(wanted).pw_uid}\n" in log.text
     if runs_as is not None:
         assert "agent environ refused: PermissionError" in log.text
     else:  # this stack's ranks run as its agents: they read the secrets, and only redaction stands between
