@@ -118,6 +118,7 @@ class PrivateStack:
                  keep_logs: Path | None = None, timings: dict[str, float] | None = None,
                  labels: Mapping[str, Mapping[str, str]] | None = None, keep_home: bool = False) -> None:
         from trainguard.devstack import DevStack, StackConfig
+        from trainguard.run_as import RUN_AS_ENV
         from trainguard.ports import Ports, free_port_base
 
         self.keep_home = keep_home
@@ -125,6 +126,7 @@ class PrivateStack:
         self.home = home
         self.config = StackConfig(home=home, ports=Ports.from_base(free_port_base(port_start, len(nodes))),
                                   nodes=nodes, code_dir=code_dir, tls=tls, hosts=hosts,
+                                  run_as=os.environ.get(RUN_AS_ENV),  # CI names the ranks' own user
                                   **({"labels": {n: dict(v) for n, v in labels.items()}} if labels else {}))
         self.stack = DevStack(self.config)
         self.echo = echo
