@@ -12,6 +12,10 @@ that never failed (at the same world size).
 - `--parallel ddp`: `DistributedDataParallel`; `--replicated` makes rank 0 alone save (every rank holds the
   same state), the others restore from its shard.
 
+`--eval-every N --eval-batches B`: every N steps every rank evaluates, without a `run.step_done` meanwhile:
+B forward passes (no_grad) on held-out synthetic batches, then an all-reduce of the loss. Evaluation changes
+no state: the digest is the same with or without it.
+
 gloo on CPU, NCCL when GPUs are present. Needs `transformers` (`pip install 'trainguard[examples]'`).
 `--digest-log FILE` appends `save|restore STEP WORLD DIGEST` lines (rank 0) for tests that compare the
 full state at a checkpoint with the state a resharded restore produced.
@@ -33,6 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainguard import rank as tg
 
+HELD_OUT_FIRST_STEP = 1_000_000
+"""Tokens are seeded from the step (`tokens_for`); evaluation reads steps this far out, never trained on."""
+
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,6 +54,21 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 def tokens_for(step: int, rank: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1_000_003 * step + rank)
     return torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=generator).to(device)
+
+
+def evaluate(model: torch.nn.Module, rank: int, args: argparse.Namespace, device: torch.device) -> float:
+    """`--eval-batches` forward passes on held-out batches, no_grad, then the mean loss over every rank's (an
+    all-reduce). Every rank calls it at the same step: FSDP's forward gathers parameters collectively."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, batches
+    model.eval()
+    with torch.no_grad():
+        for index in range(args.eval_batches):
+            tokens = tokens_for(HELD_OUT_FIRST_STEP + index, rank, args, device)
+            totals[0] += model(input_ids=tokens, labels=tokens).loss.double()
+            totals[1] += 1
+    model.train()
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 def log_digest(path: Path | None, kind: str, step: int, model: torch.nn.Module) -> None:
@@ -74,9 +96,14 @@ def main() -> None:
                         help="tg.init's checkpoint_format (auto: DCP for FSDP's DTensors). torch with fsdp saves "
                              "shards that cannot be resharded: a run with min_nodes then pauses for an operator")
     parser.add_argument("--digest-log", type=Path, default=None)
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between evaluations; 0: none (default)")
+    parser.add_argument("--eval-batches", type=int, default=20,
+                        help="held-out batches an evaluation reads (default 20)")
     args = parser.parse_args()
-    if args.steps < 1 or (args.replicated and args.parallel != "ddp"):
-        print("--steps must be at least 1; --replicated is for --parallel ddp", flush=True)
+    if args.steps < 1 or (args.replicated and args.parallel != "ddp") or args.eval_every < 0 \
+            or args.eval_batches < 1:
+        print("--steps and --eval-batches must be at least 1, --eval-every not negative; --replicated is for "
+              "--parallel ddp", flush=True)
         raise SystemExit(tg.EXIT_NO_RETRY)
 
     use_cuda = torch.cuda.is_available()
@@ -124,6 +151,12 @@ def main() -> None:
         if args.step_time > 0:
             time.sleep(args.step_time)
         run.step_done(step + 1, compute_s=time.perf_counter() - began)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            began = time.monotonic()
+            eval_loss = evaluate(model, rank, args, device)
+            if rank == 0:
+                print(f"eval at step {step + 1}: loss {eval_loss:.4f}, {args.eval_batches} batches in "
+                      f"{time.monotonic() - began:.1f}s", flush=True)
         if run.should_save(step + 1) or step + 1 == args.steps:
             if args.parallel == "ddp" and args.replicated and rank != 0:
                 continue  # rank 0's shard is every rank's (a rank-0-only save, as many torchrun scripts do)
