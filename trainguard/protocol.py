@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,11 +222,58 @@ def write_json(path: Path, payload: object) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path) -> Any:
-    """The file's JSON, or None when it is missing or not (yet) whole JSON."""
+READ_MAX_BYTES = 1 << 20
+"""The most `read_json` reads of a file. Files of the contract are small (a progress report is under 4 KiB, a
+role under 64 KiB), and most sit in folders a rank writes: a bigger one is none of ours, and this bound keeps a
+rank's file that grows without end (a link to `/dev/zero`, were it followed) from taking the agent's memory."""
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+"""No link followed at the last part (a rank's link to a file of root's, to `/proc/<agent>/environ`, to a device),
+and no wait at the open: a FIFO opened without a writer would block the reader forever."""
+
+
+def read_regular(path: Path, max_bytes: int = READ_MAX_BYTES, offset: int = 0, whole: bool = True) -> bytes | None:
+    """The bytes of `path` from `offset`, when it is a regular file of one link (never through a link, never a
+    FIFO, a device or a folder, never a hard link to a file of someone else's): None when it is missing or no
+    such file. At most `max_bytes`: with `whole`, a file with more than that past `offset` reads as None;
+    without, only its first `max_bytes` past `offset` are read. Never blocks, so it is safe on a file a rank
+    can replace, on any thread."""
     try:
-        return json.loads(path.read_text())
+        fd = os.open(path, _READ_FLAGS)
     except (OSError, ValueError):
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            return None
+        if whole and info.st_size - offset > max_bytes:
+            return None
+        chunks: list[bytes] = []
+        left = max_bytes + 1 if whole else max_bytes  # one more byte tells a file that grew past the bound
+        while left > 0:
+            chunk = os.pread(fd, min(left, 1 << 16), offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        return None if whole and len(data) > max_bytes else data
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> Any:
+    """The file's JSON, or None when it is missing, not (yet) whole JSON, or no regular file of at most
+    `READ_MAX_BYTES` (`read_regular`): a rank's FIFO, link or endless file in its place reads as none, at once."""
+    data = read_regular(path)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
         return None
 
 
