@@ -86,6 +86,61 @@ def make_spec(prefix: str, steps: int = 60, every: int = 20, nodes: tuple[str, .
     return spec
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Irregular:
+    """The long phases of a run of `examples/irregular.py` (its flags; see the script). The defaults are one
+    short run with every pattern in it: two evaluations, a rank-0 save and an epoch boundary."""
+
+    steps: int = 60
+    """Training steps in total. Default 60."""
+    step_time: float = 0.05
+    """Simulated compute per step, seconds. Default 0.05."""
+    jitter: float = 0.5
+    """Each step's compute varies by +- this fraction, by (step, rank). Default 0.5."""
+    eval_every: int = 25
+    """Steps between evaluations (every rank, real forward passes, no step reported). Default 25."""
+    eval_s: float = 10.0
+    """Length of an evaluation, seconds: five times the default `health.hang_floor_s`. Default 10."""
+    save_every: int = 40
+    """Steps between rank 0's synchronous saves (its peers wait in the next all-reduce). Default 40."""
+    save_s: float = 5.0
+    """Length of a save, seconds. Default 5."""
+    epoch_steps: int = 30
+    """Steps per epoch: each epoch starts the DataLoader's workers again. Default 30."""
+    workers: int = 2
+    """DataLoader workers per rank. Default 2."""
+    worker_start_s: float = 2.0
+    """CPU seconds each worker spends starting, each epoch. Default 2."""
+    first_step_s: float = 2.0
+    """Extra seconds of each process's first step. Default 2."""
+    name_phases: bool = False
+    """Name the phases with `run.phase` (where the rank helper has it). Default off: unnamed phases must pass."""
+
+    def argv(self) -> list[str]:
+        """The entrypoint that runs these phases."""
+        flags = {"--steps": self.steps, "--step-time": self.step_time, "--jitter": self.jitter,
+                 "--eval-every": self.eval_every, "--eval-s": self.eval_s, "--save-every": self.save_every,
+                 "--save-s": self.save_s, "--epoch-steps": self.epoch_steps, "--workers": self.workers,
+                 "--worker-start-s": self.worker_start_s, "--first-step-s": self.first_step_s}
+        argv = ["python", "examples/irregular.py", *(str(x) for pair in flags.items() for x in pair)]
+        return argv + (["--name-phases"] if self.name_phases else [])
+
+
+def make_irregular_spec(prefix: str, phases: Irregular = Irregular(), every: int = 20,
+                        nodes: tuple[str, ...] = ("node-0", "node-1"), ranks_per_node: int = 2,
+                        **extra: Any) -> dict[str, Any]:
+    """A healthy run of `examples/irregular.py` (2 nodes x 2 ranks by default) with the spec's default health
+    settings, as a user would start it: no bound is widened for it. `extra` replaces top-level fields."""
+    spec: dict[str, Any] = {
+        "entrypoint": phases.argv(),
+        "nodes": list(nodes),
+        "ranks_per_node": ranks_per_node,
+        "checkpoint": {"prefix": prefix, "every_steps": every, "keep_last": 2},
+    }
+    spec.update(extra)
+    return spec
+
+
 # ------------------------------------------------------------------------------------- private stacks
 @dataclass(frozen=True, slots=True)
 class Component:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from infra import harness
+from infra.harness import Irregular
 from trainguard.client import TrainguardClient
 from trainguard.dev_slurm import SlurmCluster, unavailable_reason
 from trainguard.devstack import SLURM_NODES, DevStack
@@ -400,3 +401,21 @@ async def test_a_requeued_job_resumes_its_run(
     # From the newest checkpoint committed before the requeue, or one committed while it was under way.
     assert restarts and (restarts[0].resumed_step or 0) >= committed, (committed, result.incidents)
     print(f"requeue: training again after {training_again_s:.1f}s, from step {restarts[0].resumed_step}")
+
+
+async def test_a_healthy_irregular_job_runs_in_one_attempt_with_no_incident(
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster) -> None:
+    """examples/irregular.py through the sbatch path, with the quickstart's settings (the spec's default health):
+    10-s evaluations on every rank, a rank-0 save its peers wait for, DataLoader workers started again at an
+    epoch boundary, +-50% step jitter. Nothing in it is a hang or a straggler (issue 39)."""
+    phases = Irregular()
+    spec = {**json.loads(QUICKSTART.read_text()), "entrypoint": phases.argv()}
+    assert "health" not in spec  # the defaults a user gets
+    job = submit(slurm_stack, spec)
+    result = await finished(slurm_client, cluster, job)
+    described = [f"{i.kind.value} node {i.node} rank {i.rank}: {i.detail}" for i in result.incidents]
+    assert result.attempts == 1 and not result.incidents, described
+    assert result.steps_completed == phases.steps
+    log = (await slurm_client.rank_log(f"slurm-{job}", rank=0, tail_bytes=65_536)).text
+    assert "eval at step 25" in log and "eval at step 50" in log and "save at step 40" in log, log[-3000:]
+    assert "epoch from step 30: workers ready" in log, log[-3000:]
