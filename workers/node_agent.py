@@ -40,6 +40,7 @@ from trainguard.connect import connect
 from trainguard.run_as import RUN_AS_ENV, RunAs, run_as_from
 from trainguard.settings import env_flag, hold_agent_secrets
 from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_LABELS_ENV, is_node_id, parse_labels
+from workers.agent_workdir import UnsafeWorkdir, prepare_workdir
 from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
 from workers.redaction import RedactNodeResults
 
@@ -314,7 +315,10 @@ async def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     setup_logging(f"node-agent[{args.node}]")
-    args.workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.workdir = prepare_workdir(args.workdir, ranks_as_other_user=run_as is not None)
+    except UnsafeWorkdir as error:
+        parser.error(str(error))
     if run_as is None:
         log.warning("ranks run as this agent's own user (uid %d): they can read its environment and secrets "
                     "(/proc/<agent>/environ); start the agent as root with --run-as USER (%s)", os.geteuid(),
