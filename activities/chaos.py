@@ -154,11 +154,11 @@ class RankChaos:
 def inject_hang(layout: RunLayout, record: AttemptRecord, rank: int, mode: str) -> None:
     """Have the rank's helper carry out a hang (`python`, `io`, `skip-collective`). `stop` is SIGSTOP, sent
     by the agent itself."""
-    base = evidence_base(layout, record.attempt, rank)
+    base = evidence_base(layout, record, rank)
     if base is None:
         raise ApplicationError(
             f"rank {rank} has no trainguard rank helper evidence channel (its script does not call "
-            f"trainguard.rank.init(), or has not reported a step yet): hang --mode {mode} needs it; --mode stop "
+            f"trainguard.rank.init(), or has not called it yet): hang --mode {mode} needs it; --mode stop "
             f"works on any rank", type=ErrorType.BAD_FAULT, non_retryable=True)
     paths = channel.Paths(base)
     if mode == "skip-collective" and not _hooked(paths, record.ranks[rank].pid):
@@ -175,12 +175,9 @@ def _hooked(paths: channel.Paths, pid: int, timeout_s: float = 1.0) -> bool:
     channel.write_atomic(paths.request, request)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            found = channel.Position.from_json(paths.answer.read_text())
-            if found.request == request:
-                return bool(found.extra.get("ddp_hooked"))
-        except (OSError, ValueError, TypeError):
-            pass
+        found = channel.read_answer(paths)
+        if found is not None and found.request == request:
+            return bool(found.extra.get("ddp_hooked"))
         time.sleep(0.02)
     return False
 

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -20,8 +21,8 @@ from temporalio import activity
 from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence, WatchCheckpoints
 from trainguard import evidence as channel
 from trainguard.procs import state as process_state
-from trainguard.protocol import RunLayout, read_progress
-from trainguard.redact import redact_model
+from trainguard.protocol import RunLayout, read_regular, replace_file
+from trainguard.redact import redact, redact_model
 
 if TYPE_CHECKING:
     from activities.rank_records import AttemptRecord, RankBook
@@ -92,28 +93,45 @@ def _library(path: str) -> bool:
     return "site-packages" in parts or "trainguard" in parts or path.startswith("<") or "/lib/python" in path
 
 
-def evidence_base(layout: RunLayout, attempt: int, rank: int) -> Path | None:
-    """Where a rank's helper keeps its evidence files: it says so in its progress report (a rank carried
-    over by an in-process restart keeps those of the attempt it was launched in)."""
-    progress = read_progress(layout.progress_file(attempt, rank))
-    base = progress.evidence if progress is not None else None
-    return Path(base) if base else None
+STACKS_MAX_BYTES = 1 << 20
+"""The most the agent reads of one rank's stacks dump: a faulthandler dump is about 3 KiB a thread (100 frames
+at most each), so this holds hundreds of threads; a rank whose file grows past it is cut there."""
+
+READY_MAX_BYTES = 64
+"""A `ready` file holds a pid."""
+
+
+def evidence_base(layout: RunLayout, record: AttemptRecord, rank: int) -> Path | None:
+    """Where `rank`'s helper keeps its evidence files: where the agent told it to at launch (`evidence_env`), in
+    the attempt its process was launched in (a rank carried over by an in-process restart keeps that attempt's),
+    never a path the rank wrote (its progress file is its own: it would send root's reads and writes anywhere).
+    None when the rank has no evidence channel (its helper wrote no `ready` file there)."""
+    proc = record.ranks.get(rank)
+    attempt = proc.launch_attempt if proc is not None and proc.launch_attempt else record.attempt
+    base = layout.evidence_base(attempt, rank)
+    return base if read_regular(channel.Paths(base).ready, READY_MAX_BYTES) is not None else None
+
+
+def _ready_pid(paths: channel.Paths) -> str:
+    data = read_regular(paths.ready, READY_MAX_BYTES)
+    return data.decode(errors="replace").strip() if data is not None else ""
 
 
 def _size(path: Path) -> int:
+    """The size of a regular file, never through a link (0 for anything else): `lstat` neither follows nor
+    opens, so a FIFO or a device costs nothing."""
     try:
-        return path.stat().st_size
+        info = os.lstat(path)
     except OSError:
         return 0
+    return info.st_size if stat.S_ISREG(info.st_mode) else 0
 
 
 def _read_from(path: Path, offset: int) -> str:
-    try:
-        with path.open("rb") as handle:
-            handle.seek(offset)
-            return handle.read().decode(errors="replace")
-    except OSError:
-        return ""
+    """What a rank's helper appended to its stacks file from `offset`, at most `STACKS_MAX_BYTES`: a regular
+    file only, never through a link, never blocking (`read_regular`)."""
+    data = read_regular(path, STACKS_MAX_BYTES, offset=offset, whole=False)
+    return data.decode(errors="replace") if data is not None else ""
 
 
 def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
@@ -124,7 +142,7 @@ def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
     states: dict[int, str] = {}
     for rank, proc in sorted(record.ranks.items()):
         states[rank] = "exited" if proc.poll() else (process_state(proc.pid) or "?")
-        base = evidence_base(layout, record.attempt, rank)
+        base = evidence_base(layout, record, rank)
         if base is None:
             continue
         paths = channel.Paths(base)
@@ -134,8 +152,7 @@ def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
         except OSError:
             continue
         asked[rank] = (paths, offset)
-        ready = paths.ready.is_file() and paths.ready.read_text().strip() == str(proc.pid)
-        if ready and states[rank] not in ("exited", "Z", "T", "t"):
+        if _ready_pid(paths) == str(proc.pid) and states[rank] not in ("exited", "Z", "T", "t"):
             try:
                 os.kill(proc.pid, channel.EVIDENCE_SIGNAL)  # its own process only: the helper's handler
             except ProcessLookupError:
@@ -147,12 +164,9 @@ def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
     while clock() < deadline:
         for rank, (paths, offset) in asked.items():
             if rank not in answers:
-                try:
-                    found = channel.Position.from_json(paths.answer.read_text())
-                    if found.request == request:
-                        answers[rank] = found
-                except (OSError, ValueError, TypeError):
-                    pass
+                found = channel.read_answer(paths)
+                if found is not None and found.request == request:
+                    answers[rank] = found
             size = _size(paths.stacks)
             if size != sizes[rank]:
                 sizes[rank], settled_at[rank] = size, clock()
@@ -186,7 +200,7 @@ def ask_positions(layout: RunLayout, record: AttemptRecord, ranks: set[int],
     request = uuid.uuid4().hex
     asked: dict[int, channel.Paths] = {}
     for rank in sorted(ranks):
-        base = evidence_base(layout, record.attempt, rank)
+        base = evidence_base(layout, record, rank)
         if base is None:
             continue
         paths = channel.Paths(base)
@@ -199,11 +213,8 @@ def ask_positions(layout: RunLayout, record: AttemptRecord, ranks: set[int],
     deadline = clock() + ANSWER_TIMEOUT_S
     while asked and clock() < deadline:
         for rank, paths in list(asked.items()):
-            try:
-                found = channel.Position.from_json(paths.answer.read_text())
-            except (OSError, ValueError, TypeError):
-                continue
-            if found.request == request:
+            found = channel.read_answer(paths)
+            if found is not None and found.request == request:
                 answers[rank] = found
                 del asked[rank]
         if asked:
@@ -252,14 +263,18 @@ class EvidenceActivities:
 
     async def gather(self, record: AttemptRecord, layout: RunLayout, bucket: str | None,
                      run_prefix: str) -> list[RankEvidence]:
-        """Every local rank's evidence; its full stacks kept on the node and, with `bucket`, uploaded beside."""
+        """Every local rank's evidence; its full stacks kept on the node (in a folder only the agent writes)
+        and, with `bucket`, uploaded beside. Both redacted: a rank's frames and what it appended are its own text,
+        and the agent's secrets or a token the rank printed must not reach the store."""
         found, texts = await asyncio.to_thread(collect_local, self.book.node, layout, record)
-        local_dir = layout.attempt_dir(record.attempt) / "evidence"
         for item in found:
-            text = texts[item.rank]
-            local = local_dir / f"incident-rank-{item.rank:05d}.txt"
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.write_text(text)
+            text = redact(texts[item.rank])
+            local = layout.incident_file(record.attempt, item.rank)
+            try:
+                local.parent.mkdir(parents=True, exist_ok=True)
+                replace_file(local, text.encode())
+            except OSError as error:
+                log.warning("stacks of rank %d not kept at %s: %s", item.rank, local, error)
             if bucket:
                 item.stacks_key = stacks_key(run_prefix, record.attempt, item.rank)
                 task = asyncio.ensure_future(self._upload(bucket, item.stacks_key, text, local))
@@ -289,7 +304,7 @@ def _put_text(bucket: str, key: str, text: str) -> None:
 def evidence_env(layout: RunLayout, attempt: int, rank: int, spec_env: dict[str, Any]) -> dict[str, str]:
     """What a rank's environment gets for the evidence channel: its base path, and the Flight Recorder on
     unless the spec set its size itself."""
-    env = {channel.BASE_ENV: str(layout.attempt_dir(attempt) / "evidence" / f"rank-{rank:05d}")}
+    env = {channel.BASE_ENV: str(layout.evidence_base(attempt, rank))}
     if channel.FR_BUFFER_ENV not in spec_env:
         env[channel.FR_BUFFER_ENV] = channel.FR_BUFFER_DEFAULT
     return env

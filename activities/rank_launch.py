@@ -205,8 +205,7 @@ class RankLaunch:
     def _rank_folders(self, layout: RunLayout, attempt: int) -> None:
         """The folders ranks of `attempt` write into (progress, shards, temporary files, hang evidence), made,
         and given to the run-as user. Logs are the agent's: it opens each rank's log and hands it over open."""
-        folders = (layout.progress_dir(attempt), layout.checkpoint_dir, layout.tmp_dir,
-                   layout.attempt_dir(attempt) / "evidence")
+        folders = (layout.progress_dir(attempt), layout.checkpoint_dir, layout.tmp_dir, layout.evidence_dir(attempt))
         for path in folders:
             path.mkdir(parents=True, exist_ok=True)
         if self.run_as is not None:
@@ -288,7 +287,7 @@ class RankLaunch:
         self._track(record, rank, popen.pid, popen)
 
     def _track(self, record: AttemptRecord, rank: int, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
-        record.ranks[rank] = RankProcess(rank, pid, start_time(pid), popen)
+        record.ranks[rank] = RankProcess(rank, pid, start_time(pid), popen, launch_attempt=record.attempt)
         threading.Thread(target=record.ranks[rank].stamp_exit, name=f"rank-{rank}-exit", daemon=True).start()
         self.book.save(record)
 

@@ -54,6 +54,10 @@ class RankProcess:
     exited_at: float | None = None
     """Unix time of the exit: stamped by `stamp_exit` as it happens for our own children, else when first
     seen. Across nodes, it tells which rank failed first, the one the others failed because of."""
+    launch_attempt: int = 0
+    """The attempt whose environment the process was started with, or given as its role: its evidence files
+    are that attempt's (`activities.evidence.evidence_base`), kept through in-process restarts. 0: unknown,
+    the attempt of the record it is in."""
 
     def poll(self) -> bool:
         """True once the process has exited (its code in `exit_code` when it was our child)."""
@@ -109,7 +113,7 @@ class AttemptRecord:
             workflow_id=self.workflow_id, attempt=self.attempt, master_addr=self.master_addr,
             master_port=self.master_port, start_step=self.start_step, launched_at=self.launched_at,
             chain_id=self.chain_id,
-            ranks=[protocol.ProcessEntry(p.pid, p.start_time, p.rank) for p in self.ranks.values()],
+            ranks=[protocol.ProcessEntry(p.pid, p.start_time, p.rank, p.launch_attempt) for p in self.ranks.values()],
             survivors=sorted(self.survivors), restore_tiers=self.restore_tiers,
             standby=None if self.standby is None else protocol.ProcessEntry(self.standby.pid, self.standby.start_time),
             parked=parked or [],
@@ -126,7 +130,8 @@ class AttemptRecord:
         if file.standby is not None:
             record.standby = RankProcess(-1, file.standby.pid, file.standby.start_time)
         for item in file.ranks:
-            record.ranks[item.rank] = RankProcess(item.rank, item.pid, item.start_time)
+            record.ranks[item.rank] = RankProcess(item.rank, item.pid, item.start_time,
+                                                  launch_attempt=item.launch_attempt)
         return record
 
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.protocol import ENV_EVIDENCE_BASE
+from trainguard.protocol import ENV_EVIDENCE_BASE, read_regular, replace_file
 from trainguard.faults import FaultKind
 
 BASE_ENV = ENV_EVIDENCE_BASE
@@ -130,9 +130,32 @@ class Position:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Whole or not at all, and never through a link a rank planted in its evidence folder (the agent writes
+    requests and chaos there as root): `trainguard.protocol.replace_file`."""
+    replace_file(path, text.encode())
+
+
+ANSWER_MAX_BYTES = 64 << 10
+"""The most the agent reads of an answer: a `Position` is a few hundred bytes."""
+
+
+def read_answer(paths: Paths) -> Position | None:
+    """A rank's answer as the agent reads it: a regular file only, never through a link nor from a FIFO
+    (`trainguard.protocol.read_regular`), so a rank's answer file can neither block nor redirect the read."""
+    data = read_regular(paths.answer, ANSWER_MAX_BYTES)
+    if data is None:
+        return None
+    try:
+        found = Position.from_json(data.decode())
+    except (ValueError, TypeError, AttributeError):
+        return None
+    counts = (found.collectives_enqueued, found.collectives_completed)
+    typed = (isinstance(found.request, str) and type(found.step) is int
+             and all(c is None or type(c) is int for c in counts)
+             and (found.in_collective is None or isinstance(found.in_collective, bool))
+             and all(isinstance(t, str) for t in (found.collective, found.source, found.chaos))
+             and isinstance(found.extra, dict))
+    return found if typed else None  # a rank's answer of other shapes is no answer, never the agent's error
 
 
 def flight_recorder_position() -> tuple[int | None, int | None, str, str]:

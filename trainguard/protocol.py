@@ -20,6 +20,8 @@ parked/park-NNNNNN.json                    StandbyRole: the role the agent gives
 parked/park-NNNNNN.mark.json               StandbyMark: the parked process waits in `standby()`
 parked/park-NNNNNN.log                     a parked process's stdout and stderr until it takes a role
 attempt-NNNN/logs/rank-NNNNN.log           a rank's stdout and stderr
+attempt-NNNN/evidence/rank-NNNNN.*         a rank's hang-evidence files (`trainguard.evidence`)
+attempt-NNNN/incidents/incident-rank-NNNNN.txt  the agent's copy of a rank's stacks at a hang
 rejoin/rank-NNNNN.json                     Rejoin: the new process group of an in-process restart
 checkpoints/step-NNNNNNNN/rank-NNNNN.*     a rank's local checkpoint shard and its meta file
 ```
@@ -30,10 +32,12 @@ agent reads the files of an older rank helper and the other way round.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,6 +98,8 @@ STANDBY_FILE = "standby.json"
 STANDBY_LOG = "standby.log"
 STANDBY_MARK_FILE = "standby-mark.json"
 PARKED_DIR = "parked"
+EVIDENCE_DIR = "evidence"
+INCIDENTS_DIR = "incidents"
 REJOIN_DIR = "rejoin"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -192,6 +198,19 @@ class RunLayout:
         """Where the agent tells a live rank whose peers failed which process group to join next."""
         return self.root / REJOIN_DIR / f"{rank_name(rank)}.json"
 
+    def evidence_dir(self, attempt: int) -> Path:
+        """The attempt's ranks' hang-evidence files (`trainguard.evidence`): a folder the ranks write."""
+        return self.attempt_dir(attempt) / EVIDENCE_DIR
+
+    def evidence_base(self, attempt: int, rank: int) -> Path:
+        """The path prefix of the evidence files of `rank` launched in `attempt` (`ENV_EVIDENCE_BASE`)."""
+        return self.evidence_dir(attempt) / rank_name(rank)
+
+    def incident_file(self, attempt: int, rank: int) -> Path:
+        """The agent's copy of `rank`'s stacks for the hang that ended `attempt`, in a folder only the agent
+        writes: never in `evidence_dir`, where a rank's link would take the agent's write elsewhere."""
+        return self.attempt_dir(attempt) / INCIDENTS_DIR / f"incident-{rank_name(rank)}.txt"
+
     def logs_dir(self, attempt: int) -> Path:
         return self.attempt_dir(attempt) / LOGS_DIR
 
@@ -263,6 +282,23 @@ def read_regular(path: Path, max_bytes: int = READ_MAX_BYTES, offset: int = 0, w
         return None
     finally:
         os.close(fd)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all, never through a link, in any folder (one a rank writes too): the bytes
+    go to a new file of a random name beside it, created exclusively and without following a link (a rank
+    cannot have planted one under a name it cannot guess, and `O_EXCL` refuses one it did), then renamed over
+    `path` (a rename replaces a link there, never follows it)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_json(path: Path) -> Any:
@@ -517,6 +553,9 @@ class ProcessEntry:
     start_time: str | None
     rank: int = -1
     """-1 for the standby process."""
+    launch_attempt: int = 0
+    """The attempt whose environment the rank runs with (it was launched, or given its role, in it): a rank kept
+    alive by an in-process restart keeps its evidence files there. 0: the record's own attempt."""
 
 
 @dataclass(slots=True)
@@ -551,7 +590,8 @@ class AttemptFile:
             "start_step": self.start_step,
             "launched_at": self.launched_at,
             "chain_id": self.chain_id,
-            "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time} for p in self.ranks],
+            "ranks": [{"rank": p.rank, "pid": p.pid, "start_time": p.start_time,
+                       **({"launch_attempt": p.launch_attempt} if p.launch_attempt else {})} for p in self.ranks],
             "survivors": sorted(self.survivors),
             "restore_tiers": self.restore_tiers,
             "standby": None if self.standby is None else {"pid": self.standby.pid,
@@ -567,7 +607,8 @@ class AttemptFile:
             workflow_id=data["workflow_id"], attempt=data["attempt"], master_addr=data["master_addr"],
             master_port=data["master_port"], start_step=data["start_step"], launched_at=data["launched_at"],
             chain_id=data.get("chain_id", ""),
-            ranks=[ProcessEntry(item["pid"], item["start_time"], item["rank"]) for item in data["ranks"]],
+            ranks=[ProcessEntry(item["pid"], item["start_time"], item["rank"], int(item.get("launch_attempt") or 0))
+                   for item in data["ranks"]],
             survivors=list(data.get("survivors", [])), restore_tiers=list(data.get("restore_tiers", [])),
             standby=ProcessEntry(standby["pid"], standby["start_time"]) if standby else None,
             parked=[ProcessEntry(item["pid"], item["start_time"]) for item in data.get("parked", [])],

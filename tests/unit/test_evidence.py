@@ -165,4 +165,4 @@ async def test_a_watch_asked_for_evidence_returns_its_hang_with_every_local_rank
     assert (event.kind, event.rank) == (WatchEventKind.HANG, 1)
     assert [e.rank for e in event.evidence] == [0, 1]
     assert "hang_in_python" in event.evidence[1].innermost and event.evidence[1].answered
-    assert (layout.attempt_dir(1) / "evidence" / "incident-rank-00001.txt").is_file()
+    assert layout.incident_file(1, 1).is_file()  # kept on the node, in a folder only the agent writes
