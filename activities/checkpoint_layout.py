@@ -25,6 +25,7 @@ from activities.models import Manifest, ManifestPage, NamespaceOwner, ShardFile,
 from trainguard.protocol import shard_name, step_dir_name
 from trainguard.error_types import ErrorType
 from trainguard.rank import DCP_DIR, DCP_METADATA, FORMAT_DCP, FORMAT_TORCH, files_digest
+from trainguard.spec import ANY_RUN
 
 MANIFEST_NAME = "manifest.json"
 SHA256_METADATA = "sha256"
@@ -242,14 +243,53 @@ def tag_problem(document: dict[str, Any], secret: bytes) -> str | None:
     return None
 
 
-def owner_problem(owner: NamespaceOwner, workflow_id: str, run_prefix: str) -> str | None:
-    """None when the namespace at `run_prefix` belongs to `workflow_id`; else what the run's operator should do.
-    A run restores and prunes only checkpoints its own workflow id committed: sharing a namespace let one run
-    restore another's checkpoint, prune it away and leave its own shards in their place."""
-    if owner.workflow_id == workflow_id:
+def resume_allowed(owner: NamespaceOwner, workflow_id: str) -> bool:
+    """Whether the namespace's owner consents to run `workflow_id` restoring its checkpoints: its
+    `allow_resume` names that run (or any, `*`); without one, only a later run under the owner's own id."""
+    if owner.allow_resume is None:
+        return workflow_id == owner.workflow_id
+    return workflow_id in owner.allow_resume or ANY_RUN in owner.allow_resume
+
+
+def owner_problem(owner: NamespaceOwner, workflow_id: str, run_prefix: str, chain_id: str = "",
+                  resuming: bool = False) -> str | None:
+    """None when the namespace at `run_prefix` is the run's (`workflow_id`, chain `chain_id`) to restore from
+    and prune; else what the run's operator should do. A run restores and prunes only checkpoints its own
+    workflow id committed: sharing a namespace let one run restore another's checkpoint, prune it away and
+    leave its own shards in their place. A new run under a closed run's id is another run (another chain):
+    it takes the namespace over only when it resumes it explicitly (`resuming`) and the owner consents.
+    An empty chain on either side (a record or a history from before chains) compares workflow ids only."""
+    if owner.workflow_id != workflow_id:
+        return (f"the checkpoint namespace {run_prefix}/ belongs to run {owner.workflow_id!r}: a run restores and "
+                f"prunes only its own checkpoints. Leave checkpoint.namespace unset (or choose an unused one), and "
+                f"to start from that run's checkpoints set checkpoint.resume_from to {owner.workflow_id!r} "
+                f"(`trainguard run start --resume-from {owner.workflow_id}`), which that run's "
+                f"checkpoint.allow_resume must allow: it restores from them and never prunes them")
+    if not chain_id or not owner.chain_id or owner.chain_id == chain_id:
         return None
-    return (f"the checkpoint namespace {run_prefix}/ belongs to run {owner.workflow_id!r}: a run restores and prunes "
-            f"only its own checkpoints. Leave checkpoint.namespace unset (or choose an unused one), and to start "
-            f"from that run's checkpoints set checkpoint.resume_from to {owner.workflow_id!r} "
-            f"(`trainguard run start --resume-from {owner.workflow_id}`): it restores from them and never prunes "
-            f"them")
+    earlier = f"the checkpoint namespace {run_prefix}/ belongs to an earlier run under the id {workflow_id!r}"
+    if not resuming:
+        return (f"{earlier} (chain {owner.chain_id}), and this is a new run under that id: it neither restores "
+                f"nor prunes that run's checkpoints unless it resumes them. Start it fresh under a checkpoint.prefix "
+                f"(or checkpoint.namespace) no run has used (`trainguard run start` without --resume does this "
+                f"itself), or resume that run explicitly: `trainguard run start --resume` (in the spec: "
+                f"checkpoint.resume_from {workflow_id!r})")
+    if not resume_allowed(owner, workflow_id):
+        return (f"{earlier} (chain {owner.chain_id}), whose checkpoint.allow_resume {owner.allow_resume} does not "
+                f"let a later run under its id resume it. Start this run under a checkpoint.prefix (or "
+                f"checkpoint.namespace) no run has used; an operator who means to hand the checkpoints over adds "
+                f"{workflow_id!r} to allow_resume in {owner_key(run_prefix)}")
+    return None
+
+
+def resume_problem(owner: NamespaceOwner, reader: str, source_prefix: str) -> str | None:
+    """None when run `reader` may restore the checkpoints under `source_prefix` (`checkpoint.resume_from`);
+    else what its operator should do. Reading another run's checkpoints needs the owner's consent."""
+    if resume_allowed(owner, reader):
+        return None
+    allowed = ("unset: only a later run under its own id" if owner.allow_resume is None
+               else f"{owner.allow_resume}")
+    return (f"run {reader!r} may not restore the checkpoints under {source_prefix}/: they belong to run "
+            f"{owner.workflow_id!r}, whose checkpoint.allow_resume ({allowed}) does not name {reader!r}. Start "
+            f"{owner.workflow_id!r} with checkpoint.allow_resume naming {reader!r} (an operator may add it to "
+            f"allow_resume in {owner_key(source_prefix)}), or leave checkpoint.resume_from unset")

@@ -6,9 +6,12 @@ in the store with the size and sha256 the rank recorded, and never overwritten (
 trusts a manifest only when it describes a whole checkpoint of its own step in this layout; a manifest that
 cannot be parsed, or that names shards elsewhere or too few of them, is passed over like a missing one.
 
-A namespace belongs to one run (`owner.json`, claimed by its first restore): only that workflow id restores
-from it and prunes it, and a restore refuses a namespace another run owns. A run may restore another run's
-checkpoints only where it names that run (`checkpoint.resume_from`), and never prunes them. With a manifest key
+A namespace belongs to one run (`owner.json`, claimed by its first restore): only that run, its workflow id and
+its chain, restores from it and prunes it, and a restore refuses a namespace another run owns. A new run under a
+closed run's id is another chain: refused too, unless it resumes that run (`checkpoint.resume_from` its own id)
+and the owner consents; it then owns the namespace and never prunes the earlier run's checkpoints. A run may
+restore another run's checkpoints only where it names that run (`checkpoint.resume_from`) and that run's
+`checkpoint.allow_resume` names it, and never prunes them. With a manifest key
 (`TRAINGUARD_MANIFEST_KEY`, the controller's alone) every manifest carries an HMAC of its canonical JSON, and a
 restore passes over one whose tag is missing or wrong: a manifest planted in the store is never restored.
 
@@ -42,6 +45,7 @@ from activities.checkpoint_layout import (
     owner_key,
     owner_problem,
     reshardable_of,
+    resume_problem,
     restore_sources,
     signed_body,
     state_format_of,
@@ -197,11 +201,13 @@ class StoreActivities:
         skipped: list[str] = []
         try:
             if request.workflow_id is not None:
-                self._claim(client, request.bucket, request.run_prefix, request.workflow_id)
+                self._claim(client, request, request.workflow_id)
             found = self._newest(client, request, request.run_prefix, request.workflow_id, "", skipped)
             source = request.resume_prefix
             if (found is None and request.resume_from and source
                     and (source, request.resume_from) != (request.run_prefix, request.workflow_id)):
+                if request.workflow_id is not None:
+                    self._consent(client, request.bucket, source, request.workflow_id)
                 found = self._newest(client, request, source, request.resume_from,
                                      f"run {request.resume_from}: ", skipped)
         except ClientError as error:
@@ -211,32 +217,71 @@ class StoreActivities:
         key, manifest = found
         return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, skipped=skipped)
 
-    def _claim(self, client: Any, bucket: str, run_prefix: str, workflow_id: str) -> None:
-        """Make sure the namespace is this run's: claim it when nobody has (conditionally, so of two runs
-        claiming at once one wins), else refuse it, non-retryably, when another run owns it."""
+    def _claim(self, client: Any, request: FindCheckpointInput, workflow_id: str) -> None:
+        """Make sure the namespace is this run's (its workflow id and chain): claim it when nobody has
+        (conditionally, so of two runs claiming at once one wins); take it over from an earlier run under the
+        same id when this run resumes it and the owner consents, or add this run's chain to a record from
+        before chains; else refuse it, non-retryably."""
+        bucket, run_prefix, chain_id = request.bucket, request.run_prefix, request.chain_id
         key = owner_key(run_prefix)
-        owner = self._read_owner(client, bucket, key)
-        if owner is None:
-            # A namespace from before owners: the run whose manifest is newest in it owns it.
+        record = self._read_owner(client, bucket, key)
+        owner = record
+        if record is None or (chain_id and not record.chain_id):
+            # A namespace from before owners (or before chains): the run whose manifest is newest in it owns it.
             author = self._newest_author(client, bucket, run_prefix)
-            if author is not None and author != workflow_id:
-                owner = NamespaceOwner(workflow_id=author)
-            else:
-                owner = NamespaceOwner(workflow_id=workflow_id, claimed_at=time.time())
-                try:
-                    client.put_object(Bucket=bucket, Key=key, Body=owner.model_dump_json().encode(),
-                                      ContentType="application/json", IfNoneMatch="*")
-                except ClientError as error:
-                    if _error_code(error) == "ConditionalRequestConflict":
-                        raise ApplicationError(f"{key}: concurrent claim of the namespace, retrying",
-                                               type=ErrorType.MANIFEST_WRITE_CONFLICT) from None
-                    if _error_code(error) not in ("PreconditionFailed", "412"):
-                        raise
-                    owner = self._read_owner(client, bucket, key) or owner  # another run claimed it first
-        problem = owner_problem(owner, workflow_id, run_prefix)
+            if record is None:
+                owner = NamespaceOwner(workflow_id=author[0], chain_id=author[1]) if author else None
+            elif author is not None and author[0] == record.workflow_id:
+                owner = record.model_copy(update={"chain_id": author[1]})
+        mine = NamespaceOwner(workflow_id=workflow_id, chain_id=chain_id, claimed_at=time.time(),
+                              allow_resume=request.allow_resume)
+        problem = owner_problem(owner or mine, workflow_id, run_prefix, chain_id,
+                                resuming=request.resume_from == workflow_id)
+        if problem is None and record is None:
+            owner = self._create_owner(client, bucket, key, mine)
+            problem = owner_problem(owner, workflow_id, run_prefix, chain_id,
+                                    resuming=request.resume_from == workflow_id)
+        elif problem is None and chain_id and record is not None and record.chain_id != chain_id:
+            # Taken over (or a record from before chains): one execution runs under a workflow id at a time, so
+            # no other run writes this record meanwhile, and no conditional write is needed.
+            log.info("run %s (chain %s) takes over the checkpoint namespace %s/ from chain %r", workflow_id,
+                     chain_id, run_prefix, (owner or record).chain_id)
+            client.put_object(Bucket=bucket, Key=key, Body=mine.model_dump_json().encode(),
+                              ContentType="application/json")
         if problem:
-            log.warning("run %s refused the checkpoint namespace %s/: owned by run %s", workflow_id, run_prefix,
-                        owner.workflow_id)
+            shown = owner or mine
+            log.warning("run %s (chain %s) refused the checkpoint namespace %s/: owned by run %s (chain %s)",
+                        workflow_id, chain_id, run_prefix, shown.workflow_id, shown.chain_id)
+            raise ApplicationError(problem, type=ErrorType.BAD_SPEC, non_retryable=True)
+
+    def _create_owner(self, client: Any, bucket: str, key: str, mine: NamespaceOwner) -> NamespaceOwner:
+        """Write the owner record where there is none; the record that won when another run wrote one first."""
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=mine.model_dump_json().encode(),
+                              ContentType="application/json", IfNoneMatch="*")
+        except ClientError as error:
+            if _error_code(error) == "ConditionalRequestConflict":
+                raise ApplicationError(f"{key}: concurrent claim of the namespace, retrying",
+                                       type=ErrorType.MANIFEST_WRITE_CONFLICT) from None
+            if _error_code(error) not in ("PreconditionFailed", "412"):
+                raise
+            return self._read_owner(client, bucket, key) or mine  # another run claimed it first
+        return mine
+
+    def _consent(self, client: Any, bucket: str, source_prefix: str, reader: str) -> None:
+        """Refuse, non-retryably, to read the checkpoints under `source_prefix` for run `reader` unless their
+        owner's `allow_resume` lets it. A namespace from before owners belongs to its newest manifest's run,
+        which consented to nobody else; one with nothing in it has nothing to read."""
+        owner = self._read_owner(client, bucket, owner_key(source_prefix))
+        if owner is None:
+            author = self._newest_author(client, bucket, source_prefix)
+            if author is None:
+                return
+            owner = NamespaceOwner(workflow_id=author[0], chain_id=author[1])
+        problem = resume_problem(owner, reader, source_prefix)
+        if problem:
+            log.warning("run %s refused the checkpoints under %s/ of run %s: not in its allow_resume %s", reader,
+                        source_prefix, owner.workflow_id, owner.allow_resume)
             raise ApplicationError(problem, type=ErrorType.BAD_SPEC, non_retryable=True)
 
     @staticmethod
@@ -251,31 +296,32 @@ class StoreActivities:
                                    f"it and remove it", type=ErrorType.BAD_SPEC, non_retryable=True) from None
 
     @classmethod
-    def _newest_author(cls, client: Any, bucket: str, run_prefix: str) -> str | None:
-        """The workflow id the newest readable manifest under `run_prefix` names; None when none does. Its tag
-        is not asked for: it only ever refuses the namespace to a run, never opens it to one (a namespace from
-        before the key has only untagged manifests, and is still its run's)."""
+    def _newest_author(cls, client: Any, bucket: str, run_prefix: str) -> tuple[str, str] | None:
+        """The workflow id and chain (empty when it names none) the newest readable manifest under `run_prefix`
+        names; None when none does. Its tag is not asked for: it only ever refuses the namespace to a run, never
+        opens it to one (a namespace from before the key has only untagged manifests, and is still its run's)."""
         for step in list_steps(client, bucket, run_prefix):
             author = cls._author_of(client, bucket, manifest_key(run_prefix, step), None)
-            if isinstance(author, str):
+            if isinstance(author, tuple):
                 return author
         return None
 
-    def _author(self, client: Any, bucket: str, key: str) -> str | bool:
+    def _author(self, client: Any, bucket: str, key: str) -> tuple[str, str] | bool:
         return self._author_of(client, bucket, key, self.secret)
 
     @staticmethod
-    def _author_of(client: Any, bucket: str, key: str, secret: bytes | None) -> str | bool:
-        """Who committed the manifest at `key`: its workflow id; False when there is none; True when there is
-        one nobody can be sure of (unreadable, or without a valid tag under `secret`)."""
+    def _author_of(client: Any, bucket: str, key: str, secret: bytes | None) -> tuple[str, str] | bool:
+        """Who committed the manifest at `key`: its workflow id and chain (empty when it names none); False when
+        there is none; True when there is one nobody can be sure of (unreadable, or without a valid tag under
+        `secret`)."""
         try:
             document = _stored_manifest(client, bucket, key, secret)
         except ValueError:
             return True
         if document is None:
             return False
-        author = document.get("workflow_id")
-        return author if isinstance(author, str) else True
+        author, chain = document.get("workflow_id"), document.get("chain_id", "")
+        return (author, chain) if isinstance(author, str) and isinstance(chain, str) else True
 
     def _newest(self, client: Any, request: FindCheckpointInput, run_prefix: str, author: str | None, label: str,
                 skipped: list[str]) -> tuple[str, Manifest] | None:
@@ -354,6 +400,7 @@ class StoreActivities:
             step=request.step,
             world_size=request.world_size,
             attempt=request.attempt,
+            chain_id=request.chain_id,
             shards=sorted(request.shards, key=lambda s: s.rank),
             total_bytes=sum(s.size_bytes for s in request.shards),
             created_at=time.time(),
@@ -512,7 +559,7 @@ class StoreActivities:
             protect = [*(c.ref.step for c in commits[-1:]), *([request.after_step] if request.after_step >= 0 else [])]
             self._prune(PruneCheckpointsInput(bucket=request.bucket, run_prefix=request.run_prefix,
                                               keep_last=request.keep_last, workflow_id=request.workflow_id,
-                                              protect_steps=protect))
+                                              chain_id=request.chain_id, protect_steps=protect))
             state.pruned = True
         return commits, pending, changed
 
@@ -605,20 +652,23 @@ class StoreActivities:
 
     def _prune(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
         """Retention, after each committer pass that commits: keep the newest `keep_last` checkpoints this run
-        committed; delete its older ones, manifest first. A step another run committed (or whose manifest is
-        unreadable, or untagged under a key) is neither kept nor counted nor deleted: never this run's to prune."""
+        (workflow id and chain) committed; delete its older ones, manifest first. A step another run committed
+        (an earlier run under the same id included, or one whose manifest names no chain, is unreadable, or
+        untagged under a key) is neither kept nor counted nor deleted: never this run's to prune."""
         client = s3_client()
         steps, committed = [], []
         for step in list_steps(client, request.bucket, request.run_prefix):
             author = self._author(client, request.bucket, manifest_key(request.run_prefix, step))
             if author is False:
                 steps.append(step)  # never committed: retention may clear it (`doomed_steps`)
-            elif request.workflow_id is None or author == request.workflow_id:
+            elif request.workflow_id is None or (
+                    isinstance(author, tuple) and author[0] == request.workflow_id
+                    and (not request.chain_id or author[1] == request.chain_id)):
                 steps.append(step)
                 committed.append(step)
             else:
                 log.warning("retention leaves step %d under %s alone: %s", step, request.run_prefix,
-                            "another run's" if isinstance(author, str) else "not known to be this run's")
+                            "another run's" if isinstance(author, tuple) else "not known to be this run's")
         doomed = doomed_steps(steps, committed, request.keep_last, request.protect_steps)
         for step in doomed:
             # Manifest first: from that moment the checkpoint no longer exists for any reader.

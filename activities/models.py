@@ -131,13 +131,22 @@ class Manifest(BaseModel):
 
 
 class NamespaceOwner(BaseModel):
-    """`<run prefix>/owner.json`: the run a checkpoint namespace belongs to, written once (conditionally) by
-    the first restore that looks there. Only that workflow id restores from and prunes the namespace."""
+    """`<run prefix>/owner.json`: the run a checkpoint namespace belongs to, written (conditionally) by the
+    first restore that looks there. Only that run (workflow id and chain) restores from and prunes the
+    namespace; a later run under its workflow id takes it over only by resuming it, with the owner's consent."""
 
     workflow_id: str
     """The owning run's workflow id: stable across its attempts and continue-as-new."""
     claimed_at: float = 0.0
     """Unix time the controller wrote the record."""
+    chain_id: str = ""
+    """The owning run's chain (its first execution's run id): a new start under the same workflow id is
+    another chain, another run. Empty in records written before it: the first chain of the workflow id that
+    claims the namespace (or the chain its newest manifest names) is recorded then."""
+    allow_resume: list[str] | None = None
+    """The owner's `checkpoint.allow_resume`: the workflow ids of other runs that may restore its checkpoints
+    (`*`: any). None (its default, and records written before it): a later run under its own workflow id
+    only."""
 
 
 class NodeCheckpointRecord(BaseModel):
@@ -183,6 +192,12 @@ class FindCheckpointInput(BaseModel):
     run may restore from while it has none of its own. Never pruned by this run. Default None."""
     resume_prefix: str | None = None
     """`<spec.checkpoint.prefix>/<resume_from>`: where that run's checkpoints are."""
+    chain_id: str = ""
+    """The restoring run's chain (its first execution's run id): a namespace another chain owns is refused
+    even under the same workflow id, unless this run resumes it (`resume_from` its own id) with the owner's
+    consent. Empty in histories before it: the workflow id alone is compared, as before."""
+    allow_resume: list[str] | None = None
+    """The run's `checkpoint.allow_resume`, recorded in the owner record when it claims the namespace."""
 
 
 class FindCheckpointResult(BaseModel):
@@ -244,6 +259,8 @@ class CommitCheckpointInput(BaseModel):
     step: int
     world_size: int
     shards: list[ShardInfo]
+    chain_id: str = ""
+    """The committing run's chain, written into the manifest. Default empty (a tool's commit)."""
     keep_last: int | None = None
     """The run's retention: a shard of this step can only have been pruned once `keep_last` newer steps are
     committed. With fewer, a missing shard is a store that has not shown it yet, and the commit retries."""
@@ -305,6 +322,10 @@ class PruneCheckpointsInput(BaseModel):
     workflow_id: str | None = None
     """Only manifests this run committed count and go; another run's (or one without a valid tag, with a
     manifest key) are left alone. None: every manifest (a tool pruning a namespace it owns whole)."""
+    chain_id: str = ""
+    """...and only those of this chain: an earlier run under the same workflow id keeps its checkpoints (a
+    manifest without a chain is not known to be this run's either). Empty (histories before chains): any
+    chain of `workflow_id`."""
     protect_steps: list[int] = Field(default_factory=list)
     """Steps never deleted (the newest committed, the one being restored)."""
 

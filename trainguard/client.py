@@ -125,7 +125,8 @@ class TrainguardClient:
 
         Under an id an earlier run used, the run starts fresh in a checkpoint namespace of its own
         (`<id>.<random>`), unless `resume` (or the spec's `checkpoint.namespace`) says where to restore from:
-        `resume` restores the earlier run's newest checkpoint. `resume_from` (the spec's
+        `resume` restores the earlier run's newest checkpoint (the spec records it as `checkpoint.resume_from`
+        naming this id, so the earlier run's `checkpoint.allow_resume` applies). `resume_from` (the spec's
         `checkpoint.resume_from`) names another run whose newest checkpoint this run starts from; this run
         commits to its own namespace and never prunes that run's checkpoints.
 
@@ -142,6 +143,13 @@ class TrainguardClient:
             parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
                 update={"resume_from": resume_from})})
         workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
+        if resume:  # recorded as a resume of its own id: the store lets a new run take over an earlier one's
+            # namespace only then, and only as far as that run's `checkpoint.allow_resume` lets it
+            if parsed.checkpoint.resume_from not in (None, workflow_id):
+                raise ValueError(f"resume restores run {workflow_id!r}'s checkpoints, and the spec's "
+                                 f"checkpoint.resume_from names {parsed.checkpoint.resume_from!r}: name one run")
+            parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
+                update={"resume_from": workflow_id})})
         if not resume and parsed.checkpoint.namespace is None and await self.earlier_run(workflow_id):
             parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
                 update={"namespace": fresh_namespace(workflow_id)})})

@@ -34,6 +34,18 @@ LABEL_VALUE_PATTERN = r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$"
 """A node label (`gpu=h100`, `topology.example.com/rack=r12`): Kubernetes-like, at most 63 characters each side,
 letters, digits and `-_.` (`/` in the key too), alphanumeric at both ends; a value may be empty."""
 MAX_NODE_LABELS = 32
+ANY_RUN = "*"
+"""In `checkpoint.allow_resume`: any run may restore the owner's checkpoints."""
+MAX_ALLOW_RESUME = 64
+"""Runs a `checkpoint.allow_resume` names: every restore from the namespace reads its owner record, and a run
+shared wider than this is better opened to any run (`*`)."""
+
+
+def _resume_reader(value: str) -> str:
+    """An item of `checkpoint.allow_resume`: a workflow id, or `*`."""
+    return value if value == ANY_RUN else validate_workflow_id(value)
+
+
 NODE_LABELS_ENV = "TRAINGUARD_NODE_LABELS"
 """A node agent's labels when it has no `--label` flags: `KEY=VALUE` items separated by `,`."""
 
@@ -219,7 +231,20 @@ class CheckpointSpec(_Strict):
     """Another run's workflow id: while this run has no checkpoint of its own, it restores the newest one that
     run committed under `<prefix>/<resume_from>/` (its default namespace). Its checkpoints are never pruned by
     this run, which commits to its own namespace. Recorded in the run's spec (its history): resuming another
-    run's checkpoints is an explicit choice. `trainguard run start --resume-from RUN`. Default None."""
+    run's checkpoints is an explicit choice, and needs that run's consent (its `allow_resume`). Its own
+    workflow id (`trainguard run start --resume` sets it) resumes the earlier run under that id: it takes over
+    the namespace, restores the earlier run's newest checkpoint and never prunes the earlier run's.
+    `trainguard run start --resume-from RUN`. Default None."""
+
+    allow_resume: list[Annotated[str, AfterValidator(_resume_reader)]] | None = Field(
+        None, max_length=MAX_ALLOW_RESUME)
+    """Who may restore this run's checkpoints besides this run: the workflow ids of other runs that may name it
+    in `resume_from` (`*`: any run). Recorded in the namespace's owner record when the run claims it. Default
+    None: a later run under this run's own workflow id only, when it resumes explicitly (`trainguard run
+    start --resume`, or a rerun's `resume_from` naming its id); a run under another id is refused. `[]`: no
+    run, not even one under this id; a list replaces the default, so name this run's own id in it to keep that.
+    A run under this id that does not resume is refused either way: it gets
+    a fresh namespace (`trainguard run start` gives one)."""
 
     every_steps: int = Field(DEFAULT_CHECKPOINT_EVERY_STEPS, ge=1, le=10_000_000)
     """Ranks checkpoint every this many steps (the rank helper asks `should_save(step)`). Default 50."""

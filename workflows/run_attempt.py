@@ -210,6 +210,8 @@ class Attempts:
                                 world_size=core.status.world_size, exclude_steps=excluded, attempt=attempt,
                                 workflow_id=core.wid(), resume_from=source,
                                 resume_prefix=f"{spec.checkpoint.prefix}/{source}" if source else None,
+                                chain_id=workflow.info().first_execution_run_id,
+                                allow_resume=spec.checkpoint.allow_resume,
                                 min_world_size=None if spec.min_nodes is None else spec.min_nodes * spec.ranks_per_node,
                                 max_world_size=None if spec.min_nodes is None else spec.world_size),
             start_to_close_timeout=STORE_TIMEOUT,

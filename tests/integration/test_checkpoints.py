@@ -183,7 +183,9 @@ def restored_files(stack: DevStack, workflow_id: str) -> list[Path]:
 async def source(client: TrainguardClient, stack: DevStack) -> Source:
     tag = uuid.uuid4().hex[:6]
     prefix, workflow_id = f"ck-source-{tag}", f"ck-source-{tag}"
-    result = await run_to_end(client, spec_for(prefix, keep_last=10), workflow_id)
+    spec = spec_for(prefix, keep_last=10)
+    spec["checkpoint"]["allow_resume"] = ["*"]  # the follower below resumes from it under an id of its own
+    result = await run_to_end(client, spec, workflow_id)
     assert result.steps_completed == STEPS and result.incidents == [] and result.final_state_digest
     s3 = stack.s3()
     run_prefix = f"{prefix}/{workflow_id}"
@@ -697,6 +699,34 @@ async def test_a_run_naming_another_runs_namespace_neither_restores_nor_prunes_i
     assert result.final_checkpoint.manifest_key.startswith(f"{prefix}/{follower}/")
     assert _committed(s3, source.run_prefix) == before  # its retention (keep_last 1) never reached the source
     assert sorted(_committed(s3, f"{prefix}/{follower}")) == [STEPS + 20]
+
+
+async def test_a_new_run_under_a_closed_runs_id_neither_restores_nor_prunes_its_checkpoints(
+    client: TrainguardClient, stack: DevStack, source: Source
+) -> None:
+    """Issue 40 finding 5: `temporal workflow start --workflow-id <victim>` (no client, so no fresh namespace)
+    restored the victim's step 40, and its `keep_last: 1` deleted the victim's older steps. It is another run
+    (chain) under the same id: it fails at once, before any rank runs, and the victim's checkpoints stay."""
+    from temporalio.client import WorkflowFailureError
+
+    from trainguard import TASK_QUEUE, WORKFLOW_TYPE
+    from trainguard.client import load_spec
+
+    s3 = stack.s3()
+    prefix, victim = source.run_prefix.split("/")
+    before = _committed(s3, source.run_prefix)
+    assert sorted(before) == [10, 20, 30, 40]
+
+    await client.client.start_workflow(WORKFLOW_TYPE, load_spec(spec_for(prefix, keep_last=1)).model_dump(mode="json"),
+                                       id=victim, task_queue=TASK_QUEUE)
+    with pytest.raises(WorkflowFailureError) as failure:
+        await asyncio.wait_for(client.result(victim), RUN_TIMEOUT_S)
+
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidSpec", cause
+    assert "earlier run under the id" in cause.message and "--resume" in cause.message
+    assert await activity_calls(client, victim, "launch_ranks", LaunchRanksInput) == []
+    assert _committed(s3, source.run_prefix) == before
 
 
 def test_a_planted_manifest_is_refused_by_a_controller_with_a_key(

@@ -92,7 +92,7 @@ def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
 
 
 def _commit(store: MemoryStore, activities: StoreActivities, run_prefix: str, workflow_id: str, step: int,
-            keep_last: int | None = None) -> None:
+            keep_last: int | None = None, chain_id: str = "") -> None:
     """What run `workflow_id` commits at `step`: its two shards uploaded, then the manifest."""
     shards = []
     for rank in (0, 1):
@@ -101,7 +101,8 @@ def _commit(store: MemoryStore, activities: StoreActivities, run_prefix: str, wo
         shards.append(ShardInfo(rank=rank, key=key, size_bytes=len(store.objects[key]),
                                 sha256=hashlib.sha256(store.objects[key]).hexdigest()))
     activities._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id=workflow_id,
-                                             attempt=1, step=step, world_size=2, shards=shards, keep_last=keep_last))
+                                             attempt=1, step=step, world_size=2, shards=shards, keep_last=keep_last,
+                                             chain_id=chain_id))
 
 
 def _find(activities: StoreActivities, run_prefix: str, workflow_id: str | None, **more: Any) -> Any:
@@ -109,12 +110,14 @@ def _find(activities: StoreActivities, run_prefix: str, workflow_id: str | None,
                                                 workflow_id=workflow_id, **more))
 
 
-def _victim_with_checkpoints(store: MemoryStore, activities: StoreActivities) -> str:
+def _victim_with_checkpoints(store: MemoryStore, activities: StoreActivities, chain_id: str = "",
+                              allow_resume: list[str] | None = None) -> str:
     """The victim's namespace (its workflow id, the default), claimed by its first restore, steps 10 and 20."""
     prefix = f"runs/{VICTIM}"
-    assert _find(activities, prefix, VICTIM).manifest is None  # its first attempt: nothing yet, the claim
-    _commit(store, activities, prefix, VICTIM, 10)
-    _commit(store, activities, prefix, VICTIM, 20)
+    # Its first attempt: nothing yet, the claim.
+    assert _find(activities, prefix, VICTIM, chain_id=chain_id, allow_resume=allow_resume).manifest is None
+    _commit(store, activities, prefix, VICTIM, 10, chain_id=chain_id)
+    _commit(store, activities, prefix, VICTIM, 20, chain_id=chain_id)
     return prefix
 
 
@@ -192,7 +195,7 @@ def test_retention_of_the_victim_itself_still_prunes_its_own(store: MemoryStore)
 
 def test_resume_from_restores_the_named_runs_checkpoint_then_the_runs_own(store: MemoryStore) -> None:
     activities = StoreActivities()
-    source = _victim_with_checkpoints(store, activities)
+    source = _victim_with_checkpoints(store, activities, allow_resume=[ATTACKER])
     prefix = f"runs/{ATTACKER}"
     resume = {"resume_from": VICTIM, "resume_prefix": source}
 
@@ -210,13 +213,141 @@ def test_resume_from_restores_the_named_runs_checkpoint_then_the_runs_own(store:
 
 def test_resume_from_restores_only_what_the_named_run_committed(store: MemoryStore) -> None:
     activities = StoreActivities()
-    source = _victim_with_checkpoints(store, activities)
+    source = _victim_with_checkpoints(store, activities, allow_resume=[ATTACKER])
     _commit(store, activities, source, "third-run", 30)  # in the source's folder, by someone else
 
     found = _find(activities, f"runs/{ATTACKER}", ATTACKER, resume_from=VICTIM, resume_prefix=source)
 
     assert found.manifest_key == manifest_key(source, 20)
     assert found.skipped == [f"run {VICTIM}: step 30: committed by run 'third-run', not {VICTIM!r}"]
+
+
+# -------------------------------------------------------------------------------------------- chains
+# Issue 40 finding 5: a closed run's checkpoints were taken over by starting a new run under its workflow id
+# (`temporal workflow start --workflow-id <victim>`): it restored the victim's step 20, and its `keep_last: 1`
+# deleted the victim's steps 10 and 20. A run is its workflow id and its chain (first execution's run id).
+
+CHAIN, RERUN = "chain-victim", "chain-rerun"
+
+
+def test_a_new_run_under_a_closed_runs_id_is_refused_its_namespace(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities, chain_id=CHAIN)
+    before = dict(store.objects)
+
+    with pytest.raises(ApplicationError) as refused:
+        _find(activities, prefix, VICTIM, chain_id=RERUN)
+
+    assert refused.value.type == ErrorType.BAD_SPEC and refused.value.non_retryable
+    assert "earlier run under the id" in refused.value.message
+    assert "checkpoint.prefix" in refused.value.message and "--resume" in refused.value.message
+    assert store.objects == before  # nothing restored from, nothing claimed over the victim's record
+    # Continue-as-new keeps the chain: the victim itself still restores its newest.
+    assert _find(activities, prefix, VICTIM, chain_id=CHAIN).manifest.step == 20  # type: ignore[union-attr]
+
+
+def test_retention_of_a_run_reusing_a_closed_runs_id_never_deletes_its_checkpoints(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities, chain_id=CHAIN)
+    victims = {k: v for k, v in store.objects.items() if "/step-" in k}
+    _commit(store, activities, prefix, VICTIM, 30, chain_id=RERUN)  # around the refusal
+    _commit(store, activities, prefix, VICTIM, 40, chain_id=RERUN)
+
+    deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
+                                                      workflow_id=VICTIM, chain_id=RERUN, protect_steps=[40]))
+
+    assert deleted.deleted_steps == [30]  # its own older one
+    assert all(store.objects.get(k) == v for k, v in victims.items())
+    # The negative control: the victim's own chain prunes its own as it always did.
+    deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
+                                                      workflow_id=VICTIM, chain_id=CHAIN, protect_steps=[20]))
+    assert deleted.deleted_steps == [10]
+
+
+def test_an_explicit_resume_of_its_own_id_takes_the_namespace_over_and_spares_the_earlier_runs(
+        store: MemoryStore) -> None:
+    """`trainguard run start --resume` (spec: `checkpoint.resume_from` its own id): allowed by default, as a
+    rerun of a run under its id (a requeued Slurm job's `slurm-<job>`) relies on it."""
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities, chain_id=CHAIN)
+    resume = {"chain_id": RERUN, "resume_from": VICTIM, "resume_prefix": prefix}
+
+    found = _find(activities, prefix, VICTIM, **resume)
+
+    assert found.manifest_key == manifest_key(prefix, 20)
+    assert json.loads(store.objects[owner_key(prefix)])["chain_id"] == RERUN
+    _commit(store, activities, prefix, VICTIM, 30, chain_id=RERUN)
+    _commit(store, activities, prefix, VICTIM, 40, chain_id=RERUN)
+    deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
+                                                      workflow_id=VICTIM, chain_id=RERUN, protect_steps=[40]))
+    assert deleted.deleted_steps == [30]
+    assert manifest_key(prefix, 10) in store.objects and manifest_key(prefix, 20) in store.objects
+    assert _find(activities, prefix, VICTIM, **resume).manifest_key == manifest_key(prefix, 40)
+    with pytest.raises(ApplicationError, match="earlier run under the id"):
+        _find(activities, prefix, VICTIM, chain_id=CHAIN)  # the namespace is the new run's now
+
+
+def test_an_owner_allowing_no_resume_refuses_its_own_id_too(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    prefix = _victim_with_checkpoints(store, activities, chain_id=CHAIN, allow_resume=[])
+    before = dict(store.objects)
+
+    with pytest.raises(ApplicationError) as refused:
+        _find(activities, prefix, VICTIM, chain_id=RERUN, resume_from=VICTIM, resume_prefix=prefix)
+
+    assert refused.value.type == ErrorType.BAD_SPEC and refused.value.non_retryable
+    assert "checkpoint.allow_resume" in refused.value.message
+    assert store.objects == before
+
+
+@pytest.mark.parametrize(("allow_resume", "restores"), [
+    pytest.param(None, False, id="default-its-own-id-only"),
+    pytest.param(["third-run"], False, id="another-run-named"),
+    pytest.param([ATTACKER], True, id="this-run-named"),
+    pytest.param(["*"], True, id="any-run"),
+])
+def test_resume_from_another_run_needs_its_owners_consent(store: MemoryStore, allow_resume: list[str] | None,
+                                                          restores: bool) -> None:
+    activities = StoreActivities()
+    source = _victim_with_checkpoints(store, activities, chain_id=CHAIN, allow_resume=allow_resume)
+    resume = {"chain_id": "chain-reader", "resume_from": VICTIM, "resume_prefix": source}
+
+    if restores:
+        assert _find(activities, f"runs/{ATTACKER}", ATTACKER, **resume).manifest_key == manifest_key(source, 20)
+        return
+    with pytest.raises(ApplicationError) as refused:
+        _find(activities, f"runs/{ATTACKER}", ATTACKER, **resume)
+    assert refused.value.type == ErrorType.BAD_SPEC and refused.value.non_retryable
+    assert "checkpoint.allow_resume" in refused.value.message and ATTACKER in refused.value.message
+
+
+def test_an_owner_record_from_before_chains_takes_the_chain_of_its_run_in_flight(store: MemoryStore) -> None:
+    activities = StoreActivities()
+    prefix = f"runs/{VICTIM}"
+    store.objects[owner_key(prefix)] = json.dumps({"workflow_id": VICTIM, "claimed_at": 1.0}).encode()
+    _commit(store, activities, prefix, VICTIM, 10)  # committed before chains were recorded
+
+    assert _find(activities, prefix, VICTIM, chain_id=CHAIN).manifest.step == 10  # type: ignore[union-attr]
+
+    assert json.loads(store.objects[owner_key(prefix)])["chain_id"] == CHAIN
+    with pytest.raises(ApplicationError, match="earlier run under the id"):
+        _find(activities, prefix, VICTIM, chain_id=RERUN)
+
+
+def test_an_owner_record_from_before_chains_belongs_to_the_chain_of_its_newest_manifest(
+        store: MemoryStore) -> None:
+    """Its run ended before chains were in the record, after its manifests carried its chain: a new run under
+    its id is another chain, refused like one."""
+    activities = StoreActivities()
+    prefix = f"runs/{VICTIM}"
+    store.objects[owner_key(prefix)] = json.dumps({"workflow_id": VICTIM, "claimed_at": 1.0}).encode()
+    _commit(store, activities, prefix, VICTIM, 10, chain_id=CHAIN)
+    before = dict(store.objects)
+
+    with pytest.raises(ApplicationError, match="earlier run under the id"):
+        _find(activities, prefix, VICTIM, chain_id=RERUN)
+    assert store.objects == before
+    assert _find(activities, prefix, VICTIM, chain_id=CHAIN).manifest.step == 10  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------------------------- integrity
@@ -303,3 +434,42 @@ def test_a_short_manifest_key_is_refused_and_none_is_no_key() -> None:
     assert manifest_key_from_env({"TRAINGUARD_MANIFEST_KEY": "a" * 40}) == b"a" * 40
     with pytest.raises(ValueError, match="fewer than 32"):
         manifest_key_from_env({"TRAINGUARD_MANIFEST_KEY": "short"})
+
+
+# ------------------------------------------------------------------------------------------- the client
+
+
+class _StartOnly:
+    """A Temporal client that records what `start_workflow` was given."""
+
+    def __init__(self) -> None:
+        self.specs: list[dict[str, Any]] = []
+
+    async def start_workflow(self, _workflow: str, spec: dict[str, Any], **_: Any) -> None:
+        self.specs.append(spec)
+
+
+@pytest.mark.parametrize(("resume", "namespace", "resume_from"), [
+    pytest.param(True, None, VICTIM, id="resume-names-its-own-id"),
+    pytest.param(False, "fresh", None, id="a-rerun-starts-fresh"),
+])
+async def test_run_start_resume_is_recorded_as_an_explicit_resume_of_its_own_id(
+        monkeypatch: pytest.MonkeyPatch, resume: bool, namespace: str | None, resume_from: str | None) -> None:
+    """`--resume` used to say only "no fresh namespace": the run could not tell a resume from a takeover."""
+    from trainguard.client import TrainguardClient
+
+    temporal = _StartOnly()
+    client = TrainguardClient(temporal)  # type: ignore[arg-type]
+
+    async def earlier(_workflow_id: str) -> str:
+        return "COMPLETED"
+
+    monkeypatch.setattr(client, "earlier_run", earlier)
+    await client.start_run({"entrypoint": ["python"], "nodes": ["node-0"]}, workflow_id=VICTIM, resume=resume)
+
+    [spec] = temporal.specs
+    assert spec["checkpoint"]["resume_from"] == resume_from
+    assert (spec["checkpoint"]["namespace"] or "").startswith(VICTIM) == (namespace is not None)
+    with pytest.raises(ValueError, match="name one run"):
+        await client.start_run({"entrypoint": ["python"], "nodes": ["node-0"], "checkpoint": {"resume_from": "x"}},
+                               workflow_id=VICTIM, resume=True)

@@ -209,6 +209,18 @@ def test_a_checkpoint_namespace_is_one_key_safe_folder() -> None:
         parse_spec({**base, "checkpoint": {"namespace": "a/b"}})
 
 
+def test_allow_resume_names_runs_or_any_and_defaults_to_the_runs_own_id() -> None:
+    """Issue 40 finding 5: who may restore a run's checkpoints is its owner's choice, recorded in its spec."""
+    base = {"entrypoint": ["python", "train.py"], "nodes": ["node-0"]}
+    assert parse_spec(base).checkpoint.allow_resume is None  # a later run under its own id, no other
+    allowed = parse_spec({**base, "checkpoint": {"allow_resume": ["run-b", "*"]}}).checkpoint.allow_resume
+    assert allowed == ["run-b", "*"]
+    assert parse_spec({**base, "checkpoint": {"allow_resume": []}}).checkpoint.allow_resume == []
+    for bad in (["a/b"], ["run\n"], "run-b", [f"r{i}" for i in range(1000)]):
+        with pytest.raises(SpecError, match="checkpoint.allow_resume"):
+            parse_spec({**base, "checkpoint": {"allow_resume": bad}})
+
+
 def test_a_fresh_namespace_for_a_used_id_is_valid_and_new_each_time() -> None:
     from trainguard.client import fresh_namespace
 
