@@ -125,6 +125,7 @@ async def _run_cmd(args: argparse.Namespace) -> int:
 
         return await main_report(args.id, args.png)
     from trainguard.client import TrainguardClient, load_spec
+    from trainguard.run_attach import RunAttachRefused
 
     if args.action == "start":
         try:  # the id names the run's folders: `..` or `/` would wedge it or reach into another run's
@@ -154,10 +155,16 @@ async def _run_cmd(args: argparse.Namespace) -> int:
                   f"checkpoint.resume_from ({spec.checkpoint.resume_from}): name one", file=sys.stderr)
             return 2
     client = await TrainguardClient.connect()
-    if args.action == "start" and args.id and await client.running(args.id):
-        # A requeued Slurm job starts its run again under the same id: it finds the one it was doing.
-        print(f"trainguard: run {args.id} is running: attached to it (its own spec stands, {args.spec} is not "
-              f"used)", file=sys.stderr)
+    attached = False
+    if args.action == "start" and args.id:
+        try:  # a requeued Slurm job starts its run again under the same id: it finds the one it was doing
+            attached = await client.attach(args.id, spec, resume=args.resume, resume_from=args.resume_from)
+        except RunAttachRefused as error:  # someone else's run under this id (made ahead of this job, say)
+            print(f"trainguard run start --id: {error}", file=sys.stderr)
+            return 2
+    if attached:
+        print(f"trainguard: run {args.id} is running, started with this spec from this Slurm job: attached to "
+              f"it", file=sys.stderr)
         print(args.id)
         if args.wait:
             _print_json((await client.result(args.id)).model_dump(mode="json"))

@@ -23,6 +23,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from trainguard import NODE_GROUP_WATCH_WORKFLOW, READ_LOG_WORKFLOW_TYPE, TASK_QUEUE, WORKFLOW_TYPE
 from trainguard.connect import connect
@@ -46,7 +47,7 @@ from trainguard.models import (
     RunStatus,
 )
 from trainguard.settings import Settings
-from trainguard.slurm_job import job_memo
+from trainguard.run_attach import RunAttachRefused, start_memo, why_not_attach
 from trainguard.spec import RunSpec, SpecError, loads_spec_json, parse_spec
 
 
@@ -130,11 +131,37 @@ class TrainguardClient:
         `checkpoint.resume_from`) names another run whose newest checkpoint this run starts from; this run
         commits to its own namespace and never prunes that run's checkpoints.
 
-        Under the id of a run that still runs, this attaches to it (its own spec stands; `spec` is not used): a
-        requeued Slurm job starts its run again under the same id and must find the one it was doing."""
+        Under the id of a run that still runs, this attaches to it when that run was started with this very spec
+        from this very Slurm job (a requeued job starts its run again under the same id and must find the one it
+        was doing); otherwise it raises `RunAttachRefused` naming what differs (`trainguard.run_attach`)."""
         if workflow_id is not None:
             validate_workflow_id(workflow_id)
-        parsed = load_spec(spec)
+        workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
+        parsed = self._asked_spec(load_spec(spec), workflow_id, resume, resume_from)
+        asked = parsed  # what a later start under this id compares itself with, before a random namespace
+        if not resume and parsed.checkpoint.namespace is None and await self.earlier_run(workflow_id):
+            parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
+                update={"namespace": fresh_namespace(workflow_id)})})
+        try:
+            await self.client.start_workflow(
+                WORKFLOW_TYPE,
+                parsed.model_dump(mode="json"),
+                id=workflow_id,
+                task_queue=TASK_QUEUE,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                # The spec's digest, and inside a Slurm job the job this run belongs to: the only job the
+                # controller may end for it, and the only start that may attach to it.
+                memo=start_memo(asked),
+            )
+        except WorkflowAlreadyStartedError:
+            if not await self.attach(workflow_id, asked):
+                raise  # it ended in between: starting again is the caller's to decide
+        return workflow_id
+
+    @staticmethod
+    def _asked_spec(parsed: RunSpec, workflow_id: str, resume: bool, resume_from: str | None) -> RunSpec:
+        """`parsed` with `resume` and `resume_from` recorded in it: what a start asks for, before a namespace of
+        its own is drawn."""
         if resume_from is not None:
             validate_workflow_id(resume_from)
             if parsed.checkpoint.resume_from not in (None, resume_from):
@@ -142,7 +169,6 @@ class TrainguardClient:
                                  f"{parsed.checkpoint.resume_from!r}: name one run")
             parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
                 update={"resume_from": resume_from})})
-        workflow_id = workflow_id or f"run-{uuid.uuid4().hex[:12]}"
         if resume:  # recorded as a resume of its own id: the store lets a new run take over an earlier one's
             # namespace only then, and only as far as that run's `checkpoint.allow_resume` lets it
             if parsed.checkpoint.resume_from not in (None, workflow_id):
@@ -150,19 +176,33 @@ class TrainguardClient:
                                  f"checkpoint.resume_from names {parsed.checkpoint.resume_from!r}: name one run")
             parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
                 update={"resume_from": workflow_id})})
-        if not resume and parsed.checkpoint.namespace is None and await self.earlier_run(workflow_id):
-            parsed = parsed.model_copy(update={"checkpoint": parsed.checkpoint.model_copy(
-                update={"namespace": fresh_namespace(workflow_id)})})
-        await self.client.start_workflow(
-            WORKFLOW_TYPE,
-            parsed.model_dump(mode="json"),
-            id=workflow_id,
-            task_queue=TASK_QUEUE,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            # Inside a Slurm job: the job this run belongs to, the only one the controller may end for it.
-            memo=job_memo(),
-        )
-        return workflow_id
+        return parsed
+
+    async def attach(self, workflow_id: str, spec: RunSpec | dict[str, Any] | str | Path, resume: bool = False,
+                     resume_from: str | None = None) -> bool:
+        """Whether a run runs under `workflow_id` that a start of `spec` (with `resume`, `resume_from`, in this
+        environment's Slurm job) may attach to: False when none runs; `RunAttachRefused` naming what differs when
+        one runs that another spec or another Slurm job started."""
+        memo = await self.running_memo(workflow_id)
+        if memo is None:
+            return False
+        asked = self._asked_spec(load_spec(spec), workflow_id, resume, resume_from)
+        if why := why_not_attach(memo, asked):
+            raise RunAttachRefused(f"run {workflow_id} is running and is not this start's: {why}. Start under "
+                                   f"another id, or cancel that run (`trainguard run cancel {workflow_id}`) first")
+        return True
+
+    async def running_memo(self, workflow_id: str) -> dict[str, Any] | None:
+        """The memo of the execution running under `workflow_id`; None when none runs."""
+        try:
+            description = await self.handle(workflow_id).describe()
+        except RPCError as error:
+            if error.status is RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        if description.status not in (None, WorkflowExecutionStatus.RUNNING):
+            return None
+        return await description.memo()
 
     async def running(self, workflow_id: str) -> bool:
         """Whether an execution under `workflow_id` is running now (starting it again attaches to it)."""

@@ -159,9 +159,10 @@ def test_run_start_resume_from_refuses_a_bad_run_id_before_connecting(
     assert capsys.readouterr().err.startswith("trainguard run start --resume-from: run id '../victim'")
 
 
-def _started_runs(monkeypatch: pytest.MonkeyPatch, running: set[str]) -> list[dict[str, object]]:
+def _started_runs(monkeypatch: pytest.MonkeyPatch, running: dict[str, dict[str, object]],
+                  ) -> list[dict[str, object]]:
     """A client whose Temporal records the specs it is asked to start, with the runs named in `running` running
-    and a controller there."""
+    (each with its memo) and a controller there."""
     from trainguard.client import TrainguardClient
 
     started: list[dict[str, object]] = []
@@ -174,8 +175,8 @@ def _started_runs(monkeypatch: pytest.MonkeyPatch, running: set[str]) -> list[di
         async def earlier_run(self, workflow_id: str) -> str | None:
             return None
 
-        async def running(self, workflow_id: str) -> bool:
-            return workflow_id in running
+        async def running_memo(self, workflow_id: str) -> dict[str, object] | None:
+            return running.get(workflow_id)
 
         async def controller_running(self, max_idle_s: float = 90.0) -> bool:
             return True
@@ -190,7 +191,7 @@ def _started_runs(monkeypatch: pytest.MonkeyPatch, running: set[str]) -> list[di
 def test_run_start_resume_from_records_the_run_in_the_spec(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`--resume-from RUN` is recorded as the spec's `checkpoint.resume_from`, the history's record of it."""
-    started = _started_runs(monkeypatch, running=set())
+    started = _started_runs(monkeypatch, running={})
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(GOOD))
 
@@ -205,7 +206,11 @@ def test_run_start_resume_from_records_the_run_in_the_spec(
 def test_run_start_under_a_running_runs_id_attaches_to_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A requeued Slurm job starts its run again under the same id: it finds the run, and starts no second one."""
-    started = _started_runs(monkeypatch, running={"slurm-42"})
+    from trainguard.client import load_spec
+    from trainguard.run_attach import start_memo
+
+    asked = load_spec({**GOOD, "nodes": ["a-0", "a-1"]})  # what the job's first start recorded
+    started = _started_runs(monkeypatch, running={"slurm-42": start_memo(asked)})
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(GOOD))
 
