@@ -62,11 +62,12 @@ class NodeActivities:
     async def find_agents_back(self, request: AgentsBackInput) -> AgentsBackResult:
         """Which nodes' agents have not come back since `since`: a restarted agent registers in the pool at
         start, healthy and uncordoned (a poller alone says nothing: the server remembers an agent's polls for a
-        minute after it left)."""
+        minute after it left). An agent another Slurm job started is not this run's node come back."""
         pool = {n.node: n for n in await pool_nodes(self.client)}
         return AgentsBackResult(away=[node for node in request.nodes if (found := pool.get(node)) is None
                                       or found.registered_at < request.since or not found.healthy
-                                      or found.cordoned is not None])
+                                      or found.cordoned is not None
+                                      or request.slurm_job not in (None, found.slurm_job)])
 
 
 # ------------------------------------------------------------------------------------------- node pool

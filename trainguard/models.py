@@ -312,12 +312,18 @@ class PoolNode(BaseModel):
     signed_at_ms: int = 0
     """The agent's clock (unix ms) in its latest accepted signed registration: a registration signed no later
     is a replay and refused. 0: none signed yet."""
+    slurm_job: int | None = None
+    """The Slurm job whose step started the node's agent (its latest registration); None outside Slurm. An
+    agent of another job is not the node a run of this job leased (`find_agents_back`)."""
 
 
 class AgentsBackInput(BaseModel):
     nodes: list[str]
     since: float
     """Unix time (workflow clock) the agents went away: one counts as back once it registered after it."""
+    slurm_job: int | None = None
+    """The Slurm job the run was started from (its memo); an agent another job started is not back. None: the
+    run names no job, any agent counts."""
 
 
 class AgentsBackResult(BaseModel):
@@ -352,6 +358,8 @@ class RegisterNodeRequest(BaseModel):
     """The node's labels; each registration replaces the ones before."""
     signed_at_ms: int = 0
     """When the agent signed it (its clock, unix ms); 0: unsigned (an agent without the pool's peer token)."""
+    slurm_job: int | None = None
+    """The Slurm job whose step started the agent (`SLURM_JOB_ID`); None outside Slurm."""
     proof: str = ""
     """HMAC-SHA256 (hex) of every field above with the pool's peer token (`trainguard.pool.registration_proof`):
     the agent holds the pool's credential. A tag, never the token; empty: unsigned."""

@@ -135,6 +135,8 @@ def registration_message(request: RegisterNodeRequest) -> bytes:
     """The bytes a registration's proof signs: every field the pool acts on, in one canonical JSON."""
     fields = {"node": request.node, "host": request.host, "healthy": request.healthy, "peer_url": request.peer_url,
               "labels": dict(sorted(request.labels.items())), "signed_at_ms": request.signed_at_ms}
+    if request.slurm_job is not None:  # signed only when set: agents outside Slurm sign what they always did
+        fields["slurm_job"] = request.slurm_job
     return REGISTRATION_PROOF_CONTEXT + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -172,9 +174,12 @@ def check_registration(request: RegisterNodeRequest, token: str | None, now_s: f
 
 
 async def register_node(client: Client, node: str, host: str, healthy: bool, peer_url: str = "",
-                        labels: dict[str, str] | None = None, token: str | None = None) -> PoolNode:
-    """Register (or re-register) `node` in the pool, signed with the pool's peer token `token` when given."""
-    request = RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url, labels=labels or {})
+                        labels: dict[str, str] | None = None, token: str | None = None,
+                        slurm_job: int | None = None) -> PoolNode:
+    """Register (or re-register) `node` in the pool, signed with the pool's peer token `token` when given;
+    `slurm_job`: the Slurm job whose step started the agent."""
+    request = RegisterNodeRequest(node=node, host=host, healthy=healthy, peer_url=peer_url, labels=labels or {},
+                                  slurm_job=slurm_job)
     return await pool_update(client, "register", signed_registration(request, token), PoolNode)
 
 

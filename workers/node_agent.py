@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from temporalio.worker import Worker
 
@@ -42,6 +43,7 @@ from trainguard.settings import env_flag, hold_agent_secrets
 from trainguard.spec import ENV_NAME_PATTERN, EXEC_ENV_PATTERNS, NODE_LABELS_ENV, is_node_id, parse_labels
 from workers.agent_workdir import UnsafeWorkdir, prepare_workdir
 from workers.common import GRACEFUL_SHUTDOWN, setup_logging, stop_event
+from workers.job_fence import FenceOtherJobsRuns, JobFence, agent_job
 from workers.redaction import RedactNodeResults
 
 log = logging.getLogger("trainguard.node_agent")
@@ -96,7 +98,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
                  peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 run_as: RunAs | None = None) -> tuple[Worker, RankBook]:
+                 run_as: RunAs | None = None, slurm_job: int | None = None) -> tuple[Worker, RankBook]:
     node_health = NodeHealth()
     node_health.xid.start()  # XID events as they happen; without NVML it starts nothing
     checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
@@ -128,7 +130,8 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_heartbeat_throttle_interval=timedelta(seconds=heartbeat_interval_s),
         # Every result and failure leaves the node redacted, whichever activity or field carries a rank's text.
-        interceptors=[RedactNodeResults()],
+        # An agent of Slurm job J acts for no run of another job (one that outlived its job, on J's nodes).
+        interceptors=[RedactNodeResults(), FenceOtherJobsRuns(JobFence(slurm_job, lambda wid: run_memo(client, wid)))],
     )
     return worker, ranks.book
 
@@ -137,6 +140,18 @@ ORPHAN_CHECK_INTERVAL_S = 5.0
 ORPHAN_IDLE_S = 30.0
 """Ranks no watch has looked at for this long are checked against their run: longer than a controller
 restart or a continue-as-new takes to watch them again, so a healthy run is asked rarely."""
+
+
+async def run_memo(client, workflow_id: str) -> dict[str, Any] | None:  # type: ignore[no-untyped-def]
+    """The memo of run `workflow_id` (its current execution); None when Temporal has no such run."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        return await (await client.get_workflow_handle(workflow_id).describe()).memo()
+    except RPCError as error:
+        if error.status is RPCStatusCode.NOT_FOUND:
+            return None
+        raise
 
 
 async def fence_orphans(client, ranks: RankBook) -> None:  # type: ignore[no-untyped-def]
@@ -236,16 +251,18 @@ this much later: an operator fixes the cause, and each refusal costs the pool's 
 
 async def register_until_done(client, node: str, host: str,  # type: ignore[no-untyped-def]
                               peer_url: str = "", labels: dict[str, str] | None = None,
-                              token: str | None = None) -> None:
+                              token: str | None = None, slurm_job: int | None = None) -> None:
     """Join the node pool, reporting GPU health (a cordoned node that comes back healthy is repaired, unless an
-    operator cordoned it), where its shard server is, and its labels (for runs that choose nodes by
-    `node_selector`), signed with the pool's peer token `token` (each try signed anew)."""
+    operator cordoned it), where its shard server is, its labels (for runs that choose nodes by
+    `node_selector`) and the Slurm job that started it, signed with the pool's peer token `token` (each try
+    signed anew)."""
     from temporalio.client import WorkflowUpdateFailedError
 
     healthy = (await asyncio.to_thread(NodeHealth().check)).healthy
     while True:
         try:
-            state = await asyncio.wait_for(register_node(client, node, host, healthy, peer_url, labels, token),
+            state = await asyncio.wait_for(register_node(client, node, host, healthy, peer_url, labels, token,
+                                                         slurm_job),
                                            timeout=30)
             log.info("registered %s in the node pool (cordoned: %s)", node, state.cordoned or "no")
             return
@@ -325,6 +342,7 @@ async def main() -> None:
                     RUN_AS_ENV)
     elif problem := run_as_problem(run_as, args.workdir.resolve(), args.code_dir.resolve(), allowed):
         parser.error(problem)
+    job = agent_job(os.environ)
     client = await connect()
     # Connected (the client has read Temporal's keys): the secrets leave the environment for memory.
     hold_agent_secrets()
@@ -336,14 +354,15 @@ async def main() -> None:
         server = ShardServer(args.workdir, args.host, token, args.peer_port).start()
     worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve(),
                                  allowed=allowed, chaos=not args.no_chaos, peer_tier=server is not None,
-                                 allowed_env=allowed_env, run_as=run_as)
+                                 allowed_env=allowed_env, run_as=run_as, slurm_job=job)
     stop = stop_event()
     log.info("node agent %s polling %s%s", args.node, node_task_queue(args.node),
              f" (ranks run as {run_as.name}, uid {run_as.uid})" if run_as else "")
     try:
         async with worker:
             registration = asyncio.create_task(
-                register_until_done(client, args.node, args.host, server.url if server else "", labels, token))
+                register_until_done(client, args.node, args.host, server.url if server else "", labels, token,
+                                    job))
             fencing = asyncio.create_task(fence_orphans(client, ranks))
             await stop.wait()
             registration.cancel()

@@ -114,6 +114,7 @@ def register(nodes: dict[str, PoolNode], request: RegisterNodeRequest, now: floa
     current.host, current.registered_at, current.healthy = request.host, now, request.healthy
     current.peer_url = request.peer_url
     current.labels = dict(request.labels)
+    current.slurm_job = request.slurm_job
     current.signed_at_ms = max(current.signed_at_ms, request.signed_at_ms)
     if current.cordoned is not None and request.healthy and current.leased_to is None \
             and not (keep_operator_cordon and operator_cordon(current)):

@@ -52,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT, pool_request
     from workflows.run_core import RunCore, injected_key
     from workflows.run_decisions import lost_since
+    from trainguard.slurm_job import SLURM_JOB_MEMO, recorded_job
 
 DIRECT_NODE_CALLS = 4
 """Node calls this few the run makes itself, not through a `NodeCalls` child: a relaunch's master download and
@@ -356,7 +357,7 @@ class RunNodes:
         core, waited = self.core, 0.0
         while True:
             back: AgentsBackResult = await workflow.execute_activity(
-                "find_agents_back", AgentsBackInput(nodes=nodes, since=since),
+                "find_agents_back", AgentsBackInput(nodes=nodes, since=since, slurm_job=run_slurm_job()),
                 start_to_close_timeout=POOL_TIMEOUT, retry_policy=POOL_RETRY, result_type=AgentsBackResult,
                 summary=f"are the agents of {', '.join(nodes[:3])}{'...' if len(nodes) > 3 else ''} back?")
             if once:
@@ -443,3 +444,9 @@ class RunNodes:
             await self.release(incident.node)
         self.core.state.spares.remove(spare)
         self.core.replace(incident.node, spare, cordoned=cordon)
+
+
+def run_slurm_job() -> int | None:
+    """The Slurm job this run's start recorded (its memo, carried across continue-as-new); None: none."""
+    job = recorded_job({SLURM_JOB_MEMO: workflow.memo_value(SLURM_JOB_MEMO, default=None)})
+    return job.job_id if job is not None else None
