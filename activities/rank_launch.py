@@ -245,7 +245,7 @@ class RankLaunch:
         full.update(request.env)
         full.update({"TMPDIR": str(layout.tmp_dir), protocol.ENV_WORKFLOW_ID: request.workflow_id,
                      protocol.ENV_NODE: self.node, **env})
-        log_file = log_path.open("ab")
+        log_file = protocol.open_append(log_path)
         try:
             popen = subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
                 request.entrypoint,
@@ -309,6 +309,7 @@ class RankLaunch:
         """The run's entrypoint started ahead of need, to wait in `standby()` for `role_file`."""
         if self.run_as is not None:
             self.run_as.own(layout.parked_dir)  # it writes its mark there
+        layout.parked_logs_dir.mkdir(parents=True, exist_ok=True)  # the agent's: it opens the logs as root
         return self._start(layout, request, cwd, protocol.park_log_path(role_file),
                            {protocol.ENV_STANDBY_FILE: str(role_file),
                             protocol.ENV_STANDBY_MARK: str(protocol.mark_path(role_file))})

@@ -18,7 +18,7 @@ attempt-NNNN/standby.json                  StandbyRole: the role the agent gives
 attempt-NNNN/progress/standby-mark.json    StandbyMark: the attempt's ranks call `trainguard.rank.standby()`
 parked/park-NNNNNN.json                    StandbyRole: the role the agent gives a parked process (warm relaunch)
 parked/park-NNNNNN.mark.json               StandbyMark: the parked process waits in `standby()`
-parked/park-NNNNNN.log                     a parked process's stdout and stderr until it takes a role
+parked-logs/park-NNNNNN.log                a parked process's stdout and stderr until it takes a role
 attempt-NNNN/logs/rank-NNNNN.log           a rank's stdout and stderr
 attempt-NNNN/evidence/rank-NNNNN.*         a rank's hang-evidence files (`trainguard.evidence`)
 attempt-NNNN/incidents/incident-rank-NNNNN.txt  the agent's copy of a rank's stacks at a hang
@@ -33,6 +33,7 @@ agent reads the files of an older rank helper and the other way round.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 # ------------------------------------------------------------------------------------------- environment
 ENV_ATTEMPT = "TRAINGUARD_ATTEMPT"
@@ -98,6 +99,7 @@ STANDBY_FILE = "standby.json"
 STANDBY_LOG = "standby.log"
 STANDBY_MARK_FILE = "standby-mark.json"
 PARKED_DIR = "parked"
+PARKED_LOGS_DIR = "parked-logs"
 EVIDENCE_DIR = "evidence"
 INCIDENTS_DIR = "incidents"
 REJOIN_DIR = "rejoin"
@@ -190,6 +192,11 @@ class RunLayout:
         """The run's parked processes' files (`park_file`), the run's on this node across attempts."""
         return self.root / PARKED_DIR
 
+    @property
+    def parked_logs_dir(self) -> Path:
+        """The parked processes' logs (`park_log_path`): a folder only the agent writes."""
+        return self.root / PARKED_LOGS_DIR
+
     def park_file(self, number: int) -> Path:
         """Where parked process `number` waits for its role; its mark and log sit beside it."""
         return self.parked_dir / f"park-{number:06d}.json"
@@ -234,11 +241,9 @@ class RunLayout:
 
 # --------------------------------------------------------------------------------------------- JSON I/O
 def write_json(path: Path, payload: object) -> None:
-    """Whole or not at all: written beside (a name of this process's own), then renamed over. Ranks and
-    agents read these files while they change."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    """Whole or not at all, never through a link (`replace_file`): ranks and agents read these files while they
+    change, and the agent writes some (a parked process's role) into folders a rank writes too."""
+    replace_file(path, json.dumps(payload).encode())
 
 
 READ_MAX_BYTES = 1 << 20
@@ -298,6 +303,22 @@ def replace_file(path: Path, data: bytes) -> None:
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        raise
+
+
+def open_append(path: Path) -> BinaryIO:
+    """`path` opened to append to (made when missing), never through a link and only when it is a regular file of
+    one link: the agent opens logs it hands to processes of the run-as user. Raises OSError otherwise."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+                 | os.O_CLOEXEC, 0o666)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise OSError(errno.EINVAL, "not a regular file of one link: refused as a log", str(path))
+        os.set_blocking(fd, True)  # the process it is handed to writes as to any file
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
         raise
 
 
@@ -520,8 +541,10 @@ def mark_path(role_file: Path) -> Path:
 
 
 def park_log_path(role_file: Path) -> Path:
-    """The log of the parked process waiting for `role_file`."""
-    return role_file.with_suffix(".log")
+    """The log of the parked process waiting for `role_file` (`RunLayout.park_file`): in the run's
+    `parked-logs/`, the agent's, never beside the role in `parked/`, which the run-as user writes (the agent opens
+    the log as root, and a link planted there under the next, predictable, number would take its writes)."""
+    return RunLayout(role_file.parent.parent).parked_logs_dir / f"{role_file.stem}.log"
 
 
 @dataclass(frozen=True, slots=True)
