@@ -6,24 +6,28 @@
 On a private stack (2 nodes x 2 ranks of examples/train.py, gloo on CPU), one run per mode: each trial waits
 for the current attempt to train, hangs one rank chosen at random (`trainguard chaos hang --mode MODE`) and
 waits for the hang incident; the run relaunches from its checkpoint and the next trial starts. Then
-`--clean-runs` healthy irregular runs of `examples/irregular.py` (evaluations, a rank-0 save, an epoch boundary,
-+-50% step times; half with named phases) count the hangs and the stragglers reported where none was injected.
+`--clean-runs` healthy irregular runs of `examples/irregular.py` (the spec's default health settings; an
+evaluation on every rank, a rank-0 synchronous save its peers wait for, an epoch boundary whose DataLoader workers
+start again, +-50% step times, a slow first step; half with named phases) count the hangs, the stragglers and the
+relaunches reported where no fault was injected.
 
 Per mode it prints and writes (a list, one object per mode): `mode`, `trials`, `correct` (the incident named
 the rank that was hung), `detection_p50_s` / `detection_p95_s` (fault to detection), `culprit_extra_s` (p95 of
-detection to the culprit named from the evidence), and on every object the `false_hangs` and `false_stragglers`
-of the clean runs.
+detection to the culprit named from the evidence), and on every object the `clean_runs`, `false_hangs`,
+`false_stragglers` and `clean_extra_attempts` of the clean runs.
 Also, per trial and summed up per mode (`culprit_extra_p50_s`, `path_p50_s`, `path_p95_s`,
 `group_task_failures`), where detection-to-culprit time went, read from the run's and its watching group's
 histories (`hang_timeline`).
-Targets (issue 16): at least 19 of 20 right in every mode, the culprit named within 1 s of detection, no
-false hangs.
+Targets (issues 16 and 39): at least 19 of 20 right in every mode, detection p95 within 3 s, the culprit named
+within 1 s of detection; over at least 20 clean irregular runs no false hang, no false straggler, no relaunch.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.bench.stack import BENCH_DIR, private_stack
+from infra.harness import Irregular, make_irregular_spec
 
 DEFAULT_JSON = BENCH_DIR / "attribution.json"
 MODES = ("stop", "python", "skip-collective", "io")
@@ -44,6 +49,12 @@ connection holds there looks free to the search but cannot be bound."""
 TRIAL_TIMEOUT_S = 120.0
 DETECTION_P95_TARGET_S = 3.0
 """Issue 39: a real hang is found as fast as before the long-phase rules (the hang floor is 2 s)."""
+CLEAN_RUN_TIMEOUT_S = 600.0
+"""A clean run takes about 40 s here; one relaunched by false hangs takes minutes more, and still counts."""
+CLEAN_PHASES = Irregular(steps=50, eval_every=30, eval_s=8.0, save_every=40, save_s=4.0, epoch_steps=25)
+"""One of each long phase in 50 steps, each several times the default hang floor (2 s): an evaluation of 8 s
+(step 30), a rank-0 save of 4 s (step 40), an epoch boundary (step 25: workers starting for 2 s), a first step
+2 s longer, steps of +-50%."""
 STAGES = ("watch_done", "group_task", "group_closed", "run_task", "evidence_scheduled", "evidence_started",
           "evidence_completed", "named_task")
 """Points on the path from a node's detection to the culprit named, each in seconds after the detection."""
@@ -218,28 +229,47 @@ async def run_mode(client: Any, mode: str, trials: int, rng: random.Random, say:
             "group_task_failures": sum(int(t.get("group_task_failures", 0)) for t in timelines)}
 
 
-async def clean_runs(client: Any, runs: int, say: Any) -> tuple[int, int]:
-    """(false hangs, false stragglers) over `runs` healthy irregular runs of `examples/irregular.py` (2 nodes x 2
-    ranks, default health settings): each has two 10 s evaluations on every rank, a 5 s synchronous save on rank 0
-    while its peers wait in the all-reduce, an epoch boundary whose DataLoader workers start again, a slow first
-    step and +-50% step times; every other run names its phases (`run.phase`), the rest leave them unnamed. Any
-    hang or straggler reported, or a second attempt, is false."""
-    from infra.harness import Irregular, make_irregular_spec
+async def clean_run(client: Any, phases: Irregular) -> tuple[list[Any], int, str]:
+    """One healthy irregular run on the trials' nodes: (its incidents, its attempts, how it ended). A run that
+    fails (false hangs spent its restarts) or outlasts `CLEAN_RUN_TIMEOUT_S` counts with what its status shows."""
+    # A short run id: ranks get TMPDIR = <node workdir>/runs/<run id>/tmp, where DataLoader workers bind the Unix
+    # socket (107 bytes at most) that hands their tensors over; `bench-attr-clean-...` under .bench/ is too long.
+    spec = make_irregular_spec(f"bench-attr-clean-{uuid.uuid4().hex[:6]}", phases, nodes=NODES,
+                               ranks_per_node=RANKS_PER_NODE)
+    rid = await client.start_run(spec, workflow_id=f"clean-{uuid.uuid4().hex[:6]}")
+    try:
+        result = await asyncio.wait_for(client.result(rid), CLEAN_RUN_TIMEOUT_S)
+    except Exception as error:  # noqa: BLE001 - a figure of the benchmark: the run's incidents still count
+        status = (await client.status(rid)).status
+        with contextlib.suppress(Exception):
+            await client.cancel(rid)
+            await _closed(client, rid, lambda _line: None)
+        return list(status.incidents), status.attempt, f"ended early ({type(error).__name__}: {error})"
+    return list(result.incidents), result.attempts, f"{result.steps_completed} steps"
+
+
+async def clean_runs(client: Any, runs: int, steps: int, say: Any) -> dict[str, int]:
+    """`clean_runs`, `false_hangs`, `false_stragglers` and `clean_extra_attempts` (relaunches) over `runs`
+    healthy irregular runs of `examples/irregular.py` (`CLEAN_PHASES`, `steps` each; 2 nodes x 2 ranks, the spec's
+    default health settings); every other run names its phases (`run.phase`), the rest leave them unnamed."""
     from trainguard.models import IncidentKind
 
-    false_hangs = false_stragglers = 0
+    figures = {"clean_runs": runs, "false_hangs": 0, "false_stragglers": 0, "clean_extra_attempts": 0}
     for index in range(runs):
-        phases = Irregular(name_phases=index % 2 == 1)
-        rid = await client.start_run(make_irregular_spec(f"bench-attr-clean-{uuid.uuid4().hex[:6]}", phases),
-                                     workflow_id=f"bench-attr-clean-{uuid.uuid4().hex[:6]}")
-        result = await asyncio.wait_for(client.result(rid), 600)
-        hangs = sum(1 for i in result.incidents if i.kind is IncidentKind.HANG)
-        stragglers = sum(1 for i in result.incidents if i.kind is IncidentKind.STRAGGLER)
-        false_hangs, false_stragglers = false_hangs + hangs, false_stragglers + stragglers
-        say(f"  clean run {index + 1}/{runs} ({'named' if phases.name_phases else 'unnamed'} phases): "
-            f"{result.steps_completed} steps, {result.attempts} attempt(s), {hangs} hangs, {stragglers} stragglers"
-            + (f"; incidents: {[i.detail for i in result.incidents]}" if result.incidents else ""))
-    return false_hangs, false_stragglers
+        phases = dataclasses.replace(CLEAN_PHASES, steps=steps, name_phases=index % 2 == 1)
+        began = time.monotonic()
+        incidents, attempts, ended = await clean_run(client, phases)
+        hangs = [i for i in incidents if i.kind is IncidentKind.HANG]
+        stragglers = [i for i in incidents if i.kind is IncidentKind.STRAGGLER]
+        figures["false_hangs"] += len(hangs)
+        figures["false_stragglers"] += len(stragglers)
+        figures["clean_extra_attempts"] += attempts - 1
+        say(f"  clean run {index + 1}/{runs} ({'named' if phases.name_phases else 'unnamed'} phases): {ended}, "
+            f"{attempts} attempt(s), {len(hangs)} hangs, {len(stragglers)} stragglers, "
+            f"{time.monotonic() - began:.0f} s")
+        for incident in incidents:
+            say(f"    {incident.kind.value}: node {incident.node} rank {incident.rank}: {incident.detail}")
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--trials", type=int, default=20, help="hangs per mode (default 20)")
     parser.add_argument("--clean-runs", type=int, default=20,
-                        help="healthy irregular runs, evaluations, saves and epochs (default 20)")
+                        help="healthy irregular runs of examples/irregular.py, each with an evaluation, a rank-0 "
+                             "save and an epoch boundary (default 20)")
+    parser.add_argument("--clean-steps", type=int, default=CLEAN_PHASES.steps,
+                        help=f"steps of each clean run (default {CLEAN_PHASES.steps})")
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     opts = parser.parse_args(argv)
@@ -264,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 
         client = await TrainguardClient.connect()
         rows = [await run_mode(client, mode, opts.trials, random.Random(f"{opts.seed}-{mode}"), say) for mode in modes]
-        false_hangs, false_stragglers = await clean_runs(client, opts.clean_runs, say)
-        return [{**row, "false_hangs": false_hangs, "false_stragglers": false_stragglers} for row in rows]
+        clean = await clean_runs(client, opts.clean_runs, opts.clean_steps, say)
+        return [{**row, **clean} for row in rows] or [{"mode": None, **clean}]
 
     began = time.monotonic()
     with private_stack("attribution", (*NODES,), PORT_SEARCH_START, echo=lambda line: say(f"  stack: {line}"),
@@ -277,19 +310,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':<16} {'right':>7} {'detect p50':>10} {'p95':>6} {'culprit +s':>10} {'false hangs':>11} "
           f"{'false stragglers':>16}")
     for row in rows:
+        if row["mode"] is None:  # clean runs only (--modes '')
+            print(f"{'(no fault mode)':<16} {'-':>7} {'-':>10} {'-':>6} {'-':>10} {row['false_hangs']:>11} "
+                  f"{row['false_stragglers']:>16}")
+            continue
         print(f"{row['mode']:<16} {row['correct']:>3}/{row['trials']:<3} {row['detection_p50_s']!s:>10} "
               f"{row['detection_p95_s']!s:>6} {row['culprit_extra_s']!s:>10} {row['false_hangs']:>11} "
               f"{row['false_stragglers']:>16}")
+    clean = rows[0]
+    print(f"clean runs: {clean['clean_runs']} of examples/irregular.py, {clean['false_hangs']} false hangs, "
+          f"{clean['false_stragglers']} false stragglers, {clean['clean_extra_attempts']} relaunches")
     for row in rows:
         if any(row.get("path_p50_s", {}).values()):
             print(f"{row['mode']:<16} path after detection, p50 / p95 s: " + ", ".join(
                 f"{k} {row['path_p50_s'][k]}/{row['path_p95_s'][k]}" for k in STAGES if row["path_p50_s"][k] is not None)
                   + f"; group task failures {row['group_task_failures']}")
-    met = all(r["correct"] >= 0.95 * r["trials"] and (r["culprit_extra_s"] or 0) <= 1.0 and not r["false_hangs"]
-              and (r["detection_p95_s"] or DETECTION_P95_TARGET_S + 1) <= DETECTION_P95_TARGET_S
-              and not r["false_stragglers"] for r in rows)
+    met = not clean["false_hangs"] and not clean["false_stragglers"] and not clean["clean_extra_attempts"] and all(
+        r["correct"] >= 0.95 * r["trials"] and (r["culprit_extra_s"] or 0) <= 1.0
+        and (r["detection_p95_s"] or DETECTION_P95_TARGET_S + 1) <= DETECTION_P95_TARGET_S
+        for r in rows if r["mode"] is not None)
     print(f"targets (>= 95% right, detection p95 <= {DETECTION_P95_TARGET_S:.0f} s, culprit within 1 s, no false "
-          f"hangs or stragglers in the clean runs): {'met' if met else 'NOT met'}")
+          f"hangs, stragglers or relaunches in the clean runs): {'met' if met else 'NOT met'}")
     print(f"wrote {opts.json}")
     return 0 if met else 1
 
