@@ -83,7 +83,8 @@ bench-pool: $(STAMP)
 	$(BIN)/python -m infra.bench.pool $(BENCH_ARGS)
 
 # Hang attribution: 2 nodes x 2 ranks, 20 hangs per mode (stop, python, skip-collective, io) on random ranks
-# and 10 fault-free runs: right culprits, detection, time to name the culprit; .bench/attribution.json.
+# and 20 fault-free irregular runs (examples/irregular.py): right culprits, detection, time to name the culprit,
+# false hangs and stragglers; .bench/attribution.json.
 .PHONY: bench-attribution
 bench-attribution: $(STAMP)
 	$(BIN)/python -m infra.bench.attribution $(BENCH_ARGS)
