@@ -11,6 +11,7 @@ What a rank writes into its own folders (a `step-latest` symlink) is not an erro
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 from temporalio.exceptions import ApplicationError
 
 from trainguard.error_types import ErrorType
+from trainguard.run_as import RunAs
 
 SPEC_ERRNOS = frozenset({errno.E2BIG, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
                          errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
@@ -61,10 +63,12 @@ def spec_values(field: str, node: str) -> Iterator[None]:
         raise spec_error(f"{field}: {_reason(error)}", node) from None
 
 
-def working_dir(path: str | None, default: Path, node: str) -> Path:
-    """The ranks' directory: the spec's `working_dir`, which must be a directory this node has (else a
-    `BadSpec`, whatever the OS says of it), or the agent's own `default` (`--code-dir`), whose absence is the
-    node's."""
+def working_dir(path: str | None, default: Path, node: str, run_as: RunAs | None = None) -> Path:
+    """The ranks' directory: the spec's `working_dir`, which must be a directory this node has and, with
+    `run_as`, one the ranks' user can enter itself (else a `BadSpec`, whatever the OS says of it), or the agent's
+    own `default` (`--code-dir`), whose absence is the node's (the agent checks at start that `run_as` reaches
+    it). The agent (root) enters the directory for the rank before it drops to the rank's user, so a directory
+    under a folder closed to that user would hand the rank what is inside."""
     if not path:
         if not default.is_dir():  # the operator's to mend: retried, then the node's
             raise ApplicationError(f"the agent's --code-dir {str(default)!r} is no directory on node {node}",
@@ -74,14 +78,19 @@ def working_dir(path: str | None, default: Path, node: str) -> Path:
     try:
         cwd = Path(path)
         if cwd.is_dir():
-            return cwd
-        if cwd.exists():
+            if run_as is None or run_as.can_enter(cwd):
+                return cwd
+            closed = run_as.unreachable(cwd, os.X_OK)
+            reason = (f"is closed to the ranks' user {run_as.name}"
+                      + (f" ({_shown(str(closed))} is)" if closed is not None else ""))
+        elif cwd.exists():
             reason = "is not a directory"
     except Exception as error:
         if classify_launch_error(error) is None:
             raise
         reason = f"is unusable here ({_reason(error)})"
-    raise spec_error(f"working_dir {_shown(path)} {reason}: name a directory every node of the run has", node)
+    raise spec_error(f"working_dir {_shown(path)} {reason}: name a directory every node of the run has and "
+                     f"its ranks' user can enter", node)
 
 
 def _reason(error: BaseException) -> str:

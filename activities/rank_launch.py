@@ -129,7 +129,7 @@ class RankLaunch:
             if stopped:
                 log.info("fenced %d ranks of %s attempt %d", stopped, request.workflow_id, current.attempt)
 
-        cwd = working_dir(request.working_dir, self.code_dir, self.node)
+        cwd = working_dir(request.working_dir, self.code_dir, self.node, self.run_as)
         request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
         master_addr = request.master_addr or self.host
         master_port = request.master_port or _free_port(self.host)
@@ -189,7 +189,7 @@ class RankLaunch:
         if (current is not None and current.chain_id == template.chain_id
                 and any(not p.poll() for p in current.ranks.values())):
             return ParkRanksResult()
-        cwd = working_dir(template.working_dir, self.code_dir, self.node)
+        cwd = working_dir(template.working_dir, self.code_dir, self.node, self.run_as)
         template = template.model_copy(update={"entrypoint": self._check_allowed(template, cwd), "node": self.node})
         layout = RunLayout.of(self.book.workdir, request.workflow_id)
         layout.tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -345,7 +345,7 @@ class RankLaunch:
                 f"node {self.node} does not run attempt {request.from_attempt} of {request.workflow_id} "
                 f"(it runs {current.attempt if current else 'nothing'}): nothing to keep, relaunch instead",
                 type=ErrorType.NO_SUCH_ATTEMPT, non_retryable=True)
-        cwd = working_dir(request.working_dir, self.code_dir, self.node)
+        cwd = working_dir(request.working_dir, self.code_dir, self.node, self.run_as)
         request = request.model_copy(update={"entrypoint": self._check_allowed(request, cwd)})
         layout = RunLayout.of(self.book.workdir, request.workflow_id)
         alive = {r: p for r, p in current.ranks.items() if not p.poll()}

@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import os
 import pwd
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 RUN_AS_ENV = "TRAINGUARD_RUN_AS"
 """The user ranks run as, when `--run-as` is not given."""
+
+ENTER_CHECK_SHELL = "/bin/sh"
+"""Runs `RunAs.can_enter`'s check as the user: every Linux node has it, and any user may run it (the agent's
+own interpreter may sit under a home the user cannot enter)."""
+
+ENTER_CHECK_TIMEOUT_S = 10.0
+"""A `cd` answers in milliseconds; one that takes longer waits on a stuck mount, which a retry may outlast."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +60,18 @@ class RunAs:
         themselves: what is inside is the rank's own already, or the agent's to read."""
         for path in paths:
             os.chown(path, self.uid, self.gid)
+
+    def can_enter(self, path: Path) -> bool:
+        """Whether a process of this user (its uid and primary group, no other) can make `path` its working
+        directory: the kernel's own judgement, ACLs and all, from a shell started as the user that changes
+        into it. `subprocess` enters a `cwd` before it drops to the user, so without this a rank would be
+        handed a directory it could never reach itself. Raises `subprocess.TimeoutExpired` when the check hangs
+        (a stuck mount: the node's trouble, not the spec's)."""
+        done = subprocess.run(  # noqa: S603 - a fixed argv; the path is an argument, never shell text
+            [ENTER_CHECK_SHELL, "-c", 'cd -- "$1"', "sh", str(path)], cwd="/", env={}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=ENTER_CHECK_TIMEOUT_S,
+            **self.popen_args())  # type: ignore[arg-type]
+        return done.returncode == 0
 
     def unreachable(self, path: Path, need: int = os.R_OK) -> Path | None:
         """The first of `path` and the folders above it this user cannot pass (search) or, for `path` itself,
