@@ -25,6 +25,9 @@ class ErrorType(StrEnum):
     """A chaos request that names no fault the agent knows, or a value out of range."""
     CHAOS_DISABLED = "ChaosDisabled"
     """The node's agent refuses fault injection (`--no-chaos`)."""
+    NOT_THIS_JOBS_RUN = "NotThisJobsRun"
+    """The node's agent belongs to another Slurm job than the run (`workers.job_fence`): a run that outlived its
+    job does not take over the next job's nodes."""
     # --- the run moved on: the call no longer applies
     NO_SUCH_ATTEMPT = "NoSuchAttempt"
     STALE_ATTEMPT = "StaleAttempt"

@@ -18,13 +18,14 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
+from trainguard.error_types import ErrorType
 from trainguard.slurm_job import recorded_job
 
 log = logging.getLogger(__name__)
 
 AGENT_JOB_ENV = "SLURM_JOB_ID"
 """Set by Slurm in every step of a job: the job the agent belongs to."""
-NOT_THIS_JOBS_RUN = "NotThisJobsRun"
+NOT_THIS_JOBS_RUN = ErrorType.NOT_THIS_JOBS_RUN
 """The error type an agent refuses another job's run with: not retried, the same agent would refuse again."""
 
 MemoOf = Callable[[str], Awaitable[Mapping[str, Any] | None]]
@@ -80,5 +81,5 @@ class _FencedActivity(ActivityInboundInterceptor):
         workflow_id = getattr(input.args[0], "workflow_id", None) if input.args else None
         if isinstance(workflow_id, str) and (why := await self.fence.refusal(workflow_id)):
             log.warning("refused %s: %s", input.fn.__name__, why)
-            raise ApplicationError(why, type=NOT_THIS_JOBS_RUN, non_retryable=True)
+            raise ApplicationError(why, type=ErrorType.NOT_THIS_JOBS_RUN, non_retryable=True)
         return await super().execute_activity(input)
