@@ -137,6 +137,19 @@ def manifest_body(manifest: Manifest, run_prefix: str) -> tuple[bytes, dict[str,
     return header.model_dump_json(indent=1).encode(), pages
 
 
+def shard_layout_problem(shard: ShardInfo, run_prefix: str, step: int) -> str | None:
+    """None when `shard` (not a replica) lies where the layout puts it in step `step`'s folder of the run at
+    `run_prefix`; else where it lies instead (another run's object, a file name outside the DCP layout)."""
+    name = f"{DCP_DIR}/" if shard.files is not None else shard_name(shard.rank)
+    expected = f"{step_prefix(run_prefix, step)}{name}"
+    if shard.key != expected:
+        return f"manifest puts the shard of rank {shard.rank} at {shard.key}, not {expected}"
+    bad = [f.name for f in shard.files or [] if not _DCP_FILE.fullmatch(f.name)]
+    if bad:
+        return f"the shard of rank {shard.rank} names a file outside the DCP layout: {bad[0]!r}"
+    return None
+
+
 def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | None:
     """None when the manifest describes a whole checkpoint of `step` in this run's layout; else what is wrong.
 
@@ -162,13 +175,8 @@ def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | No
             if shard.replica_of not in originals or manifest.state_format == FORMAT_DCP:
                 return f"the shard of rank {shard.rank} replicates rank {shard.replica_of}, which wrote none"
             continue
-        name = f"{DCP_DIR}/" if shard.files is not None else shard_name(shard.rank)
-        expected = f"{step_prefix(run_prefix, step)}{name}"
-        if shard.key != expected:
-            return f"manifest puts the shard of rank {shard.rank} at {shard.key}, not {expected}"
-        bad = [f.name for f in shard.files or [] if not _DCP_FILE.fullmatch(f.name)]
-        if bad:
-            return f"the shard of rank {shard.rank} names a file outside the DCP layout: {bad[0]!r}"
+        if problem := shard_layout_problem(shard, run_prefix, step):
+            return problem
     if manifest.state_format == FORMAT_DCP:
         if any(s.files is None for s in manifest.shards):
             return "a DCP checkpoint with a torch.save shard in it"

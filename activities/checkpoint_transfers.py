@@ -30,6 +30,7 @@ from activities.checkpoint_layout import (
     node_record_key,
     restore_sources,
     shard_from_meta,
+    shard_layout_problem,
     shard_objects,
     step_of,
     step_prefix,
@@ -404,6 +405,16 @@ class NodeCheckpointActivities:
         if manifest is None:
             raise ApplicationError(f"manifest {request.manifest_key} is gone", type=ErrorType.CORRUPT_CHECKPOINT,
                                    non_retryable=True)
+        # The agent acts on what it read: only shards the layout puts in the manifest's own step folder (a
+        # manifest written with the store's key alone could name another run's objects, or a file name that
+        # leaves the restore folder).
+        run_prefix, step = request.manifest_key.rsplit("/step-", 1)[0], step_of(request.manifest_key)
+        problem = (f"manifest in the folder of step {step} says step {manifest.step}" if manifest.step != step
+                   else next((p for s in manifest.shards if s.replica_of is None
+                              and (p := shard_layout_problem(s, run_prefix, step))), None))
+        if problem is not None:
+            raise ApplicationError(f"manifest {request.manifest_key} refused: {problem}",
+                                   type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True)
         sources = restore_sources(manifest, request.ranks)
         if manifest.state_format == FORMAT_DCP:
             return sorted(sources.values(), key=lambda s: s.rank)
