@@ -61,7 +61,8 @@ async def one_clean_attempt(client: TrainguardClient, run_id: str, steps: int) -
     except Exception as error:
         raise AssertionError(f"{run_id}: {error}; activity failures {await activity_failures(client, run_id)}; "
                              f"incidents {(await client.status(run_id)).status.incidents}") from error
-    described = [f"{i.kind.value} node {i.node} rank {i.rank}: {i.detail}" for i in result.incidents]
+    described = "\n".join(f"{i.kind.value} at {i.detected_at:.1f}, node {i.node} rank {i.rank}: {i.detail}; "
+                          f"evidence: {(i.evidence or '-').splitlines()[0]}" for i in result.incidents)
     assert result.incidents == [], described
     assert result.attempts == 1, described
     assert result.steps_completed == steps

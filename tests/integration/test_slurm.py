@@ -413,7 +413,8 @@ async def test_a_healthy_irregular_job_runs_in_one_attempt_with_no_incident(
     assert "health" not in spec  # the defaults a user gets
     job = submit(slurm_stack, spec)
     result = await finished(slurm_client, cluster, job)
-    described = [f"{i.kind.value} node {i.node} rank {i.rank}: {i.detail}" for i in result.incidents]
+    described = "\n".join(f"{i.kind.value} node {i.node} rank {i.rank}: {i.detail}; evidence: "
+                          f"{(i.evidence or '-').splitlines()[0]}" for i in result.incidents)
     assert result.attempts == 1 and not result.incidents, described
     assert result.steps_completed == phases.steps
     log = (await slurm_client.rank_log(f"slurm-{job}", rank=0, tail_bytes=65_536)).text
