@@ -22,8 +22,10 @@ from activities.progress import find_stragglers
 
 PACE_DIR = "pace"
 
-MIN_SAMPLES = 3
-"""A rank's window counts once it holds this many of its steps: fewer say nothing of its pace."""
+MIN_SAMPLES = 10
+"""A rank's window counts once it holds this many of its steps: fewer say nothing of its pace. A window that is
+mostly an evaluation, a save or a relaunch holds a handful of steps, and with step times that vary by +-50% per
+step (different ranks slow on different ones) a median of five is 1.5x its peers' by chance."""
 
 COVERED = 0.8
 """...and once the watch has seen the rank step for this much of a window (a window just after a launch is

@@ -87,6 +87,11 @@ EXITING_GRACE_S = 60.0
 much longer to exit before it counts as hung: its process is tearing down (torch's shutdown can take seconds
 on a loaded machine), and its exit is the crash to report, with its traceback."""
 
+UNSAMPLED_GRACE_S = 5.0
+"""A quiet rank whose activity window is not covered yet is given this much more before it can be judged idle:
+the agent samples it from half its bound, so this is spent only when its polls run late (a loaded machine) or
+its /proc cannot be read."""
+
 NAMED_PHASE_SAFETY = 2.0
 """A phase the script named with an expected length (`RankRun.phase(name, expected_s)`) may run this many times
 longer before an idle rank in it counts as hung: the length is the script's estimate, and a false kill costs far
@@ -184,6 +189,10 @@ def judge_rank(report: RankReport | None, signals: RankSignals, state: str | Non
             bound, NAMED_PHASE_SAFETY * report.phase_expected_s)
         activity = RankActivity.PHASE if silent <= named else RankActivity.HUNG
         return Verdict(rank, activity, silent, named, phase)
+    if signals.busy is None and silent <= bound + UNSAMPLED_GRACE_S:
+        # Not sampled over a window yet (the agent's polls ran late on a loaded machine): never judged idle
+        # on nothing. A rank whose /proc cannot be read at all is judged by its position after the grace.
+        return Verdict(rank, RankActivity.STEPPING, silent, bound + UNSAMPLED_GRACE_S)
     if not signals.asked:
         return Verdict(rank, RankActivity.STEPPING, silent, bound, _ASK)
     if signals.in_collective:
@@ -228,7 +237,7 @@ def find_hung_rank(
     else the agent saw (`RankSignals`). A rank with no signals is judged as one that did not answer: hung past
     its bound plus `grace_s`. The watch itself asks positions first (`judge_ranks`).
     """
-    asked = {r: RankSignals(asked=True) for r in running_ranks}
+    asked = {r: RankSignals(busy=False, asked=True) for r in running_ranks}
     asked.update(signals or {})
     verdicts = judge_ranks(reports, running_ranks, start_step, launched_at, now, health, states, asked,
                            grace_s=grace_s)
@@ -259,6 +268,9 @@ class Usage:
     """User and system CPU seconds, the reaped children's included."""
     io_bytes: int | None = None
     """Bytes read and written (`rchar` + `wchar`); None when /proc does not let the agent read them."""
+    wait_s: float = 0.0
+    """Seconds its threads spent runnable but waiting for a CPU (/proc schedstat): a rank starved of CPU on a
+    loaded machine computes as much as it is let, and is busy, not idle."""
 
 
 def activity_busy(samples: list[Usage], window_s: float = ACTIVITY_WINDOW_S) -> bool | None:
@@ -272,8 +284,8 @@ def activity_busy(samples: list[Usage], window_s: float = ACTIVITY_WINDOW_S) -> 
     elapsed = last.at - first.at
     if elapsed < window_s / 2:
         return None
-    if (last.cpu_s - first.cpu_s) >= BUSY_CPU_FRACTION * elapsed:
-        return True
+    if (last.cpu_s - first.cpu_s) + (last.wait_s - first.wait_s) >= BUSY_CPU_FRACTION * elapsed:
+        return True  # on a CPU, or waiting for one
     return (last.io_bytes is not None and first.io_bytes is not None
             and last.io_bytes - first.io_bytes >= BUSY_IO_BYTES * elapsed / window_s)
 

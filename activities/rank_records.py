@@ -291,6 +291,7 @@ class RankBook:
             else:
                 while not proc.poll():
                     await asyncio.sleep(0.02)
+        self.cgroups.remove_empty()
         return len(live)
 
     async def fence(self, record: AttemptRecord, why: str, leaving: bool = True) -> int:

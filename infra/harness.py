@@ -215,6 +215,7 @@ class PrivateStack:
             self.leftovers = [f"{c.name} (pid {c.pid}: {c.argv0})" for c in started if alive(c.pid, c.start_time)]
             self.leftover_ranks = scan_ranks(self.home)
             kill_ranks(self.leftover_ranks)
+            self._remove_run_cgroups()
             if self._saved is not None:
                 restore_environ(self._saved)
                 self._saved = None
@@ -223,6 +224,15 @@ class PrivateStack:
                     shutil.copytree(self.stack.log_dir, self.keep_logs, dirs_exist_ok=True)
             if not self.keep_home:
                 shutil.rmtree(self.home, ignore_errors=True)
+
+    def _remove_run_cgroups(self) -> None:
+        """The cgroups this stack's agents made for their runs (named after each node's workdir, so only this
+        stack's): whatever is still in one is this stack's and is killed, then they are removed. An agent that
+        was SIGKILLed (chaos, a Slurm job's end) could not remove its own."""
+        from trainguard.cgroups import RunCgroups
+
+        for node in self.config.nodes:
+            RunCgroups(node, (nodes_dir(self.home) / node).resolve()).kill_all()
 
     def __enter__(self) -> DevStack:
         try:

@@ -172,6 +172,22 @@ class RunCgroups:
         return [p.name for p in self.base.iterdir() if p.is_dir()]
 
 
+    def remove_empty(self) -> None:
+        """Remove the run cgroups no process is left in (runs that finished, attempts stopped), and the agent's
+        folder once none is left: the host keeps no cgroup of a run that is over."""
+        if self.base is None or not self.base.is_dir():
+            return
+        for name in self.runs():
+            path = self.base / name
+            if not _pids_in(path):
+                for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts),
+                                     reverse=True) + [path]:
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        pass
+        self.close()
+
     def close(self) -> None:
         """Remove the agent's folder of run cgroups once empty (the agent stops): nothing is left behind."""
         if self.base is not None:

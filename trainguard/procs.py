@@ -61,11 +61,27 @@ def _io_bytes(pid: int) -> int | None:
         return None
 
 
-def tree_usage(pid: int) -> tuple[float, int | None] | None:
-    """CPU seconds (user + system, reaped children's included) and bytes read and written by `pid` and every
-    live descendant (data loader workers, a compile's workers, a save's writer), None once `pid` is gone. Bytes
-    are None when any of the tree's cannot be read."""
-    cpu_ticks, io_total = 0, 0
+def _runqueue_wait_s(pid: int) -> float:
+    """Seconds the threads of `pid` spent runnable, waiting for a CPU (the second field of each thread's
+    /proc schedstat); 0 where the kernel does not keep it."""
+    waited = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            waited += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return waited / 1e9
+
+
+def tree_usage(pid: int) -> tuple[float, int | None, float] | None:
+    """CPU seconds (user + system, reaped children's included), bytes read and written, and seconds spent
+    waiting for a CPU, by `pid` and every live descendant (data loader workers, a compile's workers, a save's
+    writer); None once `pid` is gone. Bytes are None when any of the tree's cannot be read."""
+    cpu_ticks, io_total, waited = 0, 0, 0.0
     io_known = True
     pending, seen = [pid], 0
     while pending and seen < TREE_MAX_PROCESSES:
@@ -80,10 +96,11 @@ def tree_usage(pid: int) -> tuple[float, int | None] | None:
             cpu_ticks += sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
         except (IndexError, ValueError):
             pass
+        waited += _runqueue_wait_s(current)
         io = _io_bytes(current)
         if io is None:
             io_known = False
         else:
             io_total += io
         pending.extend(children(current))
-    return cpu_ticks / CLOCK_TICKS_PER_S, io_total if io_known else None
+    return cpu_ticks / CLOCK_TICKS_PER_S, io_total if io_known else None, waited

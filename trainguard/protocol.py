@@ -90,6 +90,8 @@ instead of spending its restart budget."""
 
 # ------------------------------------------------------------------------------------------- file names
 RUNS_DIR = "runs"
+TMP_DIR = "tmp"
+"""Beside `RUNS_DIR` in an agent's workdir: each run's scratch folder (`RunLayout.tmp_dir`)."""
 RANKS_FILE = "ranks.json"
 PROGRESS_DIR = "progress"
 LOGS_DIR = "logs"
@@ -236,7 +238,11 @@ class RunLayout:
 
     @property
     def tmp_dir(self) -> Path:
-        return self.root / "tmp"
+        """The ranks' TMPDIR (and HOME when they run as another user): `<workdir>/tmp/<12 hex of the run>`, short
+        whatever the run id. Python's multiprocessing binds an AF_UNIX socket under TMPDIR (107 bytes at most,
+        its own names take 32), and a DataLoader's workers need it: under a long run id the worker failed to
+        start and its rank waited forever."""
+        return self.root.parent.parent / TMP_DIR / hashlib.sha256(self.root.name.encode()).hexdigest()[:12]
 
 
 # --------------------------------------------------------------------------------------------- JSON I/O

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from trainguard import settings
+from trainguard.protocol import RunLayout
 from trainguard.run_as import RunAs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,7 +98,7 @@ def test_a_rank_run_as_another_user_cannot_read_the_agents_environ(open_dir: Pat
     assert seen["uid"] == nobody.uid
     assert seen["refused"] == "PermissionError" and "environ" not in seen
     assert seen["inherited"] == []
-    assert seen["home"] == str(open_dir / "agent" / "runs" / "wf" / "tmp")  # its own, writable by it
+    assert seen["home"] == str(RunLayout.of(open_dir / "agent", "wf").tmp_dir)  # its own, writable by it
 
 
 @needs_root

@@ -62,11 +62,15 @@ def test_a_rank_at_a_fifth_of_its_speed_is_slow_in_every_window_after_its_onset(
     assert all(set(v.slow) == {1} and v.slow[1] > 3 for v in verdicts if v is not None)
 
 
+TEN = [990.5 + n for n in range(10)]
+"""Ten steps inside the window ending at 1000 (`MIN_SAMPLES`)."""
+
+
 @pytest.mark.parametrize(("since", "times", "expected"), [
-    (990.0, [995.0, 997.0, 999.0, 1000.0], {1: 0.25}),  # a whole window watched: the mean of its samples
-    (985.0, [989.0, 995.0, 997.0, 999.0], {1: 0.3}),  # the sample before the window is out of it
-    (995.0, [996.0, 997.0, 998.0, 999.0], {}),  # watched for half a window only (just launched)
-    (990.0, [991.0, 999.0], {}),  # too few steps to say
+    (990.0, TEN, {1: 0.55}),  # a whole window watched: the median of its samples
+    (985.0, [989.0, *TEN], {1: 0.65}),  # the sample before the window is out of it
+    (995.0, TEN, {}),  # watched for half a window only (just launched)
+    (990.0, TEN[:5], {}),  # too few steps to say (a window that was mostly an evaluation)
 ])
 def test_a_window_mean_needs_a_window_watched_and_enough_steps(since: float, times: list[float],
                                                                 expected: dict[int, float]) -> None:

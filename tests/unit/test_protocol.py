@@ -123,3 +123,16 @@ def test_the_retyped_name_check_sees_a_retyped_name(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text('import os\nmanaged = "TRAINGUARD_PROGRESS_FILE" in os.environ\n')
     assert _retyped(bad, tmp_path) == ["bad.py:2: 'TRAINGUARD_PROGRESS_FILE'"]
+
+
+def test_a_runs_tmpdir_is_short_enough_for_a_data_loaders_socket_whatever_its_run_id() -> None:
+    # Python's multiprocessing binds <TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX (107 bytes at most): a DataLoader's
+    # workers failed to start under `<workdir>/runs/<a long run id>/tmp`, and the rank waited forever.
+    from trainguard.protocol import RunLayout
+
+    workdir = Path("/tmp/fresh-clone/.pytest-stack/abcdef12/nodes/node-0")
+    long_id = "bench-attr-clean-" + "x" * 180
+    tmp = RunLayout.of(workdir, long_id).tmp_dir
+
+    assert len(str(tmp)) + len("/pymp-xxxxxxxx/listener-xxxxxxxx") < 107
+    assert tmp != RunLayout.of(workdir, long_id + "y").tmp_dir  # one a run

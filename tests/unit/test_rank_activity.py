@@ -135,9 +135,10 @@ class FakeProc:
     def __init__(self) -> None:
         self.cpu: dict[int, float] = {}
         self.io: dict[int, int] = {}
+        self.wait: dict[int, float] = {}
 
-    def usage(self, pid: int) -> tuple[float, int | None] | None:
-        return (self.cpu.get(pid, 0.0), self.io.get(pid, 0)) if pid in self.cpu else None
+    def usage(self, pid: int) -> tuple[float, int | None, float] | None:
+        return (self.cpu.get(pid, 0.0), self.io.get(pid, 0), self.wait.get(pid, 0.0)) if pid in self.cpu else None
 
 
 class Clock:
@@ -272,3 +273,21 @@ def test_gpu_activity_names_the_processes_nvml_saw_computing_and_gives_up_withou
     gpu = GpuActivity(absent)
     assert gpu.busy_pids() == set() and gpu.busy_pids() == set()
     assert absent.inits == 1  # not asked again
+
+
+def test_a_rank_not_sampled_over_a_window_yet_is_never_judged_idle_on_nothing() -> None:
+    # The agent's polls ran late (a loaded machine): two samples 0.3 s apart say nothing, and the rank, asked,
+    # happened to be between collectives. It must not be hung for that.
+    unsampled = RankSignals(busy=None, in_collective=False, asked=True)
+    assert judge_rank(_report(), unsampled, "R", 0, T0, T0 + 12.2, HEALTH).activity is RankActivity.STEPPING
+    # ...but a rank whose /proc never answers is judged by its position after the grace.
+    assert judge_rank(_report(), unsampled, "S", 0, T0, T0 + 17.5, HEALTH).activity is RankActivity.HUNG
+
+
+def test_a_rank_starved_of_cpu_on_a_loaded_machine_is_busy_not_idle() -> None:
+    # Four evaluating ranks on an oversubscribed machine got 2% of a core each; they waited for one the rest.
+    starved = [Usage(0.0, 5.0, 0, 10.0), Usage(1.0, 5.02, 0, 10.9)]
+    asleep = [Usage(0.0, 5.0, 0, 10.0), Usage(1.0, 5.02, 0, 10.0)]
+
+    assert activity_busy(starved) is True
+    assert activity_busy(asleep) is False
