@@ -28,7 +28,7 @@ class RankReport:
     """The rank is taking its in-memory checkpoint snapshot."""
     finished: bool = False
     compute_s: float | None = None
-    """Moving average of the rank's own compute per step, outside collectives, when the script reports it."""
+    """The median of the rank's recent compute times per step, outside collectives, when the script reports it."""
     error: str | None = None
     """Why the rank stopped itself (the rank helper's own checks, e.g. a checkpoint step it did not save)."""
     phase: str | None = None

@@ -360,7 +360,7 @@ class Progress:
     step_time_s: float | None = None
     """Moving average of the rank's recent step times; None before its second step."""
     compute_s: float | None = None
-    """Moving average of the rank's own compute per step (outside collectives), when the script reports it."""
+    """The median of the rank's recent compute times per step (outside collectives), when the script reports it."""
     timed_steps: int = 0
     """How many step times the averages are over."""
     evidence: str | None = None

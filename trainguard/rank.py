@@ -32,11 +32,13 @@ and it reads top to bottom as the contract a rank keeps; its file names and envi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import json
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -58,6 +60,10 @@ EXIT_NO_RETRY = _protocol.EXIT_NO_RETRY
 instead of spending its restart budget."""
 
 _PROGRESS_MIN_INTERVAL_S = 0.05
+COMPUTE_STEPS = 15
+"""`compute_s` is the median of the rank's last this-many compute times: a persistent slowdown shows within eight
+steps, while one long step (a first step that compiles, a rank-0-only evaluation the script counted as compute)
+never does. A moving average carried such a step for dozens of steps and made a healthy rank a straggler."""
 DCP_GROUP_TIMEOUT_S = 120.0
 """Bound of one DCP save's collectives (planning, metadata): a peer that died mid-save fails the writer
 thread within it, never the training thread, which is stopped and relaunched by the agent much sooner."""
@@ -157,6 +163,8 @@ class RankRun:
         self._last_step_at: float | None = None
         self._step_time_ema: float | None = None
         self._compute_ema: float | None = None
+        """The median of the rank's last `COMPUTE_STEPS` compute times (what it reports as `compute_s`)."""
+        self._compute_recent: collections.deque[float] = collections.deque(maxlen=COMPUTE_STEPS)
         self._num_timed_steps = 0
         self._sum_step_s = 0.0
         self._phase: tuple[str, float, float | None] | None = None
@@ -215,8 +223,8 @@ class RankRun:
         """
         now = time.monotonic()
         if compute_s is not None:
-            ema = self._compute_ema
-            self._compute_ema = compute_s if ema is None else 0.8 * ema + 0.2 * compute_s
+            self._compute_recent.append(compute_s)
+            self._compute_ema = statistics.median(self._compute_recent)
         if self._last_step_at is not None:
             elapsed = max(0.0, now - self._last_step_at - self._phase_since_step_s)
             self._sum_step_s += elapsed

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainguard import rank as rank_module
-from trainguard.rank import EXIT_NO_RETRY, RankRun, state_digest
+from trainguard.rank import COMPUTE_STEPS, EXIT_NO_RETRY, RankRun, state_digest
 
 
 class FakeClock:
@@ -98,18 +98,24 @@ def test_step_done_writes_the_step_and_its_time(tmp_path: Path, clock: FakeClock
     assert second["timed_steps"] == 1
 
 
-def test_step_done_reports_compute_time_as_a_moving_average(tmp_path: Path, clock: FakeClock) -> None:
+def test_step_done_reports_compute_time_as_a_median_of_recent_steps(tmp_path: Path, clock: FakeClock) -> None:
     env = _environ(tmp_path)
     run = RankRun(env)
     clock.advance(1.0)
     run.step_done(1)
     assert _progress(env)["compute_s"] is None
 
-    for step, compute_s in ((2, 0.1), (3, 0.6)):
+    # A first step that compiles (2 s), then steady 0.1 s steps: one long step never shows as slowness.
+    for step, compute_s in enumerate([2.0, 0.1, 0.1, 0.12], start=2):
         clock.advance(1.0)
         run.step_done(step, compute_s=compute_s)
+    assert _progress(env)["compute_s"] == pytest.approx(0.11)
 
-    assert _progress(env)["compute_s"] == pytest.approx(0.8 * 0.1 + 0.2 * 0.6)
+    # A rank that turns slow (a throttled GPU) shows it within half the window.
+    for step in range(6, 6 + COMPUTE_STEPS // 2 + 1):
+        clock.advance(1.0)
+        run.step_done(step, compute_s=0.5)
+    assert _progress(env)["compute_s"] == pytest.approx(0.5)
 
 
 def test_step_done_throttles_progress_writes(tmp_path: Path, clock: FakeClock) -> None:
