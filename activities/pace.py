@@ -69,9 +69,9 @@ def window_means(samples: Mapping[int, Iterable[tuple[float, float]]], first_see
                  window_s: float) -> dict[int, float]:
     """Each rank's typical compute per step over the window ending `now`: the median of its (unix time, compute_s)
     samples, one per step the watch saw. The median, not the mean: one long step (a rank-0-only evaluation or save
-    the script counted as compute, in the helper's figure for a few steps) must not
-    make a healthy rank a straggler, while a rank slow on most of its steps is. A rank the watch has seen stepping for less than `COVERED` of a window, or with
-    fewer than `MIN_SAMPLES` steps in it, has no mean yet."""
+    the script counted as compute) must not make a healthy rank a straggler, while a rank slow on most of its
+    steps is. A rank the watch has seen stepping for less than `COVERED` of a window, or with fewer than
+    `MIN_SAMPLES` steps in it, has no figure yet."""
     means: dict[int, float] = {}
     for rank, taken in samples.items():
         since = first_seen.get(rank)
