@@ -16,7 +16,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.option.basetemp:
         SCRATCH.mkdir(exist_ok=True)
         config.option.basetemp = str(SCRATCH / "pytest")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "torchinductor"))
+    cache = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(SCRATCH / "torchinductor")))
+    cache.mkdir(parents=True, exist_ok=True)
+    if cache.stat().st_uid == os.geteuid():
+        # Ranks run as a user of their own (CI's trainguard-rank) and compile into it too: shared like /tmp.
+        cache.chmod(0o1777)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
