@@ -271,6 +271,9 @@ class Usage:
     wait_s: float = 0.0
     """Seconds its threads spent runnable but waiting for a CPU (/proc schedstat): a rank starved of CPU on a
     loaded machine computes as much as it is let, and is busy, not idle."""
+    running: bool = False
+    """Its main thread was running or runnable (`R`) when sampled: a rank blocked on a lock, a read or a collective
+    sleeps (`S`). A second witness beside the CPU figures, which a loaded machine can starve."""
 
 
 def activity_busy(samples: list[Usage], window_s: float = ACTIVITY_WINDOW_S) -> bool | None:
@@ -286,6 +289,8 @@ def activity_busy(samples: list[Usage], window_s: float = ACTIVITY_WINDOW_S) -> 
         return None
     if (last.cpu_s - first.cpu_s) + (last.wait_s - first.wait_s) >= BUSY_CPU_FRACTION * elapsed:
         return True  # on a CPU, or waiting for one
+    if any(s.running for s in samples if s.at >= first.at):
+        return True  # seen running in the window: computing, whatever the counters say
     return (last.io_bytes is not None and first.io_bytes is not None
             and last.io_bytes - first.io_bytes >= BUSY_IO_BYTES * elapsed / window_s)
 

@@ -98,13 +98,13 @@ class AttemptActivity:
     """The activity of one attempt's ranks on this node, judged at each of the watch's polls."""
 
     def __init__(self, gaps: GapBook, clock: Callable[[], float] = time.monotonic,
-                 usage: Callable[[int], tuple[float, int | None, float] | None] = tree_usage,
+                 usage: Callable[[int], tuple[float, int | None, float, bool] | None] = tree_usage,
                  gpu_busy: Callable[[], set[int]] | None = None) -> None:
         self.gaps = gaps
         self.clock = clock
         self.usage = usage
-        """A process tree's (CPU seconds, bytes moved, seconds waiting for a CPU), None once it is gone
-        (`trainguard.procs.tree_usage`)."""
+        """A process tree's (CPU seconds, bytes moved, seconds waiting for a CPU, running now), None once it is
+        gone (`trainguard.procs.tree_usage`)."""
         self.gpu_busy = gpu_busy
         """The pids NVML saw using a GPU lately (`activities.health.GpuActivity.busy_pids`); None: not asked."""
         self._gpu: set[int] = set()
@@ -144,7 +144,7 @@ class AttemptActivity:
             if silent_for_s(report, launched_at, now) >= SAMPLE_FROM_BOUND * bound:
                 used = self.usage(self.pids[rank])
                 if used is not None:
-                    self.ranks[rank].samples.append(Usage(self.clock(), used[0], used[1], used[2]))
+                    self.ranks[rank].samples.append(Usage(self.clock(), *used))
         sampled = [rank for rank in running if self.ranks[rank].samples]
         self._gpu = await asyncio.to_thread(self.gpu_busy) if sampled and self.gpu_busy is not None else set()
         signals = {rank: self._signals(rank) for rank in running}

@@ -77,11 +77,13 @@ def _runqueue_wait_s(pid: int) -> float:
     return waited / 1e9
 
 
-def tree_usage(pid: int) -> tuple[float, int | None, float] | None:
+def tree_usage(pid: int) -> tuple[float, int | None, float, bool] | None:
     """CPU seconds (user + system, reaped children's included), bytes read and written, and seconds spent
     waiting for a CPU, by `pid` and every live descendant (data loader workers, a compile's workers, a save's
-    writer); None once `pid` is gone. Bytes are None when any of the tree's cannot be read."""
+    writer), and whether `pid`'s main thread is running or runnable now (`R`); None once `pid` is gone. Bytes are
+    None when any of the tree's cannot be read."""
     cpu_ticks, io_total, waited = 0, 0, 0.0
+    running = False
     io_known = True
     pending, seen = [pid], 0
     while pending and seen < TREE_MAX_PROCESSES:
@@ -92,6 +94,7 @@ def tree_usage(pid: int) -> tuple[float, int | None, float] | None:
                 return None
             continue  # a descendant that just exited: its time moves to its parent's reaped children
         seen += 1
+        running = running or (current == pid and fields[0] == "R")
         try:
             cpu_ticks += sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
         except (IndexError, ValueError):
@@ -103,4 +106,4 @@ def tree_usage(pid: int) -> tuple[float, int | None, float] | None:
         else:
             io_total += io
         pending.extend(children(current))
-    return cpu_ticks / CLOCK_TICKS_PER_S, io_total if io_known else None, waited
+    return cpu_ticks / CLOCK_TICKS_PER_S, io_total if io_known else None, waited, running

@@ -137,8 +137,10 @@ class FakeProc:
         self.io: dict[int, int] = {}
         self.wait: dict[int, float] = {}
 
-    def usage(self, pid: int) -> tuple[float, int | None, float] | None:
-        return (self.cpu.get(pid, 0.0), self.io.get(pid, 0), self.wait.get(pid, 0.0)) if pid in self.cpu else None
+    def usage(self, pid: int) -> tuple[float, int | None, float, bool] | None:
+        if pid not in self.cpu:
+            return None
+        return self.cpu.get(pid, 0.0), self.io.get(pid, 0), self.wait.get(pid, 0.0), False
 
 
 class Clock:
@@ -290,4 +292,12 @@ def test_a_rank_starved_of_cpu_on_a_loaded_machine_is_busy_not_idle() -> None:
     asleep = [Usage(0.0, 5.0, 0, 10.0), Usage(1.0, 5.02, 0, 10.0)]
 
     assert activity_busy(starved) is True
+    assert activity_busy(asleep) is False
+
+
+def test_a_rank_seen_running_in_its_window_is_busy_whatever_its_counters_say() -> None:
+    counted_nothing = [Usage(0.0, 5.0, 0, 1.0, running=True), Usage(1.0, 5.0, 0, 1.0)]
+    asleep = [Usage(0.0, 5.0, 0, 1.0), Usage(1.0, 5.0, 0, 1.0)]
+
+    assert activity_busy(counted_nothing) is True
     assert activity_busy(asleep) is False
