@@ -62,24 +62,19 @@ def _io_bytes(pid: int) -> int | None:
 
 
 def _runqueue_wait_s(pid: int) -> float:
-    """Seconds the threads of `pid` spent runnable, waiting for a CPU (the second field of each thread's
-    /proc schedstat); 0 where the kernel does not keep it."""
-    waited = 0
+    """Seconds the main thread of `pid` spent runnable, waiting for a CPU (the second field of /proc/PID/schedstat,
+    the thread group leader's); 0 where the kernel does not keep it. The main thread only: a rank blocked on a
+    lock still has threads that wake every few milliseconds (its helper's evidence thread, gloo's), and on a
+    loaded machine each wake-up waits in the run queue, which would read as a rank wanting a CPU."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
         return 0.0
-    for tid in tasks:
-        try:
-            waited += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    return waited / 1e9
 
 
 def tree_usage(pid: int) -> tuple[float, int | None, float, bool] | None:
-    """CPU seconds (user + system, reaped children's included), bytes read and written, and seconds spent
-    waiting for a CPU, by `pid` and every live descendant (data loader workers, a compile's workers, a save's
+    """CPU seconds (user + system, reaped children's included), bytes read and written, and seconds its main
+    threads spent waiting for a CPU, by `pid` and every live descendant (data loader workers, a compile's workers, a save's
     writer), and whether `pid`'s main thread is running or runnable now (`R`); None once `pid` is gone. Bytes are
     None when any of the tree's cannot be read."""
     cpu_ticks, io_total, waited = 0, 0, 0.0
