@@ -195,7 +195,8 @@ def test_idle_connections_are_capped_and_closed_after_the_timeout_and_a_request_
         for sock in [*idle, *excess]:
             sock.close()
         _wait_for(lambda: server.open_connections == 0)
-        assert threading.active_count() <= threads_before + 1  # the server's own thread; no handler left
+        # The server's own thread; no handler left (a closed handler's thread may take a moment to end under load)
+        _wait_for(lambda: threading.active_count() <= threads_before + 1)
         assert _open_fds() <= fds_before + 1  # its listening socket
     finally:
         server.stop()
