@@ -277,13 +277,15 @@ class Usage:
 
 
 def activity_busy(samples: list[Usage], window_s: float = ACTIVITY_WINDOW_S) -> bool | None:
-    """Whether the samples show the rank busy over the last `window_s`: None until they span half of it."""
+    """Whether the samples show the rank busy over the last `window_s`: None until they span half of it.
+
+    The window starts at the newest sample at least `window_s` old (the oldest while none is): a poll that ran
+    late on a loaded machine leaves a gap before the last sample, and a window cut at `window_s` would then hold
+    too little to judge, so a computing rank would read as unsampled, then idle."""
     if len(samples) < 2:
         return None
     last = samples[-1]
-    first = next((s for s in samples if last.at - s.at <= window_s), samples[-2])
-    if first is last:
-        first = samples[-2]
+    first = next((s for s in reversed(samples[:-1]) if last.at - s.at >= window_s), samples[0])
     elapsed = last.at - first.at
     if elapsed < window_s / 2:
         return None

@@ -106,6 +106,12 @@ def test_the_named_phase_safety_is_what_the_docs_say() -> None:
         pytest.param([Usage(0.0, 5.0, None), Usage(1.0, 5.0, None)], False, id="io-unreadable-and-no-cpu"),
         pytest.param([Usage(t / 4, 5.0 + min(t, 4) * 0.25, 0) for t in range(9)], False,
                      id="busy-earlier-idle-in-the-last-window"),
+        # Measured under Slurm: the agent's polls stalled 2 s, so the last 1 s held two samples 0.22 s apart, and
+        # a rank computing its evaluation was judged unsampled, then idle outside any collective, then hung.
+        pytest.param([Usage(13259.79, 5.90, 0, 11.68, True), Usage(13261.81, 6.20, 0, 13.40, True),
+                      Usage(13262.03, 6.24, 0, 13.58, True)], True, id="a-late-poll-leaves-a-gap"),
+        pytest.param([Usage(0.0, 5.0, 0), Usage(2.0, 5.0, 0), Usage(2.2, 5.0, 0)], False,
+                     id="a-gap-before-an-idle-window"),
     ],
 )
 def test_the_activity_window(samples: list[Usage], expected: bool | None) -> None:
