@@ -24,7 +24,8 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 with workflow.unsafe.imports_passed_through():
     # Passed through, not imported again in every workflow's sandbox: a 4,096-node relaunch starts hundreds of
     # node-group children, and defining their pydantic models anew in each cost seconds of controller CPU.
-    from activities.models import CheckNodeInput, CheckNodeResult, WatchEvent, WatchEventKind
+    from activities.models import (CheckNodeInput, CheckNodeResult, CollectEvidenceInput, CollectEvidenceResult,
+                                   WatchEvent, WatchEventKind)
     from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
     from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import short_cause
@@ -155,12 +156,13 @@ TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
 EVIDENCE_TIMEOUT = timedelta(seconds=5)
 """Asking a node's ranks for their stacks and position takes half a second at most (`ANSWER_TIMEOUT_S`)."""
 
-GROUP_HANG_SETTLE = timedelta(seconds=0.5)
+PEER_EVIDENCE_WAIT = timedelta(seconds=2)
 """After a node's watch reports a hang with its ranks' evidence, how long the group waits for its other nodes'
-watches to report theirs. A stalled rank stalls every peer within a step (they wait for it in the next
-collective), so the others judge their hang within a poll or two, each with its own evidence: the run then
-has every node's evidence at once and asks no node again, and no watch completes under the group's closing
-workflow task (which would fail that task and retry it). Past this, the run asks the nodes not heard from."""
+evidence, asked at once (`collect_evidence`: half a second at most on a live node). Their ranks wait in the
+collective the hung rank never joined, which is a wait, not a hang (`activities.progress.judge_rank`), so none of
+them reports one; the group asks instead of waiting for reports that do not come (waiting cost every hang's
+relaunch 0.5 s, plus the run's asking after it). A node that has not answered by then is asked by the run, or not
+at all when the run's groups stand."""
 
 EVIDENCE_RETRY = RetryPolicy(maximum_attempts=1)
 """Evidence is asked once: the recovery waits on it, and a node that cannot answer is evidence too."""
@@ -334,6 +336,7 @@ class NodeGroupWatch:
         started_attempt = request.watch.attempt
         finished = {e.node: e for e in request.finished}
         signalled = request.signalled
+        evidence_asked: set[int] = set()  # the hung attempts whose evidence the group asked its nodes for
         starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
         watches = {n: self._watch(request, n, report_start=n in starters and n not in started, launch=True)
                    for n in request.nodes if n not in finished}
@@ -454,7 +457,7 @@ class NodeGroupWatch:
             if result.incidents or result.lost:
                 if (request.watch.evidence_with_event and watches and not result.lost
                         and any(e.kind is WatchEventKind.HANG for e in result.incidents)):
-                    for node in await self._peers_hangs(request, watches, result):
+                    for node in await self._peers_evidence(request, watches, result, evidence_asked):
                         if request.standing:
                             del watches[node]  # reported: it waits for the run's next attempt
                 if not request.standing:
@@ -478,13 +481,33 @@ class NodeGroupWatch:
                     "launch": None, "download": None}))  # every node has launched: a watch returned
 
     @staticmethod
-    async def _peers_hangs(request: NodeGroupWatchInput, watches: dict[str, asyncio.Task[WatchEvent]],
-                           result: NodeGroupWatchResult) -> list[str]:
-        """Add the hangs (and other failures) the group's other nodes report within `GROUP_HANG_SETTLE`; the
-        nodes whose watch returned one."""
-        await workflow.wait(list(watches.values()), timeout=GROUP_HANG_SETTLE.total_seconds())
+    async def _peers_evidence(request: NodeGroupWatchInput, watches: dict[str, asyncio.Task[WatchEvent]],
+                              result: NodeGroupWatchResult, asked: set[int]) -> list[str]:
+        """The evidence of the group's nodes still watching (`PEER_EVIDENCE_WAIT`), in `result.evidence`, asked
+        once per hung attempt (`asked`); the failures those nodes reported meanwhile added to `result.incidents`.
+        Returns the nodes that reported one."""
+        hung = next(e for e in result.incidents if e.kind is WatchEventKind.HANG)
+        attempt = hung.attempt or request.watch.attempt
+        first = attempt not in asked
+        asked.add(attempt)
+        target = request.watch.checkpoints
+        asks = {node: asyncio.ensure_future(workflow.execute_activity(
+            "collect_evidence", CollectEvidenceInput(workflow_id=request.watch.workflow_id, attempt=attempt, node=node,
+                                                     bucket=target.bucket if target else None,
+                                                     run_prefix=target.run_prefix if target else ""),
+            task_queue=node_task_queue(node), start_to_close_timeout=EVIDENCE_TIMEOUT,
+            schedule_to_start_timeout=PEER_EVIDENCE_WAIT, retry_policy=EVIDENCE_RETRY,
+            result_type=CollectEvidenceResult, summary=f"collect hang evidence on {node} (attempt {attempt})"))
+            for node in request.nodes if first and node in watches and not watches[node].done()}  # a fixed order
+        if asks:
+            await workflow.wait(list(asks.values()), timeout=PEER_EVIDENCE_WAIT.total_seconds())
+        for node, ask in asks.items():
+            if not ask.done():
+                ask.cancel()
+            elif ask.exception() is None and ask.result().ranks:  # none: its report may still bring some
+                result.evidence[node] = ask.result().ranks
         reported = []
-        for node in request.nodes:  # a fixed order keeps the workflow deterministic
+        for node in request.nodes:
             task = watches.get(node)
             if task is None or not task.done() or task.exception() is not None:
                 continue  # a node lost meanwhile: its stop tells the run, as for any watch left behind

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from activities.models import AttemptLaunch, WatchEvent, WatchRanksInput
+from activities.models import AttemptLaunch, RankEvidence, WatchEvent, WatchRanksInput
 
 
 class NodeCallKind(str, Enum):
@@ -137,6 +137,8 @@ class NodeGroupWatchResult(BaseModel):
     """Nodes whose agent stopped heartbeating or failed its watch."""
     finished: list[WatchEvent] = Field(default_factory=list)
     """Every node's FINISHED event when all of the group's ranks are done (else empty)."""
+    evidence: dict[str, list[RankEvidence]] = Field(default_factory=dict)
+    """With a hang: the evidence of the group's nodes that did not report it, asked at once (node -> its ranks')."""
 
 
 class GroupReport(BaseModel):

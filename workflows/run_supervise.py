@@ -214,6 +214,8 @@ class Supervisor:
                 else:
                     found = core.lost_at_launch(lost.node, attempt, lost.detail)
                     candidates.append((found.detected_at, found))
+            for node, ranks in result.evidence.items():  # asked by its group at once: not asked again
+                core.live.event_evidence.setdefault(node, ranks)
             for event in result.incidents:
                 core.status.step = max(core.status.step, event.step)
                 if event.evidence:  # brought by its watch: not asked again

@@ -181,6 +181,11 @@ class Watches:
         if hang is None:
             return []
         sick = []
+        if report.attempt == hang.attempt:
+            for node, ranks in report.result.evidence.items():  # asked by the group as its node's hang came
+                if node not in hang.evidence:
+                    hang.evidence[node] = ranks
+                    hang.fresh = True
         for event in report.result.incidents:
             if (event.attempt or report.attempt) != hang.attempt:
                 continue
