@@ -7,6 +7,10 @@
     <prefix>/<workflow-id>/step-00000100/manifest.json     written last: the commit
     <prefix>/<workflow-id>/owner.json                      the run the namespace belongs to (`NamespaceOwner`)
 
+Integrity: a manifest carries an HMAC under the controller's manifest key (`manifest_tag`); a node's records
+(checkpoint, pace) and the run's relaunch decision carry one under the pool's peer token (`object_tag`), which
+the agents and the controller hold.
+
 The store's side (reads, commits, retention) is `activities.checkpoint_store`; the node's uploads and
 downloads are `activities.checkpoint_transfers`.
 """
@@ -249,6 +253,57 @@ def tag_problem(document: dict[str, Any], secret: bytes) -> str | None:
     if not isinstance(tag, str) or not hmac.compare_digest(tag, manifest_tag(document, secret)):
         return "manifest integrity tag does not match: written without the controller's key, or changed since"
     return None
+
+
+NODE_RECORD_TAG_CONTEXT = b"trainguard-node-record-v1\n"
+PACE_TAG_CONTEXT = b"trainguard-pace-v1\n"
+DECISION_TAG_CONTEXT = b"trainguard-attempt-v1\n"
+"""What a record's or a decision's tag signs first: a tag under the pool's peer token is valid for one kind of
+object only, never as another kind's, nor as a registration's proof (`trainguard.pool.REGISTRATION_PROOF_CONTEXT`)."""
+
+
+def object_tag(context: bytes, key: str, document: dict[str, Any], token: str) -> str:
+    """HMAC-SHA256 under the pool's peer token of `context`, the object's key and its canonical JSON (the tag
+    left out), hex: bound to the key, so a tagged object copied to another key (another node, step or run) is
+    refused there."""
+    message = context + key.encode() + b"\n" + _canonical(document)
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def signed_object(body: bytes, context: bytes, key: str, token: str | None) -> bytes:
+    """The object's bytes with its tag under the peer token `token` set (as they are without a token)."""
+    if not token:
+        return body
+    document = json.loads(body)
+    document[MANIFEST_TAG_FIELD] = object_tag(context, key, document, token)
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def object_tag_problem(document: dict[str, Any], context: bytes, key: str, token: str) -> str | None:
+    """None when the stored object at `key` carries the tag only a holder of the pool's peer token makes;
+    else why not."""
+    tag = document.get(MANIFEST_TAG_FIELD)
+    if not tag:
+        return "unsigned: written without the pool's TRAINGUARD_PEER_TOKEN (or by a release before tags)"
+    if not isinstance(tag, str) or not hmac.compare_digest(tag, object_tag(context, key, document, token)):
+        return "its tag does not match: written without the pool's TRAINGUARD_PEER_TOKEN, moved, or changed since"
+    return None
+
+
+class ObjectRefused(ValueError):
+    """A node's record (checkpoint, pace) or a relaunch decision whose tag under the pool's peer token is missing
+    or wrong."""
+
+
+def verified_object(body: bytes, context: bytes, key: str, token: str | None) -> dict[str, Any]:
+    """The stored object at `key` as a JSON object, its tag checked when `token` is given: ValueError (not JSON,
+    or `ObjectRefused`) otherwise."""
+    document = json.loads(body)
+    if not isinstance(document, dict):
+        raise ValueError(f"{key} is not a JSON object")
+    if token and (problem := object_tag_problem(document, context, key, token)):
+        raise ObjectRefused(problem)
+    return document
 
 
 def resume_allowed(owner: NamespaceOwner, workflow_id: str) -> bool:

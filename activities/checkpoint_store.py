@@ -6,14 +6,12 @@ in the store with the size and sha256 the rank recorded, and never overwritten (
 trusts a manifest only when it describes a whole checkpoint of its own step in this layout; a manifest that
 cannot be parsed, or that names shards elsewhere or too few of them, is passed over like a missing one.
 
-A namespace belongs to one run (`owner.json`, claimed by its first restore): only that run, its workflow id and
-its chain, restores from it and prunes it, and a restore refuses a namespace another run owns. A new run under a
-closed run's id is another chain: refused too, unless it resumes that run (`checkpoint.resume_from` its own id)
-and the owner consents; it then owns the namespace and never prunes the earlier run's checkpoints. A run may
-restore another run's checkpoints only where it names that run (`checkpoint.resume_from`) and that run's
-`checkpoint.allow_resume` names it, and never prunes them. With a manifest key
-(`TRAINGUARD_MANIFEST_KEY`, the controller's alone) every manifest carries an HMAC of its canonical JSON, and a
-restore passes over one whose tag is missing or wrong: a manifest planted in the store is never restored.
+A namespace belongs to one run (`activities.checkpoint_owner`). With a manifest key (`TRAINGUARD_MANIFEST_KEY`,
+the controller's alone) every manifest carries an HMAC of its canonical JSON, and a restore passes over one whose
+tag is missing or wrong: a manifest planted in the store is never restored; the restore hands the nodes the sha256
+of the manifest's bytes it verified. With the pool's peer token (`TRAINGUARD_PEER_TOKEN`) the committer commits
+only from node records (and judges pace only from pace records) an agent tagged with it, and the run's relaunch
+decision is tagged with it for the agents.
 
 Multipart uploads that an uploader abandoned (killed mid-upload) are invisible to listings but keep their
 parts until aborted: retention aborts the ones under the run's prefix once they are surely dead.
@@ -35,22 +33,25 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.checkpoint_layout import (
+    DECISION_TAG_CONTEXT,
+    NODE_RECORD_TAG_CONTEXT,
     NODE_RECORDS,
+    ObjectRefused,
     decision_key,
     doomed_steps,
     manifest_body,
     manifest_header,
     manifest_key,
     manifest_problem,
-    owner_key,
-    owner_problem,
     reshardable_of,
-    resume_problem,
     restore_sources,
     signed_body,
+    signed_object,
     state_format_of,
     step_prefix,
+    verified_object,
 )
+from activities.checkpoint_owner import check_consent, claim_namespace, manifest_author
 from activities.models import (
     AttemptDecision,
     CommitCheckpointInput,
@@ -60,7 +61,6 @@ from activities.models import (
     FindCheckpointInput,
     FindCheckpointResult,
     Manifest,
-    NamespaceOwner,
     NodeCheckpointRecord,
     PruneCheckpointsInput,
     PruneCheckpointsResult,
@@ -76,8 +76,8 @@ from trainguard.rank import DCP_METADATA, FORMAT_DCP
 from trainguard.settings import s3_client
 
 from activities.store_reads import (STORE_CHECK_THREADS, ManifestRefused, _bucket_missing, _error_code, _is_missing,
-                                    _stored_manifest, abort_orphaned_uploads, check_shard_in_store, list_steps,
-                                    read_manifest, read_object)
+                                    abort_orphaned_uploads, check_shard_in_store, list_steps, read_manifest,
+                                    read_manifest_digest)
 
 log = logging.getLogger("activities.checkpoints")
 """The checkpoint logs keep the name they always had, whichever part of them logs."""
@@ -135,11 +135,12 @@ record changes once a window, each node at its own moment, and a slow one is see
 class _CommitterState:
     """What one committer activity remembers between its passes over the store."""
 
-    records: dict[str, tuple[str, NodeCheckpointRecord]] = field(default_factory=dict)
-    """Record key -> (ETag, record): a record is read again only when it changed."""
+    records: dict[str, tuple[str, NodeCheckpointRecord | None]] = field(default_factory=dict)
+    """Record key -> (ETag, record): a record is read again only when it changed. None: refused (unsigned, or
+    its tag wrong, under the pool's peer token)."""
     refused: set[int] = field(default_factory=set)
     """Steps another writer's manifest holds: never committed by this one."""
-    pace: dict[str, tuple[str, PaceRecord]] = field(default_factory=dict)
+    pace: dict[str, tuple[str, PaceRecord | None]] = field(default_factory=dict)
     """Pace record key -> (ETag, record), as `records`."""
     pace_before: dict[str, PaceRecord] = field(default_factory=dict)
     """Node -> the record its newest one replaced: the node's step wall time, which a rank's reported compute
@@ -160,10 +161,16 @@ class _CommitterState:
 class StoreActivities:
     """Controller-side activities: find, commit and prune checkpoints in the store."""
 
-    def __init__(self, secret: bytes | None = None) -> None:
+    def __init__(self, secret: bytes | None = None, token: str | None = None) -> None:
         self.secret = secret
         """The manifest key (`manifest_key_from_env`): tags what this controller commits, refuses the rest.
         None: manifests go untagged and any is trusted."""
+        self.token = token
+        """The pool's peer token (`TRAINGUARD_PEER_TOKEN`), which the agents hold too: it tags the relaunch
+        decisions this controller publishes, and the committer commits only from node records tagged with it.
+        None: decisions go untagged and every record counts."""
+        self.refused_records = 0
+        """Node records refused for their tag since this controller started (each version counted once)."""
 
     @activity.defn(name="publish_attempt")
     async def publish_attempt(self, request: PublishAttemptInput) -> None:
@@ -171,21 +178,20 @@ class StoreActivities:
         in the store (a retry that lost a race with the next relaunch) leaves the newer in place."""
         await _heartbeating(self._publish, request)
 
-    @staticmethod
-    def _publish(request: PublishAttemptInput) -> None:
+    def _publish(self, request: PublishAttemptInput) -> None:
         client, key = s3_client(), decision_key(request.run_prefix)
         try:
             body = client.get_object(Bucket=request.bucket, Key=key)["Body"].read()
-            there = AttemptDecision.model_validate_json(body)
+            there = AttemptDecision.model_validate(verified_object(body, DECISION_TAG_CONTEXT, key, self.token))
             if there.chain_id == request.decision.chain_id and there.attempt > request.decision.attempt:
                 return
         except ClientError as error:
             if not _is_missing(error):
                 raise _bucket_missing(error, request.bucket) or error
         except ValueError:
-            pass  # unreadable: written over
-        client.put_object(Bucket=request.bucket, Key=key, Body=request.decision.model_dump_json().encode(),
-                          ContentType="application/json")
+            pass  # unreadable, or (with a token) not tagged with it: written over
+        body = signed_object(request.decision.model_dump_json().encode(), DECISION_TAG_CONTEXT, key, self.token)
+        client.put_object(Bucket=request.bucket, Key=key, Body=body, ContentType="application/json")
 
     @activity.defn(name="find_checkpoint")
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
@@ -201,139 +207,34 @@ class StoreActivities:
         skipped: list[str] = []
         try:
             if request.workflow_id is not None:
-                self._claim(client, request, request.workflow_id)
+                claim_namespace(client, request, request.workflow_id)
             found = self._newest(client, request, request.run_prefix, request.workflow_id, "", skipped)
             source = request.resume_prefix
             if (found is None and request.resume_from and source
                     and (source, request.resume_from) != (request.run_prefix, request.workflow_id)):
                 if request.workflow_id is not None:
-                    self._consent(client, request.bucket, source, request.workflow_id)
+                    check_consent(client, request.bucket, source, request.workflow_id)
                 found = self._newest(client, request, source, request.resume_from,
                                      f"run {request.resume_from}: ", skipped)
         except ClientError as error:
             raise _bucket_missing(error, request.bucket) or error
         if found is None:
             return FindCheckpointResult(skipped=skipped)
-        key, manifest = found
-        return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, skipped=skipped)
-
-    def _claim(self, client: Any, request: FindCheckpointInput, workflow_id: str) -> None:
-        """Make sure the namespace is this run's (its workflow id and chain): claim it when nobody has
-        (conditionally, so of two runs claiming at once one wins); take it over from an earlier run under the
-        same id when this run resumes it and the owner consents, or add this run's chain to a record from
-        before chains; else refuse it, non-retryably."""
-        bucket, run_prefix, chain_id = request.bucket, request.run_prefix, request.chain_id
-        key = owner_key(run_prefix)
-        record = self._read_owner(client, bucket, key)
-        owner = record
-        if record is None or (chain_id and not record.chain_id):
-            # A namespace from before owners (or before chains): the run whose manifest is newest in it owns it.
-            author = self._newest_author(client, bucket, run_prefix)
-            if record is None:
-                owner = NamespaceOwner(workflow_id=author[0], chain_id=author[1]) if author else None
-            elif author is not None and author[0] == record.workflow_id:
-                owner = record.model_copy(update={"chain_id": author[1]})
-        mine = NamespaceOwner(workflow_id=workflow_id, chain_id=chain_id, claimed_at=time.time(),
-                              allow_resume=request.allow_resume)
-        problem = owner_problem(owner or mine, workflow_id, run_prefix, chain_id,
-                                resuming=request.resume_from == workflow_id)
-        if problem is None and record is None:
-            owner = self._create_owner(client, bucket, key, mine)
-            problem = owner_problem(owner, workflow_id, run_prefix, chain_id,
-                                    resuming=request.resume_from == workflow_id)
-        elif problem is None and chain_id and record is not None and record.chain_id != chain_id:
-            # Taken over (or a record from before chains): one execution runs under a workflow id at a time, so
-            # no other run writes this record meanwhile, and no conditional write is needed.
-            log.info("run %s (chain %s) takes over the checkpoint namespace %s/ from chain %r", workflow_id,
-                     chain_id, run_prefix, (owner or record).chain_id)
-            client.put_object(Bucket=bucket, Key=key, Body=mine.model_dump_json().encode(),
-                              ContentType="application/json")
-        if problem:
-            shown = owner or mine
-            log.warning("run %s (chain %s) refused the checkpoint namespace %s/: owned by run %s (chain %s)",
-                        workflow_id, chain_id, run_prefix, shown.workflow_id, shown.chain_id)
-            raise ApplicationError(problem, type=ErrorType.BAD_SPEC, non_retryable=True)
-
-    def _create_owner(self, client: Any, bucket: str, key: str, mine: NamespaceOwner) -> NamespaceOwner:
-        """Write the owner record where there is none; the record that won when another run wrote one first."""
-        try:
-            client.put_object(Bucket=bucket, Key=key, Body=mine.model_dump_json().encode(),
-                              ContentType="application/json", IfNoneMatch="*")
-        except ClientError as error:
-            if _error_code(error) == "ConditionalRequestConflict":
-                raise ApplicationError(f"{key}: concurrent claim of the namespace, retrying",
-                                       type=ErrorType.MANIFEST_WRITE_CONFLICT) from None
-            if _error_code(error) not in ("PreconditionFailed", "412"):
-                raise
-            return self._read_owner(client, bucket, key) or mine  # another run claimed it first
-        return mine
-
-    def _consent(self, client: Any, bucket: str, source_prefix: str, reader: str) -> None:
-        """Refuse, non-retryably, to read the checkpoints under `source_prefix` for run `reader` unless their
-        owner's `allow_resume` lets it. A namespace from before owners belongs to its newest manifest's run,
-        which consented to nobody else; one with nothing in it has nothing to read."""
-        owner = self._read_owner(client, bucket, owner_key(source_prefix))
-        if owner is None:
-            author = self._newest_author(client, bucket, source_prefix)
-            if author is None:
-                return
-            owner = NamespaceOwner(workflow_id=author[0], chain_id=author[1])
-        problem = resume_problem(owner, reader, source_prefix)
-        if problem:
-            log.warning("run %s refused the checkpoints under %s/ of run %s: not in its allow_resume %s", reader,
-                        source_prefix, owner.workflow_id, owner.allow_resume)
-            raise ApplicationError(problem, type=ErrorType.BAD_SPEC, non_retryable=True)
-
-    @staticmethod
-    def _read_owner(client: Any, bucket: str, key: str) -> NamespaceOwner | None:
-        body = read_object(client, bucket, key)
-        if body is None:
-            return None
-        try:
-            return NamespaceOwner.model_validate_json(body)
-        except ValueError:
-            raise ApplicationError(f"the namespace's owner record {key} is unreadable: an operator must look at "
-                                   f"it and remove it", type=ErrorType.BAD_SPEC, non_retryable=True) from None
-
-    @classmethod
-    def _newest_author(cls, client: Any, bucket: str, run_prefix: str) -> tuple[str, str] | None:
-        """The workflow id and chain (empty when it names none) the newest readable manifest under `run_prefix`
-        names; None when none does. Its tag is not asked for: it only ever refuses the namespace to a run, never
-        opens it to one (a namespace from before the key has only untagged manifests, and is still its run's)."""
-        for step in list_steps(client, bucket, run_prefix):
-            author = cls._author_of(client, bucket, manifest_key(run_prefix, step), None)
-            if isinstance(author, tuple):
-                return author
-        return None
-
-    def _author(self, client: Any, bucket: str, key: str) -> tuple[str, str] | bool:
-        return self._author_of(client, bucket, key, self.secret)
-
-    @staticmethod
-    def _author_of(client: Any, bucket: str, key: str, secret: bytes | None) -> tuple[str, str] | bool:
-        """Who committed the manifest at `key`: its workflow id and chain (empty when it names none); False when
-        there is none; True when there is one nobody can be sure of (unreadable, or without a valid tag under
-        `secret`)."""
-        try:
-            document = _stored_manifest(client, bucket, key, secret)
-        except ValueError:
-            return True
-        if document is None:
-            return False
-        author, chain = document.get("workflow_id"), document.get("chain_id", "")
-        return (author, chain) if isinstance(author, str) and isinstance(chain, str) else True
+        key, manifest, digest = found
+        return FindCheckpointResult(manifest=manifest_header(manifest), manifest_key=key, manifest_sha256=digest,
+                                    skipped=skipped)
 
     def _newest(self, client: Any, request: FindCheckpointInput, run_prefix: str, author: str | None, label: str,
-                skipped: list[str]) -> tuple[str, Manifest] | None:
+                skipped: list[str]) -> tuple[str, Manifest, str] | None:
         """The newest restorable manifest under `run_prefix` that `author` committed (None: anyone), with its
-        key; what it passed over goes to `skipped`, each line starting with `label`."""
+        key and the sha256 of its bytes; what it passed over goes to `skipped`, each line starting with `label`."""
         for step in list_steps(client, request.bucket, run_prefix):
             if step in request.exclude_steps:
                 skipped.append(f"{label}step {step}: a shard failed verification at download")
                 continue
             key = manifest_key(run_prefix, step)
             try:
-                manifest = read_manifest(client, request.bucket, key, secret=self.secret)
+                stored = read_manifest_digest(client, request.bucket, key, secret=self.secret)
             except ManifestRefused as refused:
                 log.warning("passing over %s: %s", key, refused)
                 skipped.append(f"{label}step {step}: {refused}")
@@ -341,9 +242,10 @@ class StoreActivities:
             except ValueError as error:
                 skipped.append(f"{label}step {step}: unreadable manifest ({error.__class__.__name__})")
                 continue
-            if manifest is None:
+            if stored is None:
                 skipped.append(f"{label}step {step}: no manifest (never committed)")
                 continue
+            manifest, digest = stored
             problem = manifest_problem(manifest, run_prefix, step)
             if author is not None and not problem and manifest.workflow_id != author:
                 problem = f"committed by run {manifest.workflow_id!r}, not {author!r}"
@@ -369,7 +271,7 @@ class StoreActivities:
             if problems:
                 skipped.append(f"{label}step {step}: {problems[0]}")
                 continue
-            return key, manifest
+            return key, manifest, digest
         return None
 
     def _commit(self, request: CommitCheckpointInput) -> CheckpointRef:
@@ -482,16 +384,16 @@ class StoreActivities:
                 return CommitCheckpointsResult(store_error=store_error)
             await asyncio.sleep(request.poll_interval_s if store_error is None else STORE_ERROR_POLL_S)
 
-    @staticmethod
-    async def _pace_pass(request: CommitCheckpointsInput, state: _CommitterState) -> PaceVerdict | None:
+    async def _pace_pass(self, request: CommitCheckpointsInput, state: _CommitterState) -> PaceVerdict | None:
         """`PACE_POLLS_PER_WINDOW` times a straggler window: the ranks slow over the nodes' newest windows
         (`activities.pace`). A store error here is the next pass's to meet: the commits go on."""
         if request.pace_window_s is None or time.monotonic() < state.next_pace:
             return None
         state.next_pace = time.monotonic() + max(PACE_POLL_MIN_S, request.pace_window_s / PACE_POLLS_PER_WINDOW)
-        known = {record.node: record for _, record in state.pace.values()}
+        known = {record.node: record for _, record in state.pace.values() if record is not None}
         try:
-            records = await asyncio.to_thread(read_pace, s3_client(), request.bucket, request.run_prefix, state.pace)
+            records = await asyncio.to_thread(read_pace, s3_client(), request.bucket, request.run_prefix, state.pace,
+                                              self.token)
         except (BotoCoreError, ClientError, OSError) as error:
             log.warning("reading the nodes' pace under s3://%s/%s failed: %s", request.bucket, request.run_prefix,
                         error)
@@ -600,11 +502,13 @@ class StoreActivities:
                                                      world_size=manifest.world_size, total_bytes=manifest.total_bytes,
                                                      reshardable=manifest.reshardable), step=step)
 
-    @staticmethod
-    def _node_records(client: Any, request: CommitCheckpointsInput, step: int,
-                      cache: dict[str, tuple[str, NodeCheckpointRecord]]) -> tuple[list[NodeCheckpointRecord], bool]:
+    def _node_records(self, client: Any, request: CommitCheckpointsInput, step: int,
+                      cache: dict[str, tuple[str, NodeCheckpointRecord | None]]
+                      ) -> tuple[list[NodeCheckpointRecord], bool]:
         """The node records of `step` that count for this commit (attempts `min_attempt`..`attempt`), and
-        whether any was new or changed since the last look."""
+        whether any was new or changed since the last look. With the pool's peer token, a record without its
+        valid tag counts for nothing: anyone with the store's key could otherwise name shards of their choosing
+        for the manifest this controller signs."""
         prefix = f"{step_prefix(request.run_prefix, step)}{NODE_RECORDS}/"
         changed = False
         found: list[NodeCheckpointRecord] = []
@@ -614,12 +518,21 @@ class StoreActivities:
                 if key not in cache or cache[key][0] != etag:
                     try:
                         body = client.get_object(Bucket=request.bucket, Key=key)["Body"].read()
-                        cache[key] = (etag, NodeCheckpointRecord.model_validate_json(body))
+                        document = verified_object(body, NODE_RECORD_TAG_CONTEXT, key, self.token)
+                        cache[key] = (etag, NodeCheckpointRecord.model_validate(document))
+                    except ObjectRefused as refused:
+                        cache[key] = (etag, None)  # this version is not read again
+                        self.refused_records += 1
+                        log.warning("node record %s refused, its shards are not committed from it: %s (%d records "
+                                    "refused by this controller)", key, refused, self.refused_records)
+                        continue
                     except (ClientError, ValueError) as error:
                         log.warning("node record %s unreadable (%s); waiting for it to be rewritten", key, error)
                         continue
                     changed = True
                 record = cache[key][1]
+                if record is None:
+                    continue
                 ours = not (request.chain_id and record.chain_id and record.chain_id != request.chain_id)
                 if ours and request.min_attempt <= record.attempt <= request.attempt and record.step == step:
                     found.append(record)
@@ -658,7 +571,7 @@ class StoreActivities:
         client = s3_client()
         steps, committed = [], []
         for step in list_steps(client, request.bucket, request.run_prefix):
-            author = self._author(client, request.bucket, manifest_key(request.run_prefix, step))
+            author = manifest_author(client, request.bucket, manifest_key(request.run_prefix, step), self.secret)
             if author is False:
                 steps.append(step)  # never committed: retention may clear it (`doomed_steps`)
             elif request.workflow_id is None or (

@@ -24,7 +24,11 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.checkpoint_layout import (
+    DECISION_TAG_CONTEXT,
+    NODE_RECORD_TAG_CONTEXT,
+    PACE_TAG_CONTEXT,
     SHA256_METADATA,
+    ObjectRefused,
     decision_key,
     manifest_key,
     node_record_key,
@@ -32,11 +36,14 @@ from activities.checkpoint_layout import (
     shard_from_meta,
     shard_layout_problem,
     shard_objects,
+    signed_object,
     step_of,
     step_prefix,
+    verified_object,
 )
 from activities.checkpoint_store import StoreActivities
-from activities.store_reads import _bucket_missing, _is_missing, _not_modified, committed_shard, read_manifest
+from activities.store_reads import (ManifestRefused, _bucket_missing, _is_missing, _not_modified, committed_shard,
+                                    read_manifest)
 from activities.models import (
     AttemptDecision,
     DownloadShardsInput,
@@ -222,18 +229,77 @@ def stored_intact(client: Any, bucket: str, shard: ShardInfo, etag: str) -> bool
             and str(head.get("ETag", "")).strip('"') == etag)
 
 
+def download_one(bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None,
+                 peer_url: str | None = None, run_dir_name: str = "", name: str | None = None) -> str:
+    """Put a verified copy of `shard` in `restore_dir`; returns the tier it came from: `local` (this
+    node's own copy of a shard it wrote, checked against the manifest's sha256), `peer` (the copy on the
+    node that wrote it, from its agent's shard server at `peer_url`, checked the same way) or `s3`.
+    Without a `local_step_dir` (the local tier is off) it always comes from the store."""
+    name = name or shard_name(shard.rank)
+    final = restore_dir / name
+    meta = restore_dir / _meta_name(shard.rank, name)
+    partial = final.with_name(_partial_name(final.name))
+    partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(tier: str) -> str:
+        """`partial` holds exactly the manifest's bytes: make it the restored shard."""
+        partial.replace(final)
+        meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
+        return tier
+
+    if (local_step_dir is not None and final.is_file() and not final.is_symlink() and meta.exists()
+            and json.loads(meta.read_text()).get("sha256") == shard.sha256
+            and final.stat().st_size == shard.size_bytes and sha256_file(final) == shard.sha256):
+        return "local"  # verified here, not taken on its record's word: the record may be of other bytes
+    local = local_step_dir / name if local_step_dir is not None else None
+    if (local is not None and local.exists() and local.stat().st_size == shard.size_bytes
+            and sha256_file(local) == shard.sha256):
+        shutil.copyfile(local, partial)  # a copy: the rank's next save must not write through a link
+        return keep("local")
+    if peer_url:
+        problem = fetch_from_peer(peer_url, run_dir_name, shard, partial)
+        if problem is None:
+            return keep("peer")
+        log.info("peer tier: %s; reading the store instead", problem)
+    with partial.open("wb") as handle:
+        writer = _HashingWriter(handle)  # download and checksum in one pass
+        try:
+            s3_client().download_fileobj(bucket, shard.key, writer, Config=_transfer_config())
+        except ClientError as error:
+            writer.hexdigest()  # ends its hashing thread
+            partial.unlink(missing_ok=True)
+            if _is_missing(error):
+                raise ApplicationError(f"shard {shard.key} is missing from the store",
+                                       type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True) from None
+            raise
+        except BaseException:
+            writer.hexdigest()
+            raise
+    actual = writer.hexdigest()
+    if actual != shard.sha256:
+        partial.unlink(missing_ok=True)
+        raise ApplicationError(
+            f"shard {shard.key} has sha256 {actual[:12]}..., manifest says {shard.sha256[:12]}...",
+            type=ErrorType.CORRUPT_CHECKPOINT,
+            non_retryable=True,
+        )
+    return keep("s3")
+
 
 class NodeCheckpointActivities:
     """Node-side activities: upload this node's shards, download the shards its ranks restore from."""
 
     def __init__(self, node: str, workdir: Path,
-                 peer_urls: Callable[[], Awaitable[dict[str, str]]] | None = None) -> None:
+                 peer_urls: Callable[[], Awaitable[dict[str, str]]] | None = None, token: str | None = None) -> None:
         self.node = node
         self.workdir = workdir
         self._peer_urls = peer_urls
         """Node -> URL of its agent's shard server (the peer tier); None: no peer tier."""
-        self._decisions: dict[tuple[str, str], tuple[str, AttemptDecision]] = {}
-        """(bucket, key) -> the ETag and decision read last (`read_decision`)."""
+        self.token = token
+        """The pool's peer token (`TRAINGUARD_PEER_TOKEN`): tags this node's records, and a relaunch decision
+        without its valid tag is not taken up. None: records go untagged and decisions unchecked."""
+        self._decisions: dict[tuple[str, str], tuple[str, AttemptDecision | None]] = {}
+        """(bucket, key) -> the ETag and decision read last (`read_decision`); None: refused."""
 
     async def _peers(self, request: DownloadShardsInput) -> dict[str, str]:
         if self._peer_urls is None or not request.local_tier or all(s.node == self.node for s in request.shards):
@@ -398,7 +464,14 @@ class NodeCheckpointActivities:
         r restores shard r mod the checkpoint's world size, saved under rank r's own name."""
         assert request.manifest_key is not None
         try:
-            manifest = read_manifest(s3_client(), request.bucket, request.manifest_key, request.ranks)
+            # The controller verified the manifest's tag and hands over the digest of the bytes it verified: the
+            # agent holds no manifest key, and restores from exactly those bytes (a paged manifest's pages are
+            # bound to them by their sha256s).
+            manifest = read_manifest(s3_client(), request.bucket, request.manifest_key, request.ranks,
+                                     sha256=request.manifest_sha256)
+        except ManifestRefused as refused:
+            raise ApplicationError(f"manifest {request.manifest_key} refused: {refused}",
+                                   type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True) from None
         except ValueError as error:
             raise ApplicationError(f"manifest {request.manifest_key} unreadable: {error}",
                                    type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True) from None
@@ -431,21 +504,24 @@ class NodeCheckpointActivities:
             committed_step=await asyncio.to_thread(self._newest_committed, workflow_id, target, step)))
         record = NodeCheckpointRecord(node=self.node, attempt=attempt, step=step, shards=result.shards,
                                       rank_compute_s=rank_compute_s, node_step=node_step, chain_id=chain_id)
-        await asyncio.to_thread(
-            s3_client().put_object, Bucket=target.bucket, Key=node_record_key(target.run_prefix, step, self.node),
-            Body=record.model_dump_json().encode(), ContentType="application/json")
+        key = node_record_key(target.run_prefix, step, self.node)
+        body = signed_object(record.model_dump_json().encode(), NODE_RECORD_TAG_CONTEXT, key, self.token)
+        await asyncio.to_thread(s3_client().put_object, Bucket=target.bucket, Key=key, Body=body,
+                                ContentType="application/json")
         return record
 
     async def write_pace(self, target: WatchCheckpoints, record: PaceRecord) -> None:
         """From a watch: this node's ranks' pace over its last window, for the committer to compare
         (`activities.pace`). Overwritten once a window; idempotent."""
-        await asyncio.to_thread(
-            s3_client().put_object, Bucket=target.bucket, Key=pace_key(target.run_prefix, self.node),
-            Body=record.model_dump_json().encode(), ContentType="application/json")
+        key = pace_key(target.run_prefix, self.node)
+        body = signed_object(record.model_dump_json().encode(), PACE_TAG_CONTEXT, key, self.token)
+        await asyncio.to_thread(s3_client().put_object, Bucket=target.bucket, Key=key, Body=body,
+                                ContentType="application/json")
 
     def read_decision(self, target: WatchCheckpoints) -> AttemptDecision | None:
-        """The run's newest relaunch decision, blocking; None while there is none. Asked again only for a
-        newer version than the one read last (`If-None-Match`): a watch asks every few seconds."""
+        """The run's newest relaunch decision, blocking; None while there is none, or while the one there is
+        refused (with the pool's peer token: untagged, or its tag wrong). Asked again only for a newer version
+        than the one read last (`If-None-Match`): a watch asks every few seconds."""
         key = (target.bucket, decision_key(target.run_prefix))
         known = self._decisions.get(key)
         try:
@@ -457,7 +533,14 @@ class NodeCheckpointActivities:
             if _is_missing(error):
                 return None
             raise
-        decision = AttemptDecision.model_validate_json(reply["Body"].read())
+        decision: AttemptDecision | None = None
+        try:
+            decision = AttemptDecision.model_validate(
+                verified_object(reply["Body"].read(), DECISION_TAG_CONTEXT, key[1], self.token))
+        except ObjectRefused as refused:
+            # Taken up, it would name the program, env and checkpoint this node's ranks run: only the controller's
+            # (a controller without the pool's token publishes untagged decisions: give it the token).
+            log.warning("not taking up the relaunch decision s3://%s/%s: %s", key[0], key[1], refused)
         self._decisions[key] = (str(reply.get("ETag", "")), decision)
         return decision
 
@@ -473,58 +556,5 @@ class NodeCheckpointActivities:
                 return step
         return -1
 
-    def _download_one(self, bucket: str, restore_dir: Path, shard: ShardInfo, local_step_dir: Path | None,
-                      peer_url: str | None = None, run_dir_name: str = "", name: str | None = None) -> str:
-        """Put a verified copy of `shard` in `restore_dir`; returns the tier it came from: `local` (this
-        node's own copy of a shard it wrote, checked against the manifest's sha256), `peer` (the copy on the
-        node that wrote it, from its agent's shard server at `peer_url`, checked the same way) or `s3`.
-        Without a `local_step_dir` (the local tier is off) it always comes from the store."""
-        name = name or shard_name(shard.rank)
-        final = restore_dir / name
-        meta = restore_dir / _meta_name(shard.rank, name)
-        partial = final.with_name(_partial_name(final.name))
-        partial.parent.mkdir(parents=True, exist_ok=True)
-
-        def keep(tier: str) -> str:
-            """`partial` holds exactly the manifest's bytes: make it the restored shard."""
-            partial.replace(final)
-            meta.write_text(json.dumps({"rank": shard.rank, "size_bytes": shard.size_bytes, "sha256": shard.sha256}))
-            return tier
-
-        if (local_step_dir is not None and final.is_file() and not final.is_symlink() and meta.exists()
-                and json.loads(meta.read_text()).get("sha256") == shard.sha256
-                and final.stat().st_size == shard.size_bytes and sha256_file(final) == shard.sha256):
-            return "local"  # verified here, not taken on its record's word: the record may be of other bytes
-        local = local_step_dir / name if local_step_dir is not None else None
-        if (local is not None and local.exists() and local.stat().st_size == shard.size_bytes
-                and sha256_file(local) == shard.sha256):
-            shutil.copyfile(local, partial)  # a copy: the rank's next save must not write through a link
-            return keep("local")
-        if peer_url:
-            problem = fetch_from_peer(peer_url, run_dir_name, shard, partial)
-            if problem is None:
-                return keep("peer")
-            log.info("peer tier: %s; reading the store instead", problem)
-        with partial.open("wb") as handle:
-            writer = _HashingWriter(handle)  # download and checksum in one pass
-            try:
-                s3_client().download_fileobj(bucket, shard.key, writer, Config=_transfer_config())
-            except ClientError as error:
-                writer.hexdigest()  # ends its hashing thread
-                partial.unlink(missing_ok=True)
-                if _is_missing(error):
-                    raise ApplicationError(f"shard {shard.key} is missing from the store",
-                                           type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True) from None
-                raise
-            except BaseException:
-                writer.hexdigest()
-                raise
-        actual = writer.hexdigest()
-        if actual != shard.sha256:
-            partial.unlink(missing_ok=True)
-            raise ApplicationError(
-                f"shard {shard.key} has sha256 {actual[:12]}..., manifest says {shard.sha256[:12]}...",
-                type=ErrorType.CORRUPT_CHECKPOINT,
-                non_retryable=True,
-            )
-        return keep("s3")
+    _download_one = staticmethod(download_one)
+    """Tests and the checkpoint benchmark time the node's own download path through the agent."""

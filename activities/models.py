@@ -167,6 +167,9 @@ class NodeCheckpointRecord(BaseModel):
     chain_id: str = ""
     """The run's chain (its first execution's run id): a rerun under the same workflow id has attempts of the
     same numbers, and a previous run's records must never count toward its commits."""
+    tag: str | None = None
+    """HMAC under the pool's peer token (`activities.checkpoint_layout.object_tag`), set by an agent holding one:
+    a controller holding it commits nothing from a record without a valid tag. None: unsigned."""
 
 
 class FindCheckpointInput(BaseModel):
@@ -205,6 +208,9 @@ class FindCheckpointResult(BaseModel):
     """The manifest's header: its shard list stays in the store (`shards` and `pages` empty), so no payload
     grows with the world size; nodes read the shards they restore themselves from `manifest_key`."""
     manifest_key: str | None = None
+    manifest_sha256: str | None = None
+    """The sha256 of the manifest object's bytes the controller verified (paged: of its header, whose tag binds
+    the pages' sha256s): what nodes restore from must have exactly these bytes. None: from before the digest."""
     skipped: list[str] = Field(default_factory=list)
     """Why newer manifests were passed over, e.g. `step 200: shard rank 1 missing`."""
 
@@ -218,6 +224,9 @@ class DownloadShardsInput(BaseModel):
     """Shards of the ranks this node will run; each is verified against its sha256 before use. Empty: read
     them from `manifest_key` for `ranks`."""
     manifest_key: str | None = None
+    manifest_sha256: str | None = None
+    """The sha256 the controller found `manifest_key`'s bytes to have (`FindCheckpointResult.manifest_sha256`):
+    a manifest read with other bytes is refused. None: not checked (an input from before the digest)."""
     ranks: list[int] = Field(default_factory=list)
     """The global ranks this node will run: rank r restores shard r mod the checkpoint's world size."""
     local_tier: bool = True
@@ -461,6 +470,9 @@ class AttemptDecision(AttemptLaunch):
     attempt: int
     leaving: list[str] = Field(default_factory=list)
     """Nodes no longer in the run (replaced or cordoned): they take up nothing."""
+    tag: str | None = None
+    """HMAC under the pool's peer token (`activities.checkpoint_layout.object_tag`), set by a controller holding
+    one: an agent holding it takes up no decision without a valid tag. None: unsigned."""
 
 
 class PublishAttemptInput(BaseModel):

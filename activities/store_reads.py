@@ -84,32 +84,47 @@ def read_object(client: Any, bucket: str, key: str) -> bytes | None:
         raise
 
 
-def _stored_manifest(client: Any, bucket: str, key: str, secret: bytes | None) -> dict[str, Any] | None:
-    """The manifest object at `key` as stored (None when there is none), its tag checked when `secret` is
-    given (ManifestRefused); not JSON raises ValueError."""
+def _stored_manifest(client: Any, bucket: str, key: str, secret: bytes | None,
+                     sha256: str | None = None) -> tuple[dict[str, Any], str] | None:
+    """The manifest object at `key` as stored and the sha256 of its bytes (None when there is none), its tag
+    checked when `secret` is given and its bytes when `sha256` is (ManifestRefused); not JSON raises ValueError."""
     body = read_object(client, bucket, key)
     if body is None:
         return None
+    digest = hashlib.sha256(body).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise ManifestRefused(f"its bytes have sha256 {digest[:12]}..., not the {sha256[:12]}... the controller "
+                              "verified when it chose this checkpoint: changed since")
     document = json.loads(body)
     if not isinstance(document, dict):
         raise ValueError(f"manifest {key} is not a JSON object")
     if secret is not None and (problem := tag_problem(document, secret)):
         raise ManifestRefused(problem)
-    return document
+    return document, digest
 
 
 def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = None, *,
-                  secret: bytes | None = None) -> Manifest | None:
+                  secret: bytes | None = None, sha256: str | None = None) -> Manifest | None:
     """The manifest at `key` with its shard list filled in: all of it, or the pages holding the shards
     `ranks` restore (rank r: shard r mod the checkpoint's world size). None when there is none. A page whose
     bytes do not match the manifest raises ValueError, like bad JSON; with `secret` (the controller's key), so
-    does a manifest whose integrity tag is missing or wrong (ManifestRefused)."""
-    document = _stored_manifest(client, bucket, key, secret)
-    if document is None:
+    does a manifest whose integrity tag is missing or wrong (ManifestRefused), and with `sha256` (the digest
+    the controller verified, `DownloadShardsInput.manifest_sha256`) one whose bytes are other ones."""
+    found = read_manifest_digest(client, bucket, key, ranks, secret=secret, sha256=sha256)
+    return None if found is None else found[0]
+
+
+def read_manifest_digest(client: Any, bucket: str, key: str, ranks: list[int] | None = None, *,
+                         secret: bytes | None = None, sha256: str | None = None) -> tuple[Manifest, str] | None:
+    """`read_manifest`, with the sha256 of the manifest object's bytes: a paged manifest's pages are bound to
+    it by their sha256s in it, so the digest names the whole shard list."""
+    stored = _stored_manifest(client, bucket, key, secret, sha256)
+    if stored is None:
         return None
+    document, digest = stored
     manifest = Manifest.model_validate(document)
     if not manifest.pages:
-        return manifest
+        return manifest, digest
     # A DCP checkpoint restores from every shard; else rank r from shard r mod the world size.
     needed = (None if ranks is None or manifest.state_format == FORMAT_DCP
               else {r % manifest.world_size for r in ranks})
@@ -119,7 +134,7 @@ def read_manifest(client: Any, bucket: str, key: str, ranks: list[int] | None = 
         originals = {s.replica_of for s in shards if s.replica_of is not None} - read
         if originals:
             shards.extend(s for s in _read_pages(client, bucket, manifest.pages, originals) if s.rank not in read)
-    return manifest.model_copy(update={"shards": shards})
+    return manifest.model_copy(update={"shards": shards}), digest
 
 
 def _read_pages(client: Any, bucket: str, pages: list[ManifestPage], ranks: set[int] | None) -> list[ShardInfo]:

@@ -13,7 +13,7 @@ from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities.checkpoint_store import MANIFEST_KEY_ENV, StoreActivities, manifest_key_from_env
 from activities.nodes import NodeActivities, PoolActivities, RegistrationActivities, pool_handle
-from activities.peers import peer_token
+from activities.peers import PEER_TOKEN_ENV, peer_token
 from activities.scheduler import SchedulerActivities
 from workers.slurm_drains import SlurmDrainWatch, keep_watching
 from trainguard import TASK_QUEUE
@@ -53,16 +53,21 @@ def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
 def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untyped-def]
                  settings: Settings | None = None, token: str | None = None,
                  manifest_key: bytes | None = None) -> Worker:
-    """`token`: the pool's peer token registrations are checked with (default `TRAINGUARD_PEER_TOKEN`; without
-    one the pool takes any well-formed registration). `manifest_key`: what tags the manifests this controller
+    """`token`: the pool's peer token registrations are checked with, and node records and relaunch decisions
+    tagged with (default `TRAINGUARD_PEER_TOKEN`; without one the pool takes any well-formed registration, and
+    records and decisions go unchecked and untagged). `manifest_key`: what tags the manifests this controller
     commits and checks the ones it restores (default `TRAINGUARD_MANIFEST_KEY`; without one manifests go
     untagged and any is restored)."""
     secret = manifest_key if manifest_key is not None else manifest_key_from_env()
     if secret is None:
         log.warning("%s is not set: manifests are not tagged, and a manifest planted in the store cannot be told "
                     "from one this controller committed", MANIFEST_KEY_ENV)
-    store = StoreActivities(secret)
-    registrations = RegistrationActivities(token if token is not None else peer_token())
+    pool_token = token if token is not None else peer_token()
+    if pool_token is None:
+        log.warning("%s is not set: node records and relaunch decisions in the store are not tagged, and one "
+                    "planted there cannot be told from an agent's or this controller's", PEER_TOKEN_ENV)
+    store = StoreActivities(secret, pool_token)
+    registrations = RegistrationActivities(pool_token)
     nodes = NodeActivities(client)
     pool = PoolActivities(client)
     scheduler = SchedulerActivities()  # TRAINGUARD_SCHEDULER; an unknown value stops the controller at start

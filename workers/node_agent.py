@@ -98,10 +98,14 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  #
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
                  peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 run_as: RunAs | None = None, slurm_job: int | None = None) -> tuple[Worker, RankBook]:
+                 run_as: RunAs | None = None, slurm_job: int | None = None,
+                 token: str | None = None) -> tuple[Worker, RankBook]:
+    """`token`: the pool's peer token this agent tags its node records with and checks the run's relaunch
+    decisions against (default `TRAINGUARD_PEER_TOKEN`; without one records go untagged, decisions unchecked)."""
     node_health = NodeHealth()
     node_health.xid.start()  # XID events as they happen; without NVML it starts nothing
-    checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None)
+    checkpoints = NodeCheckpointActivities(node, workdir, (lambda: peer_urls(client)) if peer_tier else None,
+                                           token=token if token is not None else peer_token())
     ranks = node_ranks(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
                        allowed_env=allowed_env, uploader=checkpoints.upload_step,
                        downloader=checkpoints.download_shards, decisions=checkpoints.read_decision,
@@ -354,7 +358,7 @@ async def main() -> None:
         server = ShardServer(args.workdir, args.host, token, args.peer_port).start()
     worker, ranks = build_worker(client, args.node, args.workdir.resolve(), args.host, args.code_dir.resolve(),
                                  allowed=allowed, chaos=not args.no_chaos, peer_tier=server is not None,
-                                 allowed_env=allowed_env, run_as=run_as, slurm_job=job)
+                                 allowed_env=allowed_env, run_as=run_as, slurm_job=job, token=token)
     stop = stop_event()
     log.info("node agent %s polling %s%s", args.node, node_task_queue(args.node),
              f" (ranks run as {run_as.name}, uid {run_as.uid})" if run_as else "")

@@ -116,7 +116,8 @@ class Attempts:
         download = None
         if found.manifest is not None and found.manifest_key is not None:
             download = DownloadShardsInput(workflow_id=wid, attempt=attempt, node="", bucket=spec.checkpoint.bucket,
-                                           manifest_key=found.manifest_key, local_tier=spec.checkpoint.local_tier)
+                                           manifest_key=found.manifest_key, manifest_sha256=found.manifest_sha256,
+                                           local_tier=spec.checkpoint.local_tier)
         return await self.supervisor.supervise(attempt, launch=template, download=download)
 
     async def _master_first(self, kind: NodeCallKind, make: Callable[[int, Any], BaseModel], result_type: type[G],
@@ -192,7 +193,8 @@ class Attempts:
             if found.manifest is None or found.manifest_key is None:
                 return found, {}
             try:
-                return found, await self._download(attempt, found.manifest.step, found.manifest_key)
+                return found, await self._download(attempt, found.manifest.step, found.manifest_key,
+                                                   found.manifest_sha256)
             except CheckpointCorrupt as corrupt:
                 core.state.corrupt_steps.append(corrupt.step)
                 core.record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt,
@@ -222,14 +224,16 @@ class Attempts:
             summary=f"find newest checkpoint (attempt {attempt})",
         )
 
-    async def _download(self, attempt: int, step: int, manifest_key: str) -> dict[str, str]:
+    async def _download(self, attempt: int, step: int, manifest_key: str,
+                        manifest_sha256: str | None = None) -> dict[str, str]:
         """The master node reads the shards its ranks restore from the manifest itself (rank r: shard r mod the
-        checkpoint's world size): no shard list passes through history."""
+        checkpoint's world size): no shard list passes through history, only the sha256 of the manifest's bytes
+        the controller verified."""
         core, spec = self.core, self.core.the_spec
         nodes, per_node, wid = core.status.nodes[:1], spec.ranks_per_node, core.wid()
         answers = await self.nodes.fan_out(NodeCallKind.DOWNLOAD, [
             (node, DownloadShardsInput(workflow_id=wid, attempt=attempt, node=node, bucket=spec.checkpoint.bucket,
-                                       manifest_key=manifest_key,
+                                       manifest_key=manifest_key, manifest_sha256=manifest_sha256,
                                        ranks=list(range(index * per_node, (index + 1) * per_node)),
                                        local_tier=spec.checkpoint.local_tier))
             for index, node in enumerate(nodes)], f"download step {step} to {{node}} (attempt {attempt})",
