@@ -56,6 +56,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
             return 2
     elif args.action == "down":
         stack.down()
+    elif args.action == "promote":
+        return asyncio.run(_promote(args.build_id, {**os.environ, **stack.client_env()}))
     elif args.action == "env":
         import shlex
 
@@ -68,6 +70,37 @@ def cmd_dev(args: argparse.Namespace) -> int:
             where = f" at {stack.node_address(name[6:])}" if stack.config.hosts and name.startswith("agent-") else ""
             print(f"{name:<16} {'running (pid %d)' % pid if pid else 'stopped'}{where}")
         print(f"Temporal Web UI: {stack.config.ui_url}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- controller
+async def _promote(build_id: str | None, environ: dict[str, str] | None = None) -> int:
+    """`controller promote` (and `dev promote`): make a controller build current, move the node pool to it,
+    print what still runs on other builds. The build: `--build-id`, else the one this code is
+    (`TRAINGUARD_BUILD_ID`, else derived from the workflow code, as the controller does)."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from trainguard.connect import connect
+    from trainguard.settings import Settings
+    from trainguard.versioning import UNVERSIONED, controller_build_id, promote
+
+    settings = Settings.from_env(environ)
+    build = build_id or controller_build_id(settings)
+    if build is None:
+        print(f"trainguard controller promote: TRAINGUARD_BUILD_ID={UNVERSIONED}: versioning is off, there is no "
+              f"build to promote (give --build-id)", file=sys.stderr)
+        return 2
+    client = await connect(settings)
+    try:
+        promotion = await promote(client, settings.deployment, build)
+    except RPCError as error:
+        if error.status is not RPCStatusCode.NOT_FOUND:
+            raise
+        print(f"trainguard controller promote: build {build} is not in worker deployment {settings.deployment} "
+              f"({error.message}): start its controller first; a build is promoted once it polls", file=sys.stderr)
+        return 1
+    for line in promotion.lines():
+        print(line)
     return 0
 
 
@@ -376,8 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     dev = sub.add_parser("dev", help="the embedded stack: Temporal dev server, SeaweedFS, workers")
-    dev.add_argument("action", choices=["up", "down", "status", "env"],
-                     help="env: print the exports an agent outside the stack needs (eval \"$(trainguard dev env)\")")
+    dev.add_argument("action", choices=["up", "down", "status", "env", "promote"],
+                     help="env: print the exports an agent outside the stack needs (eval \"$(trainguard dev env)\"); "
+                          "promote: `trainguard controller promote` on the stack")
+    dev.add_argument("--build-id", help="promote: the controller build (default: the one this code derives)")
     dev.add_argument("--tls", action="store_true",
                      help="reach Temporal over mutual TLS through a front with the stack's own CA "
                           "(also TRAINGUARD_DEV_TLS=1); prints the client settings to export")
@@ -389,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "stack, and no node agents: Slurm jobs start them (also TRAINGUARD_DEV_SLURM=1; needs "
                           "root and Slurm: make slurm-install); prints the SLURM_CONF clients need")
     dev.set_defaults(func=cmd_dev)
+
+    controller = sub.add_parser("controller", help="the controller's builds (worker versioning)")
+    controller_sub = controller.add_subparsers(dest="action", required=True)
+    promoting = controller_sub.add_parser(
+        "promote", help="make a build current (new runs start on it), move the node pool to it, and list what "
+                        "still runs on other builds")
+    promoting.add_argument("--build-id", help="default: the build this code is (TRAINGUARD_BUILD_ID, else derived "
+                                              "from the workflow code)")
+    promoting.set_defaults(func=lambda a: asyncio.run(_promote(a.build_id)))
 
     spec = sub.add_parser("spec", help="the run spec: print its JSON schema or check a file")
     spec.add_argument("action", choices=["schema", "check"])

@@ -48,6 +48,8 @@ STOP_GRACE_S = 10.0
 # The server stamps a poller when its long poll (up to about 70 s) starts: an idle, healthy worker can
 # look that old. Liveness of our own processes is checked by PID alongside.
 POLLER_IDLE_S = 90.0
+PROMOTE_TRY_S = 5.0
+"""How long one look for the new controller's build in its worker deployment waits (it appears at the first poll)."""
 
 DEV_RANKS_USER = "nobody"
 """The user a stack started as root runs its ranks as when `TRAINGUARD_RUN_AS` names none: Debian's and most
@@ -339,6 +341,7 @@ class DevStack:
         ranks_user, why = self.ranks_user()
         if ranks_user is None and not cfg.slurm:
             echo(f"ranks run as the agents' own user, and can read their secrets: {why}")
+        replaced = self._alive("controller") is None  # a controller of this `up`: its build becomes current
         self._spawn("controller", [sys.executable, "-m", "workers.controller"], cwd=cfg.code_dir,
                     env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{ports.metrics}",
                          MANIFEST_KEY_ENV: self.manifest_key(),
@@ -361,7 +364,7 @@ class DevStack:
                 *(["--run-as", ranks_user] if ranks_user else []),
                 *(f"--label={k}={v}" for k, v in cfg.labels.get(node, {}).items()),
             ], env=agent_env, cwd=cfg.code_dir)
-        self._wait_workers()
+        self._wait_workers(echo if replaced else None)
         (self.home / STACK_FILE).write_text(json.dumps({
             "temporal_address": cfg.temporal_address, "ui_url": cfg.ui_url, "s3_endpoint": cfg.s3_endpoint}))
         echo(f"Temporal Web UI: {cfg.ui_url}   (Temporal at {cfg.temporal_address}, S3 at {cfg.s3_endpoint})")
@@ -533,7 +536,9 @@ class DevStack:
             time.sleep(0.2)
         raise RuntimeError(f"{what} did not answer at {url} within {READY_TIMEOUT_S:.0f}s")
 
-    def _wait_workers(self) -> None:
+    def _wait_workers(self, promote_echo: Any = None) -> None:
+        """Until the controller and the agents poll and the agents registered. With `promote_echo`, the build of
+        a controller this `up` started is made current too (`_promote_own_build`)."""
         import asyncio
 
         from temporalio.api.enums.v1 import TaskQueueType
@@ -549,6 +554,7 @@ class DevStack:
             # Each agent is a Python process importing the Temporal SDK: a big stack on few cores takes longer.
             ready_s = READY_TIMEOUT_S + 2.0 * len(self.config.nodes)
             deadline = time.monotonic() + ready_s
+            settled = promote_echo is None
             while True:
                 dead = [c for c in self.components() if not self._alive(c)]
                 if dead:
@@ -558,6 +564,9 @@ class DevStack:
                     missing = await missing_agents(client, agents, max_idle_s=POLLER_IDLE_S)
                     if not await has_pollers(client, TASK_QUEUE, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, POLLER_IDLE_S):
                         missing.append("controller")
+                    elif not settled:  # before registrations: the node pool must run on a live build to take them
+                        settled = await self._promote_own_build(client, promote_echo)
+                        missing.append("controller (its build current)")
                     else:
                         # Registered by the agent running now (a restarted agent re-registers: it may be repairing
                         # a cordoned node), not by one before it.
@@ -576,6 +585,33 @@ class DevStack:
                 await asyncio.sleep(0.3)
 
         asyncio.run(wait())
+
+    async def _promote_own_build(self, client: Any, echo: Any) -> bool:
+        """Make the build of the controller this `up` started current, and move the node pool to it, when
+        another build is current: the stack runs one controller, so the build before it (code since edited) has
+        none left to run new runs or the pool. Its runs stay pinned to it, and wait: they are named. False until
+        the controller's poller is seen (the SDK's identity starts with its pid)."""
+        from temporalio.service import RPCError, RPCStatusCode
+
+        from trainguard.settings import Settings
+        from trainguard.versioning import claim_first_version, poller_build, promote
+
+        pid = self._alive("controller")
+        seen, build = await poller_build(client, f"{pid}@") if pid else (False, None)
+        if not seen:
+            return False
+        if build is None:  # TRAINGUARD_BUILD_ID=unversioned
+            return True
+        deployment = Settings.from_env(self.worker_env()).deployment
+        try:
+            if await claim_first_version(client, deployment, build, timeout_s=PROMOTE_TRY_S) != build:
+                for line in (await promote(client, deployment, build)).lines():
+                    echo(f"controller build: {line}")
+        except RPCError as error:
+            if error.status is not RPCStatusCode.NOT_FOUND:  # the version is not in the deployment yet
+                raise
+            return False
+        return True
 
     # ------------------------------------------------------------------------------------- down
     def down(self, echo: Any = print) -> None:

@@ -113,9 +113,10 @@ class Settings:
     metrics_address: str | None = None
     """`TRAINGUARD_METRICS_ADDRESS` (e.g. `0.0.0.0:9464`): serve Prometheus metrics there; default off."""
     build_id: str | None = None
-    """`TRAINGUARD_BUILD_ID`: the controller's build, for worker versioning. Set, a run stays on the build that
+    """`TRAINGUARD_BUILD_ID`: the controller's build, for worker versioning. A run stays on the build that
     started it (pinned) and a new build takes only new runs: a controller upgrade never replays a run's
-    history on code that cannot replay it. Default unset: one unversioned controller."""
+    history on code that cannot replay it. Default unset: derived from the workflow code
+    (`trainguard.versioning.controller_build_id`); `unversioned` turns versioning off."""
     deployment: str = "trainguard-controller"
     """`TRAINGUARD_DEPLOYMENT`: the worker deployment the controller's builds belong to."""
     address_source: str = "TRAINGUARD_TEMPORAL_ADDRESS"

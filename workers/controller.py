@@ -9,6 +9,7 @@ import asyncio
 import logging
 
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
+from temporalio.service import RPCError
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
 from activities.checkpoint_store import MANIFEST_KEY_ENV, StoreActivities, manifest_key_from_env
@@ -20,6 +21,7 @@ from trainguard import TASK_QUEUE
 from trainguard.connect import connect
 from trainguard.search_attributes import ensure_registered
 from trainguard.settings import Settings
+from trainguard.versioning import UNVERSIONED, claim_first_version, controller_build_id
 from workers.common import GRACEFUL_SHUTDOWN, STICKY_SCHEDULE_TO_START, setup_logging, stop_event
 from workflows.node_pool import NodePool
 from workflows.node_group import NodeCalls, NodeGroupWatch
@@ -39,15 +41,42 @@ nodes in 300 s (`make bench-pool`). Fewer at once finish each in its own CPU tim
 
 
 def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
-    """Worker versioning when the controller has a build id: runs are pinned to the build that started them
-    (their node groups with them), so a new build takes only new runs and every history replays on the code
-    that wrote it. The node pool, which lives forever, is moved to a new build by the operator
-    (`temporal workflow update-options --versioning-override-behavior auto_upgrade`: README, upgrading)."""
-    if settings.build_id is None:
+    """Worker versioning, on unless `TRAINGUARD_BUILD_ID=unversioned`: runs are pinned to the build that started
+    them (their node groups with them), so a new build takes only new runs and every history replays on the code
+    that wrote it. The build is `TRAINGUARD_BUILD_ID`, else derived from the workflow code
+    (`trainguard.versioning`). The node pool, which lives forever, moves to a new build when it is promoted
+    (`trainguard controller promote`: docs/operations/upgrades.md)."""
+    build_id = controller_build_id(settings)
+    if build_id is None:
         return None
     return WorkerDeploymentConfig(
-        version=WorkerDeploymentVersion(deployment_name=settings.deployment, build_id=settings.build_id),
+        version=WorkerDeploymentVersion(deployment_name=settings.deployment, build_id=build_id),
         use_worker_versioning=True, default_versioning_behavior=VersioningBehavior.PINNED)
+
+
+async def take_first_version(client, config: WorkerDeploymentConfig | None) -> None:  # type: ignore[no-untyped-def]
+    """A first deploy makes its own build current (new runs would otherwise wait for unversioned workers); a
+    later build only says how it is promoted. Errors are logged, not raised: the controller serves its pinned
+    runs whatever the routing."""
+    if config is None:
+        log.info("worker versioning off (TRAINGUARD_BUILD_ID=%s): every run replays on this build", UNVERSIONED)
+        return
+    version = config.version
+    try:
+        current = await claim_first_version(client, version.deployment_name, version.build_id)
+    except RPCError as error:
+        log.error("could not make build %s current in worker deployment %s (%s: %s): new runs may wait; run "
+                  "`trainguard controller promote --build-id %s`, or set TRAINGUARD_BUILD_ID=%s on a server "
+                  "without worker deployments", version.build_id, version.deployment_name, error.status.name,
+                  error.message, version.build_id, UNVERSIONED)
+        return
+    if current == version.build_id:
+        log.info("build %s of worker deployment %s is current: new runs start on it", version.build_id,
+                 version.deployment_name)
+    else:
+        log.warning("build %s polls beside the current build %s of worker deployment %s: it takes only the runs "
+                    "pinned to it until promoted (`trainguard controller promote --build-id %s`)",
+                    version.build_id, current or "(unversioned workers)", version.deployment_name, version.build_id)
 
 
 def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untyped-def]
@@ -101,11 +130,13 @@ async def main() -> None:
     setup_logging("controller")
     client = await connect()
     await ensure_registered(client)
-    worker = build_worker(client)
+    settings = Settings.from_env()
+    worker = build_worker(client, settings=settings)
     stop = stop_event()
     log.info("controller polling task queue %s", TASK_QUEUE)
     drains = SlurmDrainWatch.from_env(client)  # TRAINGUARD_SCHEDULER=slurm: an operator's drain moves runs off
     async with worker:
+        await take_first_version(client, deployment_config(settings))  # before the pool starts: on this build
         await pool_handle(client)  # the node inventory exists from the first controller on
         # Restarted, with an error logged, should it ever end while the controller runs (`keep_watching`).
         watching = asyncio.create_task(keep_watching(drains, stop)) if drains else None

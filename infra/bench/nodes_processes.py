@@ -53,6 +53,7 @@ async def serve_controller(num_queues: int, commits_file: Path) -> None:
     import workers.controller as controller
     from infra.bench.standins import NodeRecords, StandinStore, install_routing
     from trainguard.connect import connect
+    from trainguard.settings import Settings
     from workers.common import setup_logging, stop_event
 
     setup_logging("bench-controller")
@@ -63,6 +64,7 @@ async def serve_controller(num_queues: int, commits_file: Path) -> None:
     client = await connect()
     stop = stop_event()
     async with controller.build_worker(client):
+        await controller.take_first_version(client, controller.deployment_config(Settings.from_env()))
         await stop.wait()
 
 

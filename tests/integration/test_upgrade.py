@@ -1,8 +1,15 @@
-"""A controller upgrade with worker versioning, on a private Temporal dev server: the procedure the README gives.
+"""Controller upgrades with worker versioning (docs/operations/upgrades.md).
 
-Two controller builds run in this process (`build_worker` with `TRAINGUARD_BUILD_ID` v1, then v2) on the
-real `trainguard` task queue of a dev server of this test's own (the session stack's controller is
-unversioned). The operator's steps are run with the `temporal` CLI, as typed:
+`test_a_run_finishes_on_its_build_while_new_runs_start_on_the_promoted_one`: the default way, on a private
+dev stack of its own. Build A is this checkout, versioned by default (its id derived from the workflow code);
+build B is a copy of it with a changed `TrainingRun`, started beside it as a controller of its own and promoted
+with the one command (`trainguard controller promote`, run from B's code). A run started on A finishes on A;
+the next run starts and finishes on B, with A stopped.
+
+`test_an_upgrade_keeps_runs_on_their_build_and_moves_the_pool`: what that command does, step by step. Two
+controller builds run in this process (`build_worker` with `TRAINGUARD_BUILD_ID` v1, then v2) on the real
+`trainguard` task queue of a dev server of this test's own. The operator's steps are run with the `temporal`
+CLI, as typed:
 
     temporal worker deployment set-current-version --deployment-name trainguard-controller --build-id v2 --yes
     temporal workflow list --query "TemporalWorkerDeploymentVersion = 'trainguard-controller:v1' AND ExecutionStatus = 'Running'"
@@ -25,7 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -39,10 +46,14 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.worker import Worker
 
 from activities.nodes import pool_handle, register_node
+from infra import harness
 from trainguard import TASK_QUEUE, WORKFLOW_TYPE, node_task_queue
+from trainguard.client import TrainguardClient
 from trainguard.connect import connect
+from trainguard.devstack import DevStack
 from trainguard.ports import Ports, free_port_base
 from trainguard.settings import Settings
+from trainguard.versioning import CODE_PACKAGES, current_build, derived_build_id, poller_build, running_on
 from workers.controller import build_worker
 from workflows.node_pool import POOL_WORKFLOW_ID
 
@@ -59,6 +70,10 @@ WAITING_NODE = "node-upgrade"
 RESERVE_TIMEOUT_S = 12
 ROUTING_S = 15.0
 """Bound on how long a new current version (or an override) takes to reach the task routing: ~0-3 s here."""
+
+
+NODES = ("node-0", "node-1")
+RUN_TIMEOUT_S = 120
 
 
 @activity.defn(name="noop")
@@ -240,3 +255,89 @@ async def _wait(probe: Any, done: Any, timeout_s: float = ROUTING_S) -> Any:
             return value
         assert time.monotonic() < deadline, f"not reached within {timeout_s}s: {value}"
         await asyncio.sleep(0.3)
+
+
+# ------------------------------------------------------------------------------ the default way, end to end
+@pytest.fixture
+def versioned_stack() -> Iterator[DevStack]:
+    """A dev stack of this test's own: its controller (build A) is made current by `up`, with nothing set."""
+    home = REPO / ".pytest-stack" / f"versions-{uuid.uuid4().hex[:8]}"
+    with harness.PrivateStack(home, NODES, 27900, keep_logs=harness.kept_logs_dir(home)) as dev:
+        yield dev
+
+
+def _build_b(dest: Path) -> Path:
+    """This checkout's code with a harmless change to `TrainingRun`: another build of the same workflows."""
+    for package in CODE_PACKAGES:
+        shutil.copytree(REPO / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
+    source = dest / "workflows" / "training_run.py"
+    text = source.read_text()
+    assert "class TrainingRun" in text
+    source.write_text(text.replace("class TrainingRun", "# build B: TrainingRun changed\nclass TrainingRun", 1))
+    return dest
+
+
+async def _task_builds_of_run(client: TrainguardClient, workflow_id: str) -> set[str]:
+    """The builds that completed the workflow tasks of the run and of its node groups' child workflows."""
+    return {event.workflow_task_completed_event_attributes.deployment_version.build_id or "unversioned"
+            for history in await client.histories(workflow_id) for event in history.events
+            if event.HasField("workflow_task_completed_event_attributes")}
+
+
+async def test_a_run_finishes_on_its_build_while_new_runs_start_on_the_promoted_one(
+        versioned_stack: DevStack, tmp_path: Path) -> None:
+    stack = versioned_stack
+    client = await TrainguardClient.connect()
+    deployment = Settings.from_env().deployment
+    build_a = derived_build_id()
+    assert (await current_build(client.client, deployment))[0] == build_a  # a first deploy: no run waits
+
+    # Build B starts beside A. It polls, and takes nothing: a later build never makes itself current.
+    code_b = _build_b(tmp_path / "build-b")
+    build_b = derived_build_id(code_b)
+    assert build_b != build_a
+    env_b = {**stack.worker_env(), "TRAINGUARD_MANIFEST_KEY": stack.manifest_key()}
+    with (tmp_path / "controller-b.log").open("ab") as log:
+        controller_b = subprocess.Popen([sys.executable, "-m", "workers.controller"], cwd=code_b, env=env_b,
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+    try:
+        await _wait(lambda: poller_build(client.client, f"{controller_b.pid}@"), lambda seen: seen[0],
+                    timeout_s=60)
+        assert (await poller_build(client.client, f"{controller_b.pid}@")) == (True, build_b)
+        assert (await current_build(client.client, deployment))[0] == build_a
+
+        old = await client.start_run(harness.make_spec(f"old-{uuid.uuid4().hex[:6]}", steps=80, nodes=("node-0",)),
+                                     workflow_id=f"old-{uuid.uuid4().hex[:6]}")
+        await _wait(lambda: running_on(client.client, deployment, build_a), lambda ids: old in ids)
+
+        # The one command, run from B's code: B is current, the pool moves, the old run is named.
+        promoted = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "trainguard.cli", "controller", "promote"], cwd=code_b,
+            env={**os.environ, **stack.client_env()}, capture_output=True, text=True, timeout=60, check=False)
+        assert promoted.returncode == 0, promoted.stderr
+        assert f"{build_b} is current (was {build_a})" in promoted.stdout, promoted.stdout
+        assert f"still running on {build_a}" in promoted.stdout and old in promoted.stdout, promoted.stdout
+        assert (await client.status(old)).execution_status == "RUNNING"  # promoted while the old run ran
+
+        new = await client.start_run(harness.make_spec(f"new-{uuid.uuid4().hex[:6]}", nodes=("node-1",)),
+                                     workflow_id=f"new-{uuid.uuid4().hex[:6]}")
+        old_result = await asyncio.wait_for(client.result(old), RUN_TIMEOUT_S)
+        assert old_result.steps_completed == 80
+        assert await _task_builds_of_run(client, old) == {build_a}  # the run and its node groups, all on A
+
+        # A has nothing left to run: it stops, and B alone finishes the new run.
+        assert await running_on(client.client, deployment, build_a) == []
+        await asyncio.to_thread(stack.stop, ["controller"], lambda _line: None)
+        new_result = await asyncio.wait_for(client.result(new), RUN_TIMEOUT_S)
+        assert new_result.steps_completed == 60
+        assert await _task_builds_of_run(client, new) == {build_b}
+        assert (await _task_builds(client.client, POOL_WORKFLOW_ID))[-1] == build_b
+    finally:
+        if controller_b.poll() is None:
+            os.killpg(controller_b.pid, signal.SIGTERM)
+            try:
+                controller_b.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(controller_b.pid, signal.SIGKILL)
+                controller_b.wait(5)

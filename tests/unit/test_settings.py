@@ -78,7 +78,11 @@ def test_a_build_id_pins_runs_to_the_controller_build_that_started_them() -> Non
 
     from workers.controller import deployment_config
 
-    assert deployment_config(Settings.from_env({})) is None  # one unversioned controller by default
+    from trainguard.versioning import derived_build_id
+
+    default = deployment_config(Settings.from_env({}))  # versioned by default, the build derived from the code
+    assert default is not None and default.version.build_id == derived_build_id()
+    assert deployment_config(Settings.from_env({"TRAINGUARD_BUILD_ID": "unversioned"})) is None
     config = deployment_config(Settings.from_env({"TRAINGUARD_BUILD_ID": "2026.12.1"}))
     assert config is not None and config.use_worker_versioning
     assert (config.version.deployment_name, config.version.build_id) == ("trainguard-controller", "2026.12.1")
