@@ -1187,11 +1187,16 @@ async def test_a_crash_whose_node_then_does_not_take_up_the_relaunch_replaces_th
     monkeypatch.setattr(node_group, "SILENT_CHECK_SCHEDULE_TO_START", timedelta(seconds=1))
     nodes, spares = _node_ids(2), _node_ids(1)
 
+    injected: list[bool] = []
+
     async def take_it_down(handle: WorkflowHandle[Any, Any]) -> None:  # chaos: injected at 123.0 (the stand-in's)
         await handle.execute_update(TrainingRun.inject_fault, ChaosRequest(node=nodes[1], fault="node-down"))
+        injected.append(True)
 
     cluster = Cluster(nodes=nodes, spares=spares, unreachable={nodes[1]}, while_running=take_it_down, watch_script={
-        (1, nodes[0]): [_exited(1).model_copy(update={"detected_at": 1_000.0})],
+        # The peer's crash follows the fault, as it does on a real cluster: on a loaded machine the injection's
+        # update could otherwise land after the crash was judged, and the incident had no fault to time from.
+        (1, nodes[0]): [Until(lambda: bool(injected)), _exited(1).model_copy(update={"detected_at": 1_000.0})],
         (1, nodes[1]): [BLOCK],
         # The master's ranks wait in the rendezvous until the spare's join it.
         (2, nodes[0]): [Until(lambda: any(r.node == spares[0] for r in cluster.inputs("launch_ranks"))),
