@@ -40,7 +40,7 @@ class RankReport:
 
 
 def silence_bound_s(report: RankReport | None, start_step: int, health: HealthSpec,
-                    expected_gap_s: float = 0.0) -> float:
+                    expected_gap_s: float = 0.0, stopped: bool = False) -> float:
     """How long this rank may go without a step before the agent looks at what else it does (its CPU, its
     I/O, where it waits): past this bound a rank is quiet, not yet hung (`judge_rank`).
 
@@ -48,14 +48,20 @@ def silence_bound_s(report: RankReport | None, start_step: int, health: HealthSp
     larger of the floor and `hang_step_multiplier` of its own step time, capped by `hang_max_s`, plus the
     checkpoint grace while a snapshot is being taken. `expected_gap_s`: a gap the run learned recurs after
     this step (`GapBook`), which the bound covers.
+
+    `stopped`: the rank's process is stopped (`T`, `t`). The start-up and checkpoint graces and a learned gap are
+    for a rank that works through them (imports, a save, an evaluation); a stopped process does no work of any
+    kind, so its bound is its step bound alone (the floor before its first step).
     """
     if report is None or report.step <= start_step:
-        return health.startup_grace_s
+        return health.hang_floor_s if stopped else health.startup_grace_s
     learned = health.hang_step_multiplier * report.step_time_s if report.step_time_s is not None else 0.0
     bound = min(max(health.hang_floor_s, learned), health.hang_max_s)
     if report.step_time_s is None:
         # Only one step seen: the first step is often much slower (lazy init, warm-up): give it time.
         bound = min(max(bound, 3 * health.hang_floor_s), health.hang_max_s)
+    if stopped:
+        return bound
     bound = max(bound, min(expected_gap_s, health.hang_max_s))
     if report.saving:
         bound += health.checkpoint_grace_s
@@ -158,7 +164,8 @@ def judge_rank(report: RankReport | None, signals: RankSignals, state: str | Non
                grace_s: float = COLLECTIVE_WAIT_GRACE_S) -> Verdict:
     """Is this rank making progress of any kind? The rules, in order:
 
-    1. Within its step bound (`silence_bound_s`): stepping.
+    1. Within its step bound (`silence_bound_s`): stepping. A stopped process's bound is its step bound alone,
+       without the start-up, checkpoint or learned-gap graces: it cannot be working through them.
     2. Its process is stopped (`T`, `t`, `Z`): hung at once, whatever else it says.
     3. Busy (CPU or I/O over the window, or in storage I/O): a long phase, hung past `hang_max_s` (at least
        `NAMED_PHASE_SAFETY` x a named phase's expected length, and the start-up grace before its first step).
@@ -168,13 +175,14 @@ def judge_rank(report: RankReport | None, signals: RankSignals, state: str | Non
        (a lock, a read that never returns, a skipped collective): hung now. No answer: hung after `grace_s`.
     """
     silent = silent_for_s(report, launched_at, now)
-    bound = silence_bound_s(report, start_step, health, expected_gap_s)
+    stopped = (state or "S") in STOPPED_STATES
+    bound = silence_bound_s(report, start_step, health, expected_gap_s, stopped=stopped)
     if report is not None and report.error is not None:
         bound += EXITING_GRACE_S  # it said why it is stopping: exiting, not hung
     rank = report.rank if report is not None else -1
     if silent <= bound:
         return Verdict(rank, RankActivity.STEPPING, silent, bound)
-    if (state or "S") in STOPPED_STATES:
+    if stopped:
         return Verdict(rank, RankActivity.HUNG, silent, bound, report.phase if report else "")
     started = report is not None and report.step > start_step
     long_bound = max(health.hang_max_s, bound if not started else 0.0)

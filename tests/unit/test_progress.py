@@ -90,8 +90,10 @@ STOPPED, SLEEPING = "T", "S"
         pytest.param({}, {0}, {}, 1_101.0, (0, 101.0), id="missing-report-counts-from-launch"),
         pytest.param({0: _report(0, time=900.0)}, {0}, {0: STOPPED}, 1_009.0, None,
                      id="stale-report-counts-from-launch"),
-        pytest.param({0: _report(0, time=1_000.0, saving=True)}, {0}, {0: STOPPED}, 1_035.0, None,
+        pytest.param({0: _report(0, time=1_000.0, saving=True)}, {0}, {0: SLEEPING}, 1_035.0, None,
                      id="saving-rank-gets-checkpoint-grace"),
+        pytest.param({0: _report(0, time=1_000.0, saving=True)}, {0}, {0: STOPPED}, 1_035.0, (0, 35.0),
+                     id="a-stopped-rank-is-not-saving"),
     ],
 )
 def test_find_hung_rank(reports: dict[int, RankReport | None], running: set[int], states: dict[int, str],

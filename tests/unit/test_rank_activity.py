@@ -91,6 +91,28 @@ def test_a_learned_gap_covers_the_step_it_follows() -> None:
         is RankActivity.HUNG
 
 
+@pytest.mark.parametrize(
+    ("report", "expected_gap_s"),
+    [
+        # make bench-attribution: 2 of 20 ranks stopped mid-save were found at 62 s (the 60 s checkpoint grace).
+        pytest.param(_report(saving=True), 0.0, id="stopped-while-saving"),
+        pytest.param(_report(step=100), 0.0, id="stopped-before-its-first-step"),
+        pytest.param(_report(), 15.0, id="stopped-at-a-learned-gap"),
+        pytest.param(None, 0.0, id="stopped-before-any-report"),
+    ],
+)
+def test_a_stopped_rank_gets_no_grace_for_work_it_cannot_do(report: RankReport | None,
+                                                            expected_gap_s: float) -> None:
+    start = 100 if report is not None and report.step == 100 and not report.saving and not expected_gap_s else 0
+    stopped = judge_rank(report, IDLE_NOT_ASKED, "T", start, T0 + 10, T0 + 12.5, HEALTH,
+                         expected_gap_s=expected_gap_s)
+    assert stopped.activity is RankActivity.HUNG, stopped
+    # ...while a rank that can work through them gets them.
+    sleeping = judge_rank(report, IDLE_NOT_ASKED, "S", start, T0 + 10, T0 + 12.5, HEALTH,
+                          expected_gap_s=expected_gap_s)
+    assert sleeping.activity is RankActivity.STEPPING, sleeping
+
+
 def test_the_named_phase_safety_is_what_the_docs_say() -> None:
     assert NAMED_PHASE_SAFETY == 2.0
 
