@@ -25,7 +25,8 @@ def _print_json(value: Any) -> None:
 # ------------------------------------------------------------------------------------------------ dev
 def dev_stack(args: argparse.Namespace) -> Any:
     """The dev stack from the environment and the flags. One brought up in hosts mode stays in it for
-    `status`, `down` and `demo` without the flag (its addresses are recorded under the data dir)."""
+    `status`, `down` and `demo` without the flag (its addresses are recorded under the data dir); one brought up
+    in Slurm mode for every command but `up`."""
     from trainguard.devstack import DevStack, StackConfig
 
     stack = DevStack()
@@ -33,8 +34,10 @@ def dev_stack(args: argparse.Namespace) -> Any:
         stack = DevStack(dataclasses.replace(stack.config, tls=True))
     if getattr(args, "hosts", False) or stack.config.network.state_file.exists():
         stack = DevStack(dataclasses.replace(stack.config, hosts=True))
-    if (getattr(args, "slurm", False) or stack.slurm.conf.exists()) and not stack.config.slurm:
-        # Up in slurm mode, a stack stays in it for `status` and `down` (its slurm.conf names its nodes).
+    left_in_slurm_mode = stack.slurm.conf.exists() and getattr(args, "action", None) != "up"
+    if (getattr(args, "slurm", False) or left_in_slurm_mode) and not stack.config.slurm:
+        # Up in slurm mode, a stack stays in it for `status` and `down` (its slurm.conf names its nodes); a
+        # plain `up` is a plain stack, whatever mode the home was last in (its slurm.conf outlives `down`).
         stack = DevStack(StackConfig.from_env({**os.environ, "TRAINGUARD_DEV_SLURM": "1"}))
         stack = DevStack(dataclasses.replace(stack.config, tls=stack.config.tls or getattr(args, "tls", False)))
     return stack

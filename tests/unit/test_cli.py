@@ -217,3 +217,20 @@ def test_run_start_under_a_running_runs_id_attaches_to_it(
     assert cli.main(["run", "start", str(path), "--id", "slurm-42", "--nodes", "a-0,a-1"]) == 0
     out = capsys.readouterr()
     assert started == [] and out.out.strip() == "slurm-42" and "attached to it" in out.err
+
+
+def test_a_plain_dev_up_on_a_home_once_in_slurm_mode_is_a_plain_stack(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dev up --slurm`, `dev down`, then `dev up`: the home's slurm.conf outlives `down`, and a plain `up` took
+    the stack to Slurm mode again, with no node agents (every quickstart run then failed at once)."""
+    import argparse
+
+    monkeypatch.setenv("TRAINGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TRAINGUARD_DEV_SLURM", raising=False)
+    conf = cli.dev_stack(argparse.Namespace(action="status", slurm=True)).slurm.conf
+    conf.parent.mkdir(parents=True)
+    conf.write_text("# left by an earlier `dev up --slurm`\n")
+
+    assert not cli.dev_stack(argparse.Namespace(action="up", slurm=False)).config.slurm
+    assert cli.dev_stack(argparse.Namespace(action="up", slurm=True)).config.slurm
+    assert cli.dev_stack(argparse.Namespace(action="down", slurm=False)).config.slurm  # still found to stop it
