@@ -11,14 +11,14 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Re-exported for the node agent and older imports; the policy's home is `trainguard.env_policy`.
-from trainguard.env_policy import EXEC_ENV_PATTERNS as EXEC_ENV_PATTERNS, PYTHON_KNOBS as PYTHON_KNOBS
+from trainguard.env_policy import EXEC_ENV_PATTERNS as EXEC_ENV_PATTERNS
+from trainguard.env_policy import PYTHON_KNOBS as PYTHON_KNOBS
 from trainguard.env_policy import exec_env_refused as exec_env_refused
-from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.ids import validate_workflow_id
+from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
@@ -71,7 +71,7 @@ SECRET_ENV_WORDS: tuple[str, ...] = (
 """Words (between `_`, any case) that make an env name look like a secret's, e.g. `HF_TOKEN`,
 `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `WANDB_API_KEY`, `DB_PASSWORD`. Whole words only, so
 `TOKENIZERS_PARALLELISM` and `MAX_TOKENS` stay allowed. The spec is stored in the workflow history in the
-clear (and in every launch's input): secrets belong in the workers' environment (README: Security model)."""
+clear (and in every launch's input): secrets belong in the workers' environment (docs/operations/security.md)."""
 
 MAX_ENV_VALUE_BYTES = 32 * 1024
 """Largest env value (UTF-8): a setting, not a file. Well under Linux's 128 KiB limit on one exec string
@@ -159,8 +159,8 @@ def _env_name(name: str) -> str:
     if looks_secret(name):
         raise ValueError(
             f"{name!r} looks like a secret, and the spec is stored in the workflow history in the clear: "
-            f"give it to the workers in their own environment instead (README: Security model, where secrets "
-            f"live), or rename the variable if it holds no secret")
+            f"give it to the workers in their own environment instead (docs/operations/security.md, where "
+            f"secrets live), or rename the variable if it holds no secret")
     return name
 
 
@@ -316,7 +316,9 @@ class HealthSpec(_Strict):
     @model_validator(mode="after")
     def _floor_below_max(self) -> HealthSpec:
         if self.hang_floor_s > self.hang_max_s:
-            raise ValueError("health.hang_floor_s must not exceed health.hang_max_s")
+            given = "" if "hang_max_s" in self.model_fields_set else " (its default)"
+            raise ValueError(f"health.hang_floor_s ({self.hang_floor_s:g}) must not exceed health.hang_max_s "
+                             f"({self.hang_max_s:g}{given}): raise hang_max_s too, or lower hang_floor_s")
         return self
 
 

@@ -8,9 +8,20 @@ from typing import Any
 
 import pytest
 
-from trainguard.spec import (ENV_NAME_PATTERN, MAX_ENV_VALUE_BYTES, MAX_EXEC_BYTES, MAX_SPEC_BYTES, SpecError,
-                             exec_env_refused, exec_problems, is_env_name, is_node_id, looks_secret, parse_labels,
-                             parse_spec)
+from trainguard.spec import (
+    ENV_NAME_PATTERN,
+    MAX_ENV_VALUE_BYTES,
+    MAX_EXEC_BYTES,
+    MAX_SPEC_BYTES,
+    SpecError,
+    exec_env_refused,
+    exec_problems,
+    is_env_name,
+    is_node_id,
+    looks_secret,
+    parse_labels,
+    parse_spec,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -78,14 +89,17 @@ BAD_SPECS = [
     pytest.param(_with(checkpoint={"bucket": "Bad_Bucket"}), ["checkpoint.bucket"], id="bad-bucket"),
     pytest.param(_with(checkpoint={"every_steps": 0}), ["checkpoint.every_steps"], id="every-steps-zero"),
     pytest.param(_with(health={"hang_floor_s": 10, "hang_max_s": 5}),
-                 ["health", "hang_floor_s must not exceed health.hang_max_s"], id="floor-above-max"),
+                 ["health", "hang_floor_s (10) must not exceed health.hang_max_s (5)"], id="floor-above-max"),
+    pytest.param(_with(health={"hang_floor_s": 600}),
+                 ["health", "hang_floor_s (600) must not exceed health.hang_max_s (300 (its default))"],
+                 id="floor-above-the-default-max"),
     pytest.param(_with(health={"straggler_ratio": 1.0}), ["health.straggler_ratio"],
                  id="straggler-ratio-one"),
     pytest.param(_with(restarts={"max_restarts": -1}), ["restarts.max_restarts"], id="negative-restarts"),
     pytest.param(_with(ranks_per_node=0), ["ranks_per_node"], id="zero-ranks-per-node"),
     pytest.param(_with(bogus=1), ["bogus", "Extra inputs are not permitted"], id="unknown-field"),
     # Secrets never enter the spec: it is stored in the history in the clear.
-    pytest.param(_with(env={"HF_TOKEN": "hf_x"}), ["env.HF_TOKEN", "looks like a secret", "Security model"],
+    pytest.param(_with(env={"HF_TOKEN": "hf_x"}), ["env.HF_TOKEN", "looks like a secret", "docs/operations/security.md"],
                  id="env-HF_TOKEN"),
     pytest.param(_with(env={"AWS_SECRET_ACCESS_KEY": "x"}), ["env.AWS_SECRET_ACCESS_KEY", "worker"],
                  id="env-aws-secret"),
