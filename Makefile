@@ -22,8 +22,14 @@ demo: $(STAMP)
 
 # The whole suite but the minutes-long soak and benchmark smoke (marked slow): `make test-slow` runs those.
 # The Slurm tests run beside the rest, in a pytest of their own (infra/suite.py).
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m infra.suite $(PYTEST_ARGS)
+
+# ruff and mypy, as pyproject.toml configures them; first in `make test` (seconds; mypy caches in .mypy_cache).
+LINT_PATHS := workflows activities workers trainguard
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy $(LINT_PATHS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS)

@@ -106,7 +106,7 @@ class RankChaos:
             log.info("chaos: hang --mode %s rank %d (pid %d) of %s on %s", mode, rank, pid, request.workflow_id,
                      self.node)
             return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=injected_at)
-        signals = {FaultKind.CRASH: signal.SIGKILL, FaultKind.HANG: signal.SIGSTOP}
+        signals: dict[str, signal.Signals] = {FaultKind.CRASH: signal.SIGKILL, FaultKind.HANG: signal.SIGSTOP}
         if request.fault not in SIGNALLED:
             raise ApplicationError(
                 f"unknown fault {request.fault!r}; expected one of {fault_choices()}",

@@ -187,7 +187,7 @@ class StoreActivities:
                 return
         except ClientError as error:
             if not _is_missing(error):
-                raise _bucket_missing(error, request.bucket) or error
+                raise _bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         except ValueError:
             pass  # unreadable, or (with a token) not tagged with it: written over
         body = signed_object(request.decision.model_dump_json().encode(), DECISION_TAG_CONTEXT, key, self.token)
@@ -217,7 +217,7 @@ class StoreActivities:
                 found = self._newest(client, request, source, request.resume_from,
                                      f"run {request.resume_from}: ", skipped)
         except ClientError as error:
-            raise _bucket_missing(error, request.bucket) or error
+            raise _bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         if found is None:
             return FindCheckpointResult(skipped=skipped)
         key, manifest, digest = found
@@ -416,7 +416,7 @@ class StoreActivities:
         try:
             listed = list_steps(client, request.bucket, request.run_prefix)
         except ClientError as error:
-            raise _bucket_missing(error, request.bucket) or error
+            raise _bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         late = self._late_steps(client, request, listed, state)
         steps = sorted([*late, *(s for s in listed if s > request.after_step)])
         for step in steps:
@@ -555,7 +555,8 @@ class StoreActivities:
                         "not committing it", step)
             return None
         manifest = Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
-                            attempt=request.attempt, chain_id=request.chain_id, shards=shards, total_bytes=sum(s.size_bytes for s in shards),
+                            attempt=request.attempt, chain_id=request.chain_id, shards=shards,
+                            total_bytes=sum(s.size_bytes for s in shards),
                             created_at=time.time(), state_format=state_format_of(shards),
                             reshardable=reshardable_of(shards))
         ref = self._put_manifest(client, request.bucket, request.run_prefix, manifest)

@@ -354,7 +354,7 @@ class NodeCheckpointActivities:
         try:
             committed = committed_shard(client, bucket, manifest, shard.rank)
         except ClientError as error:
-            raise _bucket_missing(error, bucket) or error
+            raise _bucket_missing(error, bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         if committed is not None and committed.sha256 != shard.sha256:
             # Overwriting would leave the committed manifest naming bytes that are gone: a checkpoint
             # that was whole would stop being so, and this step could not be committed anyway.
@@ -398,7 +398,7 @@ class NodeCheckpointActivities:
             # Also when a committed shard with this sha256 is there but its bytes are not: the upload repairs it.
             self._upload_verified(client, bucket, path, shard)
         except ClientError as error:
-            raise _bucket_missing(error, bucket) or error
+            raise _bucket_missing(error, bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
 
     @staticmethod
     def _upload_verified(client: Any, bucket: str, path: Path, shard: ShardInfo) -> None:

@@ -162,7 +162,7 @@ def collect_local(node: str, layout: RunLayout, record: AttemptRecord,
     sizes = {rank: -1 for rank in asked}
     settled_at: dict[int, float] = {}
     while clock() < deadline:
-        for rank, (paths, offset) in asked.items():
+        for rank, (paths, _offset) in asked.items():
             if rank not in answers:
                 found = channel.read_answer(paths)
                 if found is not None and found.request == request:

@@ -94,7 +94,8 @@ class NvmlBackend:
             readings.append(
                 GpuReading(
                     index=index,
-                    temperature_c=self._try("nvmlDeviceGetTemperature", handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0)),
+                    temperature_c=self._try("nvmlDeviceGetTemperature", handle,
+                                            getattr(nvml, "NVML_TEMPERATURE_GPU", 0)),
                     ecc_uncorrectable=self._try(
                         "nvmlDeviceGetTotalEccErrors", handle, getattr(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
                         getattr(nvml, "NVML_VOLATILE_ECC", 0), default=0,
@@ -225,12 +226,13 @@ class XidEvents:
         thread) without NVML."""
         import threading
 
-        nvml = self.nvml
+        nvml: Any = self.nvml
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml
             except ImportError:
                 return False
+            nvml = pynvml
         try:
             nvml.nvmlInit()
             events = nvml.nvmlEventSetCreate()
@@ -255,7 +257,7 @@ class XidEvents:
     def _wait(self, events: Any, indexes: dict[Any, int]) -> None:
         import time
 
-        nvml = self.nvml
+        nvml: Any = self.nvml
         wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
         while not self._stop:
             try:

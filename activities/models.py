@@ -14,7 +14,7 @@ from enum import Enum
 from pydantic import BaseModel, Field
 
 from activities.pace_models import PaceVerdict
-from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, CheckpointRef, InjectFaultResult, StopReason  # noqa: F401
+from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, CheckpointRef, InjectFaultResult, StopReason  # noqa: F401 - re-exported
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.spec import NODE_ID_PATTERN, HealthSpec
 
@@ -589,7 +589,7 @@ class WatchEvent(BaseModel):
     failure_signature: str | None = None
     """RANK_EXITED: the exception in the tail and the frame that raised it, addresses and ports masked
     (`activities.rank_logs.failure_signature`); None when the tail shows no Python exception."""
-    evidence: list["RankEvidence"] = Field(default_factory=list)
+    evidence: list[RankEvidence] = Field(default_factory=list)
     """HANG, with `WatchRanksInput.evidence_with_event`: every local rank's evidence, taken when the hang was
     judged and before anything was stopped (what `collect_evidence` would have answered)."""
     standby: bool = False

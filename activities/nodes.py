@@ -117,7 +117,8 @@ class PoolBatcher:
         return await future
 
     def _take(self) -> list[tuple[Any, asyncio.Future[Any]]]:
-        batch, names = [], 0
+        batch: list[tuple[Any, asyncio.Future[Any]]] = []
+        names = 0
         while self.waiting and (not batch or names + _names(self.waiting[0][0]) <= POOL_BATCH_MAX_NODES):
             names += _names(self.waiting[0][0])
             batch.append(self.waiting.pop(0))
@@ -247,7 +248,7 @@ class LeaseReclaimer:
                                                RECLAIM_DESCRIBE_TIMEOUT_S)
         except RPCError as error:
             return (False, None) if error.status is RPCStatusCode.NOT_FOUND else (None, None)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, None
         open_ = described.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW)
         return open_, described.close_time.timestamp() if described.close_time else None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import re
 import shutil
 import socket
@@ -99,7 +98,7 @@ class ShardServer:
                 self._deadline.cancel()
                 super().finish()
 
-            def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            def do_GET(self) -> None:  # the http.server API
                 self._deadline.cancel()  # the request is read: only the answer's writes are left (each bounded)
                 offered = (self.headers.get("Authorization") or "").encode("utf-8", "replace")
                 if not hmac.compare_digest(offered, expected):  # the same time whatever part of it is wrong
@@ -126,7 +125,7 @@ class ShardServer:
                     self.end_headers()
                     shutil.copyfileobj(handle, self.wfile, CHUNK)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the http.server API
+            def log_message(self, format: str, *args: Any) -> None:  # the http.server API
                 log.debug("peer tier: " + format, *args)
 
         self._server = _BoundedServer((host, port), Handler, max_connections)
@@ -211,7 +210,7 @@ def fetch_from_peer(base_url: str, run_dir_name: str, shard: ShardInfo, target: 
     size = 0
     try:
         with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_S) as response, \
-                target.open("wb") as out:  # noqa: S310
+                target.open("wb") as out:
             while chunk := response.read(CHUNK):
                 digest.update(chunk)
                 size += len(chunk)

@@ -183,7 +183,7 @@ def judge_rank(report: RankReport | None, signals: RankSignals, state: str | Non
     if silent <= bound:
         return Verdict(rank, RankActivity.STEPPING, silent, bound)
     if stopped:
-        return Verdict(rank, RankActivity.HUNG, silent, bound, report.phase if report else "")
+        return Verdict(rank, RankActivity.HUNG, silent, bound, (report.phase or "") if report else "")
     started = report is not None and report.step > start_step
     long_bound = max(health.hang_max_s, bound if not started else 0.0)
     phase = report.phase if report is not None else None

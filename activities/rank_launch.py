@@ -42,7 +42,7 @@ from trainguard.error_types import ErrorType
 from trainguard.models import StopReason
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
-from trainguard.run_as import RunAs
+from trainguard.run_as import PopenUser, RunAs
 from trainguard.settings import held_secret_values
 from trainguard.spec import exec_env_refused, exec_problems
 
@@ -247,7 +247,7 @@ class RankLaunch:
                      protocol.ENV_NODE: self.node, **env})
         log_file = protocol.open_append(log_path)
         try:
-            popen = subprocess.Popen(  # noqa: S603 - an argv list, never a shell string
+            popen = subprocess.Popen(  # an argv list, never a shell string
                 request.entrypoint,
                 cwd=cwd,
                 env=full,
@@ -255,7 +255,7 @@ class RankLaunch:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                **(self.run_as.popen_args() if self.run_as is not None else {}),  # type: ignore[arg-type]
+                **(self.run_as.popen_args() if self.run_as is not None else PopenUser()),
             )
             self.book.cgroups.join(request.workflow_id, popen.pid)  # before it can fork: fencing kills all of it
             return popen

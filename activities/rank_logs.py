@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 from trainguard.error_types import ErrorType
 from trainguard.redact import redact
 # The read's models are the client's too: defined in trainguard.models, re-exported here.
-from trainguard.models import LOG_CHUNK_MAX_BYTES, ReadRankLogInput, ReadRankLogResult  # noqa: F401
+from trainguard.models import LOG_CHUNK_MAX_BYTES, ReadRankLogInput, ReadRankLogResult  # noqa: F401 - re-exported
 
 TAIL_MAX_LINES = 20
 """Lines of a rank's log an incident carries: a Python traceback of a few frames and its exception."""
@@ -116,7 +116,8 @@ class RankLogActivities:
         try:
             with path.open("rb") as handle:
                 size = handle.seek(0, 2)
-                start = max(0, size - request.tail_bytes) if request.tail_bytes is not None else min(request.offset, size)
+                start = (max(0, size - request.tail_bytes) if request.tail_bytes is not None
+                         else min(request.offset, size))
                 handle.seek(start)
                 data = handle.read(request.max_bytes)
         except FileNotFoundError:

@@ -229,7 +229,7 @@ class Parking:
                 await asyncio.sleep(PARK_POLL_S)
         except asyncio.CancelledError:
             pass
-        except Exception:  # a keeper that fails leaves the spare's relaunch cold, never the run broken
+        except Exception:  # noqa: BLE001 - a keeper that fails leaves the spare's relaunch cold, never the run broken
             log.exception("keeping parked processes of %s on a spare failed", pool.workflow_id)
 
     async def _keep(self, pool: RunParking) -> None:
@@ -250,7 +250,7 @@ class Parking:
                 await asyncio.sleep(PARK_POLL_S)
         except asyncio.CancelledError:
             pass
-        except Exception:  # a keeper that fails leaves relaunches cold, never the run broken
+        except Exception:  # noqa: BLE001 - a keeper that fails leaves relaunches cold, never the run broken
             log.exception("keeping parked processes of %s failed", pool.workflow_id)
 
 

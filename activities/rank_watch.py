@@ -193,7 +193,8 @@ class RankWatch:
                 record, local_ranks, alive_reported = latest, set(latest.ranks), -1
                 if not read_now:  # launched by the master's own activity: is the decision out yet?
                     decision = await self._read_decision(request.checkpoints)
-                report_start = decision is None or decision.attempt < record.attempt or self.node in (decision.starters or ())
+                report_start = (decision is None or decision.attempt < record.attempt
+                                or self.node in (decision.starters or ()))
                 log.info("%s: watch of attempt %d follows attempt %d", request.workflow_id, launched_here,
                          record.attempt)
             if follow and request.after_attempt is not None and record.attempt <= request.after_attempt:
@@ -225,9 +226,9 @@ class RankWatch:
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 # Redacted of the agent's secrets and secret-looking values: ranks write what its texts carry.
                 return redact_model(WatchEvent(
-                    kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at, step=node_step,
-                    restore_tiers=record.restore_tiers, attempt=record.attempt if follow else None,
-                    gaps=dict(watching.gaps.gaps), **fields))  # type: ignore[arg-type]
+                    kind=kind, node=self.node, detected_at=now, first_step_at=record.first_step_at, step=node_step,  # noqa: B023 - called in this turn only
+                    restore_tiers=record.restore_tiers, attempt=record.attempt if follow else None,  # noqa: B023 - as above
+                    gaps=dict(watching.gaps.gaps), **fields))  # noqa: B023 - as above
 
             ready = complete_steps(self._saved_steps(layout), local_ranks, max(request.reported_step,
                                                                                  record.start_step))
@@ -283,8 +284,9 @@ class RankWatch:
                 continue
             states = {r: process_state(record.ranks[r].pid) for r in running}
             verdicts = await watching.judge(
-                reports, {r: record.ranks[r].pid for r in running}, states, record.start_step, record.launched_at, now, health,
-                lambda ranks: ask_positions(layout, record, ranks),
+                reports, {r: record.ranks[r].pid for r in running}, states, record.start_step, record.launched_at,
+                now, health,
+                lambda ranks: ask_positions(layout, record, ranks),  # noqa: B023 - asked in this turn only
                 grace_s=0.0 if request.evidence else COLLECTIVE_WAIT_GRACE_S)
             hung = hung_rank(verdicts)
             if hung is not None:
@@ -361,7 +363,7 @@ class RankWatch:
         assert self.pacer is not None
         try:
             await self.pacer(target, pace)
-        except Exception as error:  # an outage: the next window writes again
+        except Exception as error:  # noqa: BLE001 - an outage: the next window writes again
             log.warning("writing the pace of %s attempt %d failed: %s", target.run_prefix, pace.attempt, error)
 
     async def _read_decision(self, target: WatchCheckpoints) -> AttemptDecision | None:
@@ -371,7 +373,7 @@ class RankWatch:
             return None
         try:
             return await asyncio.to_thread(self.decisions, target)
-        except Exception as error:  # an outage: the next read may answer
+        except Exception as error:  # noqa: BLE001 - an outage: the next read may answer
             log.warning("reading the run's decision from %s/%s failed: %s", target.bucket, target.run_prefix, error)
             return None
 
@@ -421,7 +423,8 @@ class RankWatch:
         while True:
             task = asyncio.ensure_future(self.downloader(request))
             while not task.done():
-                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt, downloading=True).to_json())
+                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt,
+                                                           downloading=True).to_json())
                 await asyncio.wait([task], timeout=1.0)
             error = task.exception()
             if error is None:
@@ -432,7 +435,8 @@ class RankWatch:
                         request.workflow_id, delay, error)
             resume = time.monotonic() + delay
             while time.monotonic() < resume:  # the watch's heartbeat timeout is shorter than the backoff
-                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt, downloading=True).to_json())
+                activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=request.attempt,
+                                                           downloading=True).to_json())
                 await asyncio.sleep(min(1.0, resume - time.monotonic()))
             delay = min(DOWNLOAD_RETRY_MAX_S, delay * 2)
 
@@ -500,7 +504,8 @@ class RankWatch:
                          and not (isinstance(error, ApplicationError) and error.non_retryable)]
             if not pending and not retryable:
                 return
-            activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=record.attempt, uploading=len(pending)).to_json())
+            activity.heartbeat(protocol.WatchHeartbeat(node=self.node, attempt=record.attempt,
+                                                       uploading=len(pending)).to_json())
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
             else:

@@ -26,7 +26,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from trainguard.error_types import ErrorType
-from activities.models import HOOK_OFF, NotifySchedulerInput, NotifySchedulerResult, SchedulerAction  # noqa: F401
+from activities.models import HOOK_OFF, NotifySchedulerInput, NotifySchedulerResult, SchedulerAction  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class _CommandScheduler(ABC):
             raise SchedulerCommandFailed(f"{' '.join(argv)} exited {done.returncode}: {output[-500:]}")
         return argv
 
-    def _raise_if_unknown_node(self, output: str, argv: list[str]) -> None:
+    def _raise_if_unknown_node(self, output: str, argv: list[str]) -> None:  # noqa: B027 - a default that knows no message
         """Subclasses recognize 'no such node': the node id differs from the scheduler's node name."""
 
 

@@ -342,7 +342,7 @@ class Soak(SoakVerdict):
                 self.errors.append(f"sampler: {type(error).__name__}: {error}")
             try:
                 await asyncio.wait_for(stop.wait(), POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def active(self) -> list[str]:

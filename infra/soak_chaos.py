@@ -87,7 +87,7 @@ class Chaos:
             try:
                 await asyncio.to_thread(self.stack.up, _quiet)
                 return
-            except Exception:  # noqa: BLE001 - a start-up check failed (a server just back cancels a query): again
+            except Exception:  # a start-up check failed (a server just back cancels a query): again
                 if attempt == UP_ATTEMPTS:
                     raise
                 await asyncio.sleep(2.0)

@@ -71,7 +71,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     else:
         for name, pid in stack.status().items():
             where = f" at {stack.node_address(name[6:])}" if stack.config.hosts and name.startswith("agent-") else ""
-            print(f"{name:<16} {'running (pid %d)' % pid if pid else 'stopped'}{where}")
+            print(f"{name:<16} {f'running (pid {pid})' if pid else 'stopped'}{where}")
         print(f"Temporal Web UI: {stack.config.ui_url}")
     return 0
 

@@ -18,6 +18,7 @@ import uuid
 from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
@@ -192,7 +193,7 @@ class TrainguardClient:
                                    f"another id, or cancel that run (`trainguard run cancel {workflow_id}`) first")
         return True
 
-    async def running_memo(self, workflow_id: str) -> dict[str, Any] | None:
+    async def running_memo(self, workflow_id: str) -> Mapping[str, Any] | None:
         """The memo of the execution running under `workflow_id`; None when none runs."""
         try:
             description = await self.handle(workflow_id).describe()

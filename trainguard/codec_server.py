@@ -65,7 +65,7 @@ class CodecServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host}:{port}"  # type: ignore[str-bytes-safe]  # an AF_INET address: host is a str
 
     def start_in_thread(self) -> threading.Thread:
         """Serve from a daemon thread; `shutdown()` stops it."""
@@ -79,7 +79,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "trainguard-codec"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+    def log_message(self, format: str, *args: Any) -> None:
         logger.info("%s %s", self.address_string(), format % args)
 
     # ---------------------------------------------------------------------------------------------- CORS
@@ -108,7 +108,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: HTTPStatus, message: str, origin: str | None) -> None:
         self._reply(status, {"error": message}, origin)
 
-    def do_OPTIONS(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_OPTIONS(self) -> None:
         origin, allowed = self._origin()
         if not allowed:
             self._error(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed", None)
@@ -121,11 +121,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         origin, allowed = self._origin()
         self._error(HTTPStatus.NOT_FOUND, "POST /encode or /decode", origin if allowed else None)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         origin, allowed = self._origin()
         if not allowed:
             self._error(HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed", None)

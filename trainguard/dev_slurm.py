@@ -175,7 +175,7 @@ class SlurmCluster:
     # --------------------------------------------------------------------------------------- commands
     def run(self, *argv: str, check: bool = True, timeout_s: float = 20.0) -> subprocess.CompletedProcess[str]:
         """A Slurm client command (`scontrol`, `sbatch`, ...) against this cluster."""
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=check,  # noqa: S603
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=check,
                               env={**os.environ, **self.env()})
 
     def node_states(self) -> dict[str, dict[str, Any]]:

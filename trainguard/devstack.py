@@ -285,7 +285,7 @@ class DevStack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with (self.log_dir / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(  # noqa: S603 - argv list
+            proc = subprocess.Popen(  # argv list
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 cwd=cwd, start_new_session=True,
             )
@@ -446,7 +446,8 @@ class DevStack:
         # dev server's own services reach each other at 127.0.0.1 whatever --ip says.
         self._spawn("temporal", self.config.in_services([
             _bin("temporal"), "server", "start-dev", "--db-filename", str(self.home / "temporal.db"),
-            "--ip", "0.0.0.0" if self.config.hosts else "127.0.0.1", "--port", str(ports.temporal), "--ui-port", str(ports.ui),
+            "--ip", "0.0.0.0" if self.config.hosts else "127.0.0.1", "--port", str(ports.temporal),
+            "--ui-port", str(ports.ui),
             "--http-port", str(ports.http), "--metrics-port", str(ports.server_metrics),
             "--ui-disable-news-fetch", "--log-level", "warn", *extra_args,
         ]))
@@ -528,7 +529,7 @@ class DevStack:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback URL we built
+                with urllib.request.urlopen(url, timeout=2) as response:  # loopback URL we built
                     if response.status == 200:
                         return
             except OSError:

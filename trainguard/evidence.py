@@ -126,7 +126,7 @@ class Position:
     @classmethod
     def from_json(cls, text: str) -> Position:
         data = json.loads(text)
-        return cls(**{k: v for k, v in data.items() if k in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**{k: v for k, v in data.items() if k in cls.__slots__})
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -280,9 +280,8 @@ class RankChannel:
         elif mode == "skip-collective":
             self.skip_collectives = True
 
-    def allreduce_hook(self, state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses other annotations
+    def allreduce_hook(self, state, bucket):  # DDP refuses other annotations
         """DDP comm hook: torch's own all-reduce (numerics unchanged), skipped once chaos says so."""
-        import torch
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         if self.skip_collectives:
@@ -291,7 +290,7 @@ class RankChannel:
         self.hook_entered += 1
         return future.then(self._hook_done)
 
-    def _hook_done(self, future):  # type: ignore[no-untyped-def]
+    def _hook_done(self, future):
         """The all-reduce's result came back (or failed): the rank is out of it. Passes the value on as is."""
         self.hook_completed += 1
         return future.value()

@@ -61,7 +61,7 @@ class HostsUnavailable(RuntimeError):
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S)  # noqa: S603 - argv
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT_S)  # argv
     if check and result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip() or f'exit {result.returncode}'}")
     return result

@@ -132,8 +132,8 @@ class Incident(BaseModel):
     """Step the next attempt resumed from (0 when no checkpoint was committed yet)."""
     restore_tier: str | None = None
     """Where the next attempt's shards came from: `local` (each node's own verified copy), `peer` (the
-    verified copy on the node that wrote the shard), `s3`, or a mix (`local+peer`); `peers` after an in-process restart (restarted ranks took a live peer's state); None when it
-    started from scratch."""
+    verified copy on the node that wrote the shard), `s3`, or a mix (`local+peer`); `peers` after an in-process
+    restart (restarted ranks took a live peer's state); None when it started from scratch."""
     detected_at: float = 0.0
     """Unix time of detection, on the detecting node agent's clock."""
     evidence: str = ""

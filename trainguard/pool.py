@@ -73,7 +73,7 @@ async def missing_agents(client: Client, nodes: list[str], max_idle_s: float = 9
     return [node for node, ok in zip(nodes, found) if not ok]
 
 
-async def pool_handle(client: Client):  # type: ignore[no-untyped-def]
+async def pool_handle(client: Client):
     """The node pool workflow, started on first use (a second start just finds the running one)."""
     from temporalio.common import WorkflowIDConflictPolicy
 

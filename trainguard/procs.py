@@ -74,8 +74,8 @@ def _runqueue_wait_s(pid: int) -> float:
 
 def tree_usage(pid: int) -> tuple[float, int | None, float, bool] | None:
     """CPU seconds (user + system, reaped children's included), bytes read and written, and seconds its main
-    threads spent waiting for a CPU, by `pid` and every live descendant (data loader workers, a compile's workers, a save's
-    writer), and whether `pid`'s main thread is running or runnable now (`R`); None once `pid` is gone. Bytes are
+    threads spent waiting for a CPU, by `pid` and every live descendant (data loader workers, a compile's workers, a
+    save's writer), and whether `pid`'s main thread is running or runnable now (`R`); None once `pid` is gone. Bytes are
     None when any of the tree's cannot be read."""
     cpu_ticks, io_total, waited = 0, 0, 0.0
     running = False

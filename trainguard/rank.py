@@ -49,7 +49,7 @@ from typing import Any, NoReturn
 
 from trainguard import evidence as _evidence
 from trainguard import protocol as _protocol
-from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, _helper_bytes,  # noqa: F401
+from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, _helper_bytes,
                                   _helper_from_bytes, _safe_dcp, caller_outside, files_digest, load_weights_only,
                                   sha256_file)  # files_digest, sha256_file: the agent's and the tests' names
 from trainguard.state_digest import _holds, _holds_dtensor, _is_sharded, state_digest  # noqa: F401 - tg.state_digest: the API
@@ -306,7 +306,7 @@ class RankRun:
         self._stop(message)
 
     def _write_replica(self, step: int) -> None:
-        step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)  # type: ignore[operator]
+        step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)  # type: ignore[operator]  # callers check it is set
         step_dir.mkdir(parents=True, exist_ok=True)
         self._saved.add(step)
         _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank),
@@ -346,8 +346,8 @@ class RankRun:
         if not self.managed or self._checkpoint_dir is None:
             return 0.0
         if self._untemplated_restore is not None and self._format_of(state) == FORMAT_DCP:
-            self._stop(f"trainguard: {caller_outside(__file__)}: run.save({step}, ...) writes a torch.distributed.checkpoint "
-                       f"(DCP), which only a restore given its template can load, but "
+            self._stop(f"trainguard: {caller_outside(__file__)}: run.save({step}, ...) writes a "
+                       f"torch.distributed.checkpoint (DCP), which only a restore given its template can load, but "
                        f"{self._untemplated_restore} calls run.restore() with none: the run could never "
                        f"resume. {TEMPLATE_FIX}")
         started = time.monotonic()
@@ -430,7 +430,7 @@ class RankRun:
             names = sorted(p.name for p in (step_dir / DCP_DIR).glob(f"__{self.rank}_*.distcp"))
             if self.rank == 0:
                 names.append(Path(DCP_METADATA).name)
-            files = []
+            files: list[dict[str, Any]] = []
             for name in names:
                 path = step_dir / DCP_DIR / name
                 files.append({"name": f"{DCP_DIR}/{name}", "size_bytes": path.stat().st_size,
@@ -438,7 +438,7 @@ class RankRun:
             meta = {"rank": self.rank, "step": step, "format": FORMAT_DCP, "files": files,
                     "size_bytes": sum(f["size_bytes"] for f in files), "sha256": files_digest(files)}
             _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank), meta)
-        except BaseException as error:  # surfaced on the next save or at finish
+        except BaseException as error:  # noqa: BLE001 - surfaced on the next save or at finish
             self._writer_error = error
 
     def _write_shard(self, step: int, payload: dict[str, Any], sharded: bool = False) -> None:
@@ -461,7 +461,7 @@ class RankRun:
             meta["sha256"] = sha256_file(final)
             # The meta file appears last: the agent treats a shard without it as not written yet.
             _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank), meta)
-        except BaseException as error:  # surfaced on the next save or at finish
+        except BaseException as error:  # noqa: BLE001 - surfaced on the next save or at finish
             self._writer_error = error
 
     def _wait_for_writer(self) -> None:

@@ -108,4 +108,4 @@ def redact_model(model: Model, known: Iterable[str] | None = None) -> Model:
     """A copy of `model` with `redact` applied to every text field but `IDENTIFIER_FIELDS`, in nested models,
     lists and dicts too: whatever a node agent returns to Temporal passes through here (`workers.redaction`
     applies it to every node activity's result and failure)."""
-    return redact_value(model, known)  # type: ignore[no-any-return]
+    return redact_value(model, known)

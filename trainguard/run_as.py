@@ -15,6 +15,18 @@ import pwd
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
+
+
+
+class PopenUser(TypedDict, total=False):
+    """`subprocess.Popen` keywords that start a process as another user (`RunAs.popen_args`); empty: as
+    the caller."""
+
+    user: int
+    group: int
+    extra_groups: list[int]
+
 
 RUN_AS_ENV = "TRAINGUARD_RUN_AS"
 """The user ranks run as, when `--run-as` is not given."""
@@ -51,7 +63,7 @@ class RunAs:
                              f"name an unprivileged user")
         return cls(name=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, home=entry.pw_dir)
 
-    def popen_args(self) -> dict[str, object]:
+    def popen_args(self) -> PopenUser:
         """`subprocess.Popen` keywords that start a process as this user, with its group and no other."""
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
@@ -67,10 +79,10 @@ class RunAs:
         into it. `subprocess` enters a `cwd` before it drops to the user, so without this a rank would be
         handed a directory it could never reach itself. Raises `subprocess.TimeoutExpired` when the check hangs
         (a stuck mount: the node's trouble, not the spec's)."""
-        done = subprocess.run(  # noqa: S603 - a fixed argv; the path is an argument, never shell text
+        done = subprocess.run(  # a fixed argv; the path is an argument, never shell text
             [ENTER_CHECK_SHELL, "-c", 'cd -- "$1"', "sh", str(path)], cwd="/", env={}, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=ENTER_CHECK_TIMEOUT_S,
-            **self.popen_args())  # type: ignore[arg-type]
+            **self.popen_args())
         return done.returncode == 0
 
     def unreachable(self, path: Path, need: int = os.R_OK) -> Path | None:

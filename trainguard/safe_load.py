@@ -85,7 +85,6 @@ def load_weights_only(source: Any, *, allow_pickle: bool = False) -> Any:
 def _helper_bytes(helper: dict[str, Any]) -> bytes:
     """The helper's own state (step, rank, RNG) as a DCP checkpoint stores it: a `torch.save`, which restores
     weights-only. (Before, a `pickle.dumps`, whose tensors unpickle through torch's unrestricted load.)"""
-    import io
 
     import torch
 
@@ -97,13 +96,12 @@ def _helper_bytes(helper: dict[str, Any]) -> bytes:
 def _helper_from_bytes(data: bytes, allow_pickle: bool) -> dict[str, Any] | None:
     """The helper's state saved with a DCP checkpoint; None (RNG not restored, with a warning) for one in the
     older pickle form on a node that does not allow pickle."""
-    import io
     import pickle
 
     if data[:2] == b"PK":  # a torch.save (zip)
-        return load_weights_only(io.BytesIO(data), allow_pickle=allow_pickle)  # type: ignore[no-any-return]
+        return load_weights_only(io.BytesIO(data), allow_pickle=allow_pickle)
     if allow_pickle:
-        return pickle.loads(data)  # type: ignore[no-any-return]  # noqa: S301 - the operator allowed pickle
+        return pickle.loads(data)
     print(f"trainguard: this DCP checkpoint keeps its RNG state as a pickle, which is only loaded where the "
           f"node allows it ({ENV_ALLOW_PICKLE}=1): the RNG is not restored", file=sys.stderr, flush=True)
     return None
@@ -127,7 +125,6 @@ layouts and memory formats: it is read with these alone (`pickle.Unpickler.find_
 def _dcp_metadata_class(module: str, name: str) -> Any:
     """The global `module.name` when a DCP metadata pickle may use it; else UnpicklingError."""
     import importlib
-    import pickle
 
     import torch
 
@@ -146,7 +143,6 @@ def _dcp_metadata_class(module: str, name: str) -> Any:
 def _safe_dcp(restore_dir: Path, allow_pickle: bool) -> tuple[Any, Any]:
     """DCP's reader and load planner for a restore: its metadata unpickled through `_dcp_metadata_class`, its
     non-tensor values loaded weights-only (DCP itself unpickles both unrestricted)."""
-    import pickle
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._traverse import set_element

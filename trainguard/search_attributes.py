@@ -22,7 +22,7 @@ ALL = (PHASE, STEP, INCIDENTS)
 log = logging.getLogger(__name__)
 
 
-async def _missing(client):  # type: ignore[no-untyped-def]
+async def _missing(client):
     from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 
     existing = await client.operator_service.list_search_attributes(
@@ -31,7 +31,7 @@ async def _missing(client):  # type: ignore[no-untyped-def]
     return [key for key in ALL if key.name not in existing.custom_attributes]
 
 
-async def ensure_registered(client) -> bool:  # type: ignore[no-untyped-def]
+async def ensure_registered(client) -> bool:
     """Register the attributes in the client's namespace if missing; False when not allowed (e.g. on a
     Temporal Cloud namespace without admin rights: register them there with tcld or the UI)."""
     from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
@@ -42,7 +42,8 @@ async def ensure_registered(client) -> bool:  # type: ignore[no-untyped-def]
             # The SDK's indexed value types carry the server's enum numbers.
             await client.operator_service.add_search_attributes(AddSearchAttributesRequest(
                 namespace=client.namespace,
-                search_attributes={key.name: int(key.indexed_value_type) for key in missing},
+                search_attributes={key.name: int(key.indexed_value_type)  # type: ignore[misc]  # a NewType of int
+                                   for key in missing},
             ))
         return True
     except Exception as error:  # noqa: BLE001 - registration is a convenience, never fatal
@@ -50,7 +51,7 @@ async def ensure_registered(client) -> bool:  # type: ignore[no-untyped-def]
         return False
 
 
-async def registered(client) -> bool:  # type: ignore[no-untyped-def]
+async def registered(client) -> bool:
     """Whether every attribute is registered, so a workflow may upsert them without failing its tasks."""
     try:
         return not await _missing(client)

@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from functools import lru_cache
-from typing import Any, Mapping, MutableMapping
+from typing import Any
+from collections.abc import Mapping, MutableMapping
 
 
 DEFAULT_TEMPORAL_ADDRESS = "127.0.0.1:7233"
@@ -183,7 +184,8 @@ def dev_store(environ: Mapping[str, str]) -> tuple[str, str] | None:
     from trainguard.devstack import STACK_FILE, StackConfig
 
     if environ.get("TRAINGUARD_PORT_BASE"):
-        return StackConfig.from_env(dict(environ)).s3_endpoint, f"TRAINGUARD_PORT_BASE={environ['TRAINGUARD_PORT_BASE']}"
+        return (StackConfig.from_env(dict(environ)).s3_endpoint,
+                f"TRAINGUARD_PORT_BASE={environ['TRAINGUARD_PORT_BASE']}")
     path = Path(environ.get("TRAINGUARD_HOME", ".trainguard")) / STACK_FILE
     try:
         return str(json.loads(path.read_text())["s3_endpoint"]), f"{path} (written by `trainguard dev up`)"

@@ -65,7 +65,7 @@ def make_dev_certs(directory: Path, days: int = 365) -> DevCerts:
     if all(p.exists() for p in (certs.ca, certs.server_cert, certs.server_key, certs.client_cert, certs.client_key)):
         return certs
     directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def name(common: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "trainguard dev stack"),

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
 
 from trainguard import POOL_WORKFLOW_ID, TASK_QUEUE
 
@@ -96,8 +97,8 @@ def _imported(source: bytes, module: str, is_package: bool) -> list[str]:
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
+            for branch in node.orelse:
+                visit(branch)
             return
         if isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names)

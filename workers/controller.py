@@ -54,7 +54,7 @@ def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
         use_worker_versioning=True, default_versioning_behavior=VersioningBehavior.PINNED)
 
 
-async def take_first_version(client, config: WorkerDeploymentConfig | None) -> None:  # type: ignore[no-untyped-def]
+async def take_first_version(client, config: WorkerDeploymentConfig | None) -> None:
     """A first deploy makes its own build current (new runs would otherwise wait for unversioned workers); a
     later build only says how it is promoted. Errors are logged, not raised: the controller serves its pinned
     runs whatever the routing."""
@@ -79,7 +79,7 @@ async def take_first_version(client, config: WorkerDeploymentConfig | None) -> N
                     version.build_id, current or "(unversioned workers)", version.deployment_name, version.build_id)
 
 
-def build_worker(client, task_queue: str = TASK_QUEUE,  # type: ignore[no-untyped-def]
+def build_worker(client, task_queue: str = TASK_QUEUE,
                  settings: Settings | None = None, token: str | None = None,
                  manifest_key: bytes | None = None) -> Worker:
     """`token`: the pool's peer token registrations are checked with, and node records and relaunch decisions

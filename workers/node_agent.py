@@ -94,7 +94,7 @@ def node_ranks(node: str, workdir: Path, host: str, code_dir: Path, health: Node
                      evidence=evidence)
 
 
-def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,  # type: ignore[no-untyped-def]
+def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,
                  allowed: tuple[str, ...] = ("*",), chaos: bool = True,
                  peer_tier: bool = True, allowed_env: frozenset[str] = frozenset(),
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
@@ -146,7 +146,7 @@ ORPHAN_IDLE_S = 30.0
 restart or a continue-as-new takes to watch them again, so a healthy run is asked rarely."""
 
 
-async def run_memo(client, workflow_id: str) -> dict[str, Any] | None:  # type: ignore[no-untyped-def]
+async def run_memo(client, workflow_id: str) -> dict[str, Any] | None:
     """The memo of run `workflow_id` (its current execution); None when Temporal has no such run."""
     from temporalio.service import RPCError, RPCStatusCode
 
@@ -158,7 +158,7 @@ async def run_memo(client, workflow_id: str) -> dict[str, Any] | None:  # type: 
         raise
 
 
-async def fence_orphans(client, ranks: RankBook) -> None:  # type: ignore[no-untyped-def]
+async def fence_orphans(client, ranks: RankBook) -> None:
     """Every `ORPHAN_CHECK_INTERVAL_S`: `check_orphans`."""
     while True:
         await asyncio.sleep(ORPHAN_CHECK_INTERVAL_S)
@@ -166,7 +166,7 @@ async def fence_orphans(client, ranks: RankBook) -> None:  # type: ignore[no-unt
         await check_parked_spares(client, ranks)
 
 
-async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) -> int:  # type: ignore[no-untyped-def]
+async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) -> int:
     """The run's workflow is the authority on which ranks should live. Ranks that no watch has looked at
     for `idle_s` are checked against it: if the run has ended, moved to a newer attempt, or left this node
     (a partition that has healed, after the run replaced the node), they are stopped, so no stale attempt
@@ -186,7 +186,7 @@ async def check_orphans(client, ranks: RankBook, idle_s: float = ORPHAN_IDLE_S) 
                 stopped += await ranks.fence(record, f"the run is {described.status.name.lower()}")
                 continue
             status = await asyncio.wait_for(handle.query("status", result_type=RunStatus), timeout=10)
-        except (RPCError, asyncio.TimeoutError) as error:
+        except (TimeoutError, RPCError) as error:
             log.info("cannot check %s with its workflow yet (%s); keeping its ranks", record.workflow_id,
                      getattr(error, "message", None) or type(error).__name__)
             continue
@@ -201,7 +201,7 @@ SPARE_DESCRIBE_TIMEOUT_S = 10.0
 """A spare's describe of its run that takes longer is tried at its next check (Temporal is restarting)."""
 
 
-async def check_parked_spares(client, ranks: RankBook,  # type: ignore[no-untyped-def]
+async def check_parked_spares(client, ranks: RankBook,
                               every_s: float = SPARE_CHECK_S) -> int:
     """The safety net for processes parked on this spare for a run that vanished without telling (terminated:
     no stop reached the spare): each spare's pool asks Temporal every `every_s` whether its run is still open,
@@ -214,7 +214,7 @@ async def check_parked_spares(client, ranks: RankBook,  # type: ignore[no-untype
         try:
             described = await asyncio.wait_for(client.get_workflow_handle(pool.workflow_id).describe(),
                                            timeout=SPARE_DESCRIBE_TIMEOUT_S)
-        except (RPCError, asyncio.TimeoutError) as error:
+        except (TimeoutError, RPCError) as error:
             log.info("cannot check %s with its workflow yet (%s); keeping its parked processes", pool.workflow_id,
                      getattr(error, "message", None) or type(error).__name__)
             continue
@@ -253,7 +253,7 @@ REGISTER_REFUSED_RETRY_S = 30.0
 this much later: an operator fixes the cause, and each refusal costs the pool's history a few events."""
 
 
-async def register_until_done(client, node: str, host: str,  # type: ignore[no-untyped-def]
+async def register_until_done(client, node: str, host: str,
                               peer_url: str = "", labels: dict[str, str] | None = None,
                               token: str | None = None, slurm_job: int | None = None) -> None:
     """Join the node pool, reporting GPU health (a cordoned node that comes back healthy is repaired, unless an

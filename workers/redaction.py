@@ -49,7 +49,8 @@ def redacted_error(error: BaseException, known: Iterable[str] | None = None) -> 
         if clean_message == message and clean_cause is cause:
             return error
         # Temporal names a plain exception's failure by its class and retries it: the same, minus the secret.
-        clean = ApplicationError(clean_message, **{"type": type(error).__name__})
+        plain: dict[str, Any] = {"type": type(error).__name__}
+        clean = ApplicationError(clean_message, **plain)
     clean.__cause__ = clean_cause
     return clean.with_traceback(error.__traceback__)
 

@@ -65,7 +65,7 @@ def operator_drains(sinfo: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _slurm_json(argv: list[str]) -> dict[str, Any]:
-    done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,  # noqa: S603
+    done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
                           check=True)
     return dict(json.loads(done.stdout))
 
@@ -202,7 +202,7 @@ class SlurmDrainWatch:
             failures = 0 if await self.look() else min(failures + 1, 32)
             try:
                 await asyncio.wait_for(stop.wait(), min(self.poll_s * 2 ** failures, self.max_backoff_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -219,7 +219,7 @@ async def keep_watching(watch: SlurmDrainWatch, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             await watch.run(stop)
-        except Exception:  # noqa: BLE001 - logged whole; the restart is the remedy
+        except Exception:  # logged whole; the restart is the remedy
             log.exception("Slurm watch stopped: restarting it in %.0fs", watch.max_backoff_s)
         else:
             if not stop.is_set():
@@ -227,5 +227,5 @@ async def keep_watching(watch: SlurmDrainWatch, stop: asyncio.Event) -> None:
                           watch.max_backoff_s)
         try:
             await asyncio.wait_for(stop.wait(), watch.max_backoff_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

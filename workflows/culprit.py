@@ -91,8 +91,8 @@ def pick_culprit(evidence: list[RankEvidence], fallback_rank: int | None,
 
     counted = [e for e in known if e.collectives_enqueued is not None]
     if len(counted) > 1:
-        lowest = min(e.collectives_enqueued for e in counted)  # type: ignore[type-var]
-        if lowest < max(e.collectives_enqueued for e in counted):  # type: ignore[type-var]
+        lowest = min(e.collectives_enqueued for e in counted)  # type: ignore[type-var]  # counted: all known
+        if lowest < max(e.collectives_enqueued for e in counted):  # type: ignore[type-var, operator]  # as above
             behind = [e for e in counted if e.collectives_enqueued == lowest]
             pick = _order(behind, fallback_rank)
             return _named(pick, evidence, "behind-in-sequence",

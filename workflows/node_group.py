@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -161,8 +162,9 @@ PEER_EVIDENCE_WAIT = timedelta(seconds=2)
 evidence, asked at once (`collect_evidence`: half a second at most on a live node). Their ranks wait in the
 collective the hung rank never joined, which is a wait, not a hang (`activities.progress.judge_rank`), so none of
 them reports one; the group asks instead of waiting for reports that do not come (waiting cost every hang's
-relaunch 0.5 s, plus the run's asking after it). A node that has not answered by then is asked by the run, or not
-at all when the run's groups stand."""
+relaunch 0.5 s, plus the run's asking after it). A node that has not answered by then is asked by the run. Groups
+that stand (runs past 64 nodes) ask no node: there the relaunch is published from the first report and the culprit
+named from the evidence in hand (the culprit's own node reports it: its rank is the one judged hung)."""
 
 EVIDENCE_RETRY = RetryPolicy(maximum_attempts=1)
 """Evidence is asked once: the recovery waits on it, and a node that cannot answer is evidence too."""
@@ -202,7 +204,10 @@ _CALL_OPTIONS: dict[NodeCallKind, _CallOptions] = {
 }
 
 
-def groups_of(nodes: list[str], size: int = NODES_PER_GROUP) -> list[list[str]]:
+T = TypeVar("T")
+
+
+def groups_of(nodes: list[T], size: int = NODES_PER_GROUP) -> list[list[T]]:
     """Consecutive groups of at most `size` nodes, in order."""
     return [nodes[start : start + size] for start in range(0, len(nodes), size)]
 
@@ -307,7 +312,7 @@ async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
 async def _tell_run(run_workflow_id: str, signal: str, message: GroupStarted | UploadTrouble) -> None:
     try:
         await workflow.get_external_workflow_handle(run_workflow_id).signal(signal, message)
-    except Exception as error:  # the run closed meanwhile: nobody to tell
+    except Exception as error:  # noqa: BLE001 - the run closed meanwhile: nobody to tell
         workflow.logger.warning("could not signal %s to run %s: %s", signal, run_workflow_id, error)
 
 
@@ -336,7 +341,6 @@ class NodeGroupWatch:
         started_attempt = request.watch.attempt
         finished = {e.node: e for e in request.finished}
         signalled = request.signalled
-        evidence_asked: set[int] = set()  # the hung attempts whose evidence the group asked its nodes for
         starters = request.nodes if request.starters is None else [n for n in request.nodes if n in request.starters]
         watches = {n: self._watch(request, n, report_start=n in starters and n not in started, launch=True)
                    for n in request.nodes if n not in finished}
@@ -409,7 +413,7 @@ class NodeGroupWatch:
                         continue
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
-                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {short_cause(failure.error)}",
+                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {short_cause(failure.error)}",  # type: ignore[arg-type]  # _failure always sets error
                                                 error_type=failure.error_type, away_since=failure.away_since,
                                                 never_started=node in launching and _not_started(error)
                                                 and node not in request.launched))
@@ -451,15 +455,14 @@ class NodeGroupWatch:
                 # Not awaited: a cancel of the group that arrives while its signal is in flight would be
                 # swallowed if the signal then succeeds (the SDK resolves the signal, not the cancel), and the
                 # group would watch on while its run waits for it to close.
-                self._signals.append(asyncio.ensure_future(_tell_run(request.run_workflow_id, "group_started", GroupStarted(
+                self._signals.append(asyncio.ensure_future(_tell_run(
+                    request.run_workflow_id, "group_started", GroupStarted(
                     attempt=started_attempt, group=request.group, first_step_at=min(started.values()),
                     all_started_at=max(started.values()), parks=parks))))
             if result.incidents or result.lost:
-                if (request.watch.evidence_with_event and watches and not result.lost
+                if (request.watch.evidence_with_event and watches and not result.lost and not request.standing
                         and any(e.kind is WatchEventKind.HANG for e in result.incidents)):
-                    for node in await self._peers_evidence(request, watches, result, evidence_asked):
-                        if request.standing:
-                            del watches[node]  # reported: it waits for the run's next attempt
+                    await self._peers_evidence(request, watches, result)
                 if not request.standing:
                     return result
                 for event in result.incidents:  # each waits in a watch to take up the next attempt in place
@@ -482,14 +485,11 @@ class NodeGroupWatch:
 
     @staticmethod
     async def _peers_evidence(request: NodeGroupWatchInput, watches: dict[str, asyncio.Task[WatchEvent]],
-                              result: NodeGroupWatchResult, asked: set[int]) -> list[str]:
-        """The evidence of the group's nodes still watching (`PEER_EVIDENCE_WAIT`), in `result.evidence`, asked
-        once per hung attempt (`asked`); the failures those nodes reported meanwhile added to `result.incidents`.
-        Returns the nodes that reported one."""
+                              result: NodeGroupWatchResult) -> None:
+        """The evidence of the group's nodes still watching (`PEER_EVIDENCE_WAIT`), in `result.evidence`; the
+        failures those nodes reported meanwhile added to `result.incidents`."""
         hung = next(e for e in result.incidents if e.kind is WatchEventKind.HANG)
         attempt = hung.attempt or request.watch.attempt
-        first = attempt not in asked
-        asked.add(attempt)
         target = request.watch.checkpoints
         asks = {node: asyncio.ensure_future(workflow.execute_activity(
             "collect_evidence", CollectEvidenceInput(workflow_id=request.watch.workflow_id, attempt=attempt, node=node,
@@ -498,7 +498,7 @@ class NodeGroupWatch:
             task_queue=node_task_queue(node), start_to_close_timeout=EVIDENCE_TIMEOUT,
             schedule_to_start_timeout=PEER_EVIDENCE_WAIT, retry_policy=EVIDENCE_RETRY,
             result_type=CollectEvidenceResult, summary=f"collect hang evidence on {node} (attempt {attempt})"))
-            for node in request.nodes if first and node in watches and not watches[node].done()}  # a fixed order
+            for node in request.nodes if node in watches and not watches[node].done()}  # a fixed order
         if asks:
             await workflow.wait(list(asks.values()), timeout=PEER_EVIDENCE_WAIT.total_seconds())
         for node, ask in asks.items():
@@ -506,7 +506,6 @@ class NodeGroupWatch:
                 ask.cancel()
             elif ask.exception() is None and ask.result().ranks:  # none: its report may still bring some
                 result.evidence[node] = ask.result().ranks
-        reported = []
         for node in request.nodes:
             task = watches.get(node)
             if task is None or not task.done() or task.exception() is not None:
@@ -514,8 +513,6 @@ class NodeGroupWatch:
             event = task.result()
             if event.kind in (WatchEventKind.HANG, WatchEventKind.RANK_EXITED, WatchEventKind.GPU_UNHEALTHY):
                 result.incidents.append(event)
-                reported.append(node)
-        return reported
 
     async def _silent_but_there(self, nodes: list[str], watches: dict[str, asyncio.Task[WatchEvent]],
                                 second_chance: set[str], rewatched: dict[str, int]) -> set[str]:

@@ -46,7 +46,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.spec import LABEL_KEY_PATTERN, LABEL_VALUE_PATTERN, MAX_NODE_LABELS, RunSpec, is_node_id, \
         selector_text
 
-from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE  # noqa: E402,F401 - the names clients use too
+from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE  # noqa: F401 - the names clients use too
 
 # Each request adds a handful of events; continue as new long before Temporal's limits.
 POOL_HISTORY_EVENTS = 5_000

@@ -87,7 +87,8 @@ def same_failure_streak(incident: Incident, earlier: Sequence[Incident]) -> int:
     for before in reversed(earlier):
         if before.action is Action.REPORT or before.attempt > expected:
             continue
-        if before.attempt != expected or before.kind is not IncidentKind.CRASH or before.signature != incident.signature:
+        if (before.attempt != expected or before.kind is not IncidentKind.CRASH
+                or before.signature != incident.signature):
             break
         streak, expected = streak + 1, expected - 1
     return streak

@@ -125,11 +125,12 @@ class Attempts:
         """`kind` on every node of the attempt: the master node first (it picks the process group's fresh
         port, `master` None), then the others together, given the master's answer. Every node's answer;
         only the master's when it failed."""
-        nodes = self.core.status.nodes
+        nodes: list[str] = self.core.status.nodes
+        first: NodeAnswer[G]
         [first] = await self.nodes.fan_out(kind, [(nodes[0], make(0, None))], summary, result_type)
         if first.result is None:
             return [first]
-        return [first, *await self.nodes.fan_out(
+        return [first, *await self.nodes.fan_out(  # type: ignore[list-item]  # mypy loses a constrained G here
             kind, [(nodes[i], make(i, first.result)) for i in range(1, len(nodes))], summary, result_type)]
 
     async def _in_process(self, attempt: int, incident: Incident) -> Outcome:

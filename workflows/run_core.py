@@ -153,7 +153,8 @@ class RunCore:
     def rank_incident(self, event: WatchEvent, attempt: int) -> Incident:
         if event.kind is WatchEventKind.GPU_UNHEALTHY:
             return Incident(kind=IncidentKind.GPU_UNHEALTHY, node=event.node, attempt=attempt, detail=event.detail,
-                            detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
+                            detection_s=(None if event.fault_at is None
+                                         else round(event.detected_at - event.fault_at, 3)),
                             detected_at=event.detected_at)
         kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
         detection = None if event.fault_at is None else round(max(0.0, event.detected_at - event.fault_at), 3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Generic, TypeVar
@@ -145,7 +146,7 @@ class RunNodes:
         self.core = core
 
     # --------------------------------------------------------------------------------------- fan-out
-    async def fan_out(self, kind: NodeCallKind, calls: list[tuple[str, BaseModel]], summary: str,
+    async def fan_out(self, kind: NodeCallKind, calls: Sequence[tuple[str, BaseModel]], summary: str,
                       result_type: type[R]) -> list[NodeAnswer[R]]:
         """One activity of `kind` per node, in the calls' order; past `DIRECT_NODE_CALLS`, through a `NodeCalls`
         child per group of nodes so no execution holds more than a group's activities."""
@@ -163,7 +164,8 @@ class RunNodes:
 
             async def one(index: int, chunk: list[NodeCall]) -> NodeCallsResult:
                 async with limit:
-                    return await workflow.execute_child_workflow(
+                    # result_type: the SDK's typed overloads leave it out for a method, which it decodes alike
+                    return await workflow.execute_child_workflow(  # type: ignore[call-overload]  # result_type
                         NodeCalls.run, NodeCallsInput(kind=kind, calls=chunk, summary=summary,
                                                       second_chance=second_chance),
                         id=f"{self.core.wid()}/{kind.value}-{tag}-{index}", result_type=NodeCallsResult,
@@ -229,7 +231,7 @@ class RunNodes:
         return result
 
     # ------------------------------------------------------------------------------------------ pool
-    async def _pool(self, name: str, request: BaseModel, result_type: type, summary: str):  # type: ignore[no-untyped-def]
+    async def _pool(self, name: str, request: BaseModel, result_type: type, summary: str):
         return await workflow.execute_activity(
             name, request, start_to_close_timeout=POOL_TIMEOUT, retry_policy=POOL_RETRY,
             result_type=result_type, summary=summary,

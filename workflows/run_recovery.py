@@ -8,7 +8,6 @@ moves off drained nodes and grows back onto returned ones; a paused run waits fo
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from temporalio import workflow
@@ -184,7 +183,7 @@ class Recovery:
         core.set_phase(Phase.PAUSED)
         # A resume accepted while the pause was on its way is kept: the run goes straight back.
         intents.pause = False
-        decided = lambda: intents.resume or intents.abort_reason is not None  # noqa: E731
+        decided = lambda: intents.resume or intents.abort_reason is not None  # noqa: E731 - one condition for both waits below
         healed = False
         if heal is not None and heal.node:
             core.status.reason = (f"{core.status.reason}; resumes by itself once {heal.node}'s agent registers "
@@ -216,7 +215,7 @@ class Recovery:
                 await workflow.wait_condition(decided, timeout=heal_poll_s(
                     self.core.the_spec.restarts.heal_poll_s, polls))
                 return False
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 polls += 1
             away = await self.nodes.wait_for_agents([heal.node], since=heal.detected_at - AGENT_CLOCK_SKEW_S,
                                                     once=True)

@@ -132,7 +132,8 @@ class TrainingRun:
         if parse_fault(request.fault) is None:
             raise ValueError(f"unknown fault {request.fault!r}: choose one of {fault_choices()}")
         if request.fault == FaultKind.SLOW and not SLOW_DUTY_MIN <= request.slow_duty <= SLOW_DUTY_MAX:
-            raise ValueError(f"slow_duty {request.slow_duty:g} is out of range: give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
+            raise ValueError(f"slow_duty {request.slow_duty:g} is out of range: "
+                             f"give {SLOW_DUTY_MIN} to {SLOW_DUTY_MAX}")
         if request.fault == FaultKind.CORRUPT and status.latest_checkpoint is None:
             raise ValueError("no committed checkpoint yet to corrupt: wait for the first commit")
 

@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import json
 import random
-import statistics
 import time
 import uuid
 from pathlib import Path

@@ -85,7 +85,7 @@ class Controller:
         self.commits_file = home / "commits.jsonl"
         self.commits_file.touch()
         with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(  # noqa: S603 - argv list
+            self.proc = subprocess.Popen(  # argv list
                 [sys.executable, "-m", "infra.bench.nodes", "--serve-controller", "--queues", str(num_queues),
                  "--commits-file", str(self.commits_file)],
                 cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

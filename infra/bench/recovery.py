@@ -289,7 +289,7 @@ async def trainguard_fault(client: Any, opts: argparse.Namespace, fault: str, ho
         result.mean_step_s = outcome.mean_step_s
         result.digest = outcome.final_state_digest
         return result
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result.note = f"the run did not finish within {timeout_s:.0f}s"
         return result
     finally:

@@ -139,7 +139,7 @@ class Torchrun:
     def start(self) -> None:
         self.progress.unlink(missing_ok=True)
         self.started = time.time()
-        self.proc = subprocess.Popen(  # noqa: S603 - argv list
+        self.proc = subprocess.Popen(  # argv list
             self.argv, cwd=REPO, env=self.env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,
         )

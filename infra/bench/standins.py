@@ -354,7 +354,7 @@ class StandinNodes:
             def event(kind: WatchEventKind, **fields: object) -> WatchEvent:
                 return WatchEvent(kind=kind, node=request.node, detected_at=now, first_step_at=first_step_at,
                                   step=step, attempt=state.attempt if follow else None,
-                                  **fields)  # type: ignore[arg-type]
+                                  **fields)
 
             if time.monotonic() >= next_heartbeat:  # as the agent's watch: not more often than asked
                 next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)

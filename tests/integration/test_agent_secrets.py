@@ -16,7 +16,6 @@ import pwd
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from temporalio.client import WorkflowFailureError

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_bench_nodes_runs_a_crash_a_hang_and_a_lost_node_to_the_end(tmp_path: Path) -> None:
     results = tmp_path / "nodes.json"
-    done = subprocess.run(  # noqa: S603 - argv list
+    done = subprocess.run(  # argv list
         [sys.executable, "-m", "infra.bench.nodes", "--nodes", "16", "--checkpoints", "3", "--every-steps", "30",
          "--timeout-s", "90", "--json", str(results)],
         cwd=REPO, capture_output=True, text=True, timeout=180)

@@ -42,7 +42,7 @@ def _cli(stack: DevStack, *argv: str) -> subprocess.CompletedProcess[str]:
     """The CLI as a user in another shell runs it: only TRAINGUARD_HOME says which stack."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     env["TRAINGUARD_HOME"] = str(stack.home)
-    return subprocess.run([sys.executable, "-m", "trainguard.cli", *argv], env=env, cwd=REPO,  # noqa: S603
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", *argv], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -207,7 +207,7 @@ async def test_workers_serve_prometheus_metrics(baseline: RunResult, stack: DevS
     import urllib.request
 
     def scrape(port: int) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # noqa: S310
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
             return response.read().decode()
 
     controller = scrape(stack.metrics_port())

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
-from trainguard import connect, devstack, pool
+from trainguard import connect, pool
 from trainguard.devstack import DevStack, StackConfig
 from trainguard.models import PoolNode
 

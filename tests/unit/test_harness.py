@@ -33,7 +33,7 @@ def test_make_spec_is_a_spec_the_workflow_accepts() -> None:
 
 
 def _sleeper(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],  # noqa: S603
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                             env={**os.environ, **env}, start_new_session=True)
     for _ in range(200):  # until its start time is readable
         if start_time(proc.pid):

@@ -296,7 +296,7 @@ class _FakeNvml:
     class NVMLError(Exception):
         pass
 
-    class NVMLError_Timeout(NVMLError):  # noqa: N801 - pynvml's name
+    class NVMLError_Timeout(NVMLError):  # pynvml's name
         pass
 
     nvmlEventTypeXidCriticalError = 0x8

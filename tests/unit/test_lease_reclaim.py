@@ -3,7 +3,7 @@ run never releases its nodes, and every later run waited for them until it faile
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,7 +52,7 @@ class Handle:
         if isinstance(self.state, Exception):
             raise self.state
         status, closed_at = self.state
-        return SimpleNamespace(status=status, close_time=closed_at and datetime.fromtimestamp(closed_at, timezone.utc))
+        return SimpleNamespace(status=status, close_time=closed_at and datetime.fromtimestamp(closed_at, UTC))
 
 
 class Client:

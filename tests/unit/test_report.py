@@ -5,7 +5,7 @@ reads the histories the real workflow writes is test_report_of_a_run.py's.)"""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ def _payload(value: Any) -> Payload:
 
 def _time(at: float) -> Timestamp:
     stamp = Timestamp()
-    stamp.FromDatetime(datetime.fromtimestamp(at, tz=timezone.utc))
+    stamp.FromDatetime(datetime.fromtimestamp(at, tz=UTC))
     return stamp
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,7 @@ class _Handle:
     def __init__(self, status: WorkflowExecutionStatus | None, memo: dict[str, Any] | None = None,
                  started: float = JOB_START + 60) -> None:
         self.status, self._memo = status, memo or {}
-        self.start_time = datetime.fromtimestamp(started, timezone.utc)
+        self.start_time = datetime.fromtimestamp(started, UTC)
 
     async def describe(self) -> _Handle:
         if self.status is None:

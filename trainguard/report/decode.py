@@ -86,11 +86,11 @@ def spans_from_events(events: Iterable[Any]) -> RunHistory:
         elif kind in _CLOSED:
             outcome, field_name = _CLOSED[kind]
             attrs = getattr(event, field_name)
-            span = scheduled.get(attrs.scheduled_event_id)
-            if span is not None:
-                span.end, span.outcome = at, outcome
+            closed = scheduled.get(attrs.scheduled_event_id)
+            if closed is not None:
+                closed.end, closed.outcome = at, outcome
                 if outcome == "completed":
-                    span.result = _first(attrs.result)
+                    closed.result = _first(attrs.result)
         elif kind == "EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED":
             history.children.append(event.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id)
         elif kind in _RUN_CLOSED:
@@ -107,7 +107,7 @@ def spans_from_events(events: Iterable[Any]) -> RunHistory:
 def _event_type_name(value: int) -> str:
     from temporalio.api.enums.v1 import EventType
 
-    return EventType.Name(value)
+    return EventType.Name(value)  # type: ignore[arg-type]  # protobuf's stubs: enum numbers as a NewType
 
 
 async def decode_events(events: Iterable[Any], codec: Any) -> int:
@@ -134,7 +134,7 @@ async def decode_events(events: Iterable[Any], codec: Any) -> int:
             try:
                 [summary] = await codec.decode([event.user_metadata.summary])
                 event.user_metadata.summary.CopyFrom(summary)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - an undecodable summary is counted, the rest still decodes
                 failed += 1
         if kind == "EVENT_TYPE_WORKFLOW_EXECUTION_STARTED":
             await payloads(event.workflow_execution_started_event_attributes.input)

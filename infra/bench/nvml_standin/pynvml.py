@@ -30,11 +30,11 @@ class NVMLError(Exception):
     pass
 
 
-class NVMLError_Timeout(NVMLError):  # noqa: N801 - pynvml's own name
+class NVMLError_Timeout(NVMLError):  # pynvml's own name
     pass
 
 
-class NVMLError_Uninitialized(NVMLError):  # noqa: N801 - pynvml's own name
+class NVMLError_Uninitialized(NVMLError):  # pynvml's own name
     pass
 
 
@@ -52,10 +52,10 @@ class _EventSet:
 @dataclass(frozen=True)
 class _EventData:
     device: _Handle
-    eventType: int  # noqa: N815 - pynvml's field names
-    eventData: int  # noqa: N815
-    gpuInstanceId: int = 0  # noqa: N815
-    computeInstanceId: int = 0  # noqa: N815
+    eventType: int  # pynvml's field names
+    eventData: int
+    gpuInstanceId: int = 0
+    computeInstanceId: int = 0
 
 
 _lock = threading.Lock()
@@ -76,41 +76,41 @@ def _check() -> None:
         raise NVMLError_Uninitialized("NVML not initialized (stand-in)")
 
 
-def nvmlInit() -> None:  # noqa: N802 - pynvml's names from here on
+def nvmlInit() -> None:  # pynvml's names from here on
     global _initialized
     with _lock:
         _initialized += 1
 
 
-def nvmlShutdown() -> None:  # noqa: N802
+def nvmlShutdown() -> None:
     global _initialized
     with _lock:
         _initialized = max(0, _initialized - 1)
 
 
-def nvmlDeviceGetCount() -> int:  # noqa: N802
+def nvmlDeviceGetCount() -> int:
     _check()
     return _count()
 
 
-def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:  # noqa: N802
+def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
     _check()
     if not 0 <= index < _count():
         raise NVMLError(f"no GPU {index} (stand-in has {_count()})")
     return _Handle(index)
 
 
-def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:  # noqa: N802
+def nvmlDeviceGetTemperature(handle: _Handle, sensor: int) -> int:
     _check()
     return 40
 
 
-def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter: int) -> int:  # noqa: N802
+def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter: int) -> int:
     _check()
     return 0
 
 
-def nvmlEventSetCreate() -> _EventSet:  # noqa: N802
+def nvmlEventSetCreate() -> _EventSet:
     _check()
     created = _EventSet()
     with _lock:
@@ -118,13 +118,13 @@ def nvmlEventSetCreate() -> _EventSet:  # noqa: N802
     return created
 
 
-def nvmlDeviceRegisterEvents(handle: _Handle, event_types: int, event_set: _EventSet) -> None:  # noqa: N802
+def nvmlDeviceRegisterEvents(handle: _Handle, event_types: int, event_set: _EventSet) -> None:
     _check()
     if event_types & nvmlEventTypeXidCriticalError:
         event_set.devices.add(handle.value)
 
 
-def nvmlEventSetWait_v2(event_set: _EventSet, timeout_ms: int) -> _EventData:  # noqa: N802
+def nvmlEventSetWait_v2(event_set: _EventSet, timeout_ms: int) -> _EventData:
     try:
         data = event_set.events.get(timeout=timeout_ms / 1000)
     except queue.Empty:
@@ -136,7 +136,7 @@ def nvmlEventSetWait_v2(event_set: _EventSet, timeout_ms: int) -> _EventData:  #
 nvmlEventSetWait = nvmlEventSetWait_v2
 
 
-def nvmlEventSetFree(event_set: _EventSet) -> None:  # noqa: N802
+def nvmlEventSetFree(event_set: _EventSet) -> None:
     with _lock:
         if event_set in _sets:
             _sets.remove(event_set)
