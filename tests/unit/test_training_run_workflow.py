@@ -1891,7 +1891,7 @@ async def test_a_hang_of_a_run_whose_groups_stand_relaunches_before_every_nodes_
     the relaunch held a 4,096-node run's relaunch for 24 s. A run whose groups stand publishes the relaunch from
     the first reports and names the culprit as the rest come in: here the culprit's node reports only once the
     relaunch is published (a run that waited for its evidence would never relaunch), and the incident still
-    names its rank; no node is asked for evidence twice."""
+    names its rank, with no node asked for evidence."""
     nodes = _node_ids(80)
     cluster = _hang_every_node_reports(nodes, 50, Until(lambda: bool(cluster.inputs("publish_attempt"))),
                                        _hang_with_evidence(nodes[50], 50, False, 20, 1_000.5))
@@ -1906,8 +1906,7 @@ async def test_a_hang_of_a_run_whose_groups_stand_relaunches_before_every_nodes_
     assert incident.evidence.startswith("rank 50 is not inside a collective (entered 20) while its peers are")
     assert incident.detail.startswith("rank 50 hung (outside-collective); the watch first saw rank ")
     assert incident.attribution_s is not None and incident.recovery_s is not None
-    asked = [c.node for c in cluster.inputs("collect_evidence")]  # by the groups, as their first hang came
-    assert len(asked) == len(set(asked)) < len(nodes)
+    assert cluster.inputs("collect_evidence") == []
     assert [p.decision.attempt for p in cluster.inputs("publish_attempt")] == [2]
     assert result.final_checkpoint is not None and result.final_checkpoint.step == 20
 
