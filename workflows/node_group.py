@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -203,7 +204,10 @@ _CALL_OPTIONS: dict[NodeCallKind, _CallOptions] = {
 }
 
 
-def groups_of(nodes: list[str], size: int = NODES_PER_GROUP) -> list[list[str]]:
+T = TypeVar("T")
+
+
+def groups_of(nodes: list[T], size: int = NODES_PER_GROUP) -> list[list[T]]:
     """Consecutive groups of at most `size` nodes, in order."""
     return [nodes[start : start + size] for start in range(0, len(nodes), size)]
 
@@ -308,7 +312,7 @@ async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
 async def _tell_run(run_workflow_id: str, signal: str, message: GroupStarted | UploadTrouble) -> None:
     try:
         await workflow.get_external_workflow_handle(run_workflow_id).signal(signal, message)
-    except Exception as error:  # the run closed meanwhile: nobody to tell
+    except Exception as error:  # noqa: BLE001 - the run closed meanwhile: nobody to tell
         workflow.logger.warning("could not signal %s to run %s: %s", signal, run_workflow_id, error)
 
 
@@ -409,7 +413,7 @@ class NodeGroupWatch:
                         continue
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
                     failure = _failure(node, error)
-                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {short_cause(failure.error)}",
+                    result.lost.append(LostNode(node=node, detail=f"node agent {how}: {short_cause(failure.error)}",  # type: ignore[arg-type]  # _failure always sets error
                                                 error_type=failure.error_type, away_since=failure.away_since,
                                                 never_started=node in launching and _not_started(error)
                                                 and node not in request.launched))
@@ -451,7 +455,8 @@ class NodeGroupWatch:
                 # Not awaited: a cancel of the group that arrives while its signal is in flight would be
                 # swallowed if the signal then succeeds (the SDK resolves the signal, not the cancel), and the
                 # group would watch on while its run waits for it to close.
-                self._signals.append(asyncio.ensure_future(_tell_run(request.run_workflow_id, "group_started", GroupStarted(
+                self._signals.append(asyncio.ensure_future(_tell_run(
+                    request.run_workflow_id, "group_started", GroupStarted(
                     attempt=started_attempt, group=request.group, first_step_at=min(started.values()),
                     all_started_at=max(started.values()), parks=parks))))
             if result.incidents or result.lost:

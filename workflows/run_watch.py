@@ -101,7 +101,8 @@ class Watches:
         for request in inputs:
             live.group_ids[request.group] = f"{self.core.wid()}/watch-{attempt}-{tag}-{request.group}"
             live.group_requests[request.group] = request
-        return {request.group: asyncio.ensure_future(workflow.execute_child_workflow(
+        # result_type: the SDK's typed overloads leave it out for a method, which it decodes alike
+        return {request.group: asyncio.ensure_future(workflow.execute_child_workflow(  # type: ignore[call-overload]  # result_type
             NodeGroupWatch.run, request,
             id=live.group_ids[request.group], result_type=NodeGroupWatchResult,
             static_summary=f"watch {request.nodes[0]}..{request.nodes[-1]} ({len(request.nodes)} nodes, "
@@ -208,7 +209,7 @@ class Watches:
         live.group_requests[request.group] = request
         try:
             await workflow.get_external_workflow_handle(live.group_ids[request.group]).signal("next_attempt", request)
-        except Exception as error:  # the group closed meanwhile: its result says how, and the run goes by that
+        except Exception as error:  # noqa: BLE001 - the group closed meanwhile: its result says how, and the run goes by that
             workflow.logger.warning("could not tell watch group %d of attempt %d: %s", request.group,
                                     request.watch.attempt, error)
 
