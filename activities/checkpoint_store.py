@@ -69,7 +69,6 @@ from activities.models import (
 )
 from activities.pace import judge_window, read_pace
 from activities.pace_models import PaceRecord, PaceVerdict
-from activities.progress import find_stragglers
 from trainguard.error_types import ErrorType
 from trainguard.models import CheckpointRef
 from trainguard.rank import DCP_METADATA, FORMAT_DCP
@@ -560,9 +559,7 @@ class StoreActivities:
                             created_at=time.time(), state_format=state_format_of(shards),
                             reshardable=reshardable_of(shards))
         ref = self._put_manifest(client, request.bucket, request.run_prefix, manifest)
-        compute = {r: c for record in records for r, c in record.rank_compute_s.items()}
-        return CommittedCheckpoint(ref=ref, slow_ranks=find_stragglers(compute, request.straggler_ratio),
-                                   step=min((r.node_step for r in records), default=step))
+        return CommittedCheckpoint(ref=ref, step=min((r.node_step for r in records), default=step))
 
     def _prune(self, request: PruneCheckpointsInput) -> PruneCheckpointsResult:
         """Retention, after each committer pass that commits: keep the newest `keep_last` checkpoints this run

@@ -308,8 +308,6 @@ class CommitCheckpointsInput(BaseModel):
 
 class CommittedCheckpoint(BaseModel):
     ref: CheckpointRef
-    slow_ranks: dict[int, float] = Field(default_factory=dict)
-    """Ranks computing `straggler_ratio` times slower than their peers' median over the interval."""
     step: int = -1
     """Lowest step any node had reached when it reported the checkpoint."""
 

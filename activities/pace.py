@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from activities.checkpoint_layout import PACE_TAG_CONTEXT, ObjectRefused, verified_object
 from activities.pace_models import PaceRecord, PaceVerdict
@@ -111,11 +111,6 @@ def judge_window(records: Iterable[PaceRecord], *, ratio: float, after: float, c
         return None
     return PaceVerdict(slow=slow, window_end=newest, window_s=max(r.window_s for r in fresh),
                        step=min((r.step for r in fresh), default=-1))
-
-
-class _Report(Protocol):
-    step: int
-    compute_s: float | None
 
 
 class PaceWindow:

@@ -32,12 +32,6 @@ class FaultKind(StrEnum):
     CORRUPT = "corrupt"
     """A byte of the node's shard of the newest committed checkpoint flips (`trainguard chaos corrupt-checkpoint`)."""
 
-    @property
-    def is_hang(self) -> bool:
-        return self in HANGS
-
-
-HANGS = frozenset({FaultKind.HANG, FaultKind.HANG_PYTHON, FaultKind.HANG_SKIP_COLLECTIVE, FaultKind.HANG_IO})
 
 SIGNALLED = frozenset({FaultKind.CRASH, FaultKind.HANG})
 """Faults the agent carries out with a signal to the rank's own process."""

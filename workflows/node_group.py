@@ -46,7 +46,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 NODES_PER_GROUP = 64
-"""Nodes per `NodeCalls` child (and per `NodeGroupWatch` in histories before `WATCH_NODES_PER_GROUP`). A group
+"""Nodes per `NodeCalls` child (a `NodeGroupWatch` takes `WATCH_NODES_PER_GROUP`). A group
 keeps at most one activity per node pending, and a 4,096-node call 64 children: both far inside the 2,000 limit,
 with room for growth. Fewer, larger groups would put more events in one history; more, smaller ones more
 children in the run's."""
@@ -255,8 +255,7 @@ def _failure(node: str, error: ActivityError) -> NodeOutcome:
     details = cause.details if isinstance(cause, ApplicationError) else ()
     away = details[0] if kind == ErrorType.AGENT_SHUTDOWN and details and isinstance(details[0], (int, float)) \
         else None
-    return NodeOutcome(node=node, error=str(cause or error), error_type=kind,
-                       timed_out=isinstance(error.cause, TimeoutError), away_since=away)
+    return NodeOutcome(node=node, error=str(cause or error), error_type=kind, away_since=away)
 
 
 # --------------------------------------------------------------------------------------- workflows
@@ -458,7 +457,7 @@ class NodeGroupWatch:
                 self._signals.append(asyncio.ensure_future(_tell_run(
                     request.run_workflow_id, "group_started", GroupStarted(
                     attempt=started_attempt, group=request.group, first_step_at=min(started.values()),
-                    all_started_at=max(started.values()), parks=parks))))
+                    parks=parks))))
             if result.incidents or result.lost:
                 if (request.watch.evidence_with_event and watches and not result.lost and not request.standing
                         and any(e.kind is WatchEventKind.HANG for e in result.incidents)):

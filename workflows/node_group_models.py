@@ -51,7 +51,6 @@ class NodeOutcome(BaseModel):
     """Why it failed, from the innermost cause."""
     error_type: str | None = None
     """The failure's application error type (e.g. `BadSpec`), when it had one."""
-    timed_out: bool = False
     away_since: float | None = None
     """`AgentShutdown`: unix time (the node's clock) its agent began shutting down."""
 
@@ -69,8 +68,6 @@ class GroupStarted(BaseModel):
     group: int
     first_step_at: float
     """Unix time of the group's first step of the attempt."""
-    all_started_at: float
-    """Unix time by which every node of the group had run a step of the attempt."""
     parks: bool = False
     """The starters' ranks called `standby()` (the script parks): the run parks its processes on its spares
     too. False from groups of older builds."""

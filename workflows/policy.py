@@ -1,6 +1,6 @@
 """Pure decisions of a `TrainingRun`: what to do about an incident, and which phase may follow which.
 
-No I/O, no clock reads: the time is an argument. Tested with tables in tests/workflows/test_policy.py.
+No I/O, no clock reads: the time is an argument. Tested with tables in tests/unit/test_policy.py.
 """
 
 from __future__ import annotations

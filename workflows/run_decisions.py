@@ -58,9 +58,9 @@ class StragglerVerdict:
 
 def judge_stragglers(streaks: dict[int, int], slow: dict[int, float], *, windows: int,
                      have_spare: bool) -> StragglerVerdict:
-    """`slow`: rank -> how many times slower than its peers' median over one window (a checkpoint interval in
-    histories before `judge_pace`), in rank order as the committer reports them; `streaks`: the windows in a
-    row each was slow in before this one."""
+    """`slow`: rank -> how many times slower than its peers' median over one pace window, in rank order as
+    the pace judge (`PaceVerdict.slow`) reports them; `streaks`: the windows in a row each was slow in before
+    this one."""
     counts = {rank: streaks.get(rank, 0) + 1 for rank in slow}
     first: list[int] = []
     for rank in slow:
