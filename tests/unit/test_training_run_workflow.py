@@ -68,7 +68,6 @@ from activities.models import (
 )
 from activities.pace_models import PaceVerdict
 from activities.parking_models import ParkRanksInput, ParkRanksResult
-from activities.progress import find_stragglers
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard import node_task_queue
 from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, AgentsBackInput, AgentsBackResult, NodeRequest,
@@ -339,12 +338,11 @@ class Cluster:
             attempt=request.attempt, step=step, world_size=request.world_size, shards=shards))
         self.manifests.append(Manifest(workflow_id=request.workflow_id, step=step, world_size=request.world_size,
                                        attempt=request.attempt, shards=shards, reshardable=reshardable_of(shards)))
-        compute = {rank: c for r in records for rank, c in r.rank_compute_s.items()}
         self.committed_refs[step] = CommittedCheckpoint(
             ref=CheckpointRef(step=step, manifest_key=_manifest_key(request.run_prefix, step), bucket=request.bucket,
                               world_size=request.world_size, total_bytes=sum(s.size_bytes for s in shards),
                               reshardable=reshardable_of(shards)),
-            slow_ranks=find_stragglers(compute, request.straggler_ratio), step=step)
+            step=step)
         return self.committed_refs[step]
 
     def _upload_in_watch(self, request: WatchRanksInput, ready: WatchEvent, attempt: int) -> None:
