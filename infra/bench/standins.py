@@ -561,15 +561,15 @@ DECISION_CACHE_S = 0.25
 
 class StandinStore:
     """The checkpoint store's controller-side activities over manifests kept in memory. Built as `workers.controller`
-    builds `StoreActivities` (its manifest-tag secret is not needed here); `commits_file` is set before the worker
-    starts."""
+    builds `StoreActivities` (its manifest-tag secret and the pool's token are not needed here); `commits_file` is
+    set before the worker starts."""
 
     commits_file: Path | None = None
     """Each commit appends {"at", "step", "attempt", "shards"} here, for the benchmark to read."""
     records: NodeRecords | None = None
     """The nodes' records, as the stand-in watches write them."""
 
-    def __init__(self, secret: bytes | None = None) -> None:
+    def __init__(self, secret: bytes | None = None, token: str | None = None) -> None:
         self.manifests: dict[str, dict[int, Manifest]] = {}
         """Run prefix -> step -> manifest."""
 
