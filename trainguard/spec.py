@@ -6,8 +6,10 @@ by the workers from their own environment.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -496,13 +498,82 @@ class SpecError(ValueError):
     """A spec a user must fix; the message names each offending field."""
 
 
+SUGGEST_CUTOFF = 0.6
+"""How alike a misspelt name and a real one must be to be suggested (`difflib`'s ratio): `hang_flor_s` is 0.96
+like `hang_floor_s`, `bogus` like no field at all."""
+SUGGEST_MARGIN = 0.1
+"""Only names this close to the best match are suggested too: `hang_flor_s` suggests `hang_floor_s`, not also
+`hang_max_s` (0.73)."""
+SUGGEST_MAX = 3
+ECHO_MAX_CHARS = 60
+"""A value echoed back in a message is cut to this many characters of its JSON."""
+
+
+def close_names(name: str, names: Iterable[str]) -> list[str]:
+    """The names most like `name` (a misspelling, another case), best first; none when nothing is close. A dotted
+    name (`health.hang_floor_s`) is compared by its last part. For "did you mean" in spec and CLI messages."""
+    def likeness(candidate: str) -> float:
+        return difflib.SequenceMatcher(None, name.lower(), candidate.rsplit(".", 1)[-1].lower()).ratio()
+
+    scored = sorted(((likeness(n), n) for n in names), key=lambda item: -item[0])
+    best = scored[0][0] if scored else 0.0
+    return [n for score, n in scored if score >= max(SUGGEST_CUTOFF, best - SUGGEST_MARGIN)][:SUGGEST_MAX]
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The spec's model at `loc` (`()`: `RunSpec`, `("health",)`: `HealthSpec`), or None where a value is not one."""
+    model: type[BaseModel] = RunSpec
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    """What to say of a field the spec does not have: the fields it may have meant, there or in another section
+    (`hang_floor_s` written at the top is `health.hang_floor_s`), else the fields there are."""
+    name, parent = str(loc[-1]), _model_at(loc[:-1])
+    where = ".".join(map(str, loc[:-1])) or "the spec"
+    if parent is None:
+        return f"not a field of {where}"
+    sections = {section: model for section in RunSpec.model_fields if (model := _model_at((section,))) is not None}
+    candidates = [*parent.model_fields, *(f"{section}.{field}" for section, model in sections.items()
+                                          if model is not parent for field in model.model_fields)]
+    close = close_names(name, candidates)
+    if close:
+        return f"not a field of {where} (did you mean {' or '.join(close)}?)"
+    return f"not a field of {where} (its fields: {', '.join(parent.model_fields)})"
+
+
+def _given(problem: Any) -> str:
+    """` (given 0)`: the value a problem is about, as JSON, when the message does not show it already. Never
+    for `env` (a value there may be a secret under a harmless name) nor for an unknown field (a misplaced
+    `token`), and not for a whole object (a check across fields)."""
+    value = problem.get("input")
+    if problem["loc"][:1] == ("env",) or problem["type"] == "extra_forbidden" or not isinstance(
+            value, (str, int, float, bool, type(None))):
+        return ""
+    text = json.dumps(value)
+    if len(text) > ECHO_MAX_CHARS:
+        text = text[:ECHO_MAX_CHARS - 3] + "..."
+    return "" if repr(value) in problem["msg"] or text in problem["msg"] else f" (given {text})"
+
+
 def describe_validation_error(error: ValidationError) -> str:
-    """One line per problem, each starting with the field's dotted path, e.g. `nodes.1: ...`."""
+    """One line per problem, each starting with the field's dotted path, e.g. `nodes.1: ...`, with the value
+    given (`_given`) and, for a field the spec does not have, the fields it may have meant."""
     lines = []
     for problem in error.errors():
         # A dict key's own problem comes with a trailing "[key]": the key is the field (`env.HF_TOKEN`).
-        path = ".".join(str(part) for part in problem["loc"] if part != "[key]") or "(spec)"
-        lines.append(f"{path}: {problem['msg']}")
+        loc = tuple(part for part in problem["loc"] if part != "[key]")
+        path = ".".join(map(str, loc)) or "(spec)"
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"{path}: {_unknown_field(loc)}")
+        else:
+            lines.append(f"{path}: {problem['msg']}{_given(problem)}")
     return "; ".join(lines)
 
 

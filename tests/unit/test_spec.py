@@ -97,7 +97,18 @@ BAD_SPECS = [
                  id="straggler-ratio-one"),
     pytest.param(_with(restarts={"max_restarts": -1}), ["restarts.max_restarts"], id="negative-restarts"),
     pytest.param(_with(ranks_per_node=0), ["ranks_per_node"], id="zero-ranks-per-node"),
-    pytest.param(_with(bogus=1), ["bogus", "Extra inputs are not permitted"], id="unknown-field"),
+    pytest.param(_with(bogus=1), ["bogus: not a field of the spec (its fields: entrypoint, nodes,"],
+                 id="unknown-field"),
+    pytest.param(_with(health={"hang_flor_s": 600}), ["health.hang_flor_s: not a field of health (did you mean "
+                                                      "hang_floor_s?)"], id="misspelt-nested-field"),
+    pytest.param(_with(entry_point=["python"]), ["entry_point: not a field of the spec (did you mean entrypoint?)"],
+                 id="misspelt-field"),
+    pytest.param(_with(hang_floor_s=5), ["hang_floor_s: not a field of the spec (did you mean health.hang_floor_s?)"],
+                 id="field-in-the-wrong-section"),
+    pytest.param(_with(ranks_per_node=0), ["ranks_per_node: Input should be greater than or equal to 1 (given 0)"],
+                 id="value-echoed"),
+    pytest.param(_with(checkpoint={"every_steps": "50"}), ['checkpoint.every_steps', '(given "50")'],
+                 id="string-value-echoed-as-json"),
     # Secrets never enter the spec: it is stored in the history in the clear.
     pytest.param(_with(env={"HF_TOKEN": "hf_x"}), ["env.HF_TOKEN", "looks like a secret", "docs/operations/security.md"],
                  id="env-HF_TOKEN"),
@@ -296,3 +307,30 @@ def test_a_node_label_with_a_newline_inside_is_refused(label: str) -> None:
 
 def test_a_node_label_loses_the_blanks_around_it_newlines_included() -> None:
     assert parse_labels([" gpu\n=h100\n"]) == {"gpu": "h100"}  # what is kept is whole: no newline survives
+
+
+def test_a_misspelling_suggests_only_the_closest_field() -> None:
+    """`hang_flor_s` is `hang_floor_s`: `hang_max_s`, also somewhat alike, would only mislead."""
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_with(health={"hang_flor_s": 600}))
+
+    assert "hang_max_s" not in str(caught.value)
+
+
+@pytest.mark.parametrize("raw", [
+    _with(env={"SEED": 12345678}),  # a value under a harmless name may still be a secret
+    _with(hf_tokn="hf-12345678"),  # so may an unknown field's
+])
+def test_values_that_may_be_secrets_are_never_echoed(raw: dict[str, Any]) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(raw)
+
+    assert "12345678" not in str(caught.value)
+
+
+def test_a_long_value_is_echoed_cut_short() -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_with(entrypoint="python " + "x" * 10_000))
+
+    message = str(caught.value)
+    assert '(given "python xxx' in message and len(message) < 200
