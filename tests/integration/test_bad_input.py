@@ -154,7 +154,7 @@ def _bad_shape(rng: random.Random, spec: dict[str, Any]) -> str:
         return "nodes"
     if case == 3:
         spec[rng.choice(["bogus", "Env", "entry_point"])] = 1
-        return "Extra inputs are not permitted"
+        return "not a field of the spec"
     if case == 4:
         spec["working_dir"] = ""
         return "working_dir"
