@@ -7,15 +7,17 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, Incident, RunResult
 from trainguard.faults import FaultKind
 from trainguard.ids import validate_workflow_id
-from trainguard.spec import RunSpec, SpecError
+from trainguard.spec import RunSpec, SpecError, close_names
 
 
 def _print_json(value: Any) -> None:
@@ -407,8 +409,65 @@ def _duty(text: str) -> float:
     return value
 
 
+_INVALID_CHOICE = re.compile(r"invalid choice: (?P<given>.*?) \(choose from (?P<choices>.*)\)$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, saying "did you mean" for a misspelt command or choice (Python 3.14's `suggest_on_error`; this
+    runs on 3.11). Misspelt flags are `main`'s: argparse reports them at the top, not where they were given."""
+
+    def error(self, message: str) -> NoReturn:
+        found = _INVALID_CHOICE.search(message)
+        if found:
+            choices = [c.strip().strip("'\"") for c in found["choices"].split(",")]
+            close = close_names(found["given"].strip("'\""), choices)
+            if close:
+                message += f"; did you mean {' or '.join(close)}?"
+        super().error(message)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command `args` are for: `trainguard run logs` for `run logs ...`."""
+    while (sub := _subparsers(parser)) is not None and getattr(args, sub.dest, None) in sub.choices:
+        parser = sub.choices[getattr(args, sub.dest)]
+    return parser
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    if (sub := _subparsers(parser)) is not None:
+        for child in dict.fromkeys(sub.choices.values()):
+            yield from _all_parsers(child)
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+
+
+def unrecognized(extras: list[str], root: argparse.ArgumentParser, chosen: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" with, for each flag, the flags of that command it may have meant, or
+    the commands that take it (`--follow` given to `run status` is `run logs`')."""
+    hints = []
+    others = [p for p in _all_parsers(root) if p is not chosen]
+    for flag in (e.split("=", 1)[0] for e in extras if e.startswith("-")):
+        close = close_names(flag, _flags(chosen))
+        taking = [p.prog for p in others if flag in _flags(p)]
+        elsewhere = [f"{f} ({p.prog})" for p in others for f in close_names(flag, _flags(p)) if f != "--help"]
+        if close:
+            hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+        elif taking:
+            hints.append(f"{flag} is a flag of {' and '.join(taking)}")
+        elif elsewhere:
+            hints.append(f"{flag}: did you mean {' or '.join(elsewhere[:3])}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainguard", description="Keep distributed training running.")
+    parser = _Parser(prog="trainguard", description="Keep distributed training running.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     dev = sub.add_parser("dev", help="the embedded stack: Temporal dev server, SeaweedFS, workers")
@@ -438,14 +497,15 @@ def build_parser() -> argparse.ArgumentParser:
     promoting.set_defaults(func=lambda a: asyncio.run(_promote(a.build_id)))
 
     spec = sub.add_parser("spec", help="the run spec: print its JSON schema or check a file")
-    spec.add_argument("action", choices=["schema", "check"])
+    spec.add_argument("action", choices=["schema", "check"],
+                      help="schema: print the run spec's JSON schema; check: validate FILE, naming every field to fix")
     spec.add_argument("file", nargs="?", help="spec file for `check`")
     spec.set_defaults(func=cmd_spec)
 
     run = sub.add_parser("run", help="start, inspect and stop runs")
     run_sub = run.add_subparsers(dest="action", required=True)
     start = run_sub.add_parser("start", help="start a run from a spec file")
-    start.add_argument("spec")
+    start.add_argument("spec", help="the run spec, a JSON file (`trainguard spec check` validates one)")
     start.add_argument("--id", help="workflow id (default: run-<random>)")
     start.add_argument("--wait", action="store_true", help="wait for the result and print it")
     start.add_argument("--resume", action="store_true",
@@ -456,42 +516,51 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--nodes", metavar="A,B", help="train on these nodes instead of the spec's (e.g. a Slurm "
                                                       "job's allocation)")
     start.add_argument("--spare-nodes", metavar="C,D", help="these spares instead of the spec's")
-    for name in ("status", "result", "cancel"):
-        run_sub.add_parser(name).add_argument("id")
-    for name in ("pause", "resume", "abort"):
-        operator = run_sub.add_parser(name)
-        operator.add_argument("id")
+    run_id = "the run's workflow id"
+    for name, text in (("status", "phase, attempt, live step of every rank, incidents, checkpoint (JSON)"),
+                       ("result", "wait for the run to end and print its result (JSON)"),
+                       ("cancel", "cancel the run: every rank is stopped before it ends")):
+        run_sub.add_parser(name, help=text).add_argument("id", help=run_id)
+    for name, text in (("pause", "stop the ranks and hold the run until `resume` or `abort`"),
+                       ("resume", "relaunch a paused run from its newest checkpoint"),
+                       ("abort", "end a paused run; it fails with the reason")):
+        operator = run_sub.add_parser(name, help=text)
+        operator.add_argument("id", help=run_id)
         operator.add_argument("--reason", help="recorded in the run's history and status")
     drain = run_sub.add_parser("drain", help="move the run off a node at its next checkpoint")
-    drain.add_argument("id")
-    drain.add_argument("--node", required=True)
-    drain.add_argument("--reason")
-    run_sub.add_parser("checkpoint", help="checkpoint every rank now").add_argument("id")
+    drain.add_argument("id", help=run_id)
+    drain.add_argument("--node", required=True, help="the node to move off (a spare takes its place)")
+    drain.add_argument("--reason", help="recorded in the run's history and status")
+    run_sub.add_parser("checkpoint", help="checkpoint every rank now").add_argument("id", help=run_id)
     logs = run_sub.add_parser("logs", help="a rank's stdout and stderr, read by its node's agent (like kubectl logs)")
-    logs.add_argument("id")
+    logs.add_argument("id", help=run_id)
     logs.add_argument("--node", help="default: the node that runs --rank")
     logs.add_argument("--rank", type=int, help="global rank (default: the node's first, or rank 0)")
     logs.add_argument("--attempt", type=int, help="launch attempt (default: the newest on that node)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing what the rank writes")
     report = run_sub.add_parser("report", help="where the run's wall time went: phases, time lost per incident, "
                                                "goodput (from its history)")
-    report.add_argument("id")
+    report.add_argument("id", help=run_id)
     report.add_argument("--png", help="also draw it into this PNG file (needs matplotlib: pip install '.[bench]')")
-    listing = run_sub.add_parser("list")
+    listing = run_sub.add_parser("list", help="runs and their execution status")
     listing.add_argument("--query", help="extra visibility query, e.g. \"ExecutionStatus='Running'\"")
     run.set_defaults(func=lambda a: asyncio.run(_run_cmd(a)))
 
     nodes = sub.add_parser("nodes", help="the node pool: list, cordon, uncordon, drain; wait for agents")
-    nodes.add_argument("action", choices=["list", "cordon", "uncordon", "drain", "wait"])
+    nodes.add_argument("action", choices=["list", "cordon", "uncordon", "drain", "wait"],
+                       help="list: every node, its cordon and lease; cordon: keep the node out of future leases; "
+                            "uncordon: lift that; drain: take the node out of the pool once its run releases it; "
+                            "wait: until the nodes' agents have registered")
     nodes.add_argument("node", nargs="*", help="the node (wait: the nodes)")
-    nodes.add_argument("--reason")
+    nodes.add_argument("--reason", help="cordon: recorded with the cordon")
     nodes.add_argument("--since", type=float, default=0.0,
                        help="wait: unix time the agents were started (an older registration does not count)")
-    nodes.add_argument("--timeout-s", type=float, default=120.0)
+    nodes.add_argument("--timeout-s", type=float, default=120.0, help="wait: give up (exit 1) after this long")
     nodes.set_defaults(func=lambda a: asyncio.run(_nodes_cmd(a)))
 
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
-    chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down", "corrupt-checkpoint"])
+    chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down", "corrupt-checkpoint"],
+                       help="the fault (see the failure model)")
     chaos.add_argument("--run", required=True, help="workflow id")
     chaos.add_argument("--node", help="the node (default: the one that runs --rank)")
     chaos.add_argument("--rank", type=int, help="global rank (default: the node's first)")
@@ -504,16 +573,22 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.set_defaults(func=lambda a: asyncio.run(_chaos_cmd(a)))
 
     demo = sub.add_parser("demo", help="bring the stack up, run the quickstart, crash a rank, recover")
-    demo.add_argument("--spec", default="examples/quickstart.json")
-    demo.add_argument("--crash-after-step", type=int, default=120)
-    demo.add_argument("--timeout", type=float, default=600)
+    demo.add_argument("--spec", default="examples/quickstart.json", help="the run spec the demo runs")
+    demo.add_argument("--crash-after-step", type=int, default=120,
+                      help="crash a rank once the run has passed this step")
+    demo.add_argument("--timeout", type=float, default=600,
+                      help="seconds before the demo gives up and cancels its run")
     demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
     demo.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        chosen = _chosen(parser, args)
+        chosen.error(unrecognized(extras, parser, chosen))
     if args.command == "spec" and args.action == "check" and not args.file:
         print("trainguard spec check: give the spec file to check", file=sys.stderr)
         return 2

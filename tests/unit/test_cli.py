@@ -234,3 +234,30 @@ def test_a_plain_dev_up_on_a_home_once_in_slurm_mode_is_a_plain_stack(
     assert not cli.dev_stack(argparse.Namespace(action="up", slurm=False)).config.slurm
     assert cli.dev_stack(argparse.Namespace(action="up", slurm=True)).config.slurm
     assert cli.dev_stack(argparse.Namespace(action="down", slurm=False)).config.slurm  # still found to stop it
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["rnu"], "invalid choice: 'rnu' (choose from 'dev', "),
+    (["rnu"], "; did you mean run?"),
+    (["dev", "upp"], "did you mean up?"),
+    (["chaos", "hnag", "--run", "r"], "did you mean hang?"),
+    (["dev", "up", "--slrum"], "unrecognized arguments: --slrum (--slrum: did you mean --slurm?)"),
+    (["run", "start", "spec.json", "--nodse", "a"], "--nodse: did you mean --nodes?"),
+    (["run", "start", "spec.json", "--resume_from=a"], "--resume_from: did you mean --resume-from?"),
+    (["run", "status", "r", "--follow"], "--follow is a flag of trainguard run logs"),
+    (["run", "status", "r", "--wiat"], "--wiat: did you mean --wait (trainguard run start)?"),
+])
+def test_a_misspelt_command_or_flag_says_what_was_meant(
+        argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+
+    assert exited.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_a_flag_like_none_is_refused_without_a_guess(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["nodes", "list", "--xyzzy"])
+
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.endswith("trainguard nodes: error: unrecognized arguments: --xyzzy\n")
