@@ -24,11 +24,11 @@ restored with every checkpoint, so a script whose data depends only on the step 
 
 Outside trainguard (no `TRAINGUARD_*` environment) every call is a no-op apart from `restore`, which returns
 None, so the same script still runs under plain torchrun.
-
-Over 500 lines on purpose: this is the whole API a training script sees (`init`, `RankRun`, `state_digest`),
-and it reads top to bottom as the contract a rank keeps; its file names and environment come from
-`trainguard.protocol`, its evidence channel from `trainguard.evidence`.
 """
+
+# Over 500 lines on purpose: this is the whole API a training script sees (`init`, `RankRun`, `state_digest`),
+# and it reads top to bottom as the contract a rank keeps; its file names and environment come from
+# `trainguard.protocol`, its evidence channel from `trainguard.evidence`.
 
 from __future__ import annotations
 
