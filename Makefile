@@ -41,9 +41,12 @@ integration: $(STAMP)
 	$(BIN)/python -m pytest tests -m "integration and not slow" $(PYTEST_ARGS)
 
 # The docs site under site/ (mkdocs, strict: a broken link, a missing anchor or a page left out of the nav fails).
-# The spec reference is generated from trainguard/spec.py first; the performance tables come from .bench/*.json.
+# The spec, CLI and environment-variable references are generated from the code first (trainguard/spec.py, the
+# CLI's parser, trainguard/environment.py); the performance tables come from the committed docs/results/*.json.
 docs: $(STAMP)
 	$(BIN)/python -m infra.docgen.spec_reference
+	$(BIN)/python -m infra.docgen.cli_reference
+	$(BIN)/python -m infra.docgen.env_reference
 	$(BIN)/python -m mkdocs build --strict $(DOCS_ARGS)
 
 # Debian's Slurm 22.05 (slurmctld, slurmd, munge, the client commands) for `trainguard dev up --slurm` and the
@@ -109,6 +112,11 @@ soak: $(STAMP)
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
+
+# Copy the benchmarks' .bench/*.json into docs/results/, which the Performance page renders: commit them with a release.
+.PHONY: bench-publish
+bench-publish: $(STAMP)
+	$(BIN)/python -m infra.docgen.performance --publish
 
 .PHONY: bench bench-plots
 bench: $(BENCH_STAMP)
