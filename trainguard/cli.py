@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import re
@@ -25,34 +24,46 @@ def _print_json(value: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ dev
+MODE_ENV = {"--hosts": "TRAINGUARD_DEV_HOSTS", "--slurm": "TRAINGUARD_DEV_SLURM", "--tls": "TRAINGUARD_DEV_TLS"}
+"""Each of `dev up`'s mode flags and the variable that asks for it too."""
+
+
 def dev_stack(args: argparse.Namespace) -> Any:
-    """The dev stack from the environment and the flags. One brought up in hosts mode stays in it for
-    `status`, `down` and `demo` without the flag (its addresses are recorded under the data dir); one brought up
-    in Slurm mode for every command but `up`."""
+    """The dev stack from the environment and the flags. `up` is the mode asked for (`--hosts`, `--slurm`,
+    `--tls` or their variables) whatever mode the home was in before, and refuses when a stack runs there in
+    another (`DevStack.check_mode`). Every other command (`status`, `down`, `env`, `promote`, `demo`) finds the
+    stack in the mode it runs in; with none running, `status` and `down` also look for what a stack left in
+    Slurm or hosts mode (its slurm.conf, its network's state file), whose leftovers `down` removes."""
     from trainguard.devstack import DevStack, StackConfig
 
-    stack = DevStack()
-    if getattr(args, "tls", False):
-        stack = DevStack(dataclasses.replace(stack.config, tls=True))
-    if getattr(args, "hosts", False) or stack.config.network.state_file.exists():
-        stack = DevStack(dataclasses.replace(stack.config, hosts=True))
-    left_in_slurm_mode = stack.slurm.conf.exists() and getattr(args, "action", None) != "up"
-    if (getattr(args, "slurm", False) or left_in_slurm_mode) and not stack.config.slurm:
-        # Up in slurm mode, a stack stays in it for `status` and `down` (its slurm.conf names its nodes); a
-        # plain `up` is a plain stack, whatever mode the home was last in (its slurm.conf outlives `down`).
-        stack = DevStack(StackConfig.from_env({**os.environ, "TRAINGUARD_DEV_SLURM": "1"}))
-        stack = DevStack(dataclasses.replace(stack.config, tls=stack.config.tls or getattr(args, "tls", False)))
-    return stack
+    env = dict(os.environ)
+    env.update({name: "1" for flag, name in MODE_ENV.items() if getattr(args, flag[2:], False)})
+    stack = DevStack(StackConfig.from_env(env))
+    action = getattr(args, "action", None)
+    if action == "up":
+        return stack
+    mode = stack.running_mode()
+    if mode is None and action in ("status", "down"):
+        left = (("--hosts", stack.config.network.state_file.exists()), ("--slurm", stack.slurm.conf.exists()))
+        mode = tuple(flag for flag, found in left if found) + (("--tls",) if stack.config.tls else ())
+    if mode is None or mode == stack.config.mode:
+        return stack
+    return DevStack(StackConfig.from_env({**env, **{name: "1" if flag in mode else "0"
+                                                    for flag, name in MODE_ENV.items()}}))
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
     from trainguard.dev_slurm import SlurmUnavailable
+    from trainguard.devstack import StackModeConflict
     from trainguard.hosts import HostsUnavailable
 
     stack = dev_stack(args)
     if args.action == "up":
         try:
             stack.up()
+        except StackModeConflict as error:
+            print(f"trainguard dev up: {error}", file=sys.stderr)
+            return 2
         except HostsUnavailable as error:
             print(f"trainguard dev up --hosts: {error}", file=sys.stderr)
             return 2
@@ -376,12 +387,23 @@ async def run_demo(spec_path: Path, crash_after_step: int, ui_url: str, timeout_
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`make demo`: the quickstart on the dev stack, brought up for it and stopped after it unless `--keep`; a
+    stack that was up before the demo is left up. Never on a stack in Slurm mode, which has no agents of its
+    own until a Slurm job starts them."""
+    from trainguard.devstack import StackModeConflict, mode_text
     from trainguard.hosts import HostsUnavailable
 
     stack = dev_stack(args)  # TRAINGUARD_DEV_HOSTS=1, or a stack up in hosts mode: on three hosts
+    was_up = stack.running_mode() is not None
+    if stack.config.slurm:
+        state = "is up in" if was_up else "would come up in (TRAINGUARD_DEV_SLURM)"
+        print(f"trainguard demo: the stack at {stack.home} {state} {mode_text(stack.config.mode)}, where node "
+              f"agents come from Slurm jobs only and the demo needs the stack's own: run `trainguard dev down` "
+              f"first{'' if was_up else ' and unset TRAINGUARD_DEV_SLURM'}, then `trainguard demo`", file=sys.stderr)
+        return 2
     try:
         stack.up()
-    except HostsUnavailable as error:
+    except (HostsUnavailable, StackModeConflict) as error:
         print(f"trainguard demo: {error}", file=sys.stderr)
         return 2
     try:
@@ -389,11 +411,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                       stack.client_env()))
         print(summary_line(result), flush=True)
     finally:
-        if args.keep:
-            print("stack left running (--keep); stop it with: trainguard dev down")
+        if was_up:
+            print(f"the dev stack was up before the demo and is left running (Web UI: {stack.config.ui_url}); "
+                  f"stop it with: trainguard dev down")
+        elif args.keep:
+            print(f"dev stack left running (--keep), Web UI at {stack.config.ui_url}; stop it with: "
+                  f"trainguard dev down")
         else:
             stack.down(echo=lambda _line: None)
-            print("dev stack stopped")
+            print("stopped the dev stack the demo started: the Web UI links above no longer answer. To keep it "
+                  "running: make demo DEMO_ARGS=--keep (or trainguard demo --keep)")
     return 0
 
 

@@ -112,6 +112,12 @@ class StackConfig:
         )
 
     @property
+    def mode(self) -> tuple[str, ...]:
+        """The `dev up` flags this configuration is (`MODE_FLAGS`); `()` for a plain stack."""
+        return tuple(flag for flag, on in (("--hosts", self.hosts), ("--slurm", self.slurm), ("--tls", self.tls))
+                     if on)
+
+    @property
     def network(self) -> HostsNetwork:
         """The stack's namespaces and links (named after its port base): made only in hosts mode, but always
         looked for by `down`."""
@@ -138,6 +144,22 @@ class StackConfig:
     @property
     def s3_endpoint(self) -> str:
         return f"http://{self.service_host}:{self.ports.s3}"
+
+
+MODE_FILE = "mode.json"
+"""Written under the stack's home by `up` before it starts anything, removed by `down`: the flags it was
+brought up with (`StackConfig.mode`), so a later command finds the mode of what runs (`DevStack.running_mode`)."""
+MODE_FLAGS = {"--hosts": "hosts", "--slurm": "Slurm", "--tls": "TLS"}
+"""`dev up`'s mode flags and what messages call each mode."""
+
+
+def mode_text(flags: tuple[str, ...]) -> str:
+    """`Slurm mode`, `hosts + TLS mode`, `plain mode` (`()`: agents on loopback, no flag)."""
+    return f"{' + '.join(MODE_FLAGS[f] for f in flags) or 'plain'} mode"
+
+
+class StackModeConflict(RuntimeError):
+    """`up` asked for another mode than the one the stack at its home runs in: the message says what to run."""
 
 
 STACK_FILE = "stack.json"
@@ -303,6 +325,34 @@ class DevStack:
         except (OSError, ValueError):
             return 0.0
 
+    def running_mode(self) -> tuple[str, ...] | None:
+        """The mode flags of the stack running at this home now (`()`: a plain one), None when nothing runs. From
+        the mode `up` recorded; a stack brought up before it recorded one is known by what runs (a Slurm
+        daemon, the TLS front, the hosts network's state file)."""
+        names = [p.stem for p in self.run_dir.glob("*.json") if p != self.config.network.state_file]
+        alive = [name for name in names if self._alive(name)]
+        if not alive:
+            return None
+        try:
+            return tuple(f for f in json.loads((self.home / MODE_FILE).read_text())["flags"] if f in MODE_FLAGS)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        slurm = any(n in ("munged", "slurmctld") or n.startswith("slurmd-") for n in alive)
+        return tuple(flag for flag, on in (("--hosts", self.config.network.state_file.exists()), ("--slurm", slurm),
+                                           ("--tls", "temporal-tls" in alive)) if on)
+
+    def check_mode(self) -> None:
+        """Raise `StackModeConflict` when the stack at this home runs in another mode than this configuration's:
+        `up` would start this mode's parts beside the other's (agents beside a Slurm cluster, a TLS front before
+        workers that speak plain gRPC) instead of the stack asked for."""
+        running, asked = self.running_mode(), self.config.mode
+        if running is None or running == asked:
+            return
+        raise StackModeConflict(
+            f"the stack at {self.home} is up in {mode_text(running)}, not {mode_text(asked)}: run `trainguard dev "
+            f"down` first, then `trainguard dev up{''.join(' ' + f for f in asked)}` (or `trainguard dev "
+            f"up{''.join(' ' + f for f in running)}` to keep it as it is)")
+
     def components(self) -> list[str]:
         if self.config.slurm:  # Slurm jobs start the node agents
             return ["temporal", "s3", *self.slurm.components(), "controller"]
@@ -312,10 +362,13 @@ class DevStack:
     # --------------------------------------------------------------------------------------- up
     def up(self, echo: Any = print) -> None:
         cfg, ports = self.config, self.config.ports
+        self.check_mode()
         if cfg.slurm:
             from trainguard.dev_slurm import check_available
 
             check_available()  # before anything starts
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / MODE_FILE).write_text(json.dumps({"flags": list(cfg.mode)}))
         if cfg.hosts:
             self._setup_hosts(echo)
         self._start_temporal(echo)
@@ -625,6 +678,7 @@ class DevStack:
         for group in ([f"agent-{n}" for n in self.config.nodes], ["controller"], ["s3"], ["temporal-tls", "temporal"]):
             self.stop(group, echo)
         (self.home / STACK_FILE).unlink(missing_ok=True)
+        (self.home / MODE_FILE).unlink(missing_ok=True)
         killed = self._kill_orphan_ranks()
         if killed:
             echo(f"killed {killed} orphaned rank processes")

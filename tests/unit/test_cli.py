@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,154 @@ def test_a_flag_like_none_is_refused_without_a_guess(capsys: pytest.CaptureFixtu
 
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.endswith("trainguard nodes: error: unrecognized arguments: --xyzzy\n")
+
+
+# ------------------------------------------------------------------------------------- dev modes, demo
+def _pretend_up(home: Path, names: list[str], flags: list[str] | None) -> None:
+    """Pidfiles naming this test's own process, which is alive: the stack at `home` looks up with `names`
+    running, brought up with `flags` (None: by a build that recorded no mode). Nothing here may call `down`."""
+    from trainguard.devstack import MODE_FILE
+    from trainguard.procs import start_time
+
+    (home / "run").mkdir(parents=True)
+    for name in names:
+        (home / "run" / f"{name}.json").write_text(json.dumps({"pid": os.getpid(),
+                                                               "start_time": start_time(os.getpid())}))
+    if flags is not None:
+        (home / MODE_FILE).write_text(json.dumps({"flags": flags}))
+
+
+MODES = {"plain": ([], ["temporal", "s3", "controller", "agent-node-0"]),
+         "--slurm": (["--slurm"], ["temporal", "s3", "munged", "slurmctld", "slurmd-node-0", "controller"]),
+         "--hosts": (["--hosts"], ["temporal", "s3", "controller", "agent-node-0"]),
+         "--tls": (["--tls"], ["temporal", "temporal-tls", "s3", "controller", "agent-node-0"])}
+
+
+@pytest.mark.parametrize(("running", "asked"), [(r, a) for r in MODES for a in MODES if r != a])
+def test_dev_up_in_another_mode_than_the_running_stack_is_refused_saying_what_to_run(
+        running: str, asked: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`up` used to start the mode asked for beside the one running: agents beside a Slurm cluster, or a TLS
+    front before workers speaking plain gRPC, and runs failed later with no word of why."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("TRAINGUARD_HOME", str(home))
+    for name in ("TRAINGUARD_DEV_SLURM", "TRAINGUARD_DEV_HOSTS", "TRAINGUARD_DEV_TLS"):
+        monkeypatch.delenv(name, raising=False)
+    flags, names = MODES[running]
+    _pretend_up(home, names, flags)
+    texts = {"plain": "plain mode", "--slurm": "Slurm mode", "--hosts": "hosts mode", "--tls": "TLS mode"}
+
+    code = cli.main(["dev", "up", *([] if asked == "plain" else [asked])])
+
+    err = capsys.readouterr().err
+    again = "trainguard dev up" + ("" if asked == "plain" else f" {asked}")
+    assert code == 2
+    assert (f"trainguard dev up: the stack at {home} is up in {texts[running]}, not {texts[asked]}: run "
+            f"`trainguard dev down` first, then `{again}`") in err
+    assert sorted(p.stem for p in (home / "run").glob("*.json")) == sorted(names)  # nothing more started
+
+
+@pytest.mark.parametrize("running", MODES)
+def test_dev_up_in_the_running_stacks_own_mode_goes_ahead(running: str, tmp_path: Path) -> None:
+    from trainguard.devstack import DevStack, StackConfig
+
+    flags, names = MODES[running]
+    _pretend_up(tmp_path, names, flags)
+    config = StackConfig.from_env({"TRAINGUARD_HOME": str(tmp_path), **{f"TRAINGUARD_DEV_{f[2:].upper()}": "1"
+                                                                        for f in flags}})
+
+    DevStack(config).check_mode()  # raises when refused
+
+
+@pytest.mark.parametrize("running", MODES)
+def test_every_other_dev_command_finds_the_stack_in_the_mode_it_runs_in(
+        running: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dev status`, `down`, `env` and `demo` without flags: the mode it runs in, whatever the home was in before
+    (a slurm.conf left by an earlier `dev up --slurm` does not make a plain stack a Slurm one)."""
+    import argparse
+
+    monkeypatch.setenv("TRAINGUARD_HOME", str(tmp_path))
+    monkeypatch.setenv("TRAINGUARD_DEV_TLS", "1" if running == "plain" else "0")  # the running stack wins
+    flags, names = MODES[running]
+    _pretend_up(tmp_path, names, flags)
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "slurm.conf").write_text("# left by an earlier `dev up --slurm`\n")
+
+    for action in ("status", "down", "env", None):
+        assert cli.dev_stack(argparse.Namespace(action=action)).config.mode == tuple(flags), action
+
+
+@pytest.mark.parametrize(("names", "mode"), [(["temporal", "slurmctld"], ("--slurm",)),
+                                             (["temporal", "temporal-tls"], ("--tls",)),
+                                             (["temporal", "agent-node-0"], ())])
+def test_a_stack_brought_up_before_modes_were_recorded_is_known_by_what_runs(
+        names: list[str], mode: tuple[str, ...], tmp_path: Path) -> None:
+    from trainguard.devstack import DevStack, StackConfig
+
+    _pretend_up(tmp_path, names, None)
+
+    assert DevStack(StackConfig.from_env({"TRAINGUARD_HOME": str(tmp_path)})).running_mode() == mode
+
+
+def _fake_demo(monkeypatch: pytest.MonkeyPatch, home: Path) -> list[str]:
+    """The demo's stack and run stood in for: returns the calls made to the stack."""
+    from trainguard.devstack import DevStack
+    from trainguard.models import RunResult
+
+    calls: list[str] = []
+    monkeypatch.setenv("TRAINGUARD_HOME", str(home))
+    monkeypatch.delenv("TRAINGUARD_DEV_SLURM", raising=False)
+    monkeypatch.setattr(DevStack, "up", lambda self, echo=print: calls.append("up"))
+    monkeypatch.setattr(DevStack, "down", lambda self, echo=print: calls.append("down"))
+
+    async def run_demo(*_args: object) -> RunResult:
+        return RunResult(workflow_id="quickstart-1", steps_completed=300, incidents=[], goodput=0.7)
+
+    monkeypatch.setattr(cli, "run_demo", run_demo)
+    return calls
+
+
+def test_the_demo_says_it_stopped_the_stack_and_how_to_keep_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo prints Web UI links, then stopped the stack they lead to, saying only "dev stack stopped"."""
+    calls = _fake_demo(monkeypatch, tmp_path)
+
+    assert cli.main(["demo"]) == 0
+
+    out = capsys.readouterr().out
+    assert calls == ["up", "down"]
+    assert "stopped the dev stack the demo started: the Web UI links above no longer answer" in out
+    assert "make demo DEMO_ARGS=--keep" in out
+
+
+def test_the_demo_keeps_the_stack_when_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    calls = _fake_demo(monkeypatch, tmp_path)
+
+    assert cli.main(["demo", "--keep"]) == 0
+
+    assert calls == ["up"] and "dev stack left running (--keep), Web UI at http://" in capsys.readouterr().out
+
+
+def test_the_demo_leaves_a_stack_that_was_up_before_it_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    calls = _fake_demo(monkeypatch, tmp_path)
+    _pretend_up(tmp_path, MODES["plain"][1], [])
+
+    assert cli.main(["demo"]) == 0
+
+    assert calls == ["up"] and "was up before the demo and is left running" in capsys.readouterr().out
+
+
+def test_the_demo_refuses_a_stack_in_slurm_mode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its nodes have no agent until a Slurm job starts one: the quickstart run would fail at once."""
+    calls = _fake_demo(monkeypatch, tmp_path)
+    _pretend_up(tmp_path, MODES["--slurm"][1], ["--slurm"])
+
+    assert cli.main(["demo"]) == 2
+
+    err = capsys.readouterr().err
+    assert calls == []
+    assert f"the stack at {tmp_path} is up in Slurm mode, where node agents come from Slurm jobs only" in err
+    assert "run `trainguard dev down` first, then `trainguard demo`" in err
