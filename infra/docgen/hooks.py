@@ -1,5 +1,6 @@
-"""mkdocs hooks (mkdocs.yml `hooks:`): docs/performance.md's tables from `.bench/*.json`, and `.bench`'s
-pictures published under `bench/` in the site, so `make docs` always shows the last benchmark run."""
+"""mkdocs hooks (mkdocs.yml `hooks:`): docs/performance.md's tables from the committed `docs/results/*.json`
+(`make bench-publish` copies them from `.bench/`), and `.bench`'s pictures, where this machine has them,
+published under `bench/` in the site."""
 
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
-"""The performance page's tables, rendered from the JSON the benchmarks wrote under `.bench/` (git-ignored).
+"""The performance page's tables, rendered from the results committed under docs/results/.
 
-docs/performance.md holds the prose and a marker per benchmark, `<!-- bench:NAME -->`; at `make docs` the
-mkdocs hook (infra/docgen/hooks.py) replaces each marker with the table of `.bench/NAME.json`, or, when that
-file is absent, with a line saying which `make bench-*` writes it. No figure is copied by hand: the page shows
-the last run of each benchmark on the machine that builds the docs. The history of figures by build is in
-docs/CHANGELOG.md.
+The benchmarks write their JSON under `.bench/` (git-ignored, this machine's last run); `make bench-publish`
+(`--publish`) copies each benchmark's file into docs/results/, which is committed with each release, so the
+published site and a fresh clone show the same figures. docs/performance.md holds the prose and a marker per
+benchmark, `<!-- bench:NAME -->`; at `make docs` the mkdocs hook (infra/docgen/hooks.py) replaces each marker
+with the table of `docs/results/NAME.json` and a line saying whether its figures are measured or simulated
+(stand-in nodes, a stand-in NVML), or, when the file is absent, which commands write and publish it. No
+figure is copied by hand. The history of figures by build is in docs/CHANGELOG.md.
 
-    python -m infra.docgen.performance [--bench .bench]   # print the rendered page
+    python -m infra.docgen.performance [--results docs/results]   # print the rendered page
+    python -m infra.docgen.performance --publish                  # copy .bench/*.json into docs/results/
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +26,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / ".bench"
+"""Where the benchmarks write (git-ignored): the source of `--publish`, and of the pictures."""
+RESULTS_DIR = REPO / "docs" / "results"
+"""The committed results the page renders: `make bench-publish` copies them from `BENCH_DIR`."""
 PAGE = REPO / "docs" / "performance.md"
 MARKER = re.compile(r"<!-- bench:([a-z-]+) -->")
 
@@ -72,7 +79,7 @@ def recovery(p: dict[str, Any]) -> str:
     def over_floor(value: Any) -> str:
         return _num(value / floor, "{:.2f}", "x") if isinstance(value, (int, float)) and floor else "-"
 
-    rows = [[r.get("fault"), r.get("system"), _num(r.get("detection_s"), suffix=" s"),
+    rows = [[_fault(r.get("fault")), r.get("system"), _num(r.get("detection_s"), suffix=" s"),
              _num(r.get("restart_s"), suffix=" s"), over_floor(r.get("restart_s")),
              _num(r.get("time_to_recover_s"), suffix=" s"), _pct(r.get("goodput")),
              _num(r.get("wall_s"), "{:.1f}", " s"), r.get("completed"), r.get("recovery_path") or r.get("note")]
@@ -202,50 +209,97 @@ def soak(p: dict[str, Any]) -> str:
         f"when relative to recovery; the load of the machine sets how many kills fit in the time).")
 
 
+MEASURED = "measured"
+SIMULATED = "simulated"
+
+STANDIN_NVML = "simulated: a stand-in NVML"
+"""What a GPU fault's row says: `infra/bench/nvml_standin` raises the XID (no GPU here); the rest is real."""
+
+
+def _fault(name: Any) -> Any:
+    """A recovery row's fault, labelled when its figure is simulated (the GPU fault's stand-in NVML)."""
+    return f"{name} ({STANDIN_NVML})" if name in ("gpu", "gpu-fault") else name
+
+
 @dataclass(frozen=True, slots=True)
 class Bench:
     file: str
     make: str
     render: Callable[[Any], str]
+    kind: str = MEASURED
+    """`measured` (real ranks, real Temporal and store on the machine named) or `simulated` (stand-ins)."""
+    how: str = "real ranks, node agents, controller, Temporal dev server and SeaweedFS on one machine"
+    """What ran, for the label under the table."""
+
+
+_STANDIN_NODES = ("the real workflows on a Temporal dev server; the nodes are stand-ins (`infra/bench/standins.py`, "
+                  "no ranks, no agents)")
 
 
 BENCHES: dict[str, Bench] = {
-    "recovery": Bench("recovery.json", "make bench-recovery", recovery),
+    "recovery": Bench("recovery.json", "make bench-recovery", recovery,
+                      how="real ranks, node agents, controller, Temporal dev server and SeaweedFS on one machine; "
+                          f"a GPU fault's row is {STANDIN_NVML} (`infra/bench/nvml_standin`) raising the XID"),
     "paths": Bench("paths.json", "make bench-paths", paths),
     "goodput": Bench("goodput.json", "make bench-goodput", goodput),
     "checkpoint": Bench("checkpoint.json", "make bench-checkpoint", checkpoint),
-    "scale": Bench("scale.json", "make bench-scale", scale),
-    "nodes": Bench("nodes.json", "make bench-nodes", nodes),
-    "pool": Bench("pool.json", "make bench-pool", pool),
+    "scale": Bench("scale.json", "make bench-scale", scale,
+                   how="real node agents, controller, Temporal dev server and SeaweedFS on one machine; each rank is "
+                       "the lightweight stand-in `examples/standin.py` (no torch)"),
+    "nodes": Bench("nodes.json", "make bench-nodes", nodes, SIMULATED, _STANDIN_NODES),
+    "pool": Bench("pool.json", "make bench-pool", pool, SIMULATED, _STANDIN_NODES),
     "attribution": Bench("attribution.json", "make bench-attribution", attribution),
     "soak": Bench("soak-60.json", 'make soak SOAK_ARGS="--minutes 60 --json .bench/soak-60.json"', soak),
 }
-"""Marker name -> the JSON a benchmark writes under `.bench/`, the command that writes it, its table."""
+"""Marker name -> the JSON a benchmark writes under `.bench/` (and is published as under docs/results/), the
+command that writes it, its table, and whether its figures are measured or simulated."""
 
 
-def section(name: str, bench_dir: Path = BENCH_DIR) -> str:
-    """The markdown for `<!-- bench:name -->`: the table of `.bench/<file>`, or what to run to make it."""
+def label(bench: Bench) -> str:
+    """The line under a table that says whether its figures are measured or simulated, and what ran."""
+    return f"**{bench.kind.capitalize()}**: {bench.how}."
+
+
+def section(name: str, results_dir: Path = RESULTS_DIR) -> str:
+    """The markdown for `<!-- bench:name -->`: the table of `docs/results/<file>` with its label, or what to run
+    to make and publish it."""
     bench = BENCHES[name]
-    path = bench_dir / bench.file
+    path = results_dir / bench.file
     if not path.exists():
-        return (f"!!! note \"Not measured on this machine\"\n    `.bench/{bench.file}` is absent: "
-                f"`{bench.make}` writes it (or `make bench` for every benchmark), then `make docs`.")
+        return (f"!!! note \"Not published\"\n    `docs/results/{bench.file}` is absent: `{bench.make}` writes "
+                f"`.bench/{bench.file}` (or `make bench` for every benchmark), `make bench-publish` copies it "
+                f"here, then `make docs`.")
     try:
         body = bench.render(json.loads(path.read_text()))
     except (ValueError, TypeError, AttributeError, KeyError) as error:
-        return (f"!!! warning \"Cannot read .bench/{bench.file}\"\n    {type(error).__name__}: {error}. "
-                f"Run `{bench.make}` again, then `make docs`.")
-    return f"{body}\n\n<small>From `.bench/{bench.file}` (`{bench.make}`).</small>"
+        return (f"!!! warning \"Cannot read docs/results/{bench.file}\"\n    {type(error).__name__}: {error}. "
+                f"Run `{bench.make}` and `make bench-publish` again, then `make docs`.")
+    return f"{body}\n\n{label(bench)}\n\n<small>From `docs/results/{bench.file}` (`{bench.make}`).</small>"
 
 
-def render_page(text: str, bench_dir: Path = BENCH_DIR) -> str:
+def render_page(text: str, results_dir: Path = RESULTS_DIR) -> str:
     """`text` with every `<!-- bench:NAME -->` marker replaced by its section; unknown names raise."""
     def one(match: re.Match[str]) -> str:
         if match.group(1) not in BENCHES:
             raise KeyError(f"docs/performance.md: no benchmark named {match.group(1)!r} ({', '.join(BENCHES)})")
-        return section(match.group(1), bench_dir)
+        return section(match.group(1), results_dir)
 
     return MARKER.sub(one, text)
+
+
+def publish(bench_dir: Path = BENCH_DIR, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """Copy each benchmark's JSON from `bench_dir` into `results_dir` (a release commits them); returns the files
+    copied. A file that does not parse is refused, so the site never publishes what it cannot render."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for bench in BENCHES.values():
+        source = bench_dir / bench.file
+        if not source.exists():
+            continue
+        json.loads(source.read_text())  # ValueError: not published
+        shutil.copyfile(source, results_dir / bench.file)
+        copied.append(bench.file)
+    return copied
 
 
 def pictures(bench_dir: Path = BENCH_DIR) -> list[Path]:
@@ -255,9 +309,15 @@ def pictures(bench_dir: Path = BENCH_DIR) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.docgen.performance")
-    parser.add_argument("--bench", type=Path, default=BENCH_DIR)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="render from these results")
+    parser.add_argument("--publish", action="store_true",
+                        help="copy the benchmarks' JSON from .bench/ into docs/results/ (commit them)")
     opts = parser.parse_args(argv)
-    print(render_page(PAGE.read_text(), opts.bench))
+    if opts.publish:
+        copied = publish(BENCH_DIR, opts.results)
+        print(f"published into {opts.results}: {', '.join(copied) or 'nothing (no .bench/*.json)'}")
+        return 0
+    print(render_page(PAGE.read_text(), opts.results))
     return 0
 
 
