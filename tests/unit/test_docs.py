@@ -228,3 +228,14 @@ def test_each_variable_has_a_known_section_a_default_and_a_meaning() -> None:
     assert len(names) == len(set(names))
     assert [v for v in VARIABLES if v.section not in SECTIONS or not v.default or not v.meaning] == []
     assert all(doc for _, doc in env_reference.protocol_variables())
+
+
+def test_every_readme_figure_says_measured_or_simulated() -> None:
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+
+    assert len(rows) >= 6
+    assert [r for r in rows if not ("measured" in r.split("|")[-2] or "simulated" in r.split("|")[-2])] == []
+    standins = [r for r in rows if "4,096 nodes" in r or "XID" in r or "100 runs" in r]
+    assert len(standins) == 3 and all("simulated" in r.split("|")[-2] for r in standins)
