@@ -33,6 +33,9 @@ class FindNodeAgentsResult(BaseModel):
     """Nodes with no agent polling `trainguard-node-<id>`."""
     search_attributes: bool = False
     """Whether trainguard's custom search attributes are registered, so the workflow may upsert them."""
+    no_agent_hint: str | None = None
+    """With nodes missing: why they may have no agent and what to run, from the controller's own settings (a
+    dev stack in Slurm mode starts none: Slurm jobs do). None when it has nothing to add."""
 
 
 class GpuHealth(BaseModel):

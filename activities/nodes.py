@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
 
 from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
+from activities.scheduler import SCHEDULER_ENV
 from trainguard.models import (AcquireManyRequest, AcquireManyResult, AcquireNodesRequest, AcquireNodesResult,
                                AgentsBackInput, AgentsBackResult, NodeRequest, PoolNode, RegisterNodeRequest,
                                RegistrationVerdict, ReleaseManyRequest, ReleaseManyResult)
@@ -28,6 +30,7 @@ from trainguard.pool import (  # noqa: F401 - the pool client helpers live in th
     register_node,
 )
 from trainguard.search_attributes import registered
+from trainguard.settings import FLAG_TRUE
 
 
 AGENT_RETURN_WAIT_S = 60.0
@@ -38,9 +41,28 @@ reported at once: a misspelt node fails its spec without the wait."""
 AGENT_RETURN_POLL_S = 2.0
 
 
+DEV_SLURM_ENV = "TRAINGUARD_DEV_SLURM"
+"""Set for the controller of a dev stack in Slurm mode (`trainguard dev up --slurm`), which starts no agents."""
+
+
+def no_agent_hint(environ: Mapping[str, str]) -> str | None:
+    """What a run whose nodes have no agent is told beyond that, from the controller's environment: where agents
+    come from when the stack or the cluster does not start them itself. None when nothing is known."""
+    if environ.get(DEV_SLURM_ENV, "").strip().lower() in FLAG_TRUE:
+        return ("the dev stack is in Slurm mode (`trainguard dev up --slurm`), which starts no node agents: Slurm "
+                "jobs do, on the nodes they are given (`sbatch examples/slurm/train.sbatch` starts the agents and "
+                "its run). To run this spec on agents the stack starts itself: `trainguard dev down`, then "
+                "`trainguard dev up` without --slurm")
+    if environ.get(SCHEDULER_ENV, "").strip().lower() == "slurm":
+        return ("the controller runs with TRAINGUARD_SCHEDULER=slurm, where node agents come from Slurm jobs: run "
+                "on the nodes of a job that started agents on them (`sbatch examples/slurm/train.sbatch` does both)")
+    return None
+
+
 class NodeActivities:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, environ: Mapping[str, str] | None = None) -> None:
         self.client = client
+        self.no_agent_hint = no_agent_hint(os.environ if environ is None else environ)
 
     @activity.defn(name="find_node_agents")
     async def find_node_agents(self, request: FindNodeAgentsInput) -> FindNodeAgentsResult:
@@ -56,7 +78,8 @@ class NodeActivities:
             back = set(waiting) - set(await missing_agents(self.client, waiting, request.max_idle_s))
             missing = [node for node in missing if node not in back]
             waiting = [node for node in waiting if node not in back]
-        return FindNodeAgentsResult(missing=missing, search_attributes=await registered(self.client))
+        return FindNodeAgentsResult(missing=missing, search_attributes=await registered(self.client),
+                                    no_agent_hint=self.no_agent_hint if missing else None)
 
     @activity.defn(name="find_agents_back")
     async def find_agents_back(self, request: AgentsBackInput) -> AgentsBackResult:

@@ -398,7 +398,8 @@ class DevStack:
         self._spawn("controller", [sys.executable, "-m", "workers.controller"], cwd=cfg.code_dir,
                     env={**env, "TRAINGUARD_METRICS_ADDRESS": f"127.0.0.1:{ports.metrics}",
                          MANIFEST_KEY_ENV: self.manifest_key(),
-                         **({"TRAINGUARD_SCHEDULER": "slurm"} if cfg.slurm else {})})
+                         # A run on nodes no Slurm job runs an agent on is told where agents come from.
+                         **({"TRAINGUARD_SCHEDULER": "slurm", "TRAINGUARD_DEV_SLURM": "1"} if cfg.slurm else {})})
         for index, node in enumerate([] if cfg.slurm else cfg.nodes):
             workdir = self.home / "nodes" / node
             workdir.mkdir(parents=True, exist_ok=True)

@@ -58,3 +58,35 @@ async def test_a_registered_node_that_stays_away_is_missing_after_the_wait(agent
     agents["node-1"] = 10**6
     monkeypatch.setattr(nodes, "AGENT_RETURN_WAIT_S", 0.05)
     assert await find("node-0", "node-1") == ["node-1"]
+
+
+@pytest.mark.parametrize(("environ", "fragments"), [
+    ({"TRAINGUARD_DEV_SLURM": "1", "TRAINGUARD_SCHEDULER": "slurm"},
+     ["the dev stack is in Slurm mode (`trainguard dev up --slurm`), which starts no node agents: Slurm jobs do",
+      "`sbatch examples/slurm/train.sbatch`", "`trainguard dev down`, then `trainguard dev up` without --slurm"]),
+    ({"TRAINGUARD_SCHEDULER": "slurm"},
+     ["TRAINGUARD_SCHEDULER=slurm, where node agents come from Slurm jobs", "`sbatch examples/slurm/train.sbatch`"]),
+])
+async def test_nodes_without_agents_under_slurm_are_told_where_agents_come_from(
+        agents: dict[str, int], environ: dict[str, str], fragments: list[str]) -> None:
+    """A dev stack in Slurm mode starts no agents: the quickstart on it failed with `no node agent polls ...
+    (unknown node)` alone."""
+    agents["node-typo"] = 10**6
+    activity = nodes.NodeActivities(client=None, environ=environ)  # type: ignore[arg-type]
+
+    found = await ActivityEnvironment().run(activity.find_node_agents, FindNodeAgentsInput(nodes=["node-typo"]))
+
+    assert found.missing == ["node-typo"] and found.no_agent_hint is not None
+    for fragment in fragments:
+        assert fragment in found.no_agent_hint
+
+
+@pytest.mark.parametrize(("environ", "wanted"), [({}, "node-typo"), ({"TRAINGUARD_DEV_SLURM": "1"}, "node-0")])
+async def test_no_hint_without_slurm_or_without_missing_nodes(
+        agents: dict[str, int], environ: dict[str, str], wanted: str) -> None:
+    agents["node-typo"] = 10**6
+    activity = nodes.NodeActivities(client=None, environ=environ)  # type: ignore[arg-type]
+
+    found = await ActivityEnvironment().run(activity.find_node_agents, FindNodeAgentsInput(nodes=[wanted]))
+
+    assert found.no_agent_hint is None
