@@ -250,7 +250,8 @@ class RunNodes:
         if unknown:
             raise core.fail(f"invalid run spec: {', '.join(unknown)}: no node agent polls "
                             f"{', '.join(node_task_queue(n) for n in spec.nodes if n in found.missing)} "
-                            f"(unknown node)", ErrorType.INVALID_SPEC, phase=True)
+                            f"(unknown node){f'; {found.no_agent_hint}' if found.no_agent_hint else ''}",
+                            ErrorType.INVALID_SPEC, phase=True)
         spares = await self._acquire([n for n in spec.spare_nodes if n not in found.missing])
         for check in await self.check_nodes(core.status.nodes):
             if check.gpu.available and not check.gpu.healthy:
