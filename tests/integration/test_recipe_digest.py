@@ -12,8 +12,6 @@ Slow (`make test-slow`): three launches of 2 ranks importing transformers, about
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from trainguard.client import TrainguardClient
 from trainguard.models import IncidentKind
 
 from .conftest import RUN_TIMEOUT_S, checkpointed, wait_until
+from .plain_torchrun import torchrun_digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -58,19 +57,6 @@ if dist.get_rank() == 0:
     print(f"digest {{digest[:16]}}", flush=True)
 dist.destroy_process_group()
 """
-
-
-async def torchrun_digest(script: Path, *args: str, tmp: Path) -> str:
-    """Rank 0's digest (16 hex digits) of `script` under plain torchrun: 2 ranks, no trainguard environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp), PYTHONPATH=str(REPO))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args,
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    output, _ = await asyncio.wait_for(process.communicate(), 240)
-    text = output.decode(errors="replace")
-    assert process.returncode == 0, text[-3000:]
-    return text.split("digest ")[-1].split()[0]
 
 
 def lm_spec(prefix: str) -> dict[str, Any]:
