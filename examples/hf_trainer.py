@@ -1,6 +1,6 @@
 """A Hugging Face `Trainer` script as a trainguard rank: the callback and `tg_hf.train` are its only changes.
 
-    python examples/hf_trainer.py --steps 40 --output-dir out/hf     # under trainguard, torchrun or alone
+    python examples/hf_trainer.py --steps 40          # under trainguard, torchrun or alone
 
 A `LlamaForCausalLM` from a small `LlamaConfig` (random init, nothing downloaded) fine-tuned by a plain
 `transformers.Trainer` on a synthetic dataset of token sequences, each derived from its index, shuffled by the
@@ -15,9 +15,13 @@ where GPUs are. Needs `pip install 'trainguard[hf]'`.
 from __future__ import annotations
 
 import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from trainguard import hf as tg_hf
 from trainguard import rank as tg
@@ -38,6 +42,16 @@ class SyntheticTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": tokens, "labels": tokens.clone()}
 
 
+class SimulatedCompute(TrainerCallback):
+    """`--step-time`: a bigger model's step, so that a test can inject a fault between two steps."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        time.sleep(self.seconds)
+
+
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
@@ -49,7 +63,9 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (max_steps)")
-    parser.add_argument("--output-dir", default="hf-trainer-out", help="the Trainer's output_dir")
+    parser.add_argument("--output-dir", default=str(Path(tempfile.gettempdir()) / "hf-trainer-out"),
+                        help="the Trainer's output_dir (default: under TMPDIR, which trainguard sets per run and "
+                             "node; the checkpoints that count are trainguard's)")
     parser.add_argument("--samples", type=int, default=64, help="dataset size: fewer than the steps need makes "
                                                                    "the run cross epochs")
     parser.add_argument("--layers", type=int, default=2)
@@ -57,6 +73,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4, help="per device")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra simulated compute per step, seconds")
     args = parser.parse_args()
 
     training = TrainingArguments(
@@ -69,7 +86,7 @@ def main() -> None:
     )
     trainer = Trainer(model=build_model(args), args=training,
                       train_dataset=SyntheticTokens(args.samples, args.seq_len, args.vocab),
-                      callbacks=[tg_hf.TrainguardCallback()])
+                      callbacks=[tg_hf.TrainguardCallback(), SimulatedCompute(args.step_time)])
     tg_hf.train(trainer)
 
     digest = tg.state_digest(trainer.model)
