@@ -18,16 +18,13 @@ from pathlib import Path
 
 from temporalio.exceptions import ApplicationError
 
-from trainguard.error_types import ErrorType
+from trainguard.error_types import SPEC_FAULTS, ErrorType
 from trainguard.run_as import RunAs
 
 SPEC_ERRNOS = frozenset({errno.E2BIG, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOTDIR,
                          errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
 """OS errors a spec's path or value causes (too big, no such file, no permission, not a program, not a folder,
 a name too long): the run's fault. Any other (EMFILE, ENOMEM, EAGAIN, EIO) is the node's, and is retried."""
-
-SPEC_FAULTS = frozenset({ErrorType.BAD_SPEC, ErrorType.STALE_ATTEMPT, ErrorType.ENTRYPOINT_NOT_ALLOWED})
-"""The launch failures the workflow holds against the spec (or the run), never against the node."""
 
 
 def classify_launch_error(error: BaseException) -> ErrorType | None:

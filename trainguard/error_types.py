@@ -64,6 +64,11 @@ class ErrorType(StrEnum):
     long ago): the agent backs off and says why."""
 
 
+SPEC_FAULTS = frozenset({ErrorType.BAD_SPEC, ErrorType.STALE_ATTEMPT, ErrorType.ENTRYPOINT_NOT_ALLOWED})
+"""Launch failures held against the spec (or its operator), never against the node: the run fails with
+`InvalidSpec`, no node is cordoned and no spare spent. One set for the agent's launch, its watch and the run."""
+
+
 def non_retryable(*types: ErrorType) -> list[str]:
     """A retry policy's `non_retryable_error_types`, from members only (a typo is an AttributeError at import,
     not an error retried until the policy gives up)."""

@@ -1,4 +1,4 @@
-"""`Attempts`: one attempt of a run, from restore to launch, then handed to the `Supervisor`.
+"""`Attempts`: one attempt of a run, from restore to launch; the run's loop then supervises it (`Supervisor`).
 
 Restore finds the newest committed checkpoint whose manifest verifies (passing over ones found corrupt), the
 master node downloads and launches first (it picks the attempt's fresh rendezvous), and every other node
@@ -9,6 +9,7 @@ relaunch: the live ranks rejoin the crashed ones started again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -20,16 +21,13 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import (DownloadShardsInput, DownloadShardsResult, FindCheckpointInput,
                                    FindCheckpointResult, LaunchRanksInput, LaunchRanksResult, RejoinRanksInput,
                                    RejoinRanksResult)
-    from trainguard.error_types import ErrorType
+    from trainguard.error_types import SPEC_FAULTS, ErrorType
     from trainguard.models import Action, Incident, IncidentKind, Phase, StopReason
     from workflows.node_group_models import NodeCallKind
     from workflows.run_core import RunCore, cause_text, error_type
+    from workflows.run_decisions import Ending
     from workflows.run_nodes import STORE_HEARTBEAT_TIMEOUT, STORE_RETRY, STORE_TIMEOUT, NodeAnswer, RunNodes
-    from workflows.run_supervise import Outcome, Supervisor
-
-SPEC_FAULTS = (ErrorType.BAD_SPEC, ErrorType.STALE_ATTEMPT, ErrorType.ENTRYPOINT_NOT_ALLOWED)
-"""Launch failures that are the spec's (or its operator's) fault: the run fails with InvalidSpec, no node is
-cordoned and no spare spent."""
+    from workflows.supervision import Outcome
 
 G = TypeVar("G", LaunchRanksResult, RejoinRanksResult)
 
@@ -52,11 +50,24 @@ class CheckpointCorrupt(Exception):
         self.step = step
 
 
-class Attempts:
-    def __init__(self, core: RunCore, nodes: RunNodes, supervisor: Supervisor) -> None:
-        self.core, self.nodes, self.supervisor = core, nodes, supervisor
+@dataclass
+class Launched:
+    """An attempt whose ranks launched: the run supervises it. Nodes but the master launch from their first
+    watch (`launch`, `download`); None where every node launched already (one node, an in-process restart)."""
 
-    async def run(self, attempt: int) -> Outcome:
+    launch: LaunchRanksInput | None = None
+    download: DownloadShardsInput | None = None
+    in_process: Incident | None = None
+    """The crash an in-process restart recovers: a new incident before the first step falls back to a relaunch
+    (`Attempts.settle`)."""
+
+
+class Attempts:
+    def __init__(self, core: RunCore, nodes: RunNodes) -> None:
+        self.core, self.nodes = core, nodes
+
+    async def run(self, attempt: int) -> Launched | Outcome:
+        """Restore and launch attempt `attempt`: launched, or the outcome that ended it first."""
         core = self.core
         if core.state.warm is not None:
             return await self._in_process(attempt, core.state.warm)
@@ -64,10 +75,10 @@ class Attempts:
         try:
             found, restore_dirs = await self._restore(attempt)
         except NodeFailed as failed:
-            return Outcome(False, core.lost_at_launch(failed.node, attempt, str(failed)))
+            return Outcome(Ending.INCIDENT, core.lost_at_launch(failed.node, attempt, str(failed)))
         except StoreUnavailable as unavailable:
-            return Outcome(False, Incident(kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt,
-                                           detail=str(unavailable), detected_at=workflow.now().timestamp()))
+            return Outcome(Ending.INCIDENT, Incident(kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt,
+                                                     detail=str(unavailable), detected_at=workflow.now().timestamp()))
         restore_step = found.manifest.step if found.manifest else 0
         status.resumed_step = restore_step
         status.step = max(status.step, restore_step)
@@ -106,19 +117,19 @@ class Attempts:
         if first.result is None:
             if first.error_type in SPEC_FAULTS:
                 raise core.fail(first.error or "bad spec", ErrorType.INVALID_SPEC)
-            return Outcome(False, core.lost_at_launch(first.node, attempt, f"launch failed: {first.error}"))
+            return Outcome(Ending.INCIDENT, core.lost_at_launch(first.node, attempt, f"launch failed: {first.error}"))
         core.set_phase(Phase.RUNNING)
         if core.state.commit_clock_from is None:  # training starts: from now on, work without a commit is at risk
             core.state.commit_clock_from = workflow.now().timestamp()
         if len(nodes) == 1:
-            return await self.supervisor.supervise(attempt)
+            return Launched()
         template = launch(0, first.result).model_copy(update={"node": "", "node_rank": 0, "restore_dir": None})
         download = None
         if found.manifest is not None and found.manifest_key is not None:
             download = DownloadShardsInput(workflow_id=wid, attempt=attempt, node="", bucket=spec.checkpoint.bucket,
                                            manifest_key=found.manifest_key, manifest_sha256=found.manifest_sha256,
                                            local_tier=spec.checkpoint.local_tier)
-        return await self.supervisor.supervise(attempt, launch=template, download=download)
+        return Launched(launch=template, download=download)
 
     async def _master_first(self, kind: NodeCallKind, make: Callable[[int, Any], BaseModel], result_type: type[G],
                             summary: str) -> list[NodeAnswer[G]]:
@@ -133,7 +144,7 @@ class Attempts:
         return [first, *await self.nodes.fan_out(  # type: ignore[list-item]  # mypy loses a constrained G here
             kind, [(nodes[i], make(i, first.result)) for i in range(1, len(nodes))], summary, result_type)]
 
-    async def _in_process(self, attempt: int, incident: Incident) -> Outcome:
+    async def _in_process(self, attempt: int, incident: Incident) -> Launched | Outcome:
         """Recover from a crash without a relaunch: the live ranks form attempt `attempt`'s process group with
         the crashed ranks started again, which take a live peer's state. Any failure before the attempt's
         first step falls back to a full relaunch from the newest checkpoint, and the incident says so."""
@@ -159,23 +170,32 @@ class Attempts:
         failed = [f"{a.node}: {a.error}" for a in answers if a.result is None]
         steps = [a.result.step for a in answers if a.result is not None and a.result.step is not None]
         why = "; ".join(failed) or ("" if steps else "no rank survived the crash")
-        if not why:
-            # The run's resumed_step stays: shards the live ranks saved after the newest commit are still
-            # theirs to report and commit.
-            incident.resumed_step, incident.restore_tier, incident.recovery_path = min(steps), "peers", "in-process"
-            core.state.goodput.launched(min(steps))
-            core.set_phase(Phase.RUNNING)
-            outcome = await self.supervisor.supervise(attempt)
-            if outcome.incident is None or incident.recovery_s is not None:
-                return outcome  # the in-process restart worked: what ends the attempt is news
-            why = f"{outcome.incident.kind.value} before the first step: {outcome.incident.detail}"
+        if why:
+            return await self._fall_back(attempt, incident, why)
+        # The run's resumed_step stays: shards the live ranks saved after the newest commit are still theirs
+        # to report and commit.
+        incident.resumed_step, incident.restore_tier, incident.recovery_path = min(steps), "peers", "in-process"
+        core.state.goodput.launched(min(steps))
+        core.set_phase(Phase.RUNNING)
+        return Launched(in_process=incident)
+
+    async def settle(self, attempt: int, launched: Launched, outcome: Outcome) -> Outcome:
+        """An in-process restart that met a new incident before its first step falls back to a relaunch;
+        whatever else ends an attempt is news, as it is."""
+        incident = launched.in_process
+        if incident is None or outcome.incident is None or incident.recovery_s is not None:
+            return outcome
+        return await self._fall_back(
+            attempt, incident, f"{outcome.incident.kind.value} before the first step: {outcome.incident.detail}")
+
+    async def _fall_back(self, attempt: int, incident: Incident, why: str) -> Outcome:
         workflow.logger.warning("in-process restart of attempt %d failed, relaunching: %s", attempt, why)
         incident.recovery_path = f"relaunch after failed in-process: {why}"
         incident.resumed_step = incident.restore_tier = None
-        core.set_phase(Phase.RECOVERING)
-        await self.nodes.stop_everywhere(nodes, attempt, "in-process restart failed: relaunch",
+        self.core.set_phase(Phase.RECOVERING)
+        await self.nodes.stop_everywhere(self.core.status.nodes, attempt, "in-process restart failed: relaunch",
                                          StopReason.IN_PROCESS_FAILED)
-        return Outcome(False, fallback=True)
+        return Outcome(Ending.RELAUNCH)
 
     async def _restore(self, attempt: int) -> tuple[FindCheckpointResult, dict[str, str]]:
         """The newest usable checkpoint, downloaded to the master node (the others download from their

@@ -10,14 +10,14 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import WatchEvent, WatchEventKind
+    from activities.models import WatchEvent, merge_gaps
     from trainguard import search_attributes
     from trainguard.error_types import ErrorType
     from trainguard.faults import FaultKind
     from trainguard.models import (INCIDENT_TAILS_KEPT, Action, CheckpointRef, Incident, IncidentKind, Phase,
                                    RunStatus)
     from trainguard.spec import RunSpec
-    from workflows.policy import classify_exit, next_phase
+    from workflows.policy import next_phase
     from workflows.run_details import run_details
     from workflows.run_state import Live, RunState
 
@@ -150,17 +150,21 @@ class RunCore:
             meter.create_histogram_float("trainguard_detection_seconds", "Fault to detection", "s").record(
                 incident.detection_s, {"kind": incident.kind.value})
 
-    def rank_incident(self, event: WatchEvent, attempt: int) -> Incident:
-        if event.kind is WatchEventKind.GPU_UNHEALTHY:
-            return Incident(kind=IncidentKind.GPU_UNHEALTHY, node=event.node, attempt=attempt, detail=event.detail,
-                            detection_s=(None if event.fault_at is None
-                                         else round(event.detected_at - event.fault_at, 3)),
-                            detected_at=event.detected_at)
-        kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
-        detection = None if event.fault_at is None else round(max(0.0, event.detected_at - event.fault_at), 3)
-        return Incident(kind=kind, node=event.node, rank=event.rank, attempt=attempt, detail=event.detail,
-                        detection_s=detection, detected_at=event.detected_at, log_path=event.log_path,
-                        log_tail=event.log_tail, signature=event.failure_signature)
+    def learn(self, events: list[WatchEvent], step: int | None = None) -> None:
+        """What watch events teach the run: the gaps in progress its script shows (a later watch's bound) and
+        the tiers its ranks restored from (named on the incidents this attempt recovers); `step`: how far a
+        failing rank got."""
+        state = self.state
+        for event in events:
+            state.learned_gaps = merge_gaps(state.learned_gaps, event.gaps)
+        tiers = {tier for event in events for tier in event.restore_tiers}
+        known = set((state.restore_tier or "").split("+")) - {""}
+        if tiers - known:
+            state.restore_tier = "+".join(sorted(known | tiers))
+            for incident in self.live.restored_by:
+                incident.restore_tier = state.restore_tier
+        if step is not None:
+            self.status.step = max(self.status.step, step)
 
     def node_lost(self, node: str, attempt: int, detail: str) -> Incident:
         """A node whose agent stopped answering. Detection is timed from the fault when chaos injected it

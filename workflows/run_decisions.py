@@ -178,6 +178,9 @@ class Ending(str, Enum):
     GROW = "grow"
     INCIDENT = "incident"
     FINISHED = "finished"
+    RELAUNCH = "relaunch"
+    """Relaunch from the newest usable checkpoint with no new incident to decide on: a corrupt checkpoint was
+    passed over, or an in-process restart fell back (each recorded already)."""
 
 
 def attempt_ending(*, spec_fault: bool, corrupt: bool, incident: bool, continue_as_new: bool, paused: bool,

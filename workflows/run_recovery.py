@@ -15,6 +15,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from trainguard.error_types import ErrorType
     from trainguard.models import Action, Incident, IncidentKind, Phase, StopReason
+    from workflows.node_group_models import LostNode
     from workflows.policy import (NODE_FAULTS, RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak,
                                   straggler_replaced_at)
     from workflows.run_core import RunCore
@@ -140,6 +141,52 @@ class Recovery:
         lost = core.node_lost(away[0], attempt, f"node agent shut down and did not come back within {bound:.0f}s "
                                                 f"(restarts.agent_return_timeout_s)")
         await self.recover(attempt, lost)
+
+    async def pass_over_corrupt(self, attempt: int, corrupt: LostNode) -> None:
+        """As a corrupt download before any launch: pass the checkpoint over and restore the one before."""
+        core = self.core
+        step = core.status.resumed_step
+        core.state.corrupt_steps.append(step)
+        for recovered in core.live.restored_by:  # not resumed from there after all: the next restore says where
+            recovered.resumed_step = recovered.restore_tier = None
+        core.record_incident(Incident(kind=IncidentKind.CHECKPOINT_CORRUPT, attempt=attempt, node=corrupt.node,
+                                      detail=f"step {step}: {corrupt.detail}", action=Action.RESTART,
+                                      detected_at=workflow.now().timestamp()))
+        core.set_phase(Phase.RECOVERING)
+        await self.nodes.stop_everywhere(core.status.nodes, attempt, f"checkpoint {step} is corrupt: restore older",
+                                         StopReason.CORRUPT_CHECKPOINT)
+
+    async def join_spare(self, attempt: int, incident: Incident) -> bool:
+        """A node never took up its launching watch of attempt `attempt`: it launched nothing, and its peers wait
+        for its ranks in the attempt's rendezvous. Where the policy would replace it, a spare takes its place
+        (its node rank, the same rendezvous and restore) and the attempt goes on: no relaunch of everyone, which
+        would cost a lost node found this way (its peers' crash seen first) two relaunches for one fault.
+        False: the policy decides otherwise (no spare, a spent budget), and the incident takes the usual path."""
+        core, state = self.core, self.core.state
+        now = workflow.now().timestamp()
+        merged = incident.attempt < attempt  # the lost node is the previous incident, the relaunch its cost
+        budget = RecoveryBudget(tuple(state.restart_times), state.restarts_without_checkpoint,
+                                same_failure_streak(incident, core.status.incidents))
+        decision = decide(incident.kind, incident.node, core.the_spec, core.status.nodes, state.spares, budget, now,
+                          newest=core.status.latest_checkpoint)
+        if decision.action is not Action.REPLACE_NODE or not incident.node or not decision.replacement:
+            return False
+        spare = decision.replacement
+        incident.action = decision.action
+        incident.detail = f"{incident.detail}; {decision.reason}; it joined attempt {attempt} in the node's place"
+        incident.resumed_step, incident.restore_tier = core.status.resumed_step, state.restore_tier
+        incident.recovery_path = "relaunch, a spare joining it"
+        core.record_incident(incident)
+        workflow.logger.info("incident %s on %s: %s joins attempt %d in its place", incident.kind.value,
+                             incident.node, spare, attempt)
+        if merged:  # the relaunch already made counts once, as it did before the symptom was taken back
+            core.count_restart(now)
+        # Before the swap's awaits: the attempt's first step may be signalled while the spare launches, and
+        # this incident's recovery ends there too.
+        core.live.joins.append(incident)
+        await self.nodes.swap_in_spare(incident, spare)
+        core.publish()
+        return True
 
     async def move_off_drained(self, attempt: int) -> None:
         """At a checkpoint boundary: stop the attempt, put spares in the drained nodes' places, relaunch."""

@@ -26,7 +26,8 @@ with workflow.unsafe.imports_passed_through():
                                       NodeGroupWatch, groups_of, launch_wait_s, watch_heartbeat_every_s)
     from workflows.node_group_models import GroupReport, NodeGroupWatchInput, NodeGroupWatchResult
     from workflows.run_core import RunCore, cause_text
-    from workflows.run_decisions import decision_every_s, pace_window_s, stale_after_s
+    from trainguard.models import Action, Incident, IncidentKind
+    from workflows.run_decisions import decision_every_s, pace_window_s, stale_after_s, storage_trouble
     from workflows.run_nodes import FAN_OUT_GROUPS, STORE_HEARTBEAT_TIMEOUT, STORE_RETRY, STORE_TIMEOUT
 
 STANDING_GROUPS_MIN_NODES = NODES_PER_GROUP + 1
@@ -265,6 +266,28 @@ class Watches:
         bound = stale_after_s(core.the_spec.checkpoint.stale_after_s, core.state.commit_times)
         age = core.checkpoint_age_s() or 0.0
         return round(min(COMMITTER_MAX_DURATION_S, max(COMMITTER_MIN_DURATION_S, bound - age)), 3)
+
+    def judge_storage(self, attempt: int, store_error: str | None) -> None:
+        """A committer came back with nothing: past the staleness bound, checkpoints that stopped committing are
+        an incident naming the store and the error (training goes on; the next commit closes it)."""
+        core, spec, state = self.core, self.core.the_spec, self.core.state
+        if store_error != core.status.store_error:
+            core.status.store_error = store_error
+            core.publish()  # the Web UI's details say so
+        age = core.checkpoint_age_s()
+        bound = stale_after_s(spec.checkpoint.stale_after_s, state.commit_times)
+        if age is not None:
+            workflow.metric_meter().create_gauge_float(
+                "trainguard_checkpoint_age_seconds", "Seconds since the run's newest committed checkpoint", "s"
+            ).set(age, {"workflow_id": core.wid()})
+        if age is None or age < bound or core.open_storage_incidents():
+            return
+        why = storage_trouble(store_error=store_error, upload_errors=core.status.upload_errors)
+        now = workflow.now().timestamp()
+        core.record_incident(Incident(
+            kind=IncidentKind.STORAGE_UNAVAILABLE, attempt=attempt, action=Action.REPORT, detected_at=now,
+            detail=f"no checkpoint committed for {age:.0f}s (bound {bound:.0f}s) to "
+                   f"s3://{spec.checkpoint.bucket}/{core.run_prefix()}: {why}; training goes on"))
 
     async def commit_the_rest(self, attempt: int, finished: bool = False) -> None:
         """One last committer pass, bounded by `DRAIN_TIMEOUT` and ending once uploads go quiet: with the

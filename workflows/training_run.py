@@ -8,8 +8,10 @@ survives the crash of the controller that drives it.
 This class holds the handlers and the loop. Its state is one `RunState` (workflows/run_state.py), the one
 thing continue-as-new carries; handlers only record the operator's intent, and the loop acts on it. The
 parts it composes each own a stage: `RunNodes` (node calls and the pool), `Watches` (watch groups and the
-committer), `Attempts` (restore and launch), `Supervisor` (watching an attempt), `Recovery` (between
-attempts); the decisions they take are pure functions (workflows/policy.py, workflows/run_decisions.py).
+committer), `Attempts` (restore and launch), `Supervisor` (watching an attempt, its rules one pure reducer in
+workflows/supervision.py), `Recovery` (between attempts); the decisions they take are pure functions
+(workflows/policy.py, workflows/run_decisions.py). An attempt's `Outcome` says how it ended (`Ending`), and
+the loop acts on that alone.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_group_models import GroupReport, GroupStarted, UploadTrouble
     from workflows.run_attempt import Attempts
     from workflows.run_core import RunCore, cause_text
+    from workflows.run_decisions import Ending
+    from workflows.run_hang import HangCulprit
     from workflows.run_nodes import RunNodes
     from workflows.run_recovery import Recovery
     from workflows.run_state import (NO_INPUT, RunInputError, RunState, continued_input, decode_run_input,
                                      parse_run_input)
-    from workflows.run_supervise import Outcome, Supervisor
+    from workflows.run_supervise import Supervisor
     from workflows.run_watch import Watches
+    from workflows.supervision import Outcome
 
 UPLOAD_ERRORS_KEPT = 16
 """Nodes whose failing uploads the status names, at most: an outage of every node of a large run would
@@ -46,9 +51,10 @@ class TrainingRun:
         self.core = RunCore(RunState())
         self.nodes = RunNodes(self.core)
         self.watches = Watches(self.core)
-        self.supervisor = Supervisor(self.core, self.nodes, self.watches)
-        self.attempts = Attempts(self.core, self.nodes, self.supervisor)
         self.recovery = Recovery(self.core, self.nodes, self.watches)
+        self.hang = HangCulprit(self.core, self.nodes, self.watches)
+        self.supervisor = Supervisor(self.core, self.nodes, self.watches, self.recovery, self.hang)
+        self.attempts = Attempts(self.core, self.nodes)
 
     # ------------------------------------------------------------------------------------------ queries
     @workflow.query
@@ -199,7 +205,7 @@ class TrainingRun:
                 else:
                     attempt += 1
                     core.status.attempt = attempt
-                    outcome = await self.attempts.run(attempt)
+                    outcome = await self._attempt(attempt)
                 if outcome.finished:
                     break
                 await self._between_attempts(attempt, outcome)
@@ -223,20 +229,31 @@ class TrainingRun:
             await self.nodes.release()
             raise
 
+    async def _attempt(self, attempt: int) -> Outcome:
+        """Restore and launch, then supervise until something ends the attempt."""
+        launched = await self.attempts.run(attempt)
+        if isinstance(launched, Outcome):
+            return launched
+        outcome = await self.supervisor.supervise(attempt, launched.launch, launched.download)
+        return await self.attempts.settle(attempt, launched, outcome)
+
     async def _between_attempts(self, attempt: int, outcome: Outcome) -> None:
-        if outcome.continue_as_new:
-            await self._continue_as_new()
-        elif outcome.paused:
-            await self.nodes.stop_everywhere(self.core.status.nodes, attempt, "paused by an operator",
-                                             StopReason.OPERATOR_PAUSE)
-            await self.recovery.wait_for_operator(StopReason.OPERATOR_PAUSE)
-        elif outcome.drain:
-            await self.recovery.move_off_drained(attempt)
-        elif outcome.grow:
-            self.recovery.grow_back(attempt, outcome.grow)
-        elif not outcome.fallback:
-            assert outcome.incident is not None
-            await self.recovery.recover(attempt, outcome.incident)
+        match outcome.ending:
+            case Ending.CONTINUE:
+                await self._continue_as_new()
+            case Ending.PAUSE:
+                await self.nodes.stop_everywhere(self.core.status.nodes, attempt, "paused by an operator",
+                                                 StopReason.OPERATOR_PAUSE)
+                await self.recovery.wait_for_operator(StopReason.OPERATOR_PAUSE)
+            case Ending.DRAIN:
+                await self.recovery.move_off_drained(attempt)
+            case Ending.GROW:
+                self.recovery.grow_back(attempt, outcome.grow)
+            case Ending.INCIDENT:
+                assert outcome.incident is not None
+                await self.recovery.recover(attempt, outcome.incident)
+            case Ending.RELAUNCH:
+                pass  # recorded already: the next attempt restores the newest usable checkpoint
 
     async def _continue_as_new(self) -> None:
         """Carry the run's whole state into a new history; its ranks keep running. Handlers finish first, so
