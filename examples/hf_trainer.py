@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra simulated compute per step, seconds")
     args = parser.parse_args()
 
+    # --8<-- [start:trainer]
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
@@ -87,7 +88,8 @@ def main() -> None:
     trainer = Trainer(model=build_model(args), args=training,
                       train_dataset=SyntheticTokens(args.samples, args.seq_len, args.vocab),
                       callbacks=[tg_hf.TrainguardCallback(), SimulatedCompute(args.step_time)])
-    tg_hf.train(trainer)
+    tg_hf.train(trainer)  # trainer.train(), resumed from the checkpoint trainguard restored
+    # --8<-- [end:trainer]
 
     digest = tg.state_digest(trainer.model)
     if training.process_index == 0:
