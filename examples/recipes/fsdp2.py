@@ -1,0 +1,102 @@
+"""FSDP2 recipe: a Hugging Face Llama sharded with `fully_shard`, under trainguard or plain torchrun, resuming exactly.
+
+    torchrun --nproc-per-node 2 examples/recipes/fsdp2.py    # or the entrypoint of a trainguard run
+
+The model comes from a small `LlamaConfig` (random weights, nothing downloaded; `pip install
+'trainguard[examples]'`). Its state is DTensors, which trainguard saves with torch.distributed.checkpoint
+(DCP): every rank saves its shards, and a restore reshards onto the world size of the attempt. It saves, and
+restores, the model, the optimizer, the LR scheduler and the data position (the sampler's epoch and the
+batches of it done); trainguard adds the RNG states. A run crashed and resumed from a committed checkpoint ends
+with the same `tg.state_digest` as the same script under plain torchrun (`tests/integration/test_recipes.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainguard import rank as tg
+
+
+def synthetic_tokens(size: int = 512, seq_len: int = 32, vocab: int = 256) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, vocab, (size, seq_len), generator=generator))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--step-time", type=float, default=0.0, help="seconds of stand-in compute per step")
+    args = parser.parse_args()
+
+    tg.standby()  # after the imports: the node agent can relaunch the run from processes it started warm
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    run = tg.init()  # every rank saves its own shards, at the same steps
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(1234)  # every rank starts from the same weights
+    model = LlamaForCausalLM(config).to(device)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sampler = DistributedSampler(synthetic_tokens(), shuffle=True, seed=0)
+    # A generator of its own: each epoch's iterator draws a seed from it, not from the global RNG that a
+    # restore sets back, so a resume mid-epoch leaves the model's own random numbers (dropout) as they were.
+    loader = DataLoader(sampler.dataset, batch_size=4, sampler=sampler, generator=torch.Generator())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+
+    def state(epoch: int = 0, batch: int = 0) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(model, optimizer)  # sharded, the optimizer's keyed by name
+        return {"model": model_state, "optim": optim_state, "sched": scheduler.state_dict(),
+                "data": {"epoch": epoch, "batch": batch}}  # the data position: the sampler's epoch, batches done
+
+    # `state`, not `state()`: restore calls it only when there is a checkpoint to load into. Building it
+    # initialises AdamW's state, so built on a fresh start it would make the run differ from plain torchrun.
+    restored = run.restore(state)
+    position = {"epoch": 0, "batch": 0}
+    if restored is not None:
+        set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
+        scheduler.load_state_dict(restored["sched"])
+        position = restored["data"]
+
+    step = run.start_step
+    for epoch in range(position["epoch"], args.epochs):
+        sampler.set_epoch(epoch)  # the epoch's shuffle, the same on every attempt
+        done = position["batch"] if epoch == position["epoch"] else 0
+        for batch, (tokens,) in enumerate(itertools.islice(loader, done, None), start=done + 1):
+            tokens = tokens.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            scheduler.step()
+            time.sleep(args.step_time)
+            step += 1
+            run.step_done(step)  # the progress heartbeat that hangs are judged by
+            if run.should_save(step):
+                run.save(step, state(epoch, batch))  # every rank, at the same step: DCP plans collectively
+
+    digest = tg.state_digest(model)  # every rank: it gathers the full model
+    run.finish(digest=digest)
+    if dist.get_rank() == 0:
+        print(f"{step} steps, digest {digest}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
