@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from trainguard.rank import EXIT_NO_RETRY, RankRun, state_digest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from hf_trainer import SyntheticTokens, build_model
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
 EVERY = 4
 MODEL = argparse.Namespace(vocab=64, hidden=16, layers=1, seq_len=8)
@@ -134,3 +136,13 @@ def test_outside_trainguard_the_callback_saves_nothing_and_train_is_trainer_trai
 def test_a_job_of_several_ranks_needs_a_replicated_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="replicated=True"):
         tg_hf.TrainguardCallback(RankRun({**environ(tmp_path), "WORLD_SIZE": "2"}))
+
+
+def test_the_rank_helper_never_loads_transformers_and_the_callback_module_does() -> None:
+    """A script that does not use the Trainer pays nothing for the callback: it lives in `trainguard.hf` alone."""
+    code = "import sys, trainguard.{}\nprint('transformers' in sys.modules)\n"
+    loaded = {module: subprocess.run([sys.executable, "-c", code.format(module)], cwd=REPO, capture_output=True,
+                                     text=True, timeout=120, check=True).stdout.strip()
+              for module in ("rank", "hf")}
+
+    assert loaded == {"rank": "False", "hf": "True"}
