@@ -20,7 +20,7 @@ from trainguard.client import TrainguardClient
 from trainguard.models import IncidentKind
 
 from .conftest import RUN_TIMEOUT_S, activity_failures, checkpointed, wait_until
-from .test_recipe_digest import torchrun_digest
+from .plain_torchrun import torchrun_digest
 
 pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[2]
