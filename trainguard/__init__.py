@@ -6,7 +6,7 @@ TASK_QUEUE = "trainguard"
 WORKFLOW_TYPE = "TrainingRun"
 
 NODE_CALLS_WORKFLOW = "NodeCalls"
-"""Child workflow of a run: one per-node activity on each node of a group (workflows/node_group.py)."""
+"""Child workflow of a run: one per-node activity on each node of a group (workflows/node_calls.py)."""
 
 NODE_GROUP_WATCH_WORKFLOW = "NodeGroupWatch"
 """Child workflow of a run: the watches of one group of nodes for one attempt (workflows/node_group.py)."""

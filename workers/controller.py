@@ -24,7 +24,8 @@ from trainguard.settings import Settings
 from trainguard.versioning import UNVERSIONED, claim_first_version, controller_build_id
 from workers.common import GRACEFUL_SHUTDOWN, STICKY_SCHEDULE_TO_START, setup_logging, stop_event
 from workflows.node_pool import NodePool
-from workflows.node_group import NodeCalls, NodeGroupWatch
+from workflows.node_calls import NodeCalls
+from workflows.node_group import NodeGroupWatch
 from workflows.rank_log import ReadRankLog
 from workflows.training_run import TrainingRun
 

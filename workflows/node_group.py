@@ -1,5 +1,5 @@
-"""Fan-out to thousands of nodes through child workflows: one per group of `NODES_PER_GROUP` nodes for calls,
-of `WATCH_NODES_PER_GROUP` for watches.
+"""Watching thousands of nodes through child workflows: one `NodeGroupWatch` per `WATCH_NODES_PER_GROUP` nodes
+(node calls go through `NodeCalls` children, workflows/node_calls.py).
 
 Temporal allows 2,000 pending activities per execution and refuses a whole workflow task that would pass
 it: a `TrainingRun` of 1,024 nodes that watched, uploaded and stopped every node itself hung at its first
@@ -14,42 +14,25 @@ through either: agents upload their own shards, and the committer sees them in t
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     # Passed through, not imported again in every workflow's sandbox: a 4,096-node relaunch starts hundreds of
     # node-group children, and defining their pydantic models anew in each cost seconds of controller CPU.
     from activities.models import (CheckNodeInput, CheckNodeResult, CollectEvidenceInput, CollectEvidenceResult,
                                    WatchEvent, WatchEventKind)
-    from trainguard import NODE_CALLS_WORKFLOW, NODE_GROUP_WATCH_WORKFLOW, node_task_queue
-    from trainguard.error_types import ErrorType, non_retryable
+    from trainguard import NODE_GROUP_WATCH_WORKFLOW, node_task_queue
     from trainguard.models import short_cause
     from trainguard.protocol import WatchHeartbeat
-    from workflows.node_group_models import (
-        GroupReport,
-        GroupStarted,
-        UploadTrouble,
-        LostNode,
-        NodeCall,
-        NodeCallKind,
-        NodeCallsInput,
-        NodeCallsResult,
-        NodeGroupWatchInput,
-        NodeGroupWatchResult,
-        NodeOutcome,
-    )
+    from workflows.node_calls import (BURST_SCHEDULE_TO_START, EVIDENCE_RETRY, EVIDENCE_TIMEOUT,
+                                      NODE_SCHEDULE_TO_START, SANDBOXED, TRANSFER_TIMEOUT, node_failure, not_started)
+    from workflows.node_group_models import (GroupReport, GroupStarted, LostNode, NodeGroupWatchInput,
+                                             NodeGroupWatchResult, UploadTrouble)
 
-NODES_PER_GROUP = 64
-"""Nodes per `NodeCalls` child (a `NodeGroupWatch` takes `WATCH_NODES_PER_GROUP`). A group
-keeps at most one activity per node pending, and a 4,096-node call 64 children: both far inside the 2,000 limit,
-with room for growth. Fewer, larger groups would put more events in one history; more, smaller ones more
-children in the run's."""
 
 WATCH_NODES_PER_GROUP = 16
 """Nodes per `NodeGroupWatch`, smaller than a call group: every start and heartbeat of a watch is a write of its
@@ -66,17 +49,7 @@ GROUP_HISTORY_EVENTS = 10_000
 
 # ------------------------------------------------------------------------------ timeouts and retries
 
-NODE_SCHEDULE_TO_START = timedelta(seconds=10)
-"""Node-pinned activities: a dead agent never starts them; notice that instead of waiting forever. A live agent
-polls all the time and starts one in milliseconds; 10 s, like the watch's heartbeat timeout, means it is gone."""
 
-BURST_SCHEDULE_TO_START = timedelta(seconds=30)
-"""...but where a call reaches every node of a run at once and nothing waits on a dead node being noticed
-fast (the check at reservation, a relaunch's launching watches, just after every node answered the stop),
-thousands of activities queue together, and on a small Temporal the last is matched to its agent seconds
-later: at 1,024 nodes on a loaded two-core dev server, checks waited past 10 s and live nodes read as dead.
-The stop keeps 10 s: a node that does not start it is how a crash that was a lost node's symptom is told
-(fan-out slots keep its queue short)."""
 
 LAUNCH_BURST_STARTS_PER_S = 100
 """Activity starts a second a run's launching burst is allowed, at the least, before a node that has not started
@@ -91,14 +64,8 @@ def launch_wait_s(num_nodes: int) -> float:
     return max(BURST_SCHEDULE_TO_START.total_seconds(), num_nodes / LAUNCH_BURST_STARTS_PER_S)
 
 
-CHECK_NODE_TIMEOUT = timedelta(seconds=30)
-"""An NVML query and a reply; anything slower is a sick node."""
 
-LAUNCH_TIMEOUT = timedelta(minutes=2)
-"""Spawning processes takes milliseconds; minutes means the node is in trouble."""
 
-STOP_TIMEOUT = timedelta(seconds=60)
-"""SIGTERM, a grace period, then SIGKILL of whole process groups, and reaping them."""
 
 WATCH_MAX_DURATION_S = 3600.0
 """A watch returns after this long even if nothing happened, so no activity runs unbounded. Each renewal costs
@@ -149,13 +116,7 @@ MAX_SILENT_REWATCHES = 3
 """Watches started again on one node because its agent answered after going silent, per group run: an agent
 that keeps answering while its watches keep timing out has a broken watch, and its node is lost after all."""
 
-TRANSFER_TIMEOUT = timedelta(minutes=30)
-TRANSFER_HEARTBEAT_TIMEOUT = timedelta(minutes=2)
-TRANSFER_SCHEDULE_TO_CLOSE = timedelta(hours=2)
-"""Download retries stop after this: long enough to ride out a store outage."""
 
-EVIDENCE_TIMEOUT = timedelta(seconds=5)
-"""Asking a node's ranks for their stacks and position takes half a second at most (`ANSWER_TIMEOUT_S`)."""
 
 PEER_EVIDENCE_WAIT = timedelta(seconds=2)
 """After a node's watch reports a hang with its ranks' evidence, how long the group waits for its other nodes'
@@ -166,55 +127,17 @@ relaunch 0.5 s, plus the run's asking after it). A node that has not answered by
 that stand (runs past 64 nodes) ask no node: there the relaunch is published from the first report and the culprit
 named from the evidence in hand (the culprit's own node reports it: its rank is the one judged hung)."""
 
-EVIDENCE_RETRY = RetryPolicy(maximum_attempts=1)
-"""Evidence is asked once: the recovery waits on it, and a node that cannot answer is evidence too."""
 
-NODE_CALL_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=5),
-                              maximum_attempts=3)
-"""A node call that fails three times is a node problem; more retries would only delay the remedy."""
 
 WATCH_RETRY = RetryPolicy(maximum_attempts=1)
 """A failed watch is itself the signal (the agent died or froze): the workflow decides, not a retry."""
 
-TRANSFER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
-                             maximum_interval=timedelta(seconds=30),
-                             non_retryable_error_types=non_retryable(
-                                 ErrorType.CORRUPT_CHECKPOINT, ErrorType.NO_LOCAL_SHARDS, ErrorType.BAD_SPEC))
-"""S3 outages heal: retry with backoff (bounded by TRANSFER_SCHEDULE_TO_CLOSE); bad bytes never heal."""
 
 
-@dataclass(frozen=True)
-class _CallOptions:
-    start_to_close: timedelta
-    retry: RetryPolicy
-    heartbeat: timedelta | None = None
-    schedule_to_close: timedelta | None = None
-    schedule_to_start: timedelta = NODE_SCHEDULE_TO_START
 
 
-_CALL_OPTIONS: dict[NodeCallKind, _CallOptions] = {
-    NodeCallKind.CHECK: _CallOptions(CHECK_NODE_TIMEOUT, NODE_CALL_RETRY, schedule_to_start=BURST_SCHEDULE_TO_START),
-    NodeCallKind.DOWNLOAD: _CallOptions(TRANSFER_TIMEOUT, TRANSFER_RETRY, TRANSFER_HEARTBEAT_TIMEOUT,
-                                        TRANSFER_SCHEDULE_TO_CLOSE),
-    NodeCallKind.LAUNCH: _CallOptions(LAUNCH_TIMEOUT, NODE_CALL_RETRY),
-    NodeCallKind.REJOIN: _CallOptions(LAUNCH_TIMEOUT, NODE_CALL_RETRY),
-    NodeCallKind.STOP: _CallOptions(STOP_TIMEOUT, NODE_CALL_RETRY),
-    NodeCallKind.REQUEST_CHECKPOINT: _CallOptions(CHECK_NODE_TIMEOUT, NODE_CALL_RETRY),
-    NodeCallKind.COLLECT_EVIDENCE: _CallOptions(EVIDENCE_TIMEOUT, EVIDENCE_RETRY),
-}
 
 
-T = TypeVar("T")
-
-
-def groups_of(nodes: list[T], size: int = NODES_PER_GROUP) -> list[list[T]]:
-    """Consecutive groups of at most `size` nodes, in order."""
-    return [nodes[start : start + size] for start in range(0, len(nodes), size)]
-
-
-def _not_started(error: ActivityError) -> bool:
-    """The activity timed out before any agent started it."""
-    return isinstance(error.cause, TimeoutError) and error.cause.type is TimeoutType.SCHEDULE_TO_START
 
 
 def _never_heartbeated(error: ActivityError) -> bool:
@@ -229,7 +152,7 @@ def _never_heartbeated(error: ActivityError) -> bool:
 def _unheard(error: ActivityError) -> bool:
     """No agent ever reported on the activity: not started in time, or timed out before its first heartbeat.
     A launching watch so ended gets a large run's unasked second chance, and, asked, launches again."""
-    return _not_started(error) or _never_heartbeated(error)
+    return not_started(error) or _never_heartbeated(error)
 
 
 def _heartbeat_timed_out(error: ActivityError) -> bool:
@@ -247,64 +170,10 @@ def _was_downloading(error: ActivityError) -> bool:
     return beat is not None and beat.downloading
 
 
-def _failure(node: str, error: ActivityError) -> NodeOutcome:
-    cause: BaseException | None = error.cause
-    while cause is not None and cause.__cause__ is not None and not isinstance(cause, ApplicationError):
-        cause = cause.__cause__
-    kind = cause.type if isinstance(cause, ApplicationError) else None
-    details = cause.details if isinstance(cause, ApplicationError) else ()
-    away = details[0] if kind == ErrorType.AGENT_SHUTDOWN and details and isinstance(details[0], (int, float)) \
-        else None
-    return NodeOutcome(node=node, error=str(cause or error), error_type=kind, away_since=away)
 
 
-# --------------------------------------------------------------------------------------- workflows
 
 
-SANDBOXED = False
-"""`NodeCalls` and `NodeGroupWatch` run outside the workflow sandbox. A 4,096-node relaunch starts 256 watch
-groups at once, and each sandboxed start built a sandbox of its own: unsandboxed, the controller's CPU for the
-whole `make bench-nodes` run at 4,096 nodes fell from 65.6 s to 37.9 s (wall 317 s to 281 s). They are small and
-call nothing but the workflow API and this module (no clock, no randomness, no I/O); the replay tests replay
-their recorded histories as they do the run's."""
-
-
-@workflow.defn(name=NODE_CALLS_WORKFLOW, sandboxed=SANDBOXED)
-class NodeCalls:
-    """One per-node activity on each node of a group, in parallel; every node's result or failure."""
-
-    @workflow.run
-    async def run(self, request: NodeCallsInput) -> NodeCallsResult:
-        return await call_nodes(request)
-
-
-async def call_nodes(request: NodeCallsInput) -> NodeCallsResult:
-    """Each call's activity, in parallel, from the calling workflow (a `NodeCalls` child, or a run whose
-    calls fit in one group); every node's result or failure, in the calls' order."""
-    options = _CALL_OPTIONS[request.kind]
-
-    async def call(one: NodeCall, chances: int) -> NodeOutcome:
-        try:
-            result = await workflow.execute_activity(
-                request.kind.value, one.input,
-                task_queue=node_task_queue(one.node),
-                start_to_close_timeout=options.start_to_close,
-                schedule_to_close_timeout=options.schedule_to_close,
-                schedule_to_start_timeout=options.schedule_to_start,
-                heartbeat_timeout=options.heartbeat,
-                retry_policy=options.retry,
-                result_type=dict,
-                summary=request.summary.replace("{node}", one.node),
-            )
-        except ActivityError as error:
-            if chances > 1 and _not_started(error):
-                workflow.logger.warning("%s did not start %s in time: scheduled again", one.node, request.kind.value)
-                return await call(one, chances - 1)
-            return _failure(one.node, error)
-        return NodeOutcome(node=one.node, result=result)
-
-    chances = 2 if request.second_chance else 1
-    return NodeCallsResult(outcomes=list(await asyncio.gather(*(call(c, chances) for c in request.calls))))
 
 
 
@@ -405,16 +274,16 @@ class NodeGroupWatch:
                         if not launch:
                             launching.discard(node)
                         workflow.logger.warning("%s's watch %s but its agent answers: watched again", node,
-                                                "was not started in time" if _not_started(error)
+                                                "was not started in time" if not_started(error)
                                                 else "stopped heartbeating")
                         watches[node] = self._watch(request, node, report_start=node in starters
                                                     and node not in started, launch=launch)
                         continue
                     how = "stopped heartbeating" if isinstance(error.cause, TimeoutError) else "failed"
-                    failure = _failure(node, error)
+                    failure = node_failure(node, error)
                     result.lost.append(LostNode(node=node, detail=f"node agent {how}: {short_cause(failure.error)}",  # type: ignore[arg-type]  # _failure always sets error
                                                 error_type=failure.error_type, away_since=failure.away_since,
-                                                never_started=node in launching and _not_started(error)
+                                                never_started=node in launching and not_started(error)
                                                 and node not in request.launched))
                     launching.discard(node)
                     continue
@@ -521,7 +390,7 @@ class NodeGroupWatch:
         unstarted past `NODE_SCHEDULE_TO_START`, and the restart matrix's run took the live node as lost."""
         silent = [n for n in nodes if n in watches and watches[n].done() and rewatched.get(n, 0) < MAX_SILENT_REWATCHES
                   and isinstance(error := watches[n].exception(), ActivityError)
-                  and (_heartbeat_timed_out(error) or _not_started(error))
+                  and (_heartbeat_timed_out(error) or not_started(error))
                   and not (n in second_chance and _unheard(error))]
         if not silent:
             return set()
@@ -539,7 +408,7 @@ class NodeGroupWatch:
                 start_to_close_timeout=SILENT_CHECK_TIMEOUT, retry_policy=SILENT_CHECK_RETRY,
                 result_type=CheckNodeResult, summary=f"is {node} there? (its watch went silent)")
         except ActivityError as error:
-            return not _not_started(error)
+            return not not_started(error)
         return True
 
     @staticmethod

@@ -8,16 +8,13 @@ not wait: the standing groups' later reports add their evidence and the culprit 
 
 from __future__ import annotations
 
-import asyncio
-
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import CollectEvidenceInput, CollectEvidenceResult
-    from trainguard import node_task_queue
     from trainguard.models import Incident
     from workflows.culprit import pick_culprit
-    from workflows.node_group import EVIDENCE_RETRY, EVIDENCE_TIMEOUT, NODE_SCHEDULE_TO_START, NODES_PER_GROUP
+    from workflows.node_calls import NODES_PER_GROUP
     from workflows.node_group_models import NodeCallKind
     from workflows.run_core import RunCore
     from workflows.run_nodes import RunNodes
@@ -52,17 +49,11 @@ class HangCulprit:
             core.live.attributing = hang
             return
         summary = f"collect hang evidence on {{node}} (attempt {attempt})"
-        if calls and len(calls) <= NODES_PER_GROUP:
-            # One group's worth of activities from the run itself: the recovery waits on this, and a child
-            # workflow's start and end cost it two more workflow tasks.
-            answers = await asyncio.gather(*(workflow.execute_activity(
-                "collect_evidence", request, task_queue=node_task_queue(node),
-                start_to_close_timeout=EVIDENCE_TIMEOUT, schedule_to_start_timeout=NODE_SCHEDULE_TO_START,
-                retry_policy=EVIDENCE_RETRY, result_type=CollectEvidenceResult,
-                summary=summary.replace("{node}", node)) for node, request in calls), return_exceptions=True)
-            hang.evidence.update({a.node: a.ranks for a in answers if isinstance(a, CollectEvidenceResult)})
-        elif calls:
-            answered = await self.nodes.fan_out(NodeCallKind.COLLECT_EVIDENCE, calls, summary, CollectEvidenceResult)
+        if calls:
+            # Up to one group's worth from the run itself: the recovery waits on this, and a child workflow's
+            # start and end cost it two more workflow tasks.
+            answered = await self.nodes.fan_out(NodeCallKind.COLLECT_EVIDENCE, calls, summary, CollectEvidenceResult,
+                                                direct=len(calls) <= NODES_PER_GROUP)
             hang.evidence.update({a.node: a.result.ranks for a in answered if a.result is not None})
         self._name_culprit(hang)
 

@@ -1,7 +1,7 @@
 """`RunNodes`: everything a run asks of its nodes and of the node pool, each call written once.
 
 Node calls fan out one activity per node (through `NodeCalls` children past a handful) and come back typed:
-one pydantic model in per call kind and one out (`RESULT_TYPES`), validated here and nowhere else.
+one pydantic model in per call kind and one out (`node_calls.CALLS`), checked here and nowhere else.
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import (
         CheckNodeInput,
         CheckNodeResult,
-        CollectEvidenceResult,
-        DownloadShardsResult,
         FindNodeAgentsInput,
         FindNodeAgentsResult,
         InjectFaultInput,
         InjectFaultResult,
         LaunchRanksInput,
-        LaunchRanksResult,
         NotifySchedulerInput,
         NotifySchedulerResult,
-        RejoinRanksResult,
         RequestCheckpointInput,
         RequestCheckpointResult,
         SchedulerAction,
@@ -46,11 +42,12 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.models import (AcquireNodesRequest, AcquireNodesResult, Action, AgentsBackInput, AgentsBackResult,
                                    ChaosRequest, Incident, IncidentKind, NodeRequest, PoolNode, StopReason,
                                    short_cause)
-    from workflows.node_group import (NODE_CALL_RETRY, NODE_SCHEDULE_TO_START, STOP_TIMEOUT,
-                                      NodeCalls, call_nodes, groups_of, watch_heartbeat_every_s,
-                                      watch_heartbeat_timeout)
+    from workflows.node_calls import (CALLS, NODE_CALL_RETRY, NODE_SCHEDULE_TO_START, STOP_TIMEOUT, NodeCalls,
+                                      call_nodes, groups_of)
+    from workflows.node_group import watch_heartbeat_every_s, watch_heartbeat_timeout
     from workflows.node_group_models import NodeCall, NodeCallKind, NodeCallsInput, NodeCallsResult
-    from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT, pool_request
+    from workflows.node_pool import SCHEDULER_RETRY, SCHEDULER_SCHEDULE_TO_CLOSE, SCHEDULER_TIMEOUT
+    from workflows.pool_rules import pool_request
     from workflows.run_core import RunCore, injected_key
     from workflows.run_decisions import lost_since
     from trainguard.slurm_job import SLURM_JOB_MEMO, recorded_job
@@ -110,17 +107,6 @@ starts it (`NODE_SCHEDULE_TO_START`), and that is not retried."""
 AGENT_RETURN_POLL = timedelta(seconds=2)
 """How often a run waiting for restarting agents asks the pool whether they are back."""
 
-RESULT_TYPES: dict[NodeCallKind, type[BaseModel]] = {
-    NodeCallKind.CHECK: CheckNodeResult,
-    NodeCallKind.DOWNLOAD: DownloadShardsResult,
-    NodeCallKind.LAUNCH: LaunchRanksResult,
-    NodeCallKind.REJOIN: RejoinRanksResult,
-    NodeCallKind.STOP: StopRanksResult,
-    NodeCallKind.REQUEST_CHECKPOINT: RequestCheckpointResult,
-    NodeCallKind.COLLECT_EVIDENCE: CollectEvidenceResult,
-}
-"""What each node call answers: the one place a node's answer is validated."""
-
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -147,12 +133,15 @@ class RunNodes:
 
     # --------------------------------------------------------------------------------------- fan-out
     async def fan_out(self, kind: NodeCallKind, calls: Sequence[tuple[str, BaseModel]], summary: str,
-                      result_type: type[R]) -> list[NodeAnswer[R]]:
-        """One activity of `kind` per node, in the calls' order; past `DIRECT_NODE_CALLS`, through a `NodeCalls`
-        child per group of nodes so no execution holds more than a group's activities."""
-        assert RESULT_TYPES[kind] is result_type, f"{kind.value} answers {RESULT_TYPES[kind].__name__}"
+                      result_type: type[R], direct: bool | None = None) -> list[NodeAnswer[R]]:
+        """One activity of `kind` per node, in the calls' order; past `DIRECT_NODE_CALLS` (or where `direct` is
+        False), through a `NodeCalls` child per group of nodes so no execution holds more than a group's
+        activities. Inputs and answers are checked against the call's contract (`node_calls.CALLS`)."""
+        contract = CALLS[kind]
+        assert contract.result is result_type, f"{kind.value} answers {contract.result.__name__}"
+        assert all(isinstance(request, contract.input) for _, request in calls), f"{kind.value} takes {contract.input}"
         wire = [NodeCall(node=node, input=request.model_dump(mode="json")) for node, request in calls]
-        if len(wire) <= DIRECT_NODE_CALLS:
+        if direct if direct is not None else len(wire) <= DIRECT_NODE_CALLS:
             outcomes = (await call_nodes(NodeCallsInput(kind=kind, summary=summary, calls=wire))).outcomes
         else:
             tag, chunks = str(workflow.uuid4())[:8], groups_of(wire)

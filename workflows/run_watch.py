@@ -21,9 +21,9 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import (AttemptDecision, CommitCheckpointsInput, CommitCheckpointsResult,
                                    DownloadShardsInput, LaunchRanksInput, PublishAttemptInput, WatchCheckpoints,
                                    WatchEvent, WatchEventKind, WatchRanksInput)
-    from workflows.node_group import (BURST_SCHEDULE_TO_START, NODE_SCHEDULE_TO_START,
-                                      NODES_PER_GROUP, WATCH_MAX_DURATION_S, WATCH_NODES_PER_GROUP,
-                                      NodeGroupWatch, groups_of, launch_wait_s, watch_heartbeat_every_s)
+    from workflows.node_calls import BURST_SCHEDULE_TO_START, NODE_SCHEDULE_TO_START, NODES_PER_GROUP, groups_of
+    from workflows.node_group import (WATCH_MAX_DURATION_S, WATCH_NODES_PER_GROUP, NodeGroupWatch, launch_wait_s,
+                                      watch_heartbeat_every_s)
     from workflows.node_group_models import GroupReport, NodeGroupWatchInput, NodeGroupWatchResult
     from workflows.run_core import RunCore, cause_text
     from trainguard.models import Action, Incident, IncidentKind

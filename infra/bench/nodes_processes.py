@@ -154,7 +154,7 @@ async def seed_pool(client: Any, nodes: list[str]) -> None:
     and about 60 KB packed."""
     from trainguard import TASK_QUEUE
     from trainguard.models import PoolNode, PoolStatus
-    from workflows.node_pool import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE
+    from trainguard import POOL_WORKFLOW_ID, POOL_WORKFLOW_TYPE
 
     registered = [PoolNode(node=n, host=f"{n}.sim", healthy=True) for n in nodes]
     await client.start_workflow(POOL_WORKFLOW_TYPE, PoolStatus.pack(registered), id=POOL_WORKFLOW_ID,

@@ -178,7 +178,7 @@ async def lease_times(client: Any, figures: Figures, run_ids: list[str], began: 
 
 
 async def pool_cost(client: Any, figures: Figures) -> None:
-    from workflows.node_pool import POOL_WORKFLOW_ID
+    from trainguard import POOL_WORKFLOW_ID
 
     runs = [e.run_id async for e in client.list_workflows(f"WorkflowId = '{POOL_WORKFLOW_ID}'")]
     for run_id in runs:

@@ -55,7 +55,7 @@ from trainguard.ports import Ports, free_port_base
 from trainguard.settings import Settings
 from trainguard.versioning import CODE_PACKAGES, current_build, derived_build_id, poller_build, running_on
 from workers.controller import build_worker
-from workflows.node_pool import POOL_WORKFLOW_ID
+from trainguard import POOL_WORKFLOW_ID
 
 pytestmark = pytest.mark.integration
 

@@ -141,7 +141,7 @@ def test_janitor_tolerates_an_upload_finished_meanwhile_but_not_other_errors() -
 
 
 def test_janitor_bound_outlives_an_upload_attempt() -> None:
-    from workflows.node_group import TRANSFER_TIMEOUT
+    from workflows.node_calls import TRANSFER_TIMEOUT
 
     assert ORPHANED_UPLOAD_AGE_S >= 2 * TRANSFER_TIMEOUT.total_seconds()
 

@@ -15,7 +15,7 @@ from temporalio.exceptions import ApplicationError
 from activities.models import InjectFaultInput, LaunchRanksInput
 from trainguard.error_types import ErrorType, non_retryable
 from trainguard.faults import FaultKind, parse_fault
-from workflows.node_group import TRANSFER_RETRY
+from workflows.node_calls import TRANSFER_RETRY
 from workflows.node_pool import SCHEDULER_RETRY
 from workflows.rank_log import READ_LOG_RETRY
 from workers.node_agent import node_ranks

@@ -18,7 +18,7 @@ from trainguard.pool import check_registration, signed_registration
 from trainguard.slurm_job import job_memo
 from workers import node_agent
 from workers.job_fence import NOT_THIS_JOBS_RUN, FenceOtherJobsRuns, JobFence
-from workflows.node_pool import register
+from workflows.pool_rules import register
 
 RUN_OF_4242 = job_memo({"SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "alice"})
 

@@ -28,8 +28,9 @@ from activities.models import (
     WatchRanksInput,
 )
 from trainguard import node_task_queue
-from workflows import node_group
-from workflows.node_group import NodeCalls, NodeGroupWatch
+from workflows import node_calls, node_group
+from workflows.node_calls import NodeCalls
+from workflows.node_group import NodeGroupWatch
 from workflows.node_group_models import (
     GroupStarted,
     NodeCall,
@@ -177,8 +178,8 @@ async def test_a_launching_watch_never_heard_from_launches_again_on_a_node_that_
 @pytest.mark.parametrize("second_chance", [True, False], ids=["thousands-of-nodes", "small-run"])
 async def test_a_check_matched_late_gets_a_second_chance_only_when_asked(
         env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, second_chance: bool) -> None:
-    options = node_group._CALL_OPTIONS[NodeCallKind.CHECK]
-    monkeypatch.setitem(node_group._CALL_OPTIONS, NodeCallKind.CHECK,
+    options = node_calls.CALLS[NodeCallKind.CHECK]
+    monkeypatch.setitem(node_calls.CALLS, NodeCallKind.CHECK,
                         dataclasses.replace(options, schedule_to_start=timedelta(seconds=2)))
     queue, calls_id = f"tq-{uuid4()}", f"calls-{uuid4()}"
     request = NodeCallsInput(kind=NodeCallKind.CHECK, summary="check {node}", second_chance=second_chance,
@@ -208,7 +209,8 @@ def test_a_run_of_thousands_of_nodes_heartbeats_a_bounded_number_of_times_a_seco
 
 
 def test_a_launching_burst_of_thousands_of_nodes_may_wait_in_proportion_to_be_matched() -> None:
-    from workflows.node_group import BURST_SCHEDULE_TO_START, LAUNCH_BURST_STARTS_PER_S, launch_wait_s
+    from workflows.node_calls import BURST_SCHEDULE_TO_START
+    from workflows.node_group import LAUNCH_BURST_STARTS_PER_S, launch_wait_s
 
     assert launch_wait_s(1024) == BURST_SCHEDULE_TO_START.total_seconds()
     assert launch_wait_s(4096) == pytest.approx(4096 / LAUNCH_BURST_STARTS_PER_S)

@@ -13,7 +13,8 @@ from temporalio.worker import Worker
 from activities.nodes import RegistrationActivities
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
 from trainguard.models import AcquireNodesRequest, NodeRequest, PoolNode, RegisterNodeRequest
-from workflows.node_pool import NodePool, cordon, drain, grant, register, release, uncordon
+from workflows.node_pool import NodePool
+from workflows.pool_rules import cordon, drain, grant, register, release, uncordon
 
 
 def pool(*names: str) -> dict[str, PoolNode]:
@@ -257,7 +258,7 @@ async def test_leases_asked_together_go_to_the_pool_in_few_updates_and_each_gets
 
     from activities.nodes import PoolActivities
     from trainguard.models import AcquireNodesResult, PoolStatus
-    from workflows.node_pool import POOL_WORKFLOW_ID
+    from trainguard import POOL_WORKFLOW_ID
 
     queue = f"pool-{uuid.uuid4()}"
     names = [f"n{i}" for i in range(40)]

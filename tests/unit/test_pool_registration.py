@@ -20,8 +20,9 @@ from activities.nodes import RegistrationActivities
 from activities.scheduler import NotifySchedulerInput, NotifySchedulerResult
 from trainguard.models import AcquireNodesRequest, NodeRequest, PoolNode, RegisterNodeRequest, RegistrationVerdict
 from trainguard.pool import REGISTRATION_MAX_SKEW_S, check_registration, registration_proof, signed_registration
-from workflows.node_pool import (UNHEALTHY_AT_REGISTRATION, NodePool, cordon, grant, operator_cordon, register,
-                                 registration_problem)
+from workflows.node_pool import NodePool
+from workflows.pool_rules import (UNHEALTHY_AT_REGISTRATION, cordon, grant, operator_cordon, register,
+                                  registration_problem)
 
 TOKEN = "pool-token-0123456789abcdef"
 NOW = 1_800_000_000.0

@@ -18,7 +18,8 @@ from temporalio.common import RawValue
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from workflows.node_group import NodeCalls, NodeGroupWatch
+from workflows.node_calls import NodeCalls
+from workflows.node_group import NodeGroupWatch
 from workflows.node_group_models import NodeCallsInput, NodeCallsResult
 from workflows.node_pool import NodePool
 from trainguard.models import RunResult

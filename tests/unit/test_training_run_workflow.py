@@ -86,9 +86,10 @@ from trainguard.models import (
     RunResult,
     RunStatus,
 )
-from workflows.node_pool import grant, release
+from workflows.pool_rules import grant, release
 from workflows import node_group
-from workflows.node_group import NodeCalls, NodeGroupWatch
+from workflows.node_calls import NodeCalls
+from workflows.node_group import NodeGroupWatch
 from workflows.run_nodes import DIRECT_NODE_CALLS
 from workflows.node_group_models import GroupReport, NodeGroupWatchResult
 from workflows.run_state import HangAttribution, Live
@@ -192,7 +193,7 @@ class Cluster:
     evidence: dict[str, list[RankEvidence]] = field(default_factory=dict)
     """Node -> what its ranks show when `collect_evidence` asks (a hang)."""
     pool: dict[str, PoolNode] | None = None
-    """The node pool's state, leased by its real rules (`workflows.node_pool.grant`); None: every lease is
+    """The node pool's state, leased by its real rules (`workflows.pool_rules.grant`); None: every lease is
     granted as asked."""
     away_polls: dict[str, int] = field(default_factory=dict)
     """Node -> how many more `find_agents_back` asks find its restarting agent still away."""
