@@ -16,6 +16,7 @@ import argparse
 import itertools
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,6 +32,17 @@ from trainguard import rank as tg
 def synthetic_tokens(size: int = 512, seq_len: int = 32, vocab: int = 256) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     return TensorDataset(torch.randint(0, vocab, (size, seq_len), generator=generator))
+
+
+def batches_from(position: dict[str, int], epochs: int, sampler: DistributedSampler,
+                 loader: DataLoader) -> Iterator[tuple[dict[str, int], Any]]:
+    """The batches from the data position `position` on, each with the position after it: an epoch's order is
+    its sampler's shuffle, the same on every attempt, and a resume skips the batches of it already done."""
+    for epoch in range(position["epoch"], epochs):
+        sampler.set_epoch(epoch)
+        done = position["batch"] if epoch == position["epoch"] else 0
+        for batch, data in enumerate(itertools.islice(loader, done, None), start=done + 1):
+            yield {"epoch": epoch, "batch": batch}, data
 
 
 def main() -> None:
@@ -61,35 +73,32 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
 
-    def state(epoch: int = 0, batch: int = 0) -> dict[str, Any]:
+    def state(position: dict[str, int] | None = None) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(model, optimizer)  # sharded, the optimizer's keyed by name
         return {"model": model_state, "optim": optim_state, "sched": scheduler.state_dict(),
-                "data": {"epoch": epoch, "batch": batch}}  # the data position: the sampler's epoch, batches done
+                "data": position or {"epoch": 0, "batch": 0}}  # the data position: the sampler's epoch, batches done
 
     # `state`, not `state()`: restore calls it only when there is a checkpoint to load into. Building it
     # initialises AdamW's state, so built on a fresh start it would make the run differ from plain torchrun.
     restored = run.restore(state)
-    position = {"epoch": 0, "batch": 0}
+    data_from = {"epoch": 0, "batch": 0}
     if restored is not None:
         set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
         scheduler.load_state_dict(restored["sched"])
-        position = restored["data"]
+        data_from = restored["data"]
 
     step = run.start_step
-    for epoch in range(position["epoch"], args.epochs):
-        sampler.set_epoch(epoch)  # the epoch's shuffle, the same on every attempt
-        done = position["batch"] if epoch == position["epoch"] else 0
-        for batch, (tokens,) in enumerate(itertools.islice(loader, done, None), start=done + 1):
-            tokens = tokens.to(device)
-            optimizer.zero_grad(set_to_none=True)
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            optimizer.step()
-            scheduler.step()
-            time.sleep(args.step_time)
-            step += 1
-            run.step_done(step)  # the progress heartbeat that hangs are judged by
-            if run.should_save(step):
-                run.save(step, state(epoch, batch))  # every rank, at the same step: DCP plans collectively
+    for position, (tokens,) in batches_from(data_from, args.epochs, sampler, loader):
+        tokens = tokens.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        scheduler.step()
+        time.sleep(args.step_time)  # stand-in for a bigger model's compute (none by default)
+        step += 1
+        run.step_done(step)  # the progress heartbeat that hangs are judged by
+        if run.should_save(step):
+            run.save(step, state(position))  # every rank, at the same step: DCP plans collectively
 
     digest = tg.state_digest(model)  # every rank: it gathers the full model
     run.finish(digest=digest)
