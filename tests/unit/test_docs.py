@@ -239,3 +239,26 @@ def test_every_readme_figure_says_measured_or_simulated() -> None:
     assert [r for r in rows if not ("measured" in r.split("|")[-2] or "simulated" in r.split("|")[-2])] == []
     standins = [r for r in rows if "4,096 nodes" in r or "XID" in r or "100 runs" in r]
     assert len(standins) == 3 and all("simulated" in r.split("|")[-2] for r in standins)
+
+
+def snippet_region(path: Path, name: str) -> str:
+    """The lines between `# --8<-- [start:NAME]` and `# --8<-- [end:NAME]` in `path`, dedented: what
+    `--8<-- "PATH:NAME"` includes in the docs (pymdownx.snippets, `dedent_subsections`)."""
+    import textwrap
+
+    lines = path.read_text().splitlines(keepends=True)
+    marks = [index for index, line in enumerate(lines) if line.strip() in (f"# --8<-- [start:{name}]",
+                                                                             f"# --8<-- [end:{name}]")]
+    assert len(marks) == 2, f"{path} has no single region {name!r}: marker lines {marks}"
+    return textwrap.dedent("".join(lines[marks[0] + 1:marks[1]]))
+
+
+def test_the_readmes_rank_snippet_is_the_ddp_recipes_tested_region() -> None:
+    """The README cannot include a file, so its snippet is checked against one: the `rank` region of the DDP
+    recipe, which tests/integration/test_recipes.py crashes and resumes to plain torchrun's digest."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("**Your own script as a rank**", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    region = snippet_region(REPO / "examples" / "recipes" / "ddp.py", "rank")
+
+    assert "run.restore()" in region and "run.step_done(step)" in region and '"sched"' in region
+    assert block == region, "README's rank snippet differs from examples/recipes/ddp.py's region `rank`: copy it"
