@@ -130,6 +130,7 @@ def main() -> None:
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
                                   find_unused_parameters=True)
     run.hook_ddp(ddp)  # the all-reduce goes through trainguard's hook (torch's own): chaos can skip it
+    run.fingerprint(model)  # replicas' parameters compared: a flipped bit names its rank
 
     heartbeat = None
     if args.ft_heartbeat and not run.managed:
@@ -163,7 +164,7 @@ def main() -> None:
         began = time.perf_counter()
         simulate_compute(args.step_time)
         step += 1
-        run.step_done(step, compute_s=forward_s + time.perf_counter() - began)
+        run.step_done(step, compute_s=forward_s + time.perf_counter() - began, loss=loss)
         if run.should_save(step) or step == args.steps:
             run.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
         if local_dir is not None and local_rank == 0 and args.local_checkpoint_every > 0 \

@@ -125,6 +125,7 @@ def main() -> None:
         trained = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None,
                                           find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run.fingerprint(model)  # replicas' parameters (their shards, under FSDP2) compared: a flipped bit names its rank
 
     def state() -> dict[str, Any]:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -150,7 +151,7 @@ def main() -> None:
         optimizer.step()
         if args.step_time > 0:
             time.sleep(args.step_time)
-        run.step_done(step + 1, compute_s=time.perf_counter() - began)
+        run.step_done(step + 1, compute_s=time.perf_counter() - began, loss=loss)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             began = time.monotonic()
             eval_loss = evaluate(model, rank, args, device)

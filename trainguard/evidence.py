@@ -15,7 +15,9 @@ each of its ranks for two things:
 
 Chaos hangs (`trainguard chaos hang --mode ...`) are carried out by the helper too: the agent writes the mode
 to `<base>.chaos.json`, and the rank acts on it at its next step (`python`, `io`) or its next gradient
-all-reduce (`skip-collective`, which needs the script to hand its DDP model to `RankRun.hook_ddp`).
+all-reduce (`skip-collective`, which needs the script to hand its DDP model to `RankRun.hook_ddp`). So are the
+numerical faults (`trainguard chaos bitflip|nan`, `NUMERIC_MODES`), on the model the script handed to
+`RankRun.fingerprint`.
 
 This module imports nothing heavy: the rank helper loads it in every rank.
 """
@@ -52,6 +54,11 @@ HANG_MODES = ("stop", "python", "skip-collective", "io")
 is never released) while its process keeps running; `skip-collective`: the rank skips the gradient
 all-reduce its peers enter (it never issues it) and waits in its backward pass, so its peers wait in the
 collective it skipped; `io`: the rank blocks in a read that never returns."""
+
+NUMERIC_MODES = ("bitflip", "nan")
+"""Chaos the helper carries out on the model `RankRun.fingerprint` was given, at the rank's next step: `bitflip`
+flips one bit of one parameter element (after the optimizer step: a silent data corruption), `nan` makes the next
+forward pass's output, so the loss and gradients, NaN (a numerical fault)."""
 
 REQUEST_POLL_S = 0.02
 """How often the helper's evidence thread looks for a request (a stat): the answer comes within this."""
@@ -218,6 +225,10 @@ class RankChannel:
         """Gradient all-reduces `allreduce_hook` issued; only the thread that runs DDP's backward adds to it."""
         self.hook_completed = 0
         """...and of those, the ones whose result came back; only the communication thread adds to it."""
+        self.fingerprinted = False
+        """The script handed its model to `RankRun.fingerprint`: numerical chaos has a model to act on."""
+        self.numeric_chaos = ""
+        """A `NUMERIC_MODES` chaos asked for and not yet carried out (`RankRun` carries it out and clears it)."""
         self._chaos_mtime = 0.0
         self._mode = ""
         self._stacks_file: Any = None
@@ -241,7 +252,8 @@ class RankChannel:
         return Position(request=request, step=self.step, collectives_enqueued=enqueued,
                         collectives_completed=completed, in_collective=inside, collective=name, source=source,
                         chaos=self._mode, extra={"ddp_hooked": self.ddp_hooked, "hook_entered": self.hook_entered,
-                                                 "hook_completed": self.hook_completed})
+                                                 "hook_completed": self.hook_completed,
+                                                 "fingerprinted": self.fingerprinted})
 
     def _answer_requests(self) -> None:
         import time
@@ -271,6 +283,9 @@ class RankChannel:
         try:
             mode = json.loads(self.paths.chaos.read_text())["mode"]
         except (OSError, ValueError, KeyError):
+            return
+        if mode in NUMERIC_MODES:
+            self.numeric_chaos = mode
             return
         self._mode = mode
         if mode == "python":

@@ -31,10 +31,16 @@ class FaultKind(StrEnum):
     """The agent kills its ranks and itself: the machine is gone as far as the run can tell."""
     CORRUPT = "corrupt"
     """A byte of the node's shard of the newest committed checkpoint flips (`trainguard chaos corrupt-checkpoint`)."""
+    BITFLIP = "bitflip"
+    """One bit of one parameter element of one rank flips after an optimizer step (`trainguard chaos bitflip`)."""
+    NAN = "nan"
+    """One rank's next loss and gradients are NaN (`trainguard chaos nan`)."""
 
 
 SIGNALLED = frozenset({FaultKind.CRASH, FaultKind.HANG})
 """Faults the agent carries out with a signal to the rank's own process."""
+NUMERIC = frozenset({FaultKind.BITFLIP, FaultKind.NAN})
+"""Faults the rank's helper carries out on the model its script handed to `RankRun.fingerprint`."""
 
 
 def parse_fault(name: str) -> FaultKind | None:

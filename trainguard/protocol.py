@@ -80,6 +80,9 @@ ENV_NODE = "TRAINGUARD_NODE"
 """The node the rank runs on."""
 ENV_EVIDENCE_BASE = "TRAINGUARD_EVIDENCE_BASE"
 """The path prefix of the rank's evidence files (`trainguard.evidence`)."""
+ENV_FINGERPRINT_EVERY = "TRAINGUARD_FINGERPRINT_EVERY"
+"""The spec's `health.fingerprint_every_steps`: a rank whose script called `run.fingerprint(model)` reports the
+fingerprint of its replicated state every this many steps (0: never)."""
 
 JOIN_YES = "1"
 
@@ -383,6 +386,11 @@ class Progress:
     """The named phase's expected length, when the script gave one."""
     phase_s: dict[str, float] | None = None
     """Seconds spent in each named phase so far (this process's), for the run report."""
+    fingerprints: list[list[Any]] | None = None
+    """The rank's newest fingerprints of its replicated state, oldest first (`trainguard.numerics.Fingerprint`
+    as JSON: step, value, group, magnitude): a few, so a report the 50 ms bound skipped loses none."""
+    numerical: dict[str, Any] | None = None
+    """A numerical fault the rank saw in the loss its script reported: {"step", "loss", "detail"} (the first)."""
 
     _ALWAYS = ("rank", "pid", "attempt", "step", "time", "step_time_s", "compute_s", "timed_steps")
 
@@ -400,6 +408,10 @@ class Progress:
             payload.update(phase=self.phase, phase_since=self.phase_since, phase_expected_s=self.phase_expected_s)
         if self.phase_s:
             payload["phase_s"] = self.phase_s
+        if self.fingerprints:
+            payload["fingerprints"] = self.fingerprints
+        if self.numerical is not None:
+            payload["numerical"] = self.numerical
         if self.finished:
             payload.update(finished=True, digest=self.digest, mean_step_s=self.mean_step_s)
         return payload
@@ -416,6 +428,7 @@ class Progress:
             digest=data.get("digest"), mean_step_s=_optional_float(data.get("mean_step_s")),
             phase=_phase_name(data.get("phase")), phase_since=_optional_float(data.get("phase_since")),
             phase_expected_s=_optional_float(data.get("phase_expected_s")), phase_s=_phase_times(data.get("phase_s")),
+            fingerprints=_list_of_lists(data.get("fingerprints")), numerical=_numerical(data.get("numerical")),
         )
 
     def write(self, path: Path) -> None:
@@ -437,6 +450,23 @@ def _phase_times(value: Any) -> dict[str, float] | None:
     if not isinstance(value, dict):
         return None
     return {str(name)[:PHASE_NAME_MAX]: float(seconds) for name, seconds in list(value.items())[:PHASES_MAX]}
+
+
+FINGERPRINTS_KEPT = 4
+"""A progress report carries at most this many of the rank's newest fingerprints."""
+
+
+def _list_of_lists(value: Any) -> list[list[Any]] | None:
+    if not isinstance(value, list):
+        return None
+    return [item for item in value[-FINGERPRINTS_KEPT:] if isinstance(item, list)] or None
+
+
+def _numerical(value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, dict):
+        return None
+    return {"step": int(value.get("step", -1)), "loss": _optional_float(value.get("loss")),
+            "detail": str(value.get("detail", ""))[:500]}
 
 
 def read_progress(path: Path) -> Progress | None:

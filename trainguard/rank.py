@@ -6,9 +6,10 @@ from trainguard import rank as tg
 run = tg.init()                          # reads the environment the node agent set
 state = run.restore()                    # the checkpoint the run restored, verified, or None
 if state: model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
+run.fingerprint(model)                   # optional: replicas compared, so a flipped bit is found
 for step in range(run.start_step, total_steps):
-    train_one_step(step)                 # derive data from `step` so a resume sees the same batches
-    run.step_done(step + 1)              # progress heartbeat: steps completed
+    loss = train_one_step(step)          # derive data from `step` so a resume sees the same batches
+    run.step_done(step + 1, loss=loss)   # progress heartbeat: steps completed (a NaN loss is a fault)
     if run.should_save(step + 1):
         run.save(step + 1, {"model": model.state_dict(), "optim": opt.state_dict()})
 run.finish(digest=tg.state_digest(model))
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from trainguard import evidence as _evidence
+from trainguard import numerics as _numerics
 from trainguard import protocol as _protocol
 from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, _helper_bytes,
                                   _helper_from_bytes, _safe_dcp, caller_outside, files_digest, load_weights_only,
@@ -181,6 +183,16 @@ class RankRun:
         base = environ.get(_protocol.ENV_EVIDENCE_BASE)
         self._evidence = _evidence.RankChannel(Path(base)).start() if base and self.managed else None
         """Answers the agent's requests for stacks and collective position (see `trainguard.evidence`)."""
+        self.fingerprint_every = int(environ.get(_protocol.ENV_FINGERPRINT_EVERY, "0") or 0)
+        """Steps between fingerprints of the state `fingerprint` was given (`health.fingerprint_every_steps`)."""
+        self._model: Any = None
+        self._params: list[Any] = []
+        self._fingerprint_group = ""
+        self._fingerprints: collections.deque[_numerics.Fingerprint] = collections.deque(
+            maxlen=_protocol.FINGERPRINTS_KEPT)
+        self._losses = _numerics.LossWindow()
+        self._numerical: dict[str, Any] | None = None
+        """The first numerical fault of the loss the script reported, as the progress file says it."""
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
             self._write_progress(force=True)
 
@@ -210,16 +222,69 @@ class RankRun:
             evidence=str(self._evidence.paths.base) if self._evidence is not None else None,
             phase=self._phase[0] if self._phase else None, phase_since=self._phase[1] if self._phase else None,
             phase_expected_s=self._phase[2] if self._phase else None, phase_s=dict(self._phase_s) or None,
+            fingerprints=[f.to_json() for f in self._fingerprints] or None, numerical=self._numerical,
             **extra,
         ).write(self._progress_path)
         self._last_write = now
 
-    def step_done(self, step: int, compute_s: float | None = None) -> None:
+    def fingerprint(self, model: Any) -> Any:
+        """Take part in the run's check of replicas: every `health.fingerprint_every_steps` steps (and at every
+        save) this rank reports an exact fingerprint of `model`'s parameters (its shards, under FSDP2), and the
+        run compares replicas' fingerprints, so a replica that computes wrong without crashing (a flipped bit)
+        is named and replaced. One line, after wrapping the model (DDP, `fully_shard`); returns `model`. Under
+        DDP every rank is a replica; under HSDP the ranks holding the same shard are; pure FSDP has no replicas
+        to compare. Also what `trainguard chaos bitflip|nan` acts on. A no-op outside trainguard."""
+        if not self.managed:
+            return model
+        self._model = model
+        self._params = [p for p in model.parameters()]
+        self._fingerprint_group = _numerics.fingerprint_group(self._params, self.rank)
+        if self._evidence is not None:
+            self._evidence.fingerprinted = True
+        return model
+
+    def _take_fingerprint(self, step: int) -> _numerics.Fingerprint | None:
+        if not self._params or (self._fingerprints and self._fingerprints[-1].step == step):
+            return self._fingerprints[-1] if self._fingerprints else None
+        taken = _numerics.fingerprint(self._params, step, self._fingerprint_group)
+        self._fingerprints.append(taken)
+        return taken
+
+    def _numeric_chaos(self) -> None:
+        """`trainguard chaos bitflip|nan`, asked through the evidence channel, on the model `fingerprint` got."""
+        channel = self._evidence
+        if channel is None or not channel.numeric_chaos or self._model is None:
+            return
+        mode, channel.numeric_chaos = channel.numeric_chaos, ""
+        if mode == "bitflip":
+            flipped = _numerics.flip_high_bit(self._params)
+            print(f"trainguard chaos: rank {self.rank} flipped a bit at step {self._step}: {flipped}", flush=True)
+        else:
+            _numerics.poison_next_forward(self._model)
+            print(f"trainguard chaos: rank {self.rank}'s next loss and gradients are NaN", flush=True)
+
+    def _managed_loss(self, step: int, loss: Any) -> bool:
+        return self.managed and self._judge_loss(step, loss)
+
+    def _judge_loss(self, step: int, loss: Any) -> bool:
+        """Judge the loss the script reported; True for the first numerical fault (written at once)."""
+        value = float(loss.item() if hasattr(loss, "item") else loss)
+        why = self._losses.observe(value)
+        if why is None or self._numerical is not None:
+            return False
+        self._numerical = {"step": step, "loss": value, "detail": why}
+        return True
+
+    def step_done(self, step: int, compute_s: float | None = None, loss: Any = None) -> None:
         """Report that `step` steps are complete. Call once per training step: it is the heartbeat.
 
         `compute_s` is this rank's own work in the step, outside collectives (forward pass, data, local
         compute). Step wall times are equal on every rank of a data-parallel job, so this is what shows a
         straggler; without it stragglers are not detected.
+
+        `loss` (a float or a one-element tensor) is the step's loss: one that is NaN or infinite, or far above
+        its recent steps, is a numerical fault, and the run rolls back to the checkpoint before it. Reading a
+        GPU tensor's value waits for the step: pass what the script reads anyway (its logged loss).
         """
         now = time.monotonic()
         if compute_s is not None:
@@ -234,10 +299,14 @@ class RankRun:
         self._last_step_at = now
         self._phase_since_step_s = 0.0
         self._step = step
+        fault = loss is not None and self._managed_loss(step, loss)
+        if self._params and self.fingerprint_every > 0 and step % self.fingerprint_every == 0:
+            self._take_fingerprint(step)
         self._check_saves(step)
-        self._write_progress()
+        self._write_progress(force=fault)
         if self._evidence is not None:
             self._evidence.on_step(step)  # where a chaos hang asked for takes hold
+            self._numeric_chaos()  # after the optimizer step: the next fingerprint sees a flipped bit
 
     @contextlib.contextmanager
     def phase(self, name: str, expected_s: float | None = None) -> Iterator[None]:
@@ -310,7 +379,14 @@ class RankRun:
         step_dir.mkdir(parents=True, exist_ok=True)
         self._saved.add(step)
         _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank),
-                           {"rank": self.rank, "step": step, "size_bytes": 0, "sha256": "", "replica_of": 0})
+                           {"rank": self.rank, "step": step, "size_bytes": 0, "sha256": "", "replica_of": 0,
+                            **self._fingerprint_meta(step)})
+
+    def _fingerprint_meta(self, step: int) -> dict[str, Any]:
+        """The fingerprint of the state saved at `step`, for its shard's meta file: the manifest carries it, and
+        a checkpoint whose replicas disagree is never restored."""
+        taken = self._take_fingerprint(step) if self._params else None
+        return {} if taken is None else {"fingerprint": taken.to_json()}
 
     # ------------------------------------------------------------------------------------ checkpoints
     def should_save(self, step: int) -> bool:
@@ -359,12 +435,13 @@ class RankRun:
             self._write_replica(step)  # rank 0's shard is this rank's too
             return time.monotonic() - started
         self._write_progress(force=True, saving=True)
+        fingerprint = self._fingerprint_meta(step)
         if self._format_of(state) == FORMAT_DCP:
-            self._start_dcp_save(step, state)
+            self._start_dcp_save(step, state, fingerprint)
         else:
             payload = {**_snapshot(state), _HELPER_KEY: {"step": step, "rank": self.rank, "rng": _rng_state()}}
             self._writer = threading.Thread(
-                target=self._write_shard, args=(step, payload, _holds(state, _is_sharded)),
+                target=self._write_shard, args=(step, payload, _holds(state, _is_sharded), fingerprint),
                 name=f"trainguard-save-{step}", daemon=True,
             )
             self._writer.start()
@@ -390,7 +467,7 @@ class RankRun:
             self._dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DCP_GROUP_TIMEOUT_S))
         return self._dcp_group
 
-    def _start_dcp_save(self, step: int, state: dict[str, Any]) -> None:
+    def _start_dcp_save(self, step: int, state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp
 
         assert self._checkpoint_dir is not None
@@ -402,7 +479,7 @@ class RankRun:
         # async_save stages the CPU copy here (the stall), then plans and writes in a thread of its own.
         future = dcp.async_save({**state, _helper_key(self.rank): helper}, storage_writer=writer,
                                 process_group=self._group(), **self._stager_argument(dcp.async_save))
-        self._writer = threading.Thread(target=self._finish_dcp_save, args=(step, step_dir, future),
+        self._writer = threading.Thread(target=self._finish_dcp_save, args=(step, step_dir, future, fingerprint),
                                         name=f"trainguard-save-{step}", daemon=True)
         self._writer.start()
 
@@ -422,7 +499,7 @@ class RankRun:
                                                             use_async_staging=False, use_non_blocking_copy=False))
         return {"async_stager": self._dcp_stager}
 
-    def _finish_dcp_save(self, step: int, step_dir: Path, future: Any) -> None:
+    def _finish_dcp_save(self, step: int, step_dir: Path, future: Any, fingerprint: dict[str, Any]) -> None:
         """Wait for DCP's write, then checksum this rank's files (rank 0's include `.metadata`) and write
         the meta file the agent uploads from."""
         try:
@@ -436,12 +513,13 @@ class RankRun:
                 files.append({"name": f"{DCP_DIR}/{name}", "size_bytes": path.stat().st_size,
                               "sha256": sha256_file(path)})
             meta = {"rank": self.rank, "step": step, "format": FORMAT_DCP, "files": files,
-                    "size_bytes": sum(f["size_bytes"] for f in files), "sha256": files_digest(files)}
+                    "size_bytes": sum(f["size_bytes"] for f in files), "sha256": files_digest(files), **fingerprint}
             _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank), meta)
         except BaseException as error:  # noqa: BLE001 - surfaced on the next save or at finish
             self._writer_error = error
 
-    def _write_shard(self, step: int, payload: dict[str, Any], sharded: bool = False) -> None:
+    def _write_shard(self, step: int, payload: dict[str, Any], sharded: bool = False,
+                     fingerprint: dict[str, Any] | None = None) -> None:
         import torch
 
         try:
@@ -459,6 +537,7 @@ class RankRun:
             if sharded:
                 meta["sharded"] = True  # loads only onto this world size: the run must not shrink onto it
             meta["sha256"] = sha256_file(final)
+            meta.update(fingerprint or {})
             # The meta file appears last: the agent treats a shard without it as not written yet.
             _atomic_write_json(step_dir / _protocol.shard_meta_name(self.rank), meta)
         except BaseException as error:  # noqa: BLE001 - surfaced on the next save or at finish
