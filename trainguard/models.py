@@ -12,7 +12,9 @@ import zlib
 
 from enum import Enum
 
-from pydantic import BaseModel, Field
+from typing import Any
+
+from pydantic import BaseModel, Field, computed_field, model_validator
 
 
 class IncidentKind(str, Enum):
@@ -120,8 +122,12 @@ class Incident(BaseModel):
     """Global rank it happened to, when known."""
     attempt: int = 0
     """Launch attempt (1-based) the fault hit."""
-    detail: str = ""
-    """Human-readable detail, e.g. `exit code -9 (SIGKILL)`."""
+    cause: str = ""
+    """What was seen, as the node or the run found it, e.g. `exit code -9 (SIGKILL)`."""
+    decision: str = ""
+    """Why the policy decided `action`, e.g. `restart from step 40 (1 of 3 restarts used)`; empty until it did."""
+    notes: list[str] = Field(default_factory=list)
+    """What happened to the incident since, in order: a spare joined in the node's place, its agent came back."""
     detection_s: float | None = None
     """Seconds from the fault (when injected or known) or from the rank's last progress, to detection."""
     recovery_s: float | None = None
@@ -157,6 +163,20 @@ class Incident(BaseModel):
     signature: str | None = None
     """What identifies a crash across attempts: the exception and the frame that raised it. The same one on
     consecutive attempts is a script that fails the same way each time (`restarts.max_same_failure`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _detail_is_the_cause(cls, data: Any) -> Any:
+        """`Incident(detail=...)`, and an incident recorded before causes were kept apart: its text is the cause."""
+        if isinstance(data, dict) and "detail" in data and "cause" not in data:
+            return {**{k: v for k, v in data.items() if k != "detail"}, "cause": data["detail"]}
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]  # mypy does not follow pydantic's decorator on a property
+    @property
+    def detail(self) -> str:
+        """Cause, decision and notes in one line, for display (`run status`, the Web UI, the result)."""
+        return "; ".join(part for part in (self.cause, self.decision, *self.notes) if part)
 
 
 class CheckpointRef(BaseModel):

@@ -106,7 +106,7 @@ class Attempts:
                 master_port=master.master_port if master else None,
                 entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
                 restore_dir=restore_dirs.get(nodes[index]), restore_step=restore_step,
-                checkpoint_every=spec.checkpoint.every_steps,
+                checkpoint_every=spec.checkpoint.every_steps, fingerprint_every=spec.health.fingerprint_every_steps,
                 rejoin_timeout_s=spec.restarts.rejoin_timeout_s if spec.restarts.in_process else None,
             )
 
@@ -119,8 +119,7 @@ class Attempts:
                 raise core.fail(first.error or "bad spec", ErrorType.INVALID_SPEC)
             return Outcome(Ending.INCIDENT, core.lost_at_launch(first.node, attempt, f"launch failed: {first.error}"))
         core.set_phase(Phase.RUNNING)
-        if core.state.commit_clock_from is None:  # training starts: from now on, work without a commit is at risk
-            core.state.commit_clock_from = workflow.now().timestamp()
+        core.start_commit_clock()
         if len(nodes) == 1:
             return Launched()
         template = launch(0, first.result).model_copy(update={"node": "", "node_rank": 0, "restore_dir": None})
@@ -162,7 +161,8 @@ class Attempts:
                 master_addr=master.master_addr if master else None,
                 master_port=master.master_port if master else None,
                 entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
-                checkpoint_every=spec.checkpoint.every_steps, rejoin_timeout_s=spec.restarts.rejoin_timeout_s,
+                checkpoint_every=spec.checkpoint.every_steps, fingerprint_every=spec.health.fingerprint_every_steps,
+                rejoin_timeout_s=spec.restarts.rejoin_timeout_s,
             )
 
         answers = await self._master_first(NodeCallKind.REJOIN, rejoin, RejoinRanksResult,

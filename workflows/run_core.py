@@ -83,7 +83,7 @@ class RunCore:
 
     def fail(self, reason: str, kind: ErrorType, phase: bool = False) -> ApplicationError:
         """The error that ends the run, its reason in the status."""
-        self.status.reason = reason
+        self.say(reason)
         if phase:
             self.set_phase(Phase.FAILED)
         return ApplicationError(reason, type=kind, non_retryable=True)
@@ -96,13 +96,66 @@ class RunCore:
         self.state.restart_times = self.state.restart_times[:-1]
         self.state.restarts_without_checkpoint = max(0, self.state.restarts_without_checkpoint - 1)
 
-    def replace(self, node: str, spare: str, cordoned: bool = True) -> None:
-        """`spare` in `node`'s place; `cordoned`: the run cordoned `node` in the pool (its status lists it)."""
+    # ------------------------------------------------------------------------------------ transitions
+    # The run's nodes, spares, lease, reason and commit clock change here and nowhere else.
+    def say(self, reason: str | None) -> None:
+        """Why the run is where it is (`status.reason`): waiting for nodes, paused, failed; None: nothing to say."""
+        self.status.reason = reason
+
+    def take_lease(self, nodes: list[str], replaced: dict[str, str]) -> None:
+        """Train on the nodes the pool granted; a cordoned named node a spare replaced is out of the run (and
+        taken back as a spare once repaired, as a node replaced later would be)."""
+        self.state.leased = True
+        if not nodes:
+            return
+        for named in replaced:
+            self.status.cordoned = [*self.status.cordoned, named]
+            self.state.replaced = [*self.state.replaced, named]
+        self.status.replaced_at_start = dict(replaced)
+        self.status.nodes = list(nodes)
+        self.spec = self.the_spec.resolved(nodes)
+
+    def hold_spares(self, spares: list[str]) -> None:
+        self.state.spares = list(spares)
+
+    def replace(self, node: str, spare: str, cordoned: bool = True, reclaim: bool = False) -> None:
+        """`spare` in `node`'s place; `cordoned`: the run cordoned `node` in the pool (its status lists it);
+        `reclaim`: `node` is taken back as a spare once repaired."""
         self.status.nodes = [spare if n == node else n for n in self.status.nodes]
+        self.state.spares = [n for n in self.state.spares if n != spare]
         if cordoned:
             self.status.cordoned = [*self.status.cordoned, node]
+        if reclaim:
+            self.state.replaced = [*self.state.replaced, node]
         if spare in self.state.parked_spares:  # its launch takes what it parked; a spare again, it parks again
             self.state.parked_spares = [n for n in self.state.parked_spares if n != spare]
+
+    def spares_back(self, back: list[str]) -> None:
+        """Nodes spares replaced are repaired and leased again: this run's spares now."""
+        self.state.replaced = [n for n in self.state.replaced if n not in back]
+        self.state.spares = [*self.state.spares, *back]
+        self.status.cordoned = [n for n in self.status.cordoned if n not in back]
+
+    def shrink(self, node: str) -> None:
+        """Go on without `node` (lost, cordoned, no spare): the world shrinks until it comes back."""
+        self.state.lost = [*self.state.lost, node]
+        self.status.nodes = [n for n in self.status.nodes if n != node]
+        self.status.cordoned = [*self.status.cordoned, node]
+        self.status.world_size = len(self.status.nodes) * self.the_spec.ranks_per_node
+
+    def grow_back(self, returned: list[str]) -> None:
+        """Nodes a shrink left behind are back, in their places in the spec's order."""
+        spec = self.the_spec
+        self.status.nodes = [n for n in spec.nodes if n in self.status.nodes or n in returned]
+        self.state.lost = [n for n in self.state.lost if n not in returned]
+        self.status.cordoned = [n for n in self.status.cordoned if n not in returned]
+        self.status.world_size = len(self.status.nodes) * spec.ranks_per_node
+
+    def start_commit_clock(self, restart: bool = False) -> None:
+        """From now on, training without a commit is at risk: at the first launch, and again after a pause
+        (`restart`: paused time put nothing at risk)."""
+        if restart or self.state.commit_clock_from is None:
+            self.state.commit_clock_from = workflow.now().timestamp()
 
     def committed(self, ref: CheckpointRef) -> None:
         """The committer already applied retention; the history records the commit."""

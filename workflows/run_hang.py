@@ -74,10 +74,10 @@ class HangCulprit:
         evidence = [item for n in hang.nodes for item in hang.evidence.get(n, [])]
         culprit = pick_culprit(evidence, hang.watch_rank, hang.watch_node)
         named = incident.attribution_s is None or (culprit.rank, culprit.node) != (incident.rank, incident.node)
-        rest = incident.detail[len(hang.prefix):] if incident.detail.startswith(hang.prefix) else incident.detail
+        rest = incident.cause[len(hang.prefix):] if incident.cause.startswith(hang.prefix) else incident.cause
         hang.prefix = "" if culprit.rank == hang.watch_rank or culprit.rank is None else (
             f"rank {culprit.rank} hung ({culprit.rule}); the watch first saw rank {hang.watch_rank} silent: ")
-        incident.detail = hang.prefix + rest
+        incident.cause = hang.prefix + rest
         incident.rank, incident.node = culprit.rank, culprit.node
         incident.evidence = culprit.evidence
         if any(item.stacks_key for item in evidence):

@@ -251,7 +251,7 @@ class RunNodes:
                     raise core.fail(f"node {check.node} failed its GPU checks and no spare is left: "
                                     f"{check.gpu.detail}", ErrorType.NO_HEALTHY_NODES)
                 core.replace(check.node, spares.pop(0))
-        core.state.spares = spares
+        core.hold_spares(spares)
 
     async def _acquire(self, spares: list[str]) -> list[str]:
         """Lease the nodes from the pool; wait (bounded) for nodes other runs hold; fail on cordoned ones."""
@@ -261,10 +261,12 @@ class RunNodes:
         while True:
             lease = await self._pool("acquire_nodes", request, AcquireNodesResult, "lease nodes from the pool")
             if lease.granted:
-                core.state.leased = True
-                core.status.reason = None
+                core.say(None)
+                for named, spare in lease.replaced.items():
+                    workflow.logger.info("%s is cordoned: spare %s takes its place", named, spare)
+                core.take_lease(lease.nodes, lease.replaced)
                 if lease.nodes:
-                    self._take_lease(lease)
+                    core.publish()
                 return lease.spares
             if lease.unsatisfiable:
                 raise core.fail(f"{lease.unsatisfiable}: register more nodes, uncordon some, or ask for fewer",
@@ -279,22 +281,9 @@ class RunNodes:
             if waited >= spec.reserve_timeout_s:
                 raise core.fail(f"nodes still unavailable after {waited:.0f}s: {', '.join(waiting)}",
                                 ErrorType.NODES_UNAVAILABLE)
-            core.status.reason = f"waiting for {', '.join(waiting)}"
+            core.say(f"waiting for {', '.join(waiting)}")
             await workflow.sleep(RESERVE_POLL_INTERVAL)
             waited += RESERVE_POLL_INTERVAL.total_seconds()
-
-    def _take_lease(self, lease: AcquireNodesResult) -> None:
-        """Train on the nodes the pool granted; a cordoned named node a spare replaced is out of the run (and
-        taken back as a spare once repaired, as a node replaced later would be)."""
-        core = self.core
-        for named, spare in lease.replaced.items():
-            workflow.logger.info("%s is cordoned: spare %s takes its place", named, spare)
-            core.status.cordoned = [*core.status.cordoned, named]
-            core.state.replaced = [*core.state.replaced, named]
-        core.status.replaced_at_start = dict(lease.replaced)
-        core.status.nodes = list(lease.nodes)
-        core.spec = core.the_spec.resolved(lease.nodes)
-        core.publish()
 
     async def unanswered(self, nodes: list[str]) -> list[str]:
         """The nodes whose agent did not answer a node check within `LIVENESS_SCHEDULE_TO_START` (or took past
@@ -355,9 +344,9 @@ class RunNodes:
             if once:
                 return back.away
             if not back.away or waited >= core.the_spec.restarts.agent_return_timeout_s:
-                core.status.reason = None
+                core.say(None)
                 return back.away
-            core.status.reason = f"waiting for the agents of {', '.join(back.away[:8])} to come back"
+            core.say(f"waiting for the agents of {', '.join(back.away[:8])} to come back")
             await workflow.sleep(AGENT_RETURN_POLL)
             waited += AGENT_RETURN_POLL.total_seconds()
 
@@ -374,9 +363,7 @@ class RunNodes:
         state = self.core.state
         back = await self.reclaim(state.replaced)
         if back:
-            state.replaced = [n for n in state.replaced if n not in back]
-            state.spares = [*state.spares, *back]
-            state.status.cordoned = [n for n in state.status.cordoned if n not in back]
+            self.core.spares_back(back)
             workflow.logger.info("%s back as spare", ", ".join(back))
             self.park_spares()
 
@@ -421,7 +408,7 @@ class RunNodes:
         assert incident.node is not None
         since = lost_since(incident, node_silence_s(len(self.core.status.nodes)))
         # The cause, not what was done about it (after "; "): the pool's list shows one short line per node.
-        await self.cordon(incident.node, f"{incident.kind.value}: {short_cause(incident.detail.split('; ')[0])}",
+        await self.cordon(incident.node, f"{incident.kind.value}: {short_cause(incident.cause)}",
                           since)
 
     async def swap_in_spare(self, incident: Incident, spare: str, cordon: bool = True) -> None:
@@ -431,11 +418,9 @@ class RunNodes:
         assert incident.node is not None
         if cordon:
             await self.cordon_lost(incident)
-            self.core.state.replaced.append(incident.node)
         else:
             await self.release(incident.node)
-        self.core.state.spares.remove(spare)
-        self.core.replace(incident.node, spare, cordoned=cordon)
+        self.core.replace(incident.node, spare, cordoned=cordon, reclaim=cordon)
 
 
 def run_slurm_job() -> int | None:

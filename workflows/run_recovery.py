@@ -63,7 +63,7 @@ class Recovery:
         )
         seen_as = incident.detail
         incident.action = decision.action
-        incident.detail = f"{incident.detail}; {decision.reason}" if incident.detail else decision.reason
+        incident.decision = decision.reason
         decision = stop_reason(decision, incident, seen_as, same_failures=same,
                                max_same_failure=spec.restarts.max_same_failure,
                                rank_fault=incident.kind in RANK_FAULTS)
@@ -87,7 +87,7 @@ class Recovery:
         if decision.action is Action.STOP:
             raise core.fail(decision.reason, ErrorType.RUN_STOPPED)
         if decision.action is Action.PAUSE:
-            core.status.reason = decision.reason
+            core.say(decision.reason)
             await self.wait_for_operator(StopReason.INCIDENT_PAUSE,
                                          heal=incident if incident.kind in NODE_FAULTS else None)
             return
@@ -95,10 +95,7 @@ class Recovery:
             await self.nodes.swap_in_spare(incident, decision.replacement, cordon=decision.cordon)
         if decision.action is Action.SHRINK and incident.node:
             await self.nodes.cordon_lost(incident)
-            state.lost.append(incident.node)
-            core.status.nodes = [n for n in core.status.nodes if n != incident.node]
-            core.status.cordoned = [*core.status.cordoned, incident.node]
-            core.status.world_size = len(core.status.nodes) * spec.ranks_per_node
+            core.shrink(incident.node)
         # Every node staying in the run stops this attempt's ranks as it launches the next one; those leaving
         # it (a straggler or a sick GPU replaced) are stopped here. A lost node is found by the relaunch.
         leaving = [n for n in reachable if n not in core.status.nodes]
@@ -133,11 +130,11 @@ class Recovery:
         away = await self.nodes.wait_for_agents(sorted(restarting),
                                                 since=min(restarting.values()) - AGENT_CLOCK_SKEW_S)
         if not away:
-            incident.detail = f"{incident.detail}; its agent is back: relaunch on the same nodes"
+            incident.notes.append("its agent is back: relaunch on the same nodes")
             core.set_phase(Phase.RESTORING)
             return
         bound = core.the_spec.restarts.agent_return_timeout_s
-        incident.detail = f"{incident.detail}; not back within {bound:.0f}s"
+        incident.notes.append(f"not back within {bound:.0f}s")
         lost = core.node_lost(away[0], attempt, f"node agent shut down and did not come back within {bound:.0f}s "
                                                 f"(restarts.agent_return_timeout_s)")
         await self.recover(attempt, lost)
@@ -173,7 +170,8 @@ class Recovery:
             return False
         spare = decision.replacement
         incident.action = decision.action
-        incident.detail = f"{incident.detail}; {decision.reason}; it joined attempt {attempt} in the node's place"
+        incident.decision = decision.reason
+        incident.notes.append(f"it joined attempt {attempt} in the node's place")
         incident.resumed_step, incident.restore_tier = core.status.resumed_step, state.restore_tier
         incident.recovery_path = "relaunch, a spare joining it"
         core.record_incident(incident)
@@ -213,10 +211,7 @@ class Recovery:
             detail=f"{', '.join(returned)} back: relaunch on world size {world} (was {core.status.world_size})",
         ), publish=False)  # the phase change publishes it
         core.set_phase(Phase.RECOVERING)
-        core.status.nodes = [n for n in spec.nodes if n in core.status.nodes or n in returned]
-        core.state.lost = [n for n in core.state.lost if n not in returned]
-        core.status.cordoned = [n for n in core.status.cordoned if n not in returned]
-        core.status.world_size = len(core.status.nodes) * spec.ranks_per_node
+        core.grow_back(returned)
         workflow.logger.info("grow back onto %s: %d nodes", ", ".join(returned), len(core.status.nodes))
         core.set_phase(Phase.RESTORING)
 
@@ -233,18 +228,17 @@ class Recovery:
         decided = lambda: intents.resume or intents.abort_reason is not None  # noqa: E731 - one condition for both waits below
         healed = False
         if heal is not None and heal.node:
-            core.status.reason = (f"{core.status.reason}; resumes by itself once {heal.node}'s agent registers "
-                                  f"healthy again")
+            core.say(f"{core.status.reason}; resumes by itself once {heal.node}'s agent registers healthy again")
             healed = await self._wait_for_node(heal, decided)
         else:
             await workflow.wait_condition(decided)
         if intents.abort_reason is not None:
             raise core.fail(intents.abort_reason, ErrorType.ABORTED)
         intents.resume = False
-        core.status.reason = None
-        core.state.commit_clock_from = workflow.now().timestamp()  # paused time put no training at risk
+        core.say(None)
+        core.start_commit_clock(restart=True)  # paused time put no training at risk
         if healed and heal is not None:
-            heal.detail = f"{heal.detail}; {heal.node} came back: resumed by itself"
+            heal.notes.append(f"{heal.node} came back: resumed by itself")
             core.count_restart(workflow.now().timestamp())
         else:
             core.state.restart_times.clear()

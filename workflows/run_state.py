@@ -113,7 +113,7 @@ class HangAttribution:
     watch_node: str | None
     """The rank the first watch judged hung: the culprit when the evidence tells the ranks apart no better."""
     prefix: str = ""
-    """What naming a rank other than the watch's put in front of the incident's detail (replaced when renamed)."""
+    """What naming a rank other than the watch's put in front of the incident's cause (replaced when renamed)."""
     fresh: bool = False
     """Evidence came in since the culprit was last named."""
 

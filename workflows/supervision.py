@@ -316,4 +316,4 @@ def _straggler_wait_over(seen: Seen) -> tuple[Seen, Actions]:
 
 
 def _noted(incident: Incident, note: str) -> Incident:
-    return incident.model_copy(update={"detail": f"{incident.detail}; {note}"})
+    return incident.model_copy(update={"notes": [*incident.notes, note]})

@@ -67,7 +67,7 @@ class TrainingRun:
     async def pause(self, request: OperatorRequest) -> OperatorResult:
         """Stop the ranks (progress since the newest checkpoint is redone later) and wait for `resume`."""
         self.core.state.intents.pause = True
-        self.core.status.reason = f"pause requested: {request.reason}" if request.reason else "pause requested"
+        self.core.say(f"pause requested: {request.reason}" if request.reason else "pause requested")
         return OperatorResult(phase=self.core.status.phase)
 
     @pause.validator
@@ -221,7 +221,7 @@ class TrainingRun:
         except BaseException as error:
             # Whatever ends the run (a stop decision, cancellation, a bug): no rank may outlive it.
             if core.status.phase is not Phase.FAILED:
-                core.status.reason = core.status.reason or cause_text(error)
+                core.say(core.status.reason or cause_text(error))
                 core.set_phase(Phase.FAILED)
             if core.state.launched:  # the spares' parked processes too
                 await self.nodes.stop_everywhere([*core.status.nodes, *self.nodes.parked_spares()], None,
