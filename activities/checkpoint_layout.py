@@ -193,8 +193,10 @@ def manifest_problem(manifest: Manifest, run_prefix: str, step: int) -> str | No
 def shard_from_meta(meta: dict[str, Any], prefix: str, node: str) -> ShardInfo:
     """The shard a rank's meta file (written by `trainguard.rank`) describes, keyed under `prefix`."""
     rank = int(meta["rank"])
+    fingerprint = meta.get("fingerprint") if isinstance(meta.get("fingerprint"), list) else None
     if meta.get("replica_of") is not None:
-        return ShardInfo(rank=rank, size_bytes=0, sha256="", node=node, replica_of=int(meta["replica_of"]))
+        return ShardInfo(rank=rank, size_bytes=0, sha256="", node=node, replica_of=int(meta["replica_of"]),
+                         fingerprint=fingerprint)
     if meta.get("format") == FORMAT_DCP:
         files = [ShardFile.model_validate(f) for f in meta["files"]]
         sha = files_digest([f.model_dump() for f in files])
@@ -202,9 +204,9 @@ def shard_from_meta(meta: dict[str, Any], prefix: str, node: str) -> ShardInfo:
             raise ApplicationError(f"the meta file of rank {rank} does not add up ({sha[:12]}...)",
                                    type=ErrorType.CORRUPT_LOCAL_SHARD, non_retryable=True)
         return ShardInfo(rank=rank, key=f"{prefix}{DCP_DIR}/", size_bytes=sum(f.size_bytes for f in files),
-                         sha256=sha, node=node, files=files)
+                         sha256=sha, node=node, files=files, fingerprint=fingerprint)
     return ShardInfo(rank=rank, key=f"{prefix}{shard_name(rank)}", size_bytes=meta["size_bytes"],
-                     sha256=meta["sha256"], node=node, sharded=bool(meta.get("sharded")))
+                     sha256=meta["sha256"], node=node, sharded=bool(meta.get("sharded")), fingerprint=fingerprint)
 
 
 def object_name(key: str) -> str:
@@ -257,6 +259,7 @@ def tag_problem(document: dict[str, Any], secret: bytes) -> str | None:
 
 NODE_RECORD_TAG_CONTEXT = b"trainguard-node-record-v1\n"
 PACE_TAG_CONTEXT = b"trainguard-pace-v1\n"
+FINGERPRINT_TAG_CONTEXT = b"trainguard-fingerprints-v1\n"
 DECISION_TAG_CONTEXT = b"trainguard-attempt-v1\n"
 """What a record's or a decision's tag signs first: a tag under the pool's peer token is valid for one kind of
 object only, never as another kind's, nor as a registration's proof (`trainguard.pool.REGISTRATION_PROOF_CONTEXT`)."""

@@ -67,6 +67,8 @@ from activities.models import (
     PublishAttemptInput,
     ShardInfo,
 )
+from activities.fingerprints import fingerprint_problem, judge_records, read_fingerprints
+from activities.fingerprint_models import CorruptionVerdict, FingerprintRecord
 from activities.pace import judge_window, read_pace
 from activities.pace_models import PaceRecord, PaceVerdict
 from trainguard.error_types import ErrorType
@@ -130,6 +132,11 @@ record changes once a window, each node at its own moment, and a slow one is see
 (only records whose ETag changed are read again)."""
 
 
+FINGERPRINT_POLL_S = 1.0
+"""The committer looks at the nodes' fingerprints at most this often: a node writes its record at most once a second
+(`activities.fingerprints.FINGERPRINT_WRITE_MIN_S`), and only records whose ETag changed are read again."""
+
+
 @dataclass
 class _CommitterState:
     """What one committer activity remembers between its passes over the store."""
@@ -146,6 +153,10 @@ class _CommitterState:
     is checked against (`activities.pace.plausible_compute`)."""
     next_pace: float = 0.0
     """Monotonic time of the next look at the nodes' pace."""
+    fingerprints: dict[str, tuple[str, FingerprintRecord | None]] = field(default_factory=dict)
+    """Fingerprint record key -> (ETag, record), as `records`."""
+    next_fingerprints: float = 0.0
+    """Monotonic time of the next look at the nodes' fingerprints."""
     adopt_next: dict[int, float] = field(default_factory=dict)
     """Step -> monotonic time of the next look for a manifest of this run's that nothing reported (`_adopt`)."""
     settled: set[int] = field(default_factory=set)
@@ -171,7 +182,7 @@ class StoreActivities:
         self.refused_records = 0
         """Node records refused for their tag since this controller started (each version counted once)."""
 
-    @activity.defn(name="publish_attempt")
+    @activity.defn(name=names.PUBLISH_ATTEMPT)
     async def publish_attempt(self, request: PublishAttemptInput) -> None:
         """Write the run's relaunch decision for its nodes to take up. Idempotent: a decision older than the one
         in the store (a retry that lost a race with the next relaunch) leaves the newer in place."""
@@ -192,7 +203,7 @@ class StoreActivities:
         body = signed_object(request.decision.model_dump_json().encode(), DECISION_TAG_CONTEXT, key, self.token)
         client.put_object(Bucket=request.bucket, Key=key, Body=body, ContentType="application/json")
 
-    @activity.defn(name="find_checkpoint")
+    @activity.defn(name=names.FIND_CHECKPOINT)
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
         """The newest committed checkpoint of this run (or, while it has none, of the run it resumes from)
         whose shards all exist with their recorded sizes and checksums."""
@@ -245,7 +256,7 @@ class StoreActivities:
                 skipped.append(f"{label}step {step}: no manifest (never committed)")
                 continue
             manifest, digest = stored
-            problem = manifest_problem(manifest, run_prefix, step)
+            problem = manifest_problem(manifest, run_prefix, step) or fingerprint_problem(manifest.shards)
             if author is not None and not problem and manifest.workflow_id != author:
                 problem = f"committed by run {manifest.workflow_id!r}, not {author!r}"
                 log.warning("passing over %s: %s", key, problem)
@@ -349,7 +360,7 @@ class StoreActivities:
             reshardable=manifest.reshardable,
         )
 
-    @activity.defn(name="commit_checkpoints")
+    @activity.defn(name=names.COMMIT_CHECKPOINTS)
     async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
         """The committer: commit every step whose node records cover the world (manifest last), apply
         retention, and return what it committed. Heartbeats while it waits; idempotent (a step already
@@ -371,8 +382,9 @@ class StoreActivities:
                 log.warning("commit pass over s3://%s/%s failed: %s", request.bucket, request.run_prefix, error)
                 commits, pending, changed = [], True, False
             pace = await self._pace_pass(request, state) if store_error is None else None
-            if commits or pace is not None:
-                return CommitCheckpointsResult(commits=commits, pace=pace)
+            corruption = await self._fingerprint_pass(request, state) if store_error is None else None
+            if commits or pace is not None or corruption is not None:
+                return CommitCheckpointsResult(commits=commits, pace=pace, corruption=corruption)
             now = time.monotonic()
             # A finished run's drain counts its quiet from when the store answers again.
             if changed or (request.wait_for_store and store_error is not None):
@@ -403,6 +415,23 @@ class StoreActivities:
         return judge_window(records, ratio=request.straggler_ratio, after=request.pace_after,
                             chain_id=request.chain_id, min_attempt=request.min_attempt, attempt=request.attempt,
                             before=state.pace_before)
+
+    async def _fingerprint_pass(self, request: CommitCheckpointsInput,
+                                state: _CommitterState) -> CorruptionVerdict | None:
+        """At most every `FINGERPRINT_POLL_S`: replicas whose newest fingerprints differ (`activities.fingerprints`).
+        A store error here is the next pass's to meet: the commits go on."""
+        if not request.compare_fingerprints or time.monotonic() < state.next_fingerprints:
+            return None
+        state.next_fingerprints = time.monotonic() + FINGERPRINT_POLL_S
+        try:
+            records = await asyncio.to_thread(read_fingerprints, s3_client(), request.bucket, request.run_prefix,
+                                              state.fingerprints, self.token)
+        except (BotoCoreError, ClientError, OSError) as error:
+            log.warning("reading the nodes' fingerprints under s3://%s/%s failed: %s", request.bucket,
+                        request.run_prefix, error)
+            return None
+        return judge_records(records, now=time.time(), chain_id=request.chain_id, min_attempt=request.min_attempt,
+                             attempt=request.attempt)
 
     def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:

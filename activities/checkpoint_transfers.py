@@ -26,6 +26,7 @@ from temporalio.exceptions import ApplicationError
 from activities.checkpoint_layout import (
     DECISION_TAG_CONTEXT,
     NODE_RECORD_TAG_CONTEXT,
+    FINGERPRINT_TAG_CONTEXT,
     PACE_TAG_CONTEXT,
     SHA256_METADATA,
     ObjectRefused,
@@ -54,6 +55,8 @@ from activities.models import (
     UploadShardsResult,
     WatchCheckpoints,
 )
+from activities.fingerprint_models import FingerprintRecord
+from activities.fingerprints import fingerprint_key
 from activities.pace import pace_key
 from activities.pace_models import PaceRecord
 from activities.peers import fetch_from_peer
@@ -416,7 +419,7 @@ class NodeCheckpointActivities:
                 non_retryable=True,
             )
 
-    @activity.defn(name="download_shards")
+    @activity.defn(name=names.DOWNLOAD_SHARDS)
     async def download_shards(self, request: DownloadShardsInput) -> DownloadShardsResult:
         """Download and verify the shards this node's ranks restore from. No unverified byte is kept."""
         if not request.shards and request.manifest_key:
@@ -515,6 +518,14 @@ class NodeCheckpointActivities:
         (`activities.pace`). Overwritten once a window; idempotent."""
         key = pace_key(target.run_prefix, self.node)
         body = signed_object(record.model_dump_json().encode(), PACE_TAG_CONTEXT, key, self.token)
+        await asyncio.to_thread(s3_client().put_object, Bucket=target.bucket, Key=key, Body=body,
+                                ContentType="application/json")
+
+    async def write_fingerprints(self, target: WatchCheckpoints, record: FingerprintRecord) -> None:
+        """From a watch: this node's ranks' newest fingerprints, for the committer to compare replicas
+        (`activities.fingerprints`). Overwritten; idempotent."""
+        key = fingerprint_key(target.run_prefix, self.node)
+        body = signed_object(record.model_dump_json().encode(), FINGERPRINT_TAG_CONTEXT, key, self.token)
         await asyncio.to_thread(s3_client().put_object, Bucket=target.bucket, Key=key, Body=body,
                                 ContentType="application/json")
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import zlib
 from enum import Enum
+from typing import Any
 
 from pydantic import BaseModel, Field
 
+from activities.fingerprint_models import CorruptionVerdict
 from activities.pace_models import PaceVerdict
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, CheckpointRef, InjectFaultResult, StopReason  # noqa: F401 - re-exported
+from trainguard.numerics import DEFAULT_FINGERPRINT_EVERY_STEPS
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.spec import NODE_ID_PATTERN, HealthSpec
 
@@ -88,6 +91,9 @@ class ShardInfo(BaseModel):
     sharded: bool = False
     """A `torch.save` shard holding sharded tensors (DTensor, ShardedTensor): it loads only onto the world size
     that wrote it, rank r from shard r. Default False (plain tensors, or a DCP shard, which reshards)."""
+    fingerprint: list[Any] | None = None
+    """The writing rank's fingerprint of its replicated state at the checkpoint's step (`trainguard.numerics`), where
+    its script called `run.fingerprint`: a checkpoint whose replicas disagree is never restored. None: none taken."""
 
 
 class ManifestPage(BaseModel):
@@ -307,6 +313,9 @@ class CommitCheckpointsInput(BaseModel):
     """Also compare the nodes' `PaceRecord`s ten times a window and return a slow one (None: not)."""
     pace_after: float = 0.0
     """...only of windows ending after this unix time (the run has judged those before)."""
+    compare_fingerprints: bool = True
+    """Compare the nodes' fingerprint records of attempts `min_attempt`..`attempt` (`activities.fingerprints`), and
+    return when replicas differ."""
 
 
 class CommittedCheckpoint(BaseModel):
@@ -323,6 +332,8 @@ class CommitCheckpointsResult(BaseModel):
     them); None when its last pass reached the store."""
     pace: PaceVerdict | None = None
     """Ranks slow over a window of training (`activities.pace`), when the committer returned for them."""
+    corruption: CorruptionVerdict | None = None
+    """Replicas whose fingerprints differ (`activities.fingerprints`), when the committer returned for them."""
 
 
 class PruneCheckpointsInput(BaseModel):
@@ -369,6 +380,8 @@ class RankGroupInput(BaseModel):
     working_dir: str | None = None
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY_STEPS
     """The spec's `checkpoint.every_steps`, given to the ranks as `TRAINGUARD_CHECKPOINT_EVERY`."""
+    fingerprint_every: int = DEFAULT_FINGERPRINT_EVERY_STEPS
+    """The spec's `health.fingerprint_every_steps`, given to the ranks as `TRAINGUARD_FINGERPRINT_EVERY`."""
 
 
 class LaunchRanksInput(RankGroupInput):
@@ -433,6 +446,8 @@ class WatchEventKind(str, Enum):
     """Nothing happened within the watch's lifetime; the workflow starts a new watch."""
     STARTED = "started"
     """The attempt's first step on this node (returned once, when the watch was asked to report it)."""
+    NUMERICAL_FAULT = "numerical_fault"
+    """A rank's reported loss was NaN, infinite or far outside its recent window (`trainguard.numerics`)."""
 
 
 class WatchCheckpoints(BaseModel):
@@ -599,6 +614,8 @@ class WatchEvent(BaseModel):
     """Gaps between steps this node's healthy ranks took: step -> seconds (`activities.rank_activity.GapBook`)."""
     phase_s: dict[str, float] = Field(default_factory=dict)
     """FINISHED: seconds the node's ranks spent in each phase their script named (the longest rank's)."""
+    fault_step: int | None = None
+    """NUMERICAL_FAULT: the step whose loss was the fault (the run rolls back to a checkpoint before it)."""
 
 
 class InjectFaultInput(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from trainguard.spec import HealthSpec
 
@@ -37,6 +38,10 @@ class RankReport:
     """Unix time the named phase began."""
     phase_expected_s: float | None = None
     """The named phase's expected length, when the script gave one."""
+    fingerprints: list[list[Any]] | None = None
+    """The rank's newest fingerprints of its replicated state (`trainguard.protocol.Progress.fingerprints`)."""
+    numerical: dict[str, Any] | None = None
+    """A numerical fault in the loss the rank reported: {"step", "loss", "detail"}."""
 
 
 def silence_bound_s(report: RankReport | None, start_step: int, health: HealthSpec,
@@ -376,3 +381,26 @@ def find_stragglers(compute_s: dict[int, float], ratio: float) -> dict[int, floa
         if median > 0 and own > ratio * median:
             found[rank] = round(own / median, 3)
     return found
+
+
+def numerical_fault(reports: dict[int, RankReport | None]) -> tuple[int, dict[str, Any]] | None:
+    """The local rank whose reported loss was a numerical fault at the earliest step, with the fault (the rank
+    helper judged it: `trainguard.numerics.judge_loss`); None when no rank reports one."""
+    faulty = [(int(r.numerical.get("step", -1)), rank, r.numerical) for rank, r in reports.items()
+              if r is not None and r.numerical]
+    if not faulty:
+        return None
+    _, rank, fault = min(faulty, key=lambda item: (item[0], item[1]))
+    return rank, fault
+
+
+def new_fingerprints(reports: dict[int, RankReport | None],
+                     written: dict[int, int]) -> dict[int, list[list[Any]]] | None:
+    """Every local rank's newest fingerprints, when some rank has one newer than the step `written` last
+    (rank -> step); None when nothing is new."""
+    taken = {rank: r.fingerprints for rank, r in reports.items() if r is not None and r.fingerprints}
+    newest = {rank: max(int(item[0]) for item in items) for rank, items in taken.items()}
+    if not any(step > written.get(rank, -1) for rank, step in newest.items()):
+        return None
+    return taken
+

@@ -160,6 +160,8 @@ def read_report(path: Path) -> RankReport | None:
         phase=data.phase,
         phase_since=data.phase_since,
         phase_expected_s=data.phase_expected_s,
+        fingerprints=data.fingerprints,
+        numerical=data.numerical,
     )
 
 

@@ -32,11 +32,15 @@ from activities.models import (
     WatchRanksInput,
 )
 from activities.evidence import ask_positions
+from activities.fingerprint_models import FingerprintRecord
+from activities.fingerprints import write_interval_s
 from activities.progress import (
     COLLECTIVE_WAIT_GRACE_S,
     RankReport,
     complete_steps,
     failed_rank,
+    new_fingerprints,
+    numerical_fault,
     fault_time,
     first_step_time,
     process_state_words,
@@ -62,6 +66,8 @@ Decisions = Callable[[WatchCheckpoints], AttemptDecision | None]
 """Reads the run's newest `AttemptDecision` from the store, blocking (`NodeCheckpointActivities.read_decision`)."""
 Pacer = Callable[[WatchCheckpoints, PaceRecord], Awaitable[None]]
 """Writes this node's `PaceRecord` to the store (`NodeCheckpointActivities.write_pace`)."""
+Fingerprinter = Callable[[WatchCheckpoints, FingerprintRecord], Awaitable[None]]
+"""Writes this node's `FingerprintRecord` to the store (`NodeCheckpointActivities.write_fingerprints`)."""
 HangEvidence = Callable[[AttemptRecord, RunLayout, WatchCheckpoints | None], Awaitable[list[RankEvidence]]]
 
 UPLOAD_ERROR_REPORT_S = 60.0
@@ -110,7 +116,7 @@ class RankWatch:
     def __init__(self, book: RankBook, launch: RankLaunch, health: NodeHealth | None = None,
                  uploader: Uploader | None = None, downloader: Downloader | None = None,
                  decisions: Decisions | None = None, hang_evidence: HangEvidence | None = None,
-                 pacer: Pacer | None = None) -> None:
+                 pacer: Pacer | None = None, fingerprinter: Fingerprinter | None = None) -> None:
         self.book = book
         self.node = book.node
         self.launch = launch
@@ -129,6 +135,11 @@ class RankWatch:
         self._pace: dict[str, tuple[str, int, PaceWindow]] = {}
         """Run -> (chain, attempt, its window): outlives the watches of one attempt."""
         self._pace_writes: dict[str, asyncio.Task[None]] = {}
+        self.fingerprinter = fingerprinter
+        """Writes the node's ranks' newest fingerprints when new ones come, for the committer to compare replicas."""
+        self._fingerprints: dict[str, tuple[str, int, dict[int, int], float]] = {}
+        """Run -> (chain, attempt, rank -> newest fingerprinted step written, monotonic time of that write)."""
+        self._fingerprint_writes: dict[str, asyncio.Task[None]] = {}
         self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
         """`_upload_key` -> its upload, started by a watch and outliving it."""
         self._upload_failed_at: dict[tuple[str, str, int, int], float] = {}
@@ -143,7 +154,7 @@ class RankWatch:
         self._activity: dict[str, tuple[str, int, AttemptActivity]] = {}
         """Run -> (chain, attempt, what its quiet ranks here are doing)."""
 
-    @activity.defn(name="watch_ranks")
+    @activity.defn(name=names.WATCH_RANKS)
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
         """Watch this node's ranks; return on the first event (exit, hang, checkpoint ready, all finished).
         With `request.launch`, launch the attempt's ranks here first (downloading their shards first with
@@ -216,6 +227,7 @@ class RankWatch:
             node_step = slowest_step(reports, record.start_step)
             if request.checkpoints is not None:
                 self._keep_pace(record, request.checkpoints, health.straggler_window_s, reports, node_step, now)
+                self._keep_fingerprints(record, request.checkpoints, health.straggler_window_s, reports, now)
             if time.monotonic() >= next_heartbeat:  # a large run's watches heartbeat less often
                 next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
                 activity.heartbeat(protocol.WatchHeartbeat(
@@ -258,6 +270,13 @@ class RankWatch:
                              occurred_at=record.faults.get(failed) or proc.exited_at,
                              **_log_fields(layout.log_file(record.attempt, failed), failed, proc.exit_code,
                                            report.error if report else None))
+
+            numerical = numerical_fault(reports)
+            if numerical is not None:
+                rank, fault = numerical
+                return event(WatchEventKind.NUMERICAL_FAULT, rank=rank, fault_step=int(fault["step"]),
+                             fault_at=record.faults.get(rank), occurred_at=record.faults.get(rank) or now,
+                             detail=f"rank {rank} at step {fault['step']}: {fault['detail']}")
 
             if all(record.ranks[r].poll() for r in local_ranks):
                 # Every rank here is done: nothing is left for a standby to replace, nor to relaunch warm.
@@ -358,6 +377,39 @@ class RankWatch:
         pace = PaceRecord(node=self.node, attempt=record.attempt, chain_id=record.chain_id, window_end=now,
                           window_s=window_s, rank_compute_s=means, step=node_step)
         self._pace_writes[record.workflow_id] = asyncio.ensure_future(self._write_pace(target, pace))
+
+    def _keep_fingerprints(self, record: AttemptRecord, target: WatchCheckpoints, window_s: float,
+                           reports: dict[int, RankReport | None], now: float) -> None:
+        """When a local rank reported a fingerprint newer than the last written, write the ranks' newest to the
+        store, at most every `write_interval_s` (not awaited, as the pace)."""
+        if self.fingerprinter is None:
+            return
+        kept = self._fingerprints.get(record.workflow_id)
+        if kept is None or kept[:2] != (record.chain_id, record.attempt):
+            kept = (record.chain_id, record.attempt, {}, 0.0)
+        written, last = kept[2], kept[3]
+        writing = self._fingerprint_writes.get(record.workflow_id)
+        if (writing is not None and not writing.done()) or time.monotonic() - last < write_interval_s(window_s):
+            self._fingerprints[record.workflow_id] = kept
+            return
+        found = new_fingerprints(reports, written)
+        if found is None:
+            self._fingerprints[record.workflow_id] = kept
+            return
+        steps = {rank: max(int(item[0]) for item in items) for rank, items in found.items()}
+        self._fingerprints[record.workflow_id] = (record.chain_id, record.attempt, steps, time.monotonic())
+        fingerprints = FingerprintRecord(node=self.node, attempt=record.attempt, chain_id=record.chain_id,
+                                         written_at=now, ranks=found)
+        self._fingerprint_writes[record.workflow_id] = asyncio.ensure_future(
+            self._write_fingerprints(target, fingerprints))
+
+    async def _write_fingerprints(self, target: WatchCheckpoints, fingerprints: FingerprintRecord) -> None:
+        assert self.fingerprinter is not None
+        try:
+            await self.fingerprinter(target, fingerprints)
+        except Exception as error:  # noqa: BLE001 - an outage: the next new fingerprint writes again
+            log.warning("writing the fingerprints of %s attempt %d failed: %s", target.run_prefix,
+                        fingerprints.attempt, error)
 
     async def _write_pace(self, target: WatchCheckpoints, pace: PaceRecord) -> None:
         assert self.pacer is not None
@@ -528,7 +580,7 @@ class RankWatch:
             saved[step] = {r for r in ranks if r is not None}
         return saved
 
-    @activity.defn(name="request_checkpoint")
+    @activity.defn(name=names.REQUEST_CHECKPOINT)
     async def request_checkpoint(self, request: RequestCheckpointInput) -> RequestCheckpointResult:
         """Report where this node's ranks are; with a step, ask them to checkpoint at it. Idempotent."""
         record = self.book.record(request.workflow_id)

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 # Re-exported for the node agent and older imports; the policy's home is `trainguard.env_policy`.
 from trainguard.env_policy import EXEC_ENV_PATTERNS as EXEC_ENV_PATTERNS
+from trainguard.numerics import DEFAULT_FINGERPRINT_EVERY_STEPS
 from trainguard.env_policy import PYTHON_KNOBS as PYTHON_KNOBS
 from trainguard.env_policy import exec_env_refused as exec_env_refused
 from trainguard.ids import validate_workflow_id
@@ -314,6 +315,12 @@ class HealthSpec(_Strict):
 
     gpu_check_interval_s: float = Field(30.0, ge=1, le=86_400)
     """How often node agents re-check GPU health while ranks run. Default 30 s."""
+
+    fingerprint_every_steps: int = Field(DEFAULT_FINGERPRINT_EVERY_STEPS, ge=0, le=1_000_000)
+    """Every this many steps each rank whose script calls `run.fingerprint(model)` reports an exact fingerprint of
+    its replicated parameters, and the run compares replicas': one that differs is a silent data corruption, found
+    within this many steps (and a second or two). One read of the parameters: under 1% of the steps between. 0: no
+    fingerprints (checkpoints still carry theirs). Default 10."""
 
     @model_validator(mode="after")
     def _floor_below_max(self) -> HealthSpec:

@@ -35,7 +35,7 @@ from activities.rank_launch import RankLaunch
 from activities.rank_logs import RankLogActivities
 from activities.rank_parking import SPARE_CHECK_S
 from activities.rank_records import RankBook
-from activities.rank_watch import Decisions, Downloader, Pacer, RankWatch, Uploader
+from activities.rank_watch import Decisions, Downloader, Fingerprinter, Pacer, RankWatch, Uploader
 from trainguard import node_task_queue
 from trainguard.connect import connect
 from trainguard.run_as import RUN_AS_ENV, RunAs, run_as_from
@@ -81,7 +81,7 @@ def node_ranks(node: str, workdir: Path, host: str, code_dir: Path, health: Node
                allowed: tuple[str, ...] = ("*",), chaos: bool = True, allowed_env: frozenset[str] = frozenset(),
                uploader: Uploader | None = None, downloader: Downloader | None = None,
                decisions: Decisions | None = None, run_as: RunAs | None = None,
-               pacer: Pacer | None = None) -> NodeRanks:
+               pacer: Pacer | None = None, fingerprinter: Fingerprinter | None = None) -> NodeRanks:
     """The rank activities of one node agent around one book: the book adopts the ranks a previous agent on
     this workdir left running, and every activity sees the attempts the others launch."""
     health = health or NodeHealth()
@@ -89,7 +89,7 @@ def node_ranks(node: str, workdir: Path, host: str, code_dir: Path, health: Node
     launch = RankLaunch(book, host, code_dir, allowed=allowed, allowed_env=allowed_env, run_as=run_as)
     evidence = EvidenceActivities(book)
     watch = RankWatch(book, launch, health, uploader=uploader, downloader=downloader, decisions=decisions,
-                      hang_evidence=evidence.for_watch, pacer=pacer)
+                      hang_evidence=evidence.for_watch, pacer=pacer, fingerprinter=fingerprinter)
     return NodeRanks(book=book, launch=launch, watch=watch, chaos=RankChaos(book, health, enabled=chaos),
                      evidence=evidence)
 
@@ -109,7 +109,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,
     ranks = node_ranks(node, workdir, host, code_dir, node_health, allowed=allowed, chaos=chaos,
                        allowed_env=allowed_env, uploader=checkpoints.upload_step,
                        downloader=checkpoints.download_shards, decisions=checkpoints.read_decision,
-                       pacer=checkpoints.write_pace,
+                       pacer=checkpoints.write_pace, fingerprinter=checkpoints.write_fingerprints,
                        run_as=run_as)
     health = HealthActivities(node, host, node_health)
     logs = RankLogActivities(node, workdir)

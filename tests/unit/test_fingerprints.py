@@ -1,0 +1,100 @@
+"""Replicas compared by their fingerprints (`activities.fingerprints`), and what the watch reads of the ranks'
+numbers (`activities.progress.numerical_fault`, `new_fingerprints`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from activities.fingerprint_models import FingerprintRecord
+from activities.fingerprints import compare, fingerprint_problem, judge_records
+from activities.models import ShardInfo
+from activities.progress import RankReport, new_fingerprints, numerical_fault
+
+GOOD, BAD = "00000000000000aa", "00000000000000bb"
+
+
+def fp(step: int, value: str = GOOD, group: str = "replicated", magnitude: float = 1.0) -> list[Any]:
+    return [step, value, group, magnitude]
+
+
+NODES = {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
+
+
+def test_replicas_that_agree_give_no_verdict() -> None:
+    assert compare({r: [fp(10), fp(20)] for r in range(4)}, NODES, now=1.0) is None
+
+
+def test_the_minority_replica_is_named_with_its_node_and_the_last_step_all_agreed() -> None:
+    ranks = {0: [fp(10), fp(20)], 1: [fp(10), fp(20)], 2: [fp(10), fp(20, BAD)], 3: [fp(10), fp(20)]}
+    verdict = compare(ranks, NODES, now=5.0)
+    assert verdict is not None
+    assert (verdict.step, verdict.last_good_step, verdict.ranks, verdict.nodes, verdict.certain) == (
+        20, 10, [2], {2: "node-1"}, True)
+
+
+def test_the_first_step_replicas_differ_at_is_the_verdict() -> None:
+    ranks = {0: [fp(10), fp(20, "c")], 1: [fp(10), fp(20)], 2: [fp(10, BAD), fp(20, BAD)], 3: [fp(10), fp(20)]}
+    verdict = compare(ranks, NODES, now=5.0)
+    assert verdict is not None and verdict.step == 10 and verdict.ranks == [2]
+
+
+def test_two_replicas_that_differ_are_both_suspects_and_not_certain() -> None:
+    verdict = compare({0: [fp(10, group="shard 0/2")], 2: [fp(10, BAD, group="shard 0/2")],
+                       1: [fp(10, group="shard 1/2")], 3: [fp(10, group="shard 1/2")]}, NODES, now=1.0)
+    assert verdict is not None
+    assert (verdict.ranks, verdict.certain, verdict.group) == ([0, 2], False, "shard 0/2")
+
+
+def test_ranks_alone_in_their_group_are_compared_with_nobody() -> None:
+    # Pure FSDP: every rank holds its own shard; nothing to compare, nothing to report.
+    assert compare({r: [fp(10, f"{r:016x}", group=f"rank {r}")] for r in range(4)}, NODES, now=1.0) is None
+
+
+def test_a_step_only_one_replica_reported_yet_waits() -> None:
+    assert compare({0: [fp(10), fp(20)], 1: [fp(10), fp(30, BAD)]}, NODES, now=1.0) is None
+
+
+def test_records_of_another_attempt_or_chain_are_left_out() -> None:
+    def record(node: str, attempt: int, ranks: dict[int, list[list[Any]]], chain: str = "c1") -> FingerprintRecord:
+        return FingerprintRecord(node=node, attempt=attempt, chain_id=chain, written_at=0.0, ranks=ranks)
+
+    diverged = [record("node-0", 1, {0: [fp(10)], 1: [fp(10)]}), record("node-1", 1, {2: [fp(10, BAD)], 3: [fp(10)]})]
+    assert judge_records(diverged, now=1.0, chain_id="c1", min_attempt=1, attempt=1) is not None
+    assert judge_records(diverged, now=1.0, chain_id="c1", min_attempt=2, attempt=2) is None  # after the relaunch
+    assert judge_records(diverged, now=1.0, chain_id="c2", min_attempt=1, attempt=1) is None
+
+
+def test_a_checkpoint_whose_replicas_disagree_is_refused() -> None:
+    def shard(rank: int, value: str | None) -> ShardInfo:
+        return ShardInfo(rank=rank, size_bytes=0, sha256="", replica_of=0 if rank else None,
+                         fingerprint=None if value is None else fp(50, value))
+
+    assert fingerprint_problem([shard(0, GOOD), shard(1, GOOD), shard(2, GOOD)]) is None
+    assert fingerprint_problem([shard(0, GOOD), shard(1, None)]) is None  # a script without the line
+    problem = fingerprint_problem([shard(0, BAD), shard(1, GOOD), shard(2, GOOD)])
+    assert problem is not None and "rank(s) 0" in problem
+
+
+def report(rank: int, **fields: Any) -> RankReport:
+    return RankReport(rank=rank, step=5, time=0.0, **fields)
+
+
+@pytest.mark.parametrize(("numerical", "expected"), [
+    ({}, None),
+    ({1: {"step": 7, "detail": "loss is nan"}}, 1),
+    ({0: {"step": 8, "detail": "loss is nan"}, 1: {"step": 7, "detail": "loss is inf"}}, 1),  # the earliest step
+])
+def test_numerical_fault_names_the_rank_with_the_earliest_bad_step(numerical: dict[int, Any],
+                                                                   expected: int | None) -> None:
+    found = numerical_fault({r: report(r, numerical=numerical.get(r)) for r in (0, 1)})
+    assert (None if found is None else found[0]) == expected
+
+
+def test_new_fingerprints_only_when_some_rank_has_a_newer_one() -> None:
+    reports: dict[int, RankReport | None] = {0: report(0, fingerprints=[fp(10)]), 1: report(1, fingerprints=[fp(10)])}
+    assert new_fingerprints(reports, {}) == {0: [fp(10)], 1: [fp(10)]}
+    assert new_fingerprints(reports, {0: 10, 1: 10}) is None
+    reports[1] = report(1, fingerprints=[fp(10), fp(20)])
+    assert new_fingerprints(reports, {0: 10, 1: 10}) == {0: [fp(10)], 1: [fp(10), fp(20)]}
