@@ -3,6 +3,9 @@ and a munged of the stack's own, beside its Temporal, store and controller (the 
 `examples/slurm/train.sbatch` submitted with `sbatch`: its agents are started by `srun`, its faults are dealt
 the Slurm way (signals by PID, a killed slurmd, `scontrol update`, `scontrol requeue`).
 
+`examples/slurm/cluster.sbatch`, the script for GPU clusters with time limits, runs here too, its GPU request
+off (`SBATCH_GPUS_PER_NODE=0`: the emulated nodes have no gres).
+
 Skipped, saying why, without Slurm (Debian's slurm-wlm slurmctld slurmd munge slurm-client: `make slurm-install`)
 or without root. The stack is checked at the end like the session stack: nothing it or its jobs started runs on.
 """
@@ -27,7 +30,7 @@ from infra.harness import Irregular
 from trainguard.client import TrainguardClient
 from trainguard.dev_slurm import SlurmCluster, unavailable_reason
 from trainguard.devstack import SLURM_NODES, DevStack
-from trainguard.models import IncidentKind, RunResult
+from trainguard.models import IncidentKind, RunResult, RunStatus
 from trainguard.pool import wait_for_agents
 from trainguard.protocol import RunLayout
 from trainguard.settings import Settings
@@ -38,6 +41,9 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"no Slurm cluster can run here: {unavailable_reason()}")
 
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
+CLUSTER_SCRIPT = REPO / "examples" / "slurm" / "cluster.sbatch"
+NO_GPUS = {"SBATCH_GPUS_PER_NODE": "0"}
+"""The emulated nodes have no GPUs (no gres): the cluster script's `--gpus-per-node` request, turned off."""
 QUICKSTART = REPO / "examples" / "quickstart.json"
 SLURMD_TIMEOUT_S = 10
 """Short, so a killed slurmd's node is down in ~15 s, not PLATFORM.md's ~35 s (SlurmdTimeout=30)."""
@@ -98,16 +104,18 @@ def cluster(slurm_stack: DevStack) -> Iterator[SlurmCluster]:
     raise AssertionError(f"nodes not idle after the test: {cluster.node_states()}")
 
 
-def submit(stack: DevStack, spec: dict[str, object] | None = None, **env: str) -> int:
-    """sbatch the example script from the checkout, as a platform team would, with the stack's settings in the
-    environment; its agents' folders under the stack's home (so the stack's rank scans find their ranks)."""
+def submit(stack: DevStack, spec: dict[str, object] | None = None, script: Path = SCRIPT,
+           options: tuple[str, ...] = (), **env: str) -> int:
+    """sbatch an example script (with sbatch `options`) from the checkout, as a platform team would, with the
+    stack's settings in the environment; its agents' folders under the stack's home (so the stack's rank scans
+    find their ranks)."""
     extra = {"TRAINGUARD_WORKDIR": str(stack.home / "nodes"), "TRAINGUARD_LOGS": str(stack.slurm.log_dir), **env}
     if spec is not None:
         path = stack.home / f"spec-{uuid.uuid4().hex[:6]}.json"
         path.write_text(json.dumps(spec))
         extra["TRAINGUARD_SPEC"] = str(path)
-    done = subprocess.run(["sbatch", "--parsable", f"--output={stack.slurm.log_dir}/job-%j.out", str(SCRIPT)],
-                          capture_output=True, text=True, timeout=30, check=False, cwd=REPO,
+    done = subprocess.run(["sbatch", "--parsable", f"--output={stack.slurm.log_dir}/job-%j.out", *options,
+                           str(script)], capture_output=True, text=True, timeout=30, check=False, cwd=REPO,
                           env={**stack.worker_env(), **extra})
     if done.returncode:
         raise AssertionError(f"sbatch failed: {done.stderr}")
@@ -402,6 +410,64 @@ async def test_a_requeued_job_resumes_its_run(
     # From the newest checkpoint committed before the requeue, or one committed while it was under way.
     assert restarts and (restarts[0].resumed_step or 0) >= committed, (committed, result.incidents)
     print(f"requeue: training again after {training_again_s:.1f}s, from step {restarts[0].resumed_step}")
+
+
+async def executions(client: TrainguardClient, run_id: str) -> list[tuple[str, str]]:
+    """(Temporal run id, status) of every execution under the workflow id `run_id`, oldest first."""
+    found = [e async for e in client.client.list_workflows(f"WorkflowId = '{run_id}'")]
+    return [(e.run_id, (e.status.name if e.status else "RUNNING")) for e in sorted(found, key=lambda e: e.start_time)]
+
+
+async def test_the_cluster_script_requeued_at_its_time_limit_resumes_the_same_run(
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster,
+        quickstart_digest: Reference) -> None:
+    """examples/slurm/cluster.sbatch: the job is named after the run. At the time-limit signal (`--signal=B:USR1`,
+    sent here at once instead of up to a minute off, as Slurm's resolution has it) the job commits a checkpoint,
+    ends the run and requeues itself; run again, it resumes the same run id from that checkpoint and ends with
+    the uninterrupted run's digest. A job submitted later under the name finds the run done and starts none."""
+    run_id = f"chain-{uuid.uuid4().hex[:8]}"
+    began = time.monotonic()
+    job = submit(slurm_stack, None, CLUSTER_SCRIPT, (f"--job-name={run_id}",), **NO_GPUS)  # the quickstart
+    await run_started(slurm_client, run_id)
+    view = await wait_until(slurm_client, run_id, checkpointed, timeout_s=120)
+    assert view.status.latest_checkpoint is not None
+    committed_before = view.status.latest_checkpoint.step
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job))
+    signalled = time.monotonic()
+    deadline = signalled + 180
+    while len(found := await executions(slurm_client, run_id)) < 2 or found[-1][1] != "RUNNING":
+        assert time.monotonic() < deadline, f"no second execution of {run_id}: {found}; {job_log(cluster, job)}"
+        await asyncio.sleep(0.5)
+    resumed_s = time.monotonic() - signalled
+    result = await finished_execution(slurm_client, cluster, job, run_id)
+    first, second = await executions(slurm_client, run_id)
+    assert (first[1], second[1]) == ("CANCELED", "COMPLETED")  # one at a time, under one id
+    cut = await slurm_client.client.get_workflow_handle(run_id, run_id=first[0]).query("status", result_type=RunStatus)
+    assert cut.latest_checkpoint is not None and cut.latest_checkpoint.step > committed_before, \
+        "the job did not commit a checkpoint at its time limit"
+    assert (await slurm_client.status(run_id)).status.resumed_step == cut.latest_checkpoint.step
+    assert result.final_state_digest == await quickstart_digest
+    assert result.steps_completed == 300 and not result.incidents, [(i.kind, i.detail) for i in result.incidents]
+    assert job_entry(cluster, job).get("restart_cnt") == 1, "the job did not requeue itself"
+    assert "near its time limit" in (cluster.log_dir / f"job-{job}.out").read_text()
+
+    again = submit(slurm_stack, None, CLUSTER_SCRIPT, (f"--job-name={run_id}",), **NO_GPUS)
+    assert await job_ends(cluster, again, timeout_s=60) == "COMPLETED", job_log(cluster, again)
+    assert f"run {run_id} completed in an earlier job" in job_log(cluster, again)
+    assert len(await executions(slurm_client, run_id)) == 2, "a job submitted after the run was done started it again"
+    print(f"cluster script: checkpointed, ended and requeued at the signal, training again in the requeued job "
+          f"{resumed_s:.1f}s later from step {cut.latest_checkpoint.step}; whole test {time.monotonic() - began:.0f}s")
+
+
+async def finished_execution(client: TrainguardClient, cluster: SlurmCluster, job: int, run_id: str) -> RunResult:
+    """The result of the execution running under `run_id` now, and its job completed."""
+    try:
+        result = await asyncio.wait_for(client.result(run_id), RUN_TIMEOUT_S)
+    except Exception as error:
+        raise AssertionError(f"{run_id}: {error}; activity failures {await activity_failures(client, run_id)}; "
+                             f"job log:\n{job_log(cluster, job)}") from error
+    assert await job_ends(cluster, job) == "COMPLETED", job_log(cluster, job)
+    return result
 
 
 async def test_a_healthy_irregular_job_runs_in_one_attempt_with_no_incident(

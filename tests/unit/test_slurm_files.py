@@ -5,8 +5,12 @@ agents count as up."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
+import sys
+import time
 from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from workers.slurm_drains import SlurmDrainWatch, expand_hostlist, headless_jobs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
+CLUSTER_SCRIPT = REPO / "examples" / "slurm" / "cluster.sbatch"
 
 
 def code_lines(text: str) -> list[str]:
@@ -39,6 +44,125 @@ def test_the_job_script_is_short_and_keeps_the_job_through_a_node_loss() -> None
     # The step too: without its own --no-kill, slurmctld kills the agents' whole step when one node fails.
     assert re.search(r"^srun .*--no-kill", text, re.MULTILINE)
     assert 'RUN="slurm-$SLURM_JOB_ID"' in text and '--node "$SLURMD_NODENAME"' in text
+
+
+def sbatch_options(text: str) -> dict[str, str]:
+    """A job script's `#SBATCH` options: name -> value ('' for a flag)."""
+    return dict(option.partition("=")[::2] for option in re.findall(r"^#SBATCH (\S+)", text, re.MULTILINE))
+
+
+def seconds(limit: str) -> int:
+    """A Slurm time limit written `[D-]HH:MM:SS` in seconds."""
+    days, _, clock = limit.rpartition("-")
+    hours, minutes, secs = map(int, clock.split(":"))
+    return int(days or 0) * 86_400 + hours * 3600 + minutes * 60 + secs
+
+
+def test_the_cluster_script_asks_for_whole_gpu_nodes_and_is_signalled_before_its_time_limit() -> None:
+    text = CLUSTER_SCRIPT.read_text()
+    assert subprocess.run(["bash", "-n", str(CLUSTER_SCRIPT)], check=False).returncode == 0
+    options = sbatch_options(text)
+    assert options["--gpus-per-node"] == "8" and options["--exclusive"] == "" and options["--mem"] == "0"
+    assert options["--ntasks-per-node"] == "1"  # one agent a node: it starts the node's ranks
+    found = re.fullmatch(r"B:(\w+)@(\d+)", options["--signal"])
+    assert found, "the signal must go to the batch shell (B:), which stops the run and requeues the job"
+    # Slurm sends it up to 60 s early; the stop (a checkpoint, the run's end) needs the rest of the lead.
+    assert 120 <= int(found[2]) < seconds(options["--time"]) / 4
+    assert f"trap at_time_limit {found[1]}" in text
+    # Another job of the same name (a resubmission) waits for this one: two jobs never drive one run.
+    assert options["--dependency"] == "singleton" and {"--requeue", "--no-kill"} <= set(options)
+    assert options["--comment"] == JOB_COMMENT
+    assert options["--output"].startswith("logs/") and options["--open-mode"] == "append"
+    assert '/$SLURMD_NODENAME-$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"' in text  # each run of the job: fresh folders
+    assert len(code_lines(text)) <= 45
+
+
+def test_the_logs_folder_is_in_the_checkout_and_its_logs_are_not() -> None:
+    # sbatch does not make the --output folder: without it the job fails at launch (exit 0:53).
+    assert (REPO / "logs").is_dir()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "logs/trainguard-run-7.out"], cwd=REPO, check=False)
+    kept = subprocess.run(["git", "check-ignore", "-q", "logs/.gitignore"], cwd=REPO, check=False)
+    assert (ignored.returncode, kept.returncode) == (0, 1)
+
+
+def _fake_cluster(root: Path) -> Path:
+    """A submit directory whose `.venv/bin` (first on the script's PATH) holds stand-ins for `srun`, `scontrol` and
+    `trainguard` that log each call to `calls`. The agents' step runs until the job is requeued; the run commits
+    checkpoint 131 once asked; `run result` waits until the run is cancelled; `run list` shows it completed once
+    `completed` exists."""
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    stand_ins = {
+        "srun": 'while [ ! -e "$ROOT/requeued" ]; do sleep 0.05; done',
+        # A requeue ends the job's steps, the agents' among them, as Slurm does: srun is gone by the script's end.
+        "scontrol": 'case "$1" in show) printf "gpu-01\\ngpu-02\\ngpu-03\\n" ;; requeue) touch "$ROOT/requeued"; '
+                    'sleep 0.3 ;; esac',
+        "trainguard": """case "$1 $2" in
+  "run list") if [ -e "$ROOT/completed" ]; then echo "COMPLETED    $RUN_ID"; fi ;;
+  "run status") echo "{\\"latest_checkpoint\\": $(cat "$ROOT/checkpoint" 2>/dev/null || echo null)}" ;;
+  "run checkpoint") echo '{"step": 131}' > "$ROOT/checkpoint" ;;
+  "run cancel") touch "$ROOT/cancelled" ;;
+  "run result") while [ ! -e "$ROOT/cancelled" ]; do sleep 0.05; done ;;
+esac""",
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "$ROOT/calls"\n{body}\n')
+        (bin_dir / name).chmod(0o755)
+    return root
+
+
+def _job_env(root: Path, **extra: str) -> dict[str, str]:
+    return {"PATH": os.environ["PATH"], "ROOT": str(root), "RUN_ID": "llama-sft", "SLURM_SUBMIT_DIR": str(root),
+            "SLURM_JOB_NAME": "llama-sft", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-[01-03]",
+            "SLURM_CPUS_ON_NODE": "96", **extra}
+
+
+def _calls(root: Path) -> list[str]:
+    return (root / "calls").read_text().splitlines() if (root / "calls").exists() else []
+
+
+@pytest.mark.parametrize(("gpus", "srun_gpus"), [("8", ["--gpus-per-node=8"]), (None, [])],
+                         ids=["gpus", "no-gres"])
+def test_at_its_time_limit_the_job_checkpoints_ends_its_run_and_requeues_itself(
+        tmp_path: Path, gpus: str | None, srun_gpus: list[str]) -> None:
+    root = _fake_cluster(tmp_path)
+    env = _job_env(root, **({"SLURM_GPUS_PER_NODE": gpus} if gpus else {}))
+    job = subprocess.Popen(["bash", str(CLUSTER_SCRIPT)], env=env, cwd=root, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while "trainguard run result llama-sft" not in _calls(root):  # the job waits on its run
+            assert time.monotonic() < deadline and job.poll() is None, (_calls(root), job.poll())
+            time.sleep(0.05)
+        job.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@300` sends
+        output, _ = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode == 0, output
+    calls = _calls(root)
+    srun = next(c.split()[1:] for c in calls if c.startswith("srun "))
+    # The step gets the node's CPUs, memory and GPUs: since Slurm 22.05 srun inherits no --cpus-per-task.
+    assert srun[:3] == ["--ntasks-per-node=1", "--cpus-per-task=96", "--mem=0"] and "--no-kill" in srun
+    assert [a for a in srun if a.startswith("--gpus")] == srun_gpus
+    # The run is named after the job, never its id: a requeued or resubmitted job resumes the same run.
+    assert "trainguard run start examples/quickstart.json --id llama-sft --resume --nodes gpu-01,gpu-02 " \
+           "--spare-nodes gpu-03" in calls
+    stop = [c for c in calls if c.startswith(("trainguard run checkpoint", "trainguard run cancel", "scontrol requeue"))]
+    assert stop == ["trainguard run checkpoint llama-sft", "trainguard run cancel llama-sft", "scontrol requeue 4242"]
+    # The cancel waited for the checkpoint asked for to commit.
+    assert calls.index("trainguard run cancel llama-sft") > max(
+        i for i, c in enumerate(calls) if c == "trainguard run status llama-sft")
+
+
+def test_a_job_whose_run_completed_in_an_earlier_job_starts_nothing(tmp_path: Path) -> None:
+    root = _fake_cluster(tmp_path)
+    (root / "completed").touch()
+    done = subprocess.run(["bash", str(CLUSTER_SCRIPT)], env=_job_env(root), cwd=root, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "run llama-sft completed in an earlier job" in done.stdout
+    assert not [c for c in _calls(root) if c.startswith(("srun", "trainguard run start"))]
 
 
 def test_the_dev_cluster_conf_is_under_its_home_on_the_stacks_ports(tmp_path: Path) -> None:
