@@ -182,7 +182,7 @@ class StoreActivities:
         self.refused_records = 0
         """Node records refused for their tag since this controller started (each version counted once)."""
 
-    @activity.defn(name=names.PUBLISH_ATTEMPT)
+    @activity.defn(name="publish_attempt")
     async def publish_attempt(self, request: PublishAttemptInput) -> None:
         """Write the run's relaunch decision for its nodes to take up. Idempotent: a decision older than the one
         in the store (a retry that lost a race with the next relaunch) leaves the newer in place."""
@@ -203,7 +203,7 @@ class StoreActivities:
         body = signed_object(request.decision.model_dump_json().encode(), DECISION_TAG_CONTEXT, key, self.token)
         client.put_object(Bucket=request.bucket, Key=key, Body=body, ContentType="application/json")
 
-    @activity.defn(name=names.FIND_CHECKPOINT)
+    @activity.defn(name="find_checkpoint")
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
         """The newest committed checkpoint of this run (or, while it has none, of the run it resumes from)
         whose shards all exist with their recorded sizes and checksums."""
@@ -360,7 +360,7 @@ class StoreActivities:
             reshardable=manifest.reshardable,
         )
 
-    @activity.defn(name=names.COMMIT_CHECKPOINTS)
+    @activity.defn(name="commit_checkpoints")
     async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
         """The committer: commit every step whose node records cover the world (manifest last), apply
         retention, and return what it committed. Heartbeats while it waits; idempotent (a step already

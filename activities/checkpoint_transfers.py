@@ -419,7 +419,7 @@ class NodeCheckpointActivities:
                 non_retryable=True,
             )
 
-    @activity.defn(name=names.DOWNLOAD_SHARDS)
+    @activity.defn(name="download_shards")
     async def download_shards(self, request: DownloadShardsInput) -> DownloadShardsResult:
         """Download and verify the shards this node's ranks restore from. No unverified byte is kept."""
         if not request.shards and request.manifest_key:

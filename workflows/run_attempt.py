@@ -228,7 +228,7 @@ class Attempts:
         core, spec = self.core, self.core.the_spec
         source = spec.checkpoint.resume_from
         return await workflow.execute_activity(
-            names.FIND_CHECKPOINT,
+            "find_checkpoint",
             FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(),
                                 world_size=core.status.world_size, exclude_steps=excluded, attempt=attempt,
                                 workflow_id=core.wid(), resume_from=source,
