@@ -137,10 +137,12 @@ VARIABLES: tuple[EnvVar, ...] = (
                    "set it. " + FLAG),
     # -------------------------------------------------------------------------------- slurm job script
     EnvVar(name="TRAINGUARD_WORKDIR", section="Slurm job script", default="`/tmp/trainguard-<job id>`",
-           meaning="The folder `examples/slurm/train.sbatch` gives each node's agent as `--workdir` (one folder "
-                   "per node under it). A folder of the job's own: the agent refuses one another user made."),
-    EnvVar(name="TRAINGUARD_LOGS", section="Slurm job script", default="the submit directory",
-           meaning="Where the job script writes each node agent's log."),
+           meaning="The folder the job scripts give each node's agent its `--workdir` in: one folder per node "
+                   "under it (`examples/slurm/cluster.sbatch`: per node and run of the job, "
+                   "`NODE-JOB.RESTARTS`). A folder of the job's own: the agent refuses one another user made."),
+    EnvVar(name="TRAINGUARD_LOGS", section="Slurm job script",
+           default="the submit directory (`cluster.sbatch`: its `logs/`)",
+           meaning="Where the job scripts write each node agent's log."),
     EnvVar(name="TRAINGUARD_SPEC", section="Slurm job script", default="`examples/quickstart.json`",
            meaning="The run spec the job script starts on its allocation."),
     # -------------------------------------------------------------------------------- dev stack
