@@ -148,7 +148,8 @@ def test_at_its_time_limit_the_job_checkpoints_ends_its_run_and_requeues_itself(
     # The run is named after the job, never its id: a requeued or resubmitted job resumes the same run.
     assert "trainguard run start examples/quickstart.json --id llama-sft --resume --nodes gpu-01,gpu-02 " \
            "--spare-nodes gpu-03" in calls
-    stop = [c for c in calls if c.startswith(("trainguard run checkpoint", "trainguard run cancel", "scontrol requeue"))]
+    stopping = ("trainguard run checkpoint", "trainguard run cancel", "scontrol requeue")
+    stop = [c for c in calls if c.startswith(stopping)]
     assert stop == ["trainguard run checkpoint llama-sft", "trainguard run cancel llama-sft", "scontrol requeue 4242"]
     # The cancel waited for the checkpoint asked for to commit.
     assert calls.index("trainguard run cancel llama-sft") > max(
