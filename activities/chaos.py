@@ -2,7 +2,8 @@
 
 `inject_fault` (the activity) kills, stops, slows or hangs a rank, fails the node's GPU check, takes the
 whole node down, or corrupts a committed shard (`corrupt_shard`). Hangs other than SIGSTOP are carried out by
-the rank's own helper (`inject_hang`). An agent started with `--no-chaos` refuses them all.
+the rank's own helper (`inject_hang`), and so are the numerical faults, a flipped bit in a parameter and a NaN
+loss (`inject_numeric`). An agent started with `--no-chaos` refuses them all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import names
 from activities.checkpoint_layout import object_name, shard_objects, step_of
 from activities.store_reads import read_manifest
 from activities.evidence import evidence_base
@@ -27,7 +29,7 @@ from activities.rank_records import AttemptRecord, RankBook, RankProcess, kill_g
 from trainguard import evidence as channel
 from trainguard.error_types import ErrorType
 from trainguard.evidence import mode_of as hang_mode_of
-from trainguard.faults import SIGNALLED, FaultKind, choices as fault_choices
+from trainguard.faults import NUMERIC, SIGNALLED, FaultKind, choices as fault_choices
 from trainguard.protocol import RunLayout
 from trainguard.settings import s3_client
 
@@ -45,7 +47,7 @@ class RankChaos:
         self._slowdowns: dict[int, asyncio.Task[None]] = {}
         """Pid -> the duty cycle that slows it (`slow`)."""
 
-    @activity.defn(name="inject_fault")
+    @activity.defn(name=names.INJECT_FAULT)
     async def inject_fault(self, request: InjectFaultInput) -> InjectFaultResult:
         """Chaos, carried out by the agent itself: the faults of the field, on demand."""
         if not self.chaos:
@@ -98,6 +100,13 @@ class RankChaos:
             log.info("chaos: slowing rank %d (pid %d) on %s, stopped %.0f%% of the time", rank, pid, self.node,
                      duty * 100)
             return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=now)
+        if request.fault in NUMERIC:  # carried out by the rank's own helper, on the model it fingerprints
+            await asyncio.to_thread(inject_numeric, RunLayout.of(self.book.workdir, request.workflow_id), record,
+                                    rank, request.fault)
+            injected_at = record.faults.setdefault(rank, now)
+            log.info("chaos: %s rank %d (pid %d) of %s on %s", request.fault, rank, pid, request.workflow_id,
+                     self.node)
+            return InjectFaultResult(node=self.node, rank=rank, pid=pid, injected_at=injected_at)
         mode = hang_mode_of(request.fault)
         if mode is not None and mode != "stop":  # carried out by the rank's own helper
             await asyncio.to_thread(inject_hang, RunLayout.of(self.book.workdir, request.workflow_id), record, rank,
@@ -169,15 +178,32 @@ def inject_hang(layout: RunLayout, record: AttemptRecord, rank: int, mode: str) 
     channel.write_atomic(paths.chaos, json.dumps({"mode": mode, "at": time.time()}))
 
 
+def inject_numeric(layout: RunLayout, record: AttemptRecord, rank: int, fault: str) -> None:
+    """Have the rank's helper flip a bit of a parameter after its next step (`bitflip`), or make its next loss
+    and gradients NaN (`nan`), on the model its script handed to `run.fingerprint`."""
+    base = evidence_base(layout, record, rank)
+    paths = channel.Paths(base) if base is not None else None
+    if paths is None or not _asked(paths, "fingerprinted"):
+        raise ApplicationError(
+            f"rank {rank}'s script does not hand its model to the rank helper (call run.fingerprint(model) after "
+            f"wrapping it): chaos {fault} acts on that model", type=ErrorType.BAD_FAULT, non_retryable=True)
+    channel.write_atomic(paths.chaos, json.dumps({"mode": str(fault), "at": time.time()}))
+
+
 def _hooked(paths: channel.Paths, pid: int, timeout_s: float = 1.0) -> bool:
     """Ask the rank's helper whether its DDP all-reduce goes through `hook_ddp`."""
+    return _asked(paths, "ddp_hooked", timeout_s)
+
+
+def _asked(paths: channel.Paths, flag: str, timeout_s: float = 1.0) -> bool:
+    """Ask the rank's helper for one flag of its answer (`Position.extra`); False when it does not answer."""
     request = uuid.uuid4().hex
     channel.write_atomic(paths.request, request)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = channel.read_answer(paths)
         if found is not None and found.request == request:
-            return bool(found.extra.get("ddp_hooked"))
+            return bool(found.extra.get(flag))
         time.sleep(0.02)
     return False
 

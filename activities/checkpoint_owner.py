@@ -20,7 +20,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.checkpoint_layout import manifest_key, owner_key, owner_problem, resume_problem
 from activities.models import FindCheckpointInput, NamespaceOwner
-from activities.store_reads import _error_code, _stored_manifest, list_steps, read_object
+from activities.store_reads import error_code, stored_manifest, list_steps, read_object
 from trainguard.error_types import ErrorType
 
 log = logging.getLogger("activities.checkpoints")
@@ -71,10 +71,10 @@ def _create_owner(client: Any, bucket: str, key: str, mine: NamespaceOwner) -> N
         client.put_object(Bucket=bucket, Key=key, Body=mine.model_dump_json().encode(),
                           ContentType="application/json", IfNoneMatch="*")
     except ClientError as error:
-        if _error_code(error) == "ConditionalRequestConflict":
+        if error_code(error) == "ConditionalRequestConflict":
             raise ApplicationError(f"{key}: concurrent claim of the namespace, retrying",
                                    type=ErrorType.MANIFEST_WRITE_CONFLICT) from None
-        if _error_code(error) not in ("PreconditionFailed", "412"):
+        if error_code(error) not in ("PreconditionFailed", "412"):
             raise
         return read_owner(client, bucket, key) or mine  # another run claimed it first
     return mine
@@ -126,7 +126,7 @@ def manifest_author(client: Any, bucket: str, key: str, secret: bytes | None) ->
     there is none; True when there is one nobody can be sure of (unreadable, or without a valid tag under
     `secret`)."""
     try:
-        stored = _stored_manifest(client, bucket, key, secret)
+        stored = stored_manifest(client, bucket, key, secret)
     except ValueError:
         return True
     if stored is None:

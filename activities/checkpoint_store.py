@@ -32,6 +32,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import names
 from activities.checkpoint_layout import (
     DECISION_TAG_CONTEXT,
     NODE_RECORD_TAG_CONTEXT,
@@ -76,7 +77,7 @@ from trainguard.models import CheckpointRef
 from trainguard.rank import DCP_METADATA, FORMAT_DCP
 from trainguard.settings import s3_client
 
-from activities.store_reads import (STORE_CHECK_THREADS, ManifestRefused, _bucket_missing, _error_code, _is_missing,
+from activities.store_reads import (STORE_CHECK_THREADS, ManifestRefused, bucket_missing, error_code, is_missing,
                                     abort_orphaned_uploads, check_shard_in_store, list_steps, read_manifest,
                                     read_manifest_digest)
 
@@ -182,7 +183,7 @@ class StoreActivities:
         self.refused_records = 0
         """Node records refused for their tag since this controller started (each version counted once)."""
 
-    @activity.defn(name="publish_attempt")
+    @activity.defn(name=names.PUBLISH_ATTEMPT)
     async def publish_attempt(self, request: PublishAttemptInput) -> None:
         """Write the run's relaunch decision for its nodes to take up. Idempotent: a decision older than the one
         in the store (a retry that lost a race with the next relaunch) leaves the newer in place."""
@@ -196,14 +197,14 @@ class StoreActivities:
             if there.chain_id == request.decision.chain_id and there.attempt > request.decision.attempt:
                 return
         except ClientError as error:
-            if not _is_missing(error):
-                raise _bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
+            if not is_missing(error):
+                raise bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         except ValueError:
             pass  # unreadable, or (with a token) not tagged with it: written over
         body = signed_object(request.decision.model_dump_json().encode(), DECISION_TAG_CONTEXT, key, self.token)
         client.put_object(Bucket=request.bucket, Key=key, Body=body, ContentType="application/json")
 
-    @activity.defn(name="find_checkpoint")
+    @activity.defn(name=names.FIND_CHECKPOINT)
     async def find_checkpoint(self, request: FindCheckpointInput) -> FindCheckpointResult:
         """The newest committed checkpoint of this run (or, while it has none, of the run it resumes from)
         whose shards all exist with their recorded sizes and checksums."""
@@ -227,7 +228,7 @@ class StoreActivities:
                 found = self._newest(client, request, source, request.resume_from,
                                      f"run {request.resume_from}: ", skipped)
         except ClientError as error:
-            raise _bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
+            raise bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         if found is None:
             return FindCheckpointResult(skipped=skipped)
         key, manifest, digest = found
@@ -241,6 +242,10 @@ class StoreActivities:
         for step in list_steps(client, request.bucket, run_prefix):
             if step in request.exclude_steps:
                 skipped.append(f"{label}step {step}: a shard failed verification at download")
+                continue
+            if request.before_step is not None and step >= request.before_step:
+                skipped.append(f"{label}step {step}: at or after step {request.before_step}, the first the run "
+                               f"found wrong (rolled back past it)")
                 continue
             key = manifest_key(run_prefix, step)
             try:
@@ -332,7 +337,7 @@ class StoreActivities:
             client.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json",
                               IfNoneMatch="*")
         except ClientError as error:
-            code = _error_code(error)
+            code = error_code(error)
             if code == "ConditionalRequestConflict":
                 # Another conditional write of this key is in flight: retry and compare with what it wrote.
                 raise ApplicationError(f"step {manifest.step}: concurrent manifest write, retrying",
@@ -360,7 +365,7 @@ class StoreActivities:
             reshardable=manifest.reshardable,
         )
 
-    @activity.defn(name="commit_checkpoints")
+    @activity.defn(name=names.COMMIT_CHECKPOINTS)
     async def commit_checkpoints(self, request: CommitCheckpointsInput) -> CommitCheckpointsResult:
         """The committer: commit every step whose node records cover the world (manifest last), apply
         retention, and return what it committed. Heartbeats while it waits; idempotent (a step already
@@ -444,7 +449,7 @@ class StoreActivities:
         try:
             listed = list_steps(client, request.bucket, request.run_prefix)
         except ClientError as error:
-            raise _bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
+            raise bucket_missing(error, request.bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         late = self._late_steps(client, request, listed, state)
         steps = sorted([*late, *(s for s in listed if s > request.after_step)])
         for step in steps:
@@ -634,7 +639,7 @@ class StoreActivities:
         try:
             client.head_object(Bucket=bucket, Key=key)
         except ClientError as error:
-            if _is_missing(error):
+            if is_missing(error):
                 return False
             raise
         return True

@@ -23,6 +23,7 @@ from botocore.exceptions import ClientError
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import names
 from activities.checkpoint_layout import (
     DECISION_TAG_CONTEXT,
     NODE_RECORD_TAG_CONTEXT,
@@ -43,7 +44,7 @@ from activities.checkpoint_layout import (
     verified_object,
 )
 from activities.checkpoint_store import StoreActivities
-from activities.store_reads import (ManifestRefused, _bucket_missing, _is_missing, _not_modified, committed_shard,
+from activities.store_reads import (ManifestRefused, bucket_missing, is_missing, not_modified, committed_shard,
                                     read_manifest)
 from activities.models import (
     AttemptDecision,
@@ -224,7 +225,7 @@ def stored_intact(client: Any, bucket: str, shard: ShardInfo, etag: str) -> bool
     try:
         head = client.head_object(Bucket=bucket, Key=shard.key)
     except ClientError as error:
-        if _is_missing(error):
+        if is_missing(error):
             return False
         raise
     return (head["ContentLength"] == shard.size_bytes
@@ -271,7 +272,7 @@ def download_one(bucket: str, restore_dir: Path, shard: ShardInfo, local_step_di
         except ClientError as error:
             writer.hexdigest()  # ends its hashing thread
             partial.unlink(missing_ok=True)
-            if _is_missing(error):
+            if is_missing(error):
                 raise ApplicationError(f"shard {shard.key} is missing from the store",
                                        type=ErrorType.CORRUPT_CHECKPOINT, non_retryable=True) from None
             raise
@@ -357,7 +358,7 @@ class NodeCheckpointActivities:
         try:
             committed = committed_shard(client, bucket, manifest, shard.rank)
         except ClientError as error:
-            raise _bucket_missing(error, bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
+            raise bucket_missing(error, bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
         if committed is not None and committed.sha256 != shard.sha256:
             # Overwriting would leave the committed manifest naming bytes that are gone: a checkpoint
             # that was whole would stop being so, and this step could not be committed anyway.
@@ -384,7 +385,7 @@ class NodeCheckpointActivities:
             try:
                 client.head_object(Bucket=bucket, Key=shard.key)
             except ClientError as error:
-                if not _is_missing(error):
+                if not is_missing(error):
                     raise
                 # The usual case, nothing there yet: upload and checksum in one read of the file.
                 self._upload_verified(client, bucket, path, shard)
@@ -401,7 +402,7 @@ class NodeCheckpointActivities:
             # Also when a committed shard with this sha256 is there but its bytes are not: the upload repairs it.
             self._upload_verified(client, bucket, path, shard)
         except ClientError as error:
-            raise _bucket_missing(error, bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
+            raise bucket_missing(error, bucket) or error  # noqa: B904 - re-raises `error` itself unless translated, as before
 
     @staticmethod
     def _upload_verified(client: Any, bucket: str, path: Path, shard: ShardInfo) -> None:
@@ -419,7 +420,7 @@ class NodeCheckpointActivities:
                 non_retryable=True,
             )
 
-    @activity.defn(name="download_shards")
+    @activity.defn(name=names.DOWNLOAD_SHARDS)
     async def download_shards(self, request: DownloadShardsInput) -> DownloadShardsResult:
         """Download and verify the shards this node's ranks restore from. No unverified byte is kept."""
         if not request.shards and request.manifest_key:
@@ -539,9 +540,9 @@ class NodeCheckpointActivities:
             reply = s3_client().get_object(Bucket=key[0], Key=key[1],
                                            **({"IfNoneMatch": known[0]} if known else {}))
         except ClientError as error:
-            if known and _not_modified(error):
+            if known and not_modified(error):
                 return known[1]
-            if _is_missing(error):
+            if is_missing(error):
                 return None
             raise
         decision: AttemptDecision | None = None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from temporalio import activity
 
+from activities import names
 from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence, WatchCheckpoints
 from trainguard import evidence as channel
 from trainguard.procs import state as process_state
@@ -242,7 +243,7 @@ class EvidenceActivities:
         """(bucket, key, text): a PUT to the store."""
         self._uploads: set[asyncio.Task[None]] = set()
 
-    @activity.defn(name="collect_evidence")
+    @activity.defn(name=names.COLLECT_EVIDENCE)
     async def collect_evidence(self, request: CollectEvidenceInput) -> CollectEvidenceResult:
         """Every local rank's stacks and collective position, before anything is stopped. Idempotent: a
         retry asks again (the ranks are still where they were, or gone)."""

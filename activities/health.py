@@ -12,6 +12,7 @@ from typing import Any
 
 from temporalio import activity
 
+from activities import names
 from activities.models import CheckNodeInput, CheckNodeResult, GpuHealth
 
 log = logging.getLogger(__name__)
@@ -323,7 +324,7 @@ class HealthActivities:
         self.host = host
         self.health = health or NodeHealth()
 
-    @activity.defn(name="check_node")
+    @activity.defn(name=names.CHECK_NODE)
     async def check_node(self, request: CheckNodeInput) -> CheckNodeResult:
         """Answer from the node: its rendezvous address and its GPUs' health."""
         return CheckNodeResult(node=self.node, host=self.host, gpu=self.health.check())

@@ -11,6 +11,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client
 
+from activities import names
 from activities.models import FindNodeAgentsInput, FindNodeAgentsResult
 from activities.scheduler import SCHEDULER_ENV
 from trainguard.models import (AcquireManyRequest, AcquireManyResult, AcquireNodesRequest, AcquireNodesResult,
@@ -64,7 +65,7 @@ class NodeActivities:
         self.client = client
         self.no_agent_hint = no_agent_hint(os.environ if environ is None else environ)
 
-    @activity.defn(name="find_node_agents")
+    @activity.defn(name=names.FIND_NODE_AGENTS)
     async def find_node_agents(self, request: FindNodeAgentsInput) -> FindNodeAgentsResult:
         """Which of the nodes have no agent polling their queue (as the server saw it recently), once the
         registered ones among them had `AGENT_RETURN_WAIT_S` to come back."""
@@ -81,7 +82,7 @@ class NodeActivities:
         return FindNodeAgentsResult(missing=missing, search_attributes=await registered(self.client),
                                     no_agent_hint=self.no_agent_hint if missing else None)
 
-    @activity.defn(name="find_agents_back")
+    @activity.defn(name=names.FIND_AGENTS_BACK)
     async def find_agents_back(self, request: AgentsBackInput) -> AgentsBackResult:
         """Which nodes' agents have not come back since `since`: a restarted agent registers in the pool at
         start, healthy and uncordoned (a poller alone says nothing: the server remembers an agent's polls for a
@@ -103,7 +104,7 @@ class RegistrationActivities:
         self.token, self.clock = token, clock
         """The pool's peer token as the controller read it at start (`TRAINGUARD_PEER_TOKEN`); None: none."""
 
-    @activity.defn(name="verify_registration")
+    @activity.defn(name=names.VERIFY_REGISTRATION)
     async def verify_registration(self, request: RegisterNodeRequest) -> RegistrationVerdict:
         """Whether the agent that sent `request` holds the pool's token (and signed it lately). A local activity
         of the pool: the verdict enters its history, the token never does."""
@@ -288,7 +289,7 @@ class PoolActivities:
                                     ReleaseManyResult, lambda r: r.results, list[str])
         self.reclaimer = LeaseReclaimer(client, self.releases.submit)
 
-    @activity.defn(name="acquire_nodes")
+    @activity.defn(name=names.ACQUIRE_NODES)
     async def acquire_nodes(self, request: AcquireNodesRequest) -> AcquireNodesResult:
         """Lease the run's nodes (all or none) and whichever of its spares are free. Idempotent per run. Nodes
         in the way that closed runs still hold are given back first (`LeaseReclaimer`), and the lease asked
@@ -303,12 +304,12 @@ class PoolActivities:
             return await acquire_live_nodes(self.client, request, self.leases.submit)
         return await self.leases.submit(request)
 
-    @activity.defn(name="release_nodes")
+    @activity.defn(name=names.RELEASE_NODES)
     async def release_nodes(self, request: NodeRequest) -> list[str]:
         """Give the run's nodes (or one of them) back to the pool. Idempotent."""
         return await self.releases.submit(request)
 
-    @activity.defn(name="cordon_node")
+    @activity.defn(name=names.CORDON_NODE)
     async def cordon_node(self, request: NodeRequest) -> PoolNode:
         """Take a failed node out of the pool (and out of the run's lease) until it is repaired."""
         return await pool_update(self.client, "cordon", request, PoolNode)

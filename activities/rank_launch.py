@@ -23,6 +23,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import names
 from activities.evidence import evidence_env
 from activities.launch_errors import classify_launch_error, spec_error, spec_values, working_dir
 from activities.models import (
@@ -102,7 +103,7 @@ class RankLaunch:
         self.parking = Parking(book)
         """The runs' processes parked on this node for their next launch."""
 
-    @activity.defn(name="launch_ranks")
+    @activity.defn(name=names.LAUNCH_RANKS)
     async def launch_ranks(self, request: LaunchRanksInput) -> LaunchRanksResult:
         """Start this node's ranks for one attempt, with torchrun's environment and a fresh rendezvous."""
         current = self.book.record(request.workflow_id)
@@ -178,7 +179,7 @@ class RankLaunch:
             pids=[p.pid for p in record.ranks.values()],
         )
 
-    @activity.defn(name="park_ranks")
+    @activity.defn(name=names.PARK_RANKS)
     async def park_ranks(self, request: ParkRanksInput) -> ParkRanksResult:
         """On a spare the run holds: park the run's processes (its launch template's entrypoint, env and working
         directory, one per local rank) so the launch that brings this node into the run hands its ranks to them.
@@ -330,7 +331,7 @@ class RankLaunch:
         record.standby = RankProcess(-1, popen.pid, start_time(popen.pid), popen)
         self.book.save(record)
 
-    @activity.defn(name="rejoin_ranks")
+    @activity.defn(name=names.REJOIN_RANKS)
     async def rejoin_ranks(self, request: RejoinRanksInput) -> RejoinRanksResult:
         """In-process restart on this node: tell its live ranks which new process group to join, and start
         its dead ranks again as joiners that take their state from a live peer. Idempotent: a retry finds the
@@ -451,7 +452,7 @@ class RankLaunch:
                 )
         return [str(program), *request.entrypoint[1:]]
 
-    @activity.defn(name="stop_ranks")
+    @activity.defn(name=names.STOP_RANKS)
     async def stop_ranks(self, request: StopRanksInput) -> StopRanksResult:
         """Stop the run's ranks on this node (whole process groups): SIGTERM, then SIGKILL after the grace."""
         record = self.book.record(request.workflow_id)

@@ -15,6 +15,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import names
 from trainguard.error_types import ErrorType
 from trainguard.redact import redact
 # The read's models are the client's too: defined in trainguard.models, re-exported here.
@@ -98,7 +99,7 @@ class RankLogActivities:
         self.node = node
         self.workdir = workdir
 
-    @activity.defn(name="read_rank_log")
+    @activity.defn(name=names.READ_RANK_LOG)
     async def read_rank_log(self, request: ReadRankLogInput) -> ReadRankLogResult:
         """A chunk of one rank's log: read-only, so any retry is harmless."""
         from trainguard.protocol import RunLayout

@@ -15,6 +15,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import names
 from activities.evidence import PEER_HANG_REPORT_DELAY_S, waits_on_a_peer
 from activities.health import GpuActivity, NodeHealth
 from activities.models import (
@@ -154,7 +155,7 @@ class RankWatch:
         self._activity: dict[str, tuple[str, int, AttemptActivity]] = {}
         """Run -> (chain, attempt, what its quiet ranks here are doing)."""
 
-    @activity.defn(name="watch_ranks")
+    @activity.defn(name=names.WATCH_RANKS)
     async def watch_ranks(self, request: WatchRanksInput) -> WatchEvent:
         """Watch this node's ranks; return on the first event (exit, hang, checkpoint ready, all finished).
         With `request.launch`, launch the attempt's ranks here first (downloading their shards first with
@@ -580,7 +581,7 @@ class RankWatch:
             saved[step] = {r for r in ranks if r is not None}
         return saved
 
-    @activity.defn(name="request_checkpoint")
+    @activity.defn(name=names.REQUEST_CHECKPOINT)
     async def request_checkpoint(self, request: RequestCheckpointInput) -> RequestCheckpointResult:
         """Report where this node's ranks are; with a step, ask them to checkpoint at it. Idempotent."""
         record = self.book.record(request.workflow_id)

@@ -25,6 +25,7 @@ from typing import Protocol
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import names
 from trainguard.error_types import ErrorType
 from activities.models import HOOK_OFF, NotifySchedulerInput, NotifySchedulerResult, SchedulerAction  # noqa: F401 - re-exported
 
@@ -210,7 +211,7 @@ class SchedulerActivities:
     def __init__(self, scheduler: Scheduler | None = None) -> None:
         self.scheduler = scheduler if scheduler is not None else scheduler_from_env()
 
-    @activity.defn(name="notify_scheduler")
+    @activity.defn(name=names.NOTIFY_SCHEDULER)
     async def notify_scheduler(self, request: NotifySchedulerInput) -> NotifySchedulerResult:
         """Cordon or uncordon a node in the cluster's scheduler too. Idempotent; a no-op when the hook is off."""
         if isinstance(self.scheduler, NoScheduler):

@@ -40,21 +40,21 @@ STORE_CHECK_THREADS = 16
 other would take minutes."""
 
 
-def _error_code(error: ClientError) -> str:
+def error_code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
 
 
-def _is_missing(error: ClientError) -> bool:
-    return _error_code(error) in ("404", "NoSuchKey", "NotFound")
+def is_missing(error: ClientError) -> bool:
+    return error_code(error) in ("404", "NoSuchKey", "NotFound")
 
 
-def _not_modified(error: ClientError) -> bool:
+def not_modified(error: ClientError) -> bool:
     """A conditional read (`IfNoneMatch`) of an object that has not changed."""
-    return _error_code(error) in ("304", "NotModified")
+    return error_code(error) in ("304", "NotModified")
 
 
-def _bucket_missing(error: ClientError, bucket: str) -> ApplicationError | None:
-    if _error_code(error) == "NoSuchBucket":
+def bucket_missing(error: ClientError, bucket: str) -> ApplicationError | None:
+    if error_code(error) == "NoSuchBucket":
         return ApplicationError(
             f"checkpoint.bucket {bucket!r} does not exist in the S3 store", type=ErrorType.BAD_SPEC, non_retryable=True
         )
@@ -79,12 +79,12 @@ def read_object(client: Any, bucket: str, key: str) -> bytes | None:
     try:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except ClientError as error:
-        if _is_missing(error):
+        if is_missing(error):
             return None
         raise
 
 
-def _stored_manifest(client: Any, bucket: str, key: str, secret: bytes | None,
+def stored_manifest(client: Any, bucket: str, key: str, secret: bytes | None,
                      sha256: str | None = None) -> tuple[dict[str, Any], str] | None:
     """The manifest object at `key` as stored and the sha256 of its bytes (None when there is none), its tag
     checked when `secret` is given and its bytes when `sha256` is (ManifestRefused); not JSON raises ValueError."""
@@ -118,7 +118,7 @@ def read_manifest_digest(client: Any, bucket: str, key: str, ranks: list[int] | 
                          secret: bytes | None = None, sha256: str | None = None) -> tuple[Manifest, str] | None:
     """`read_manifest`, with the sha256 of the manifest object's bytes: a paged manifest's pages are bound to
     it by their sha256s in it, so the digest names the whole shard list."""
-    stored = _stored_manifest(client, bucket, key, secret, sha256)
+    stored = stored_manifest(client, bucket, key, secret, sha256)
     if stored is None:
         return None
     document, digest = stored
@@ -146,7 +146,7 @@ def _read_pages(client: Any, bucket: str, pages: list[ManifestPage], ranks: set[
         try:
             data = client.get_object(Bucket=bucket, Key=page.key)["Body"].read()
         except ClientError as error:
-            if _is_missing(error):
+            if is_missing(error):
                 raise ValueError(f"manifest page {page.key} is missing") from None
             raise
         if hashlib.sha256(data).hexdigest() != page.sha256:
@@ -173,7 +173,7 @@ def abort_orphaned_uploads(
             try:
                 client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
             except ClientError as error:
-                if _error_code(error) != "NoSuchUpload":  # completed or aborted since the listing
+                if error_code(error) != "NoSuchUpload":  # completed or aborted since the listing
                     raise
             aborted.append(key)
     if aborted:
@@ -189,7 +189,7 @@ def check_shard_in_store(client: Any, bucket: str, shard: ShardInfo) -> str | No
     try:
         head = client.head_object(Bucket=bucket, Key=shard.key)
     except ClientError as error:
-        if _is_missing(error):
+        if is_missing(error):
             return f"shard of rank {shard.rank} missing ({shard.key})"
         raise
     if head["ContentLength"] != shard.size_bytes:

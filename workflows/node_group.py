@@ -21,6 +21,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
     # Passed through, not imported again in every workflow's sandbox: a 4,096-node relaunch starts hundreds of
     # node-group children, and defining their pydantic models anew in each cost seconds of controller CPU.
     from activities.models import (CheckNodeInput, CheckNodeResult, CollectEvidenceInput, CollectEvidenceResult,
@@ -360,9 +361,10 @@ class NodeGroupWatch:
         attempt = hung.attempt or request.watch.attempt
         target = request.watch.checkpoints
         asks = {node: asyncio.ensure_future(workflow.execute_activity(
-            "collect_evidence", CollectEvidenceInput(workflow_id=request.watch.workflow_id, attempt=attempt, node=node,
-                                                     bucket=target.bucket if target else None,
-                                                     run_prefix=target.run_prefix if target else ""),
+            names.COLLECT_EVIDENCE,
+            CollectEvidenceInput(workflow_id=request.watch.workflow_id, attempt=attempt, node=node,
+                                 bucket=target.bucket if target else None,
+                                 run_prefix=target.run_prefix if target else ""),
             task_queue=node_task_queue(node), start_to_close_timeout=EVIDENCE_TIMEOUT,
             schedule_to_start_timeout=PEER_EVIDENCE_WAIT, retry_policy=EVIDENCE_RETRY,
             result_type=CollectEvidenceResult, summary=f"collect hang evidence on {node} (attempt {attempt})"))
@@ -403,7 +405,7 @@ class NodeGroupWatch:
         started says the node is gone (one that failed or ran long was taken up by a live agent)."""
         try:
             await workflow.execute_activity(
-                "check_node", CheckNodeInput(workflow_id=workflow.info().workflow_id, node=node),
+                names.CHECK_NODE, CheckNodeInput(workflow_id=workflow.info().workflow_id, node=node),
                 task_queue=node_task_queue(node), schedule_to_start_timeout=SILENT_CHECK_SCHEDULE_TO_START,
                 start_to_close_timeout=SILENT_CHECK_TIMEOUT, retry_policy=SILENT_CHECK_RETRY,
                 result_type=CheckNodeResult, summary=f"is {node} there? (its watch went silent)")
@@ -429,7 +431,7 @@ class NodeGroupWatch:
                 update["download_timeout_s"] = TRANSFER_TIMEOUT.total_seconds()
         watch = request.watch.model_copy(update=update)
         return asyncio.ensure_future(workflow.execute_activity(
-            "watch_ranks", watch,
+            names.WATCH_RANKS, watch,
             task_queue=node_task_queue(node),
             # A launching watch may first download for as long as a download activity would.
             start_to_close_timeout=WATCH_TIMEOUT + TRANSFER_TIMEOUT if launches else WATCH_TIMEOUT,

@@ -11,19 +11,20 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from activities import names
 from activities.models import AttemptLaunch, RankEvidence, WatchEvent, WatchRanksInput
 
 
 class NodeCallKind(str, Enum):
     """A per-node operation a run fans out: each is one activity on each node's agent."""
 
-    CHECK = "check_node"
-    DOWNLOAD = "download_shards"
-    LAUNCH = "launch_ranks"
-    REJOIN = "rejoin_ranks"
-    STOP = "stop_ranks"
-    REQUEST_CHECKPOINT = "request_checkpoint"
-    COLLECT_EVIDENCE = "collect_evidence"
+    CHECK = names.CHECK_NODE
+    DOWNLOAD = names.DOWNLOAD_SHARDS
+    LAUNCH = names.LAUNCH_RANKS
+    REJOIN = names.REJOIN_RANKS
+    STOP = names.STOP_RANKS
+    REQUEST_CHECKPOINT = names.REQUEST_CHECKPOINT
+    COLLECT_EVIDENCE = names.COLLECT_EVIDENCE
 
 
 class NodeCall(BaseModel):

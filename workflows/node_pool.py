@@ -25,6 +25,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
     from activities.models import NotifySchedulerInput, NotifySchedulerResult, SchedulerAction
     from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import (
@@ -123,12 +124,12 @@ class NodePool:
         guarded = workflow.patched(PATCH_GUARDED_REGISTRATION)
         if guarded and workflow.patched(PATCH_REGISTRATION_ACTIVITY):
             verdict = await workflow.execute_activity(
-                "verify_registration", request, result_type=RegistrationVerdict,
+                names.VERIFY_REGISTRATION, request, result_type=RegistrationVerdict,
                 start_to_close_timeout=VERIFY_TIMEOUT, schedule_to_close_timeout=VERIFY_SCHEDULE_TO_CLOSE,
                 retry_policy=VERIFY_ACTIVITY_RETRY, summary=f"check {request.node}'s registration proof")
         elif guarded:
             verdict = await workflow.execute_local_activity(
-                "verify_registration", request, result_type=RegistrationVerdict,
+                names.VERIFY_REGISTRATION, request, result_type=RegistrationVerdict,
                 start_to_close_timeout=VERIFY_TIMEOUT, retry_policy=VERIFY_RETRY,
                 summary=f"check {request.node}'s registration proof")
         if guarded:
@@ -205,7 +206,7 @@ class NodePool:
         uncordon + untaint; off by default), in the background: the pool never waits on it."""
         if was_cordoned and self._nodes[node].cordoned is None and workflow.patched(PATCH_SCHEDULER_UNCORDON):
             workflow.start_activity(
-                "notify_scheduler", NotifySchedulerInput(node=node, action=SchedulerAction.UNCORDON),
+                names.NOTIFY_SCHEDULER, NotifySchedulerInput(node=node, action=SchedulerAction.UNCORDON),
                 start_to_close_timeout=SCHEDULER_TIMEOUT, schedule_to_close_timeout=SCHEDULER_SCHEDULE_TO_CLOSE,
                 retry_policy=SCHEDULER_RETRY, result_type=NotifySchedulerResult,
                 summary=f"tell the scheduler: uncordon {node}",

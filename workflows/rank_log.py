@@ -12,6 +12,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
     from trainguard import READ_LOG_WORKFLOW_TYPE, node_task_queue
     from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import ReadRankLogInput, ReadRankLogResult
@@ -29,7 +30,7 @@ class ReadRankLog:
     @workflow.run
     async def run(self, request: ReadRankLogInput) -> ReadRankLogResult:
         return await workflow.execute_activity(
-            "read_rank_log", request, task_queue=node_task_queue(request.node),
+            names.READ_RANK_LOG, request, task_queue=node_task_queue(request.node),
             start_to_close_timeout=READ_LOG_TIMEOUT, schedule_to_start_timeout=READ_LOG_SCHEDULE_TO_START,
             retry_policy=READ_LOG_RETRY, result_type=ReadRankLogResult,
             summary=f"read rank {request.rank}'s log on {request.node}")

@@ -18,6 +18,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
     from activities.models import (DownloadShardsInput, DownloadShardsResult, FindCheckpointInput,
                                    FindCheckpointResult, LaunchRanksInput, LaunchRanksResult, RejoinRanksInput,
                                    RejoinRanksResult)
@@ -228,9 +229,10 @@ class Attempts:
         core, spec = self.core, self.core.the_spec
         source = spec.checkpoint.resume_from
         return await workflow.execute_activity(
-            "find_checkpoint",
+            names.FIND_CHECKPOINT,
             FindCheckpointInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(),
                                 world_size=core.status.world_size, exclude_steps=excluded, attempt=attempt,
+                                before_step=core.state.restore_before,
                                 workflow_id=core.wid(), resume_from=source,
                                 resume_prefix=f"{spec.checkpoint.prefix}/{source}" if source else None,
                                 chain_id=workflow.info().first_execution_run_id,

@@ -20,6 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.exceptions import TimeoutError as TemporalTimeout
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
     from activities.models import (
         CheckNodeInput,
         CheckNodeResult,
@@ -204,7 +205,7 @@ class RunNodes:
     async def inject_fault(self, request: ChaosRequest) -> InjectFaultResult:
         newest = self.core.status.latest_checkpoint
         result: InjectFaultResult = await workflow.execute_activity(
-            "inject_fault",
+            names.INJECT_FAULT,
             InjectFaultInput(workflow_id=self.core.wid(), node=request.node, rank=request.rank,
                              fault=request.fault, slow_duty=request.slow_duty,
                              bucket=newest.bucket if newest else None,
@@ -230,7 +231,7 @@ class RunNodes:
         """Find the nodes' agents, lease the nodes (spares in cordoned named nodes' places), check their GPUs."""
         core, spec = self.core, self.core.the_spec
         found: FindNodeAgentsResult = await workflow.execute_activity(
-            "find_node_agents", FindNodeAgentsInput(nodes=spec.nodes + spec.spare_nodes),
+            names.FIND_NODE_AGENTS, FindNodeAgentsInput(nodes=spec.nodes + spec.spare_nodes),
             start_to_close_timeout=STORE_TIMEOUT, retry_policy=STORE_RETRY, result_type=FindNodeAgentsResult,
             summary="find node agents",
         )
@@ -259,7 +260,7 @@ class RunNodes:
         waited = 0.0
         request = pool_request(spec, AcquireNodesRequest(run_id=core.wid(), nodes=spec.nodes, spares=spares))
         while True:
-            lease = await self._pool("acquire_nodes", request, AcquireNodesResult, "lease nodes from the pool")
+            lease = await self._pool(names.ACQUIRE_NODES, request, AcquireNodesResult, "lease nodes from the pool")
             if lease.granted:
                 core.say(None)
                 for named, spare in lease.replaced.items():
@@ -310,7 +311,7 @@ class RunNodes:
 
     async def cordon(self, node: str, reason: str, since: float | None = None) -> None:
         result: PoolNode = await self._pool(
-            "cordon_node", NodeRequest(node=node, run_id=self.core.wid(), reason=reason, lost_since=since),
+            names.CORDON_NODE, NodeRequest(node=node, run_id=self.core.wid(), reason=reason, lost_since=since),
             PoolNode, f"cordon {node}: {reason[:80]}")
         if result.cordoned is None:
             workflow.logger.info("%s registered again since the run last heard from it: not cordoned", node)
@@ -318,7 +319,7 @@ class RunNodes:
         # The cluster's scheduler hears about it too (Slurm drain, Kubernetes cordon + taint; off by default),
         # in the background: recovery never waits on it.
         self.core.live.background.append(workflow.start_activity(
-            "notify_scheduler",
+            names.NOTIFY_SCHEDULER,
             NotifySchedulerInput(node=node, action=SchedulerAction.CORDON, reason=reason, run_id=self.core.wid()),
             start_to_close_timeout=SCHEDULER_TIMEOUT,
             schedule_to_close_timeout=SCHEDULER_SCHEDULE_TO_CLOSE,
@@ -329,7 +330,7 @@ class RunNodes:
 
     async def release(self, node: str | None = None) -> None:
         if self.core.state.leased:
-            await self._pool("release_nodes", NodeRequest(run_id=self.core.wid(), node=node), list[str],
+            await self._pool(names.RELEASE_NODES, NodeRequest(run_id=self.core.wid(), node=node), list[str],
                              f"release {node or 'nodes'}")
 
     async def wait_for_agents(self, nodes: list[str], since: float, once: bool = False) -> list[str]:
@@ -338,7 +339,7 @@ class RunNodes:
         core, waited = self.core, 0.0
         while True:
             back: AgentsBackResult = await workflow.execute_activity(
-                "find_agents_back", AgentsBackInput(nodes=nodes, since=since, slurm_job=run_slurm_job()),
+                names.FIND_AGENTS_BACK, AgentsBackInput(nodes=nodes, since=since, slurm_job=run_slurm_job()),
                 start_to_close_timeout=POOL_TIMEOUT, retry_policy=POOL_RETRY, result_type=AgentsBackResult,
                 summary=f"are the agents of {', '.join(nodes[:3])}{'...' if len(nodes) > 3 else ''} back?")
             if once:
@@ -354,7 +355,7 @@ class RunNodes:
         """Nodes this run lost or had replaced that the pool has back (uncordoned, agent healthy): leased to
         this run again."""
         got: AcquireNodesResult = await self._pool(
-            "acquire_nodes", AcquireNodesRequest(run_id=self.core.wid(), nodes=[], spares=nodes),
+            names.ACQUIRE_NODES, AcquireNodesRequest(run_id=self.core.wid(), nodes=[], spares=nodes),
             AcquireNodesResult, f"reclaim {', '.join(nodes)}")
         return [n for n in nodes if n in got.spares]
 
@@ -384,7 +385,7 @@ class RunNodes:
                 num_nodes=len(core.status.nodes), ranks_per_node=spec.ranks_per_node, entrypoint=spec.entrypoint,
                 env=spec.env, working_dir=spec.working_dir, checkpoint_every=spec.checkpoint.every_steps)
             core.live.background.append(workflow.start_activity(
-                "park_ranks", ParkRanksInput(workflow_id=wid, node=spare, launch=template),
+                names.PARK_RANKS, ParkRanksInput(workflow_id=wid, node=spare, launch=template),
                 task_queue=node_task_queue(spare), start_to_close_timeout=PARK_TIMEOUT,
                 schedule_to_start_timeout=NODE_SCHEDULE_TO_START, retry_policy=PARK_RETRY,
                 result_type=ParkRanksResult, summary=f"park processes on spare {spare} for a warm relaunch"))

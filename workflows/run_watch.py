@@ -18,6 +18,7 @@ from temporalio.exceptions import TimeoutError as TemporalTimeout
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
     from activities.models import (AttemptDecision, CommitCheckpointsInput, CommitCheckpointsResult,
                                    DownloadShardsInput, LaunchRanksInput, PublishAttemptInput, WatchCheckpoints,
                                    WatchEvent, WatchEventKind, WatchRanksInput)
@@ -150,7 +151,7 @@ class Watches:
         await asyncio.gather(
             *(self.tell(request) for request in told),
             workflow.execute_activity(
-                "publish_attempt",
+                names.PUBLISH_ATTEMPT,
                 PublishAttemptInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(), decision=decision),
                 start_to_close_timeout=STORE_TIMEOUT, heartbeat_timeout=STORE_HEARTBEAT_TIMEOUT,
                 retry_policy=STORE_RETRY, summary=f"publish attempt {attempt} for the nodes to take up"))
@@ -230,7 +231,7 @@ class Watches:
         state = core.state
         window = pace_window_s(spec.health.straggler_window_s, len(core.status.nodes))
         return asyncio.ensure_future(workflow.execute_activity(
-            "commit_checkpoints",
+            names.COMMIT_CHECKPOINTS,
             CommitCheckpointsInput(bucket=spec.checkpoint.bucket, run_prefix=core.run_prefix(),
                                    workflow_id=core.wid(), attempt=attempt,
                                    chain_id=workflow.info().first_execution_run_id,

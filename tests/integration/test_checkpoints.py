@@ -25,7 +25,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.checkpoint_layout import decision_key, manifest_key, manifest_problem, signed_body, step_prefix
 from activities.checkpoint_store import StoreActivities
-from activities.store_reads import _not_modified, abort_orphaned_uploads, check_shard_in_store, list_steps, read_manifest
+from activities.store_reads import not_modified, abort_orphaned_uploads, check_shard_in_store, list_steps, read_manifest
 from activities.checkpoint_transfers import NodeCheckpointActivities
 from activities.models import (
     AttemptDecision,
@@ -641,7 +641,7 @@ def test_a_published_relaunch_is_read_back_by_the_nodes_and_never_replaced_by_an
     etag = stack.s3().head_object(Bucket=BUCKET, Key=decision_key(run_prefix))["ETag"]
     with pytest.raises(ClientError) as unchanged:
         stack.s3().get_object(Bucket=BUCKET, Key=decision_key(run_prefix), IfNoneMatch=etag)
-    assert _not_modified(unchanged.value), "the store answers an unchanged decision without its body"
+    assert not_modified(unchanged.value), "the store answers an unchanged decision without its body"
 
     store._publish(PublishAttemptInput(bucket=BUCKET, run_prefix=run_prefix, decision=decision(2)))
     assert node.read_decision(target).attempt == 3, "an older attempt's publish changed nothing"
