@@ -194,6 +194,9 @@ class FindCheckpointInput(BaseModel):
     min_world_size: int | None = None
     exclude_steps: list[int] = Field(default_factory=list)
     """Steps already found corrupt at download: passed over."""
+    before_step: int | None = None
+    """Only checkpoints older than this step (a rollback past a silent data corruption or a numerical fault);
+    None: any."""
     attempt: int | None = None
     """The launch attempt this restore is for (the report reads it); None in histories recorded before it."""
     workflow_id: str | None = None

@@ -586,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.set_defaults(func=lambda a: asyncio.run(_nodes_cmd(a)))
 
     chaos = sub.add_parser("chaos", help="inject a fault into a live run through its node agent")
-    chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down", "corrupt-checkpoint"],
+    chaos.add_argument("fault", choices=["crash", "hang", "slow", "gpu-fault", "node-down", "corrupt-checkpoint",
+                                         "bitflip", "nan"],
                        help="the fault (see the failure model)")
     chaos.add_argument("--run", required=True, help="workflow id")
     chaos.add_argument("--node", help="the node (default: the one that runs --rank)")

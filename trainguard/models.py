@@ -33,6 +33,12 @@ class IncidentKind(str, Enum):
     """Not a fault: a run that shrank relaunches, at a committed checkpoint, with the nodes that came back. An
     incident so its cost (time to the first step on the larger world) is in the result and the report. Costs no
     restart budget."""
+    SILENT_DATA_CORRUPTION = "silent_data_corruption"
+    """Replicas that must hold bit-identical state do not (their fingerprints differ): the one a majority
+    outvotes computed wrong. Rolled back to a checkpoint before it, its node cordoned and replaced."""
+    NUMERICAL_FAULT = "numerical_fault"
+    """The loss a rank reported was NaN, infinite or far outside its recent window. Rolled back to a checkpoint
+    before it; one that comes back at the same step stops the run (the data or the hyper-parameters)."""
 
 
 class Action(str, Enum):
@@ -163,6 +169,9 @@ class Incident(BaseModel):
     signature: str | None = None
     """What identifies a crash across attempts: the exception and the frame that raised it. The same one on
     consecutive attempts is a script that fails the same way each time (`restarts.max_same_failure`)."""
+    bad_step: int | None = None
+    """`silent_data_corruption`, `numerical_fault`: the first step whose state may be wrong; the next attempt
+    restores a checkpoint older than it. None for other kinds."""
 
     @model_validator(mode="before")
     @classmethod

@@ -41,7 +41,8 @@ def next_phase(current: Phase, new: Phase) -> Phase:
 
 # ------------------------------------------------------------------------------------------- decisions
 
-NODE_FAULTS = frozenset({IncidentKind.NODE_UNRESPONSIVE, IncidentKind.GPU_UNHEALTHY})
+NODE_FAULTS = frozenset({IncidentKind.NODE_UNRESPONSIVE, IncidentKind.GPU_UNHEALTHY,
+                         IncidentKind.SILENT_DATA_CORRUPTION})
 
 STRAGGLER_REPLACE_EVERY_S = 6 * 3600.0
 """A run replaces at most one straggler's node per this long, and at most as many as its own nodes over its life.
@@ -63,6 +64,8 @@ class RecoveryBudget:
     """Consecutive attempts, this one included, whose crash had the incident's signature (`same_failure_streak`)."""
     straggler_replaced_at: tuple[float, ...] = ()
     """Workflow-clock times (unix seconds) of the run's earlier straggler replacements (`STRAGGLER_REPLACE_EVERY_S`)."""
+    numerical_recurs: bool = False
+    """The incident is a numerical fault at the step the previous attempt's was, after rolling back before it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,17 @@ def same_failure_streak(incident: Incident, earlier: Sequence[Incident]) -> int:
             break
         streak, expected = streak + 1, expected - 1
     return streak
+
+
+def numerical_fault_recurs(incident: Incident, earlier: Sequence[Incident]) -> bool:
+    """A numerical fault at the same step as the one that ended the previous attempt: the rollback replayed the
+    same steps from the same checkpoint and met it again (incidents only reported in between are skipped)."""
+    if incident.kind is not IncidentKind.NUMERICAL_FAULT or incident.bad_step is None:
+        return False
+    before = next((i for i in reversed(earlier) if i.action is not Action.REPORT and i.attempt < incident.attempt),
+                  None)
+    return (before is not None and before.kind is IncidentKind.NUMERICAL_FAULT
+            and before.attempt == incident.attempt - 1 and before.bad_step == incident.bad_step)
 
 
 def straggler_replaced_at(incidents: Sequence[Incident]) -> tuple[float, ...]:
@@ -165,6 +179,11 @@ def decide(
         return Decision(Action.STOP, f"the same failure on {budget.same_failure_attempts} attempts in a row: "
                                      f"a relaunch will not fix it, fix the script "
                                      f"(restarts.max_same_failure={spec.restarts.max_same_failure})")
+    if kind is IncidentKind.NUMERICAL_FAULT and budget.numerical_recurs:
+        return Decision(Action.STOP, "the numerical fault came back at the same step after a rollback to the "
+                                     "checkpoint before it, so no flipped bit or sick GPU caused it: it is the data "
+                                     "or the hyper-parameters (learning rate, warm-up, loss scale). Fix them and "
+                                     "resume from that checkpoint (checkpoint.resume_from)")
     if kind is IncidentKind.STORAGE_UNAVAILABLE:
         return Decision(Action.PAUSE, "checkpoint store unreachable at restore: paused for an operator "
                                       "(`resume` once the store is back, or `abort`)")

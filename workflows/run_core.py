@@ -162,6 +162,8 @@ class RunCore:
         if ref.step > self.state.last_committed_step:
             now = workflow.now().timestamp()
             self.state.last_committed_step = ref.step
+            if self.state.restore_before is not None and ref.step >= self.state.restore_before:
+                self.state.restore_before = None  # the run is past the rollback: its newest checkpoint is good
             self.state.restarts_without_checkpoint = 0
             self.state.commit_times = [*self.state.commit_times[-1:], now]
             self.state.commit_clock_from = now

@@ -16,8 +16,8 @@ with workflow.unsafe.imports_passed_through():
     from trainguard.error_types import ErrorType
     from trainguard.models import Action, Incident, IncidentKind, Phase, StopReason
     from workflows.node_group_models import LostNode
-    from workflows.policy import (NODE_FAULTS, RANK_FAULTS, Decision, RecoveryBudget, decide, same_failure_streak,
-                                  straggler_replaced_at)
+    from workflows.policy import (NODE_FAULTS, RANK_FAULTS, Decision, RecoveryBudget, decide,
+                                  numerical_fault_recurs, same_failure_streak, straggler_replaced_at)
     from workflows.run_core import RunCore
     from workflows.run_decisions import stop_reason
     from workflows.run_nodes import LIVENESS_SCHEDULE_TO_START, RunNodes
@@ -58,7 +58,8 @@ class Recovery:
         decision: Decision = decide(
             incident.kind, incident.node, spec, core.status.nodes, state.spares,
             RecoveryBudget(tuple(state.restart_times), state.restarts_without_checkpoint, same,
-                           straggler_replaced_at(core.status.incidents)), now,
+                           straggler_replaced_at(core.status.incidents),
+                           numerical_fault_recurs(incident, core.status.incidents)), now,
             persisted=incident.kind is IncidentKind.STRAGGLER, newest=core.status.latest_checkpoint,
         )
         seen_as = incident.detail
@@ -86,6 +87,8 @@ class Recovery:
                 StopReason.INCIDENT_PAUSE if decision.action is Action.PAUSE else StopReason.INCIDENT)
         if decision.action is Action.STOP:
             raise core.fail(decision.reason, ErrorType.RUN_STOPPED)
+        if incident.bad_step is not None:  # roll back past the first wrong step, whichever attempt restores
+            state.restore_before = min(incident.bad_step, state.restore_before or incident.bad_step)
         if decision.action is Action.PAUSE:
             core.say(decision.reason)
             await self.wait_for_operator(StopReason.INCIDENT_PAUSE,

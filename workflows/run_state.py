@@ -76,6 +76,9 @@ class RunState(BaseModel):
     """Nodes a spare replaced, to take back as spares when they return."""
     corrupt_steps: list[int] = Field(default_factory=list)
     """Checkpoints found corrupt: no restore of this run loads them again."""
+    restore_before: int | None = None
+    """A silent data corruption or a numerical fault at this step: restores take only older checkpoints, until
+    the run commits one at or past it again (`Incident.bad_step`). None: any."""
     commit_times: list[float] = Field(default_factory=list)
     """Workflow-clock times of the last two commits: the interval the staleness bound is measured in."""
     commit_clock_from: float | None = None

@@ -208,9 +208,10 @@ class Supervisor:
         try:
             result = committer.result()
             commits, store_error, pace = result.commits, result.store_error, result.pace
+            corruption = result.corruption
         except ActivityError as error:
             workflow.logger.warning("committer failed: %s", cause_text(error))
-            commits, store_error, pace = [], cause_text(error), None
+            commits, store_error, pace, corruption = [], cause_text(error), None, None
         for commit in commits:
             core.committed(commit.ref)
             core.status.step = max(core.status.step, commit.step)
@@ -223,7 +224,9 @@ class Supervisor:
             may_grow=bool(state.lost) and may_change_world_size(state.status.latest_checkpoint),
             streaks=state.straggler_streak, slow_window_end=state.slow_window_end,
             straggler_windows=spec.health.straggler_windows, have_spare=bool(state.spares), nodes=list(nodes),
-            ranks_per_node=spec.ranks_per_node, slowed_at=slowed)
+            ranks_per_node=spec.ranks_per_node, slowed_at=slowed, corruption=corruption,
+            flipped_at={n: state.injected_at[injected_key(FaultKind.BITFLIP, n)] for n in nodes
+                        if corruption is not None and injected_key(FaultKind.BITFLIP, n) in state.injected_at})
 
     async def _reclaim(self, at: _Attempt, seen: Seen) -> Reclaimed:
         """Nodes a shrink left behind, leased again if the pool has them back; the groups' ends settle first."""

@@ -238,6 +238,10 @@ def rank_incident(event: WatchEvent, attempt: int) -> Incident:
         return Incident(kind=IncidentKind.GPU_UNHEALTHY, node=event.node, attempt=attempt, detail=event.detail,
                         detection_s=None if event.fault_at is None else round(event.detected_at - event.fault_at, 3),
                         detected_at=event.detected_at)
+    if event.kind is WatchEventKind.NUMERICAL_FAULT:
+        return Incident(kind=IncidentKind.NUMERICAL_FAULT, node=event.node, rank=event.rank, attempt=attempt,
+                        detail=event.detail, detection_s=detection, detected_at=event.detected_at,
+                        bad_step=event.fault_step, log_path=event.log_path)
     kind = IncidentKind.HANG if event.kind is WatchEventKind.HANG else classify_exit(event.exit_code)
     return Incident(kind=kind, node=event.node, rank=event.rank, attempt=attempt, detail=event.detail,
                     detection_s=detection, detected_at=event.detected_at, log_path=event.log_path,
@@ -248,6 +252,8 @@ def rank_incident(event: WatchEvent, attempt: int) -> Incident:
 def _committed(seen: Seen, event: Committed) -> tuple[Seen, Actions]:
     actions: Actions = []
     straggler, incident = seen.straggler, seen.incident
+    if event.corruption is not None:  # replicas differ: the attempt ends, rolled back past it
+        incident = incident or corruption_incident(event)
     if straggler is not None:
         step = next((s for s in event.steps if s >= straggler.step), None)
         if step is not None:  # its checkpoint is in: now the spare
@@ -291,6 +297,29 @@ def straggler_incident(event: Committed, rank: int, windows: int) -> Incident:
                            f"over {pace.window_s:g}s of training (to step {pace.step}; {windows} window(s) in a row)",
                     detection_s=None if slowed_at is None else round(max(0.0, event.now - slowed_at), 3),
                     action=Action.REPORT, detected_at=event.now)
+
+
+def corruption_incident(event: Committed) -> Incident:
+    """The incident of replicas whose fingerprints differ: the outvoted rank and its node; with two replicas
+    (no majority) both are named in the cause and no node is blamed (the rollback is the remedy)."""
+    verdict = event.corruption
+    assert verdict is not None
+    suspects = ", ".join(f"rank {r} ({verdict.nodes.get(r) or '?'})" for r in verdict.ranks)
+    good = verdict.last_good_step
+    since = f"they agreed at step {good}" if good >= 0 else "no earlier agreement seen"
+    if verdict.certain:
+        cause = (f"silent data corruption: {suspects} hold other state than the majority of their replicas "
+                 f"({verdict.group}) at step {verdict.step}; {since}")
+    else:
+        cause = (f"silent data corruption: {suspects} hold different state at step {verdict.step} ({verdict.group}; "
+                 f"{since}); with two replicas no majority says which is wrong, so no node is blamed")
+    node = verdict.nodes.get(verdict.ranks[0]) if verdict.certain and len(verdict.ranks) == 1 else None
+    flipped = [at for n, at in event.flipped_at.items() if n == node] if node else []
+    return Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=node,
+                    rank=verdict.ranks[0] if node else None, attempt=event.attempt, cause=cause,
+                    detection_s=round(max(0.0, event.now - flipped[0]), 3) if flipped else None,
+                    detected_at=event.now,
+                    bad_step=verdict.last_good_step + 1 if verdict.last_good_step >= 0 else verdict.step)
 
 
 def _straggler_asked(seen: Seen, step: int | None) -> tuple[Seen, Actions]:

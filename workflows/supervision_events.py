@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from activities.fingerprint_models import CorruptionVerdict
 from activities.models import RankEvidence, WatchEvent
 from activities.pace_models import PaceVerdict
 from trainguard.models import Incident
@@ -74,6 +75,10 @@ class Committed:
     ranks_per_node: int
     slowed_at: dict[str, float] = field(default_factory=dict)
     """Nodes chaos slowed, with when: a straggler's detection is timed from it."""
+    corruption: CorruptionVerdict | None = None
+    """Replicas whose fingerprints differ (`activities.fingerprints`): a silent data corruption."""
+    flipped_at: dict[str, float] = field(default_factory=dict)
+    """Nodes `chaos bitflip` hit, with when: a corruption's detection is timed from it."""
 
 
 @dataclass(frozen=True)
