@@ -83,6 +83,33 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+
+def forget_other_chains(layout: RunLayout, chain_id: str) -> None:
+    """A launch of a chain other than the one the run's folder last held (the same run id started again: a
+    requeued Slurm job's `run start --resume`) removes that chain's attempt folders, whose progress, checkpoint
+    requests, logs and evidence would read as the new chain's (it counts attempts from 1 again: a resumed run was
+    judged hung on the last execution's progress). Shards stay: a restore verifies each against its manifest."""
+    if not chain_id:
+        return
+    try:
+        known = layout.chain_file.read_text()
+    except OSError:
+        known = None  # a fresh folder, or one an agent before chain files wrote: nothing to tell apart
+    if known == chain_id:
+        return
+    if known is not None:
+        stale = layout.attempt_dirs()
+        for folder in stale:
+            shutil.rmtree(folder, ignore_errors=True)
+            if folder.exists():
+                log.warning("could not remove all of %s: chain %s's files may read as chain %s's", folder, known,
+                            chain_id)
+        if stale:
+            log.info("%s: %d attempt folders of chain %s removed for chain %s", layout.root.name, len(stale),
+                     known, chain_id)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    layout.chain_file.write_text(chain_id)
+
 class RankLaunch:
     """Start, restart in process, and stop the ranks of a run's attempt on this node."""
 
@@ -145,6 +172,7 @@ class RankLaunch:
         )
         self.book.attempts[request.workflow_id] = record
         layout = RunLayout.of(self.book.workdir, request.workflow_id)
+        forget_other_chains(layout, request.chain_id)
         drop_uncommitted_shards(layout, request.restore_step)
         layout.logs_dir(request.attempt).mkdir(parents=True, exist_ok=True)
         self._rank_folders(layout, request.attempt)

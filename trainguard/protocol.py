@@ -96,6 +96,7 @@ RUNS_DIR = "runs"
 TMP_DIR = "tmp"
 """Beside `RUNS_DIR` in an agent's workdir: each run's scratch folder (`RunLayout.tmp_dir`)."""
 RANKS_FILE = "ranks.json"
+CHAIN_FILE = "chain"
 PROGRESS_DIR = "progress"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
@@ -152,8 +153,11 @@ def shard_meta_name(rank: int) -> str:
     return f"{rank_name(rank)}.json"
 
 
+ATTEMPT_DIR_PREFIX = "attempt-"
+
+
 def attempt_dir_name(attempt: int) -> str:
-    return f"attempt-{attempt:04d}"
+    return f"{ATTEMPT_DIR_PREFIX}{attempt:04d}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +175,18 @@ class RunLayout:
         """The agent's record of the ranks it launched (attempt, pids), for fencing and reconciling."""
         return self.root / RANKS_FILE
 
+    @property
+    def chain_file(self) -> Path:
+        """The chain (first execution) of the run whose attempts the folders hold: a run started again under
+        the same id counts attempts from 1 again, and must not read the last execution's files as its own."""
+        return self.root / CHAIN_FILE
+
     def attempt_dir(self, attempt: int) -> Path:
         return self.root / attempt_dir_name(attempt)
+
+    def attempt_dirs(self) -> list[Path]:
+        """Every attempt's folder there is, oldest first."""
+        return sorted(p for p in self.root.glob(f"{ATTEMPT_DIR_PREFIX}*") if p.is_dir())
 
     def progress_dir(self, attempt: int) -> Path:
         return self.attempt_dir(attempt) / PROGRESS_DIR

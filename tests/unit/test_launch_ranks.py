@@ -221,3 +221,23 @@ async def test_a_ranks_own_step_latest_link_does_not_fail_the_next_launch(make_a
 
     assert len(launched.pids) == 2
     assert sorted(p.name for p in layout.checkpoint_dir.iterdir()) == ["step-00000010", "step-latest"]
+
+
+async def test_a_run_started_again_under_its_id_never_reads_the_last_executions_attempt_files(
+        make_agent: AgentFactory) -> None:
+    """A requeued Slurm job resumes its run with `run start --resume`: the same id, a new chain, attempts from 1
+    again. The last execution's attempt-1 progress would read as the new attempt 1's (a false hang)."""
+    agent = make_agent()
+    await agent.launch.launch_ranks(_launch(["python", "-c", "print('first')"], ranks_per_node=1))
+    layout = RunLayout.of(agent.book.workdir, "wf")
+    stale = layout.progress_file(1, 0)
+    stale.write_text('{"step": 999}')
+    await agent.book.stop_all(grace_s=0.5)
+    again = make_agent()  # a new agent process: the ranks file is all it knows of the last execution
+    await again.launch.launch_ranks(_launch(["python", "-c", "print('second')"], ranks_per_node=1, chain_id="c1"))
+    assert stale.exists(), "a relaunch of the same chain keeps its attempts' files"
+    await again.book.stop_all(grace_s=0.5)
+    await make_agent().launch.launch_ranks(_launch(["python", "-c", "print('third')"], ranks_per_node=1,
+                                                   chain_id="c2"))
+    assert not stale.exists()
+    assert layout.chain_file.read_text() == "c2"
