@@ -23,12 +23,18 @@ K8S = REPO / "infra" / "k8s"
 IMAGE = "ghcr.io/your-org/trainguard:0.1.0"
 SETTINGS = {"TRAINGUARD_TEMPORAL_ADDRESS", "TRAINGUARD_NAMESPACE", "TRAINGUARD_S3_ENDPOINT", "AWS_REGION",
             "TRAINGUARD_S3_PATH_STYLE"}
-MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+CONTROLLER = "trainguard-controller"
+"""The controller's ServiceAccount; each release's Deployment is `trainguard-controller-<release>`."""
+RELEASE_LABEL = "trainguard.io/release"
+RELEASE_PATTERN = r"[a-z0-9]([a-z0-9.-]{0,38}[a-z0-9])?"
+"""A release is part of a Deployment name and a label value: lowercase DNS characters, short enough that the
+Deployment's pods' names stay under 63 characters."""
 
 # ------------------------------------------------------------------------- manifests: plain-text checks
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.relative_to(K8S).as_posix())
 def test_manifest_text(path: Path) -> None:
     text = path.read_text()
     assert "\t" not in text, "YAML forbids tabs for indentation"
@@ -62,6 +68,11 @@ def objects() -> list[dict[str, Any]]:
     for path in MANIFESTS:
         docs += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
     return docs
+
+
+def yaml_documents(path: Path, kind: str) -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None and doc["kind"] == kind]
 
 
 def find(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -152,7 +163,7 @@ def test_node_agent_runs_ranks_as_the_images_rank_user(objects: list[dict[str, A
 
 
 def test_controller(objects: list[dict[str, Any]]) -> None:
-    controller = find(objects, "Deployment", "trainguard-controller")
+    controller = find(objects, "Deployment", CONTROLLER)
     (container,) = pod_spec(controller)["containers"]
 
     assert container["args"] == ["python", "-m", "workers.controller"]
@@ -164,6 +175,33 @@ def test_controller(objects: list[dict[str, Any]]) -> None:
     assert pod_spec(controller)["serviceAccountName"] == find(objects, "ServiceAccount")["metadata"]["name"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert "/tmp" in mounts  # the only writable place on a read-only root
+    # Its build is its release, read from the pod label the release's kustomization sets (no copy to drift).
+    assert env_of(container)["TRAINGUARD_BUILD_ID"] == {
+        "fieldRef": {"fieldPath": f"metadata.labels['{RELEASE_LABEL}']"}}
+
+
+def release_of(root: Path) -> dict[str, str]:
+    """Where a release is written: the image tag, the controller Deployment's name suffix and its release label."""
+    yaml = pytest.importorskip("yaml")
+    top = yaml.safe_load((root / "kustomization.yaml").read_text())
+    controller = yaml.safe_load((root / "controller" / "kustomization.yaml").read_text())
+    (image,) = top["images"]
+    (labels,) = controller["labels"]
+    return {"image tag": str(image["newTag"]), "name suffix": controller["nameSuffix"].removeprefix("-"),
+            "release label": labels["pairs"][RELEASE_LABEL]}
+
+
+def test_release_is_written_the_same_everywhere() -> None:
+    yaml = pytest.importorskip("yaml")
+    release = release_of(K8S)
+    controller = yaml.safe_load((K8S / "controller" / "kustomization.yaml").read_text())
+
+    assert len(set(release.values())) == 1, f"the release drifted: {release}"
+    assert re.fullmatch(RELEASE_PATTERN, release["image tag"]), release
+    assert controller["nameSuffix"] == f"-{release['image tag']}"
+    # The release joins the selector too: two releases' Deployments then never claim each other's pods.
+    assert controller["labels"][0]["includeSelectors"] is True
+    assert controller["resources"] == ["deployment.yaml"]  # the ServiceAccount stays release-free, outside
 
 
 def test_node_agent_daemonset(objects: list[dict[str, Any]]) -> None:
@@ -209,14 +247,75 @@ def test_scheduler_hook_rbac_is_minimal(objects: list[dict[str, Any]]) -> None:
     assert not any(o["kind"] in ("Role", "RoleBinding") for o in objects)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-def test_kustomize_renders() -> None:
-    rendered = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60,
-                              check=False)
+def set_release(root: Path, release: str) -> None:
+    """The edit a new release makes (docs/operations/upgrades.md): the image tag and the controller's release."""
+    top, controller = root / "kustomization.yaml", root / "controller" / "kustomization.yaml"
+    top.write_text(re.sub(r"newTag: \S+", f"newTag: {release}", top.read_text()))
+    text = re.sub(r"nameSuffix: \S+", f"nameSuffix: -{release}", controller.read_text())
+    controller.write_text(re.sub(rf"{re.escape(RELEASE_LABEL)}: \S+", f'{RELEASE_LABEL}: "{release}"', text))
 
+
+def render(root: Path) -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    rendered = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60,
+                              check=False)
     assert rendered.returncode == 0, rendered.stderr
-    assert re.findall(r"^kind: (\w+)", rendered.stdout, flags=re.MULTILINE) == [
-        "Namespace", "ServiceAccount", "ConfigMap", "Deployment", "DaemonSet"]
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc is not None]
+
+
+def controller_of(rendered: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = [o for o in rendered if o["kind"] == "Deployment"]
+    return deployment
+
+
+def selects(deployment: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+    return deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+
+
+@needs_kubectl
+def test_kustomize_renders_a_controller_of_the_release() -> None:
+    rendered = render(K8S)
+    release = release_of(K8S)["image tag"]
+    controller = controller_of(rendered)
+    (container,) = pod_spec(controller)["containers"]
+    pod_labels = controller["spec"]["template"]["metadata"]["labels"]
+    account = find(rendered, "ServiceAccount")["metadata"]["name"]
+    (binding,) = yaml_documents(K8S / "scheduler-hook-rbac.yaml", "ClusterRoleBinding")
+
+    assert [o["kind"] for o in rendered] == ["Namespace", "ServiceAccount", "ConfigMap", "Deployment", "DaemonSet"]
+    assert controller["metadata"]["name"] == f"{CONTROLLER}-{release}"
+    assert controller["spec"]["selector"]["matchLabels"][RELEASE_LABEL] == release
+    assert selects(controller, pod_labels) and pod_labels[RELEASE_LABEL] == release
+    # The build id is the pod's release label (kubelet resolves the reference when the container starts).
+    assert env_of(container)["TRAINGUARD_BUILD_ID"] == {
+        "fieldRef": {"fieldPath": f"metadata.labels['{RELEASE_LABEL}']"}}
+    assert container["image"].rsplit(":", 1)[1] == release
+    # The ServiceAccount (and the scheduler hook's binding to it) outlives every release.
+    assert account == CONTROLLER == pod_spec(controller)["serviceAccountName"]
+    assert binding["subjects"][0]["name"] == account
+
+
+@needs_kubectl
+def test_a_new_release_renders_a_controller_beside_the_old_one(tmp_path: Path) -> None:
+    """`kubectl apply -k` of the next release creates its controller and updates the rest in place: the old
+    controller keeps its pods until it is deleted."""
+    shutil.copytree(K8S, tmp_path / "k8s", ignore=shutil.ignore_patterns("__pycache__"))
+    set_release(tmp_path / "k8s", "0.2.0")
+    old, new = render(K8S), render(tmp_path / "k8s")
+    old_controller, new_controller = controller_of(old), controller_of(new)
+
+    assert set(release_of(tmp_path / "k8s").values()) == {"0.2.0"}
+    assert new_controller["metadata"]["name"] == f"{CONTROLLER}-0.2.0" != old_controller["metadata"]["name"]
+    assert not selects(new_controller, old_controller["spec"]["template"]["metadata"]["labels"])
+    assert not selects(old_controller, new_controller["spec"]["template"]["metadata"]["labels"])
+    assert pod_spec(new_controller)["containers"][0]["image"].endswith(":0.2.0")
+    # Everything else keeps its name (and the DaemonSet its selector, which Kubernetes never lets change).
+    shared = [(o["kind"], o["metadata"]["name"]) for o in old if o["kind"] != "Deployment"]
+    assert shared == [(o["kind"], o["metadata"]["name"]) for o in new if o["kind"] != "Deployment"]
+    assert find(new, "DaemonSet")["spec"]["selector"] == find(old, "DaemonSet")["spec"]["selector"]
 
 
 def test_documented_node_id_pattern_is_trainguards() -> None:
