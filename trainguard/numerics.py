@@ -144,8 +144,11 @@ LOSS_MIN_SAMPLES = 10
 LOSS_SPIKE_MADS = 20.0
 """A loss above the window's median by more than this many median absolute deviations (and by more than
 `LOSS_SPIKE_FLOOR` of the median) is far outside it: a divergence, not the noise of batches."""
-LOSS_SPIKE_FLOOR = 1.0
-"""...a spike is at least this fraction above the median (twice the median for 1.0), however flat the window."""
+LOSS_SPIKE_FLOOR = 9.0
+"""...and at least this many times the median above it (ten times the median), however flat the window. A small
+model past its fast descent swings to six times its median loss now and then (momentum SGD on examples/train.py),
+and a spike that is the data comes back at the same step after the rollback and stops the run: a false one costs
+more than a late one."""
 
 
 def judge_loss(window: Iterable[float], loss: float) -> str | None:

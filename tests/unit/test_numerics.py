@@ -64,8 +64,9 @@ def test_plain_parameters_form_one_group_of_replicas() -> None:
     ([1.0, 1.1, 0.9] * 5, 50.0, True),  # a spike far outside the window
     ([1.0, 1.1, 0.9] * 2, 50.0, False),  # too few steps to call anything a spike
     ([1.0, 1.1, 0.9] * 5, 0.01, False),  # a loss that falls is no fault
-    ([0.5] * 20, 0.9, False),  # a flat window: a spike is at least twice its median
-    ([0.5] * 20, 1.1, True),
+    ([0.5] * 20, 4.9, False),  # a flat window: a spike is at least ten times its median
+    ([0.5] * 20, 5.1, True),
+    ([0.03, 0.04, 0.02] * 10, 0.19, False),  # a small model's swing past its fast descent (examples/train.py)
 ])
 def test_judge_loss(window: list[float], loss: float, faulty: bool) -> None:
     assert (numerics.judge_loss(window, loss) is not None) is faulty
