@@ -28,7 +28,8 @@ from temporalio.exceptions import ApplicationError
 from activities.models import Manifest, ManifestPage, NamespaceOwner, ShardFile, ShardInfo
 from trainguard.protocol import shard_name, step_dir_name
 from trainguard.error_types import ErrorType
-from trainguard.rank import DCP_DIR, DCP_METADATA, FORMAT_DCP, FORMAT_TORCH, files_digest
+from trainguard.rank import DCP_METADATA, FORMAT_DCP, FORMAT_TORCH
+from trainguard.safe_load import DCP_DIR, files_digest
 from trainguard.spec import ANY_RUN
 
 MANIFEST_NAME = "manifest.json"

@@ -63,7 +63,8 @@ from activities.pace_models import PaceRecord
 from activities.peers import fetch_from_peer
 from trainguard.error_types import ErrorType
 from trainguard.protocol import RunLayout, shard_meta_name, shard_name, step_of_dir_name
-from trainguard.rank import FORMAT_DCP, sha256_file
+from trainguard.rank import FORMAT_DCP
+from trainguard.safe_load import sha256_file
 from trainguard.settings import s3_client
 
 log = logging.getLogger("activities.checkpoints")

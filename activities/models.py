@@ -81,7 +81,7 @@ class ShardInfo(BaseModel):
     """S3 key once uploaded (a DCP shard: the folder its files are in, `.../step-N/dcp/`)."""
     size_bytes: int
     sha256: str
-    """Of the file; of a DCP shard, `trainguard.rank.files_digest` over its files."""
+    """Of the file; of a DCP shard, `trainguard.safe_load.files_digest` over its files."""
     node: str = ""
     """Node that wrote it."""
     files: list[ShardFile] | None = None

@@ -51,10 +51,9 @@ from typing import Any, NoReturn
 from trainguard import evidence as _evidence
 from trainguard import numerics as _numerics
 from trainguard import protocol as _protocol
-from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, _helper_bytes,
-                                  _helper_from_bytes, _safe_dcp, caller_outside, files_digest, load_weights_only,
-                                  sha256_file)  # files_digest, sha256_file: the agent's and the tests' names
-from trainguard.state_digest import _holds, _holds_dtensor, _is_sharded, state_digest  # noqa: F401 - tg.state_digest: the API
+from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, caller_outside, files_digest,
+                                  helper_bytes, helper_from_bytes, load_weights_only, safe_dcp, sha256_file)
+from trainguard.state_digest import holds_dtensor, holds_tensor, is_sharded, state_digest  # noqa: F401 - tg.state_digest: the API
 from trainguard.settings import env_flag
 
 EXIT_NO_RETRY = _protocol.EXIT_NO_RETRY
@@ -441,7 +440,7 @@ class RankRun:
         else:
             payload = {**_snapshot(state), _HELPER_KEY: {"step": step, "rank": self.rank, "rng": _rng_state()}}
             self._writer = threading.Thread(
-                target=self._write_shard, args=(step, payload, _holds(state, _is_sharded), fingerprint),
+                target=self._write_shard, args=(step, payload, holds_tensor(state, is_sharded), fingerprint),
                 name=f"trainguard-save-{step}", daemon=True,
             )
             self._writer.start()
@@ -454,7 +453,7 @@ class RankRun:
     def _format_of(self, state: dict[str, Any]) -> str:
         if self.checkpoint_format != "auto":
             return self.checkpoint_format
-        return FORMAT_DCP if _holds_dtensor(state) else FORMAT_TORCH
+        return FORMAT_DCP if holds_dtensor(state) else FORMAT_TORCH
 
     def _group(self) -> Any:
         """A gloo group of every rank for DCP's planning collectives, which run in the writer thread beside
@@ -473,7 +472,7 @@ class RankRun:
         assert self._checkpoint_dir is not None
         step_dir = self._checkpoint_dir / _protocol.step_dir_name(step)
         (step_dir / DCP_DIR).mkdir(parents=True, exist_ok=True)
-        helper = _helper_bytes({"step": step, "rank": self.rank, "rng": _rng_state()})
+        helper = helper_bytes({"step": step, "rank": self.rank, "rng": _rng_state()})
         writer = dcp.FileSystemWriter(str(step_dir / DCP_DIR), single_file_per_rank=True, sync_files=True,
                                       thread_count=1)
         # async_save stages the CPU copy here (the stall), then plans and writes in a thread of its own.
@@ -618,14 +617,14 @@ class RankRun:
         import torch.distributed.checkpoint as dcp
 
         assert self._restore_dir is not None
-        reader, planner = _safe_dcp(self._restore_dir, self.allow_pickle)
+        reader, planner = safe_dcp(self._restore_dir, self.allow_pickle)
         key = _helper_key(self.rank)
         try:
             # A rank the checkpoint's world did not have (the run grew) has no RNG of its own there.
             has_helper = key in reader.read_metadata().state_dict_metadata
             target = {**state, key: b""} if has_helper else dict(state)
             dcp.load(target, storage_reader=reader, planner=planner)
-            helper = _helper_from_bytes(target.pop(key), self.allow_pickle) if has_helper else None
+            helper = helper_from_bytes(target.pop(key), self.allow_pickle) if has_helper else None
         except pickle.UnpicklingError as error:
             self._refuse_restore(self._restore_dir / DCP_DIR, error)
         if helper is not None:

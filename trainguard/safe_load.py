@@ -82,7 +82,7 @@ def load_weights_only(source: Any, *, allow_pickle: bool = False) -> Any:
         return torch.load(source, map_location="cpu", weights_only=True)
 
 
-def _helper_bytes(helper: dict[str, Any]) -> bytes:
+def helper_bytes(helper: dict[str, Any]) -> bytes:
     """The helper's own state (step, rank, RNG) as a DCP checkpoint stores it: a `torch.save`, which restores
     weights-only. (Before, a `pickle.dumps`, whose tensors unpickle through torch's unrestricted load.)"""
 
@@ -93,7 +93,7 @@ def _helper_bytes(helper: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _helper_from_bytes(data: bytes, allow_pickle: bool) -> dict[str, Any] | None:
+def helper_from_bytes(data: bytes, allow_pickle: bool) -> dict[str, Any] | None:
     """The helper's state saved with a DCP checkpoint; None (RNG not restored, with a warning) for one in the
     older pickle form on a node that does not allow pickle."""
     import pickle
@@ -140,7 +140,7 @@ def _dcp_metadata_class(module: str, name: str) -> Any:
                                  f"load (set {ENV_ALLOW_PICKLE}=1 on the node to trust the checkpoint)")
 
 
-def _safe_dcp(restore_dir: Path, allow_pickle: bool) -> tuple[Any, Any]:
+def safe_dcp(restore_dir: Path, allow_pickle: bool) -> tuple[Any, Any]:
     """DCP's reader and load planner for a restore: its metadata unpickled through `_dcp_metadata_class`, its
     non-tensor values loaded weights-only (DCP itself unpickles both unrestricted)."""
 

@@ -13,23 +13,23 @@ def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
 
 
-def _is_sharded(value: Any) -> bool:
+def is_sharded(value: Any) -> bool:
     """One rank's part of a larger tensor: a DTensor (FSDP2, tensor parallel) or a ShardedTensor (FSDP1's
     sharded state dict). A `torch.save` of these loads only onto the world size that wrote it."""
     return _is_dtensor(value) or type(value).__name__ == "ShardedTensor"
 
 
-def _holds(value: Any, kind: Callable[[Any], bool]) -> bool:
+def holds_tensor(value: Any, kind: Callable[[Any], bool]) -> bool:
     """Whether `value` (nested dicts, lists, tuples) holds a leaf `kind` says yes to."""
     if isinstance(value, dict):
-        return any(_holds(item, kind) for item in value.values())
+        return any(holds_tensor(item, kind) for item in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds(item, kind) for item in value)
+        return any(holds_tensor(item, kind) for item in value)
     return kind(value)
 
 
-def _holds_dtensor(value: Any) -> bool:
-    return _holds(value, _is_dtensor)
+def holds_dtensor(value: Any) -> bool:
+    return holds_tensor(value, _is_dtensor)
 
 
 def state_digest(module_or_state: Any) -> str:

@@ -316,7 +316,7 @@ def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: d
     from activities.checkpoint_transfers import PART_SIZE_BYTES, TRANSFER_CONCURRENCY, NodeCheckpointActivities
     from activities.models import ShardInfo
     from trainguard.protocol import shard_name
-    from trainguard.rank import sha256_file
+    from trainguard.safe_load import sha256_file
     from trainguard.settings import s3_client
 
     raw = boto3.client(

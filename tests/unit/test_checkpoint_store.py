@@ -238,7 +238,7 @@ def test_committed_shard(body: bytes | None, rank: int, sha: str | None) -> None
 
 def _dcp_manifest(world_size: int = 2, step: int = 100) -> Manifest:
     from activities.models import ShardFile
-    from trainguard.rank import files_digest
+    from trainguard.safe_load import files_digest
 
     shards = []
     for r in range(world_size):
