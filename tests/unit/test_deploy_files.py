@@ -27,9 +27,8 @@ MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.ya
 CONTROLLER = "trainguard-controller"
 """The controller's ServiceAccount; each release's Deployment is `trainguard-controller-<release>`."""
 RELEASE_LABEL = "trainguard.io/release"
-RELEASE_PATTERN = r"[a-z0-9]([a-z0-9.-]{0,38}[a-z0-9])?"
-"""A release is part of a Deployment name and a label value: lowercase DNS characters, short enough that the
-Deployment's pods' names stay under 63 characters."""
+RELEASE_PATTERN = r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?"
+"""A release is part of the Deployment's name (lowercase DNS characters) and a label value (63 at most)."""
 
 # ------------------------------------------------------------------------- manifests: plain-text checks
 
