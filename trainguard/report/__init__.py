@@ -27,18 +27,11 @@ pure), `render` (table, PNG, the CLI entry).
 """
 
 from trainguard.report.compute import (
-    _incident_loss,
-    _mean_step,
-    _stop_kind,
-    _watch_events,
     build_report,
     compute_report,
     report_from_histories,
 )
 from trainguard.report.decode import (
-    _attempt_of,
-    _decode,
-    _first,
     decode_events,
     fetch_chain,
     spans_from_events,
@@ -69,5 +62,4 @@ __all__ = [
     "Segment", "Span", "StepPoint", "build_report", "compute_report", "decode_events", "fetch_chain",
     "main_report", "pyplot", "read_store_texts", "render_png", "render_stacks", "render_table",
     "report_from_histories", "spans_from_events",
-    "_attempt_of", "_decode", "_first", "_incident_loss", "_mean_step", "_stop_kind", "_watch_events",
 ]
