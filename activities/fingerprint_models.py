@@ -16,7 +16,7 @@ class FingerprintRecord(BaseModel):
     written_at: float
     """Unix time (the node's clock) the record was written."""
     ranks: dict[int, list[list[object]]] = Field(default_factory=dict)
-    """Rank -> its newest fingerprints, oldest first: [step, value, group, magnitude]."""
+    """Rank -> its newest fingerprints, oldest first: [step, value, group]."""
 
 
 class CorruptionVerdict(BaseModel):

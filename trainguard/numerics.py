@@ -30,6 +30,7 @@ REPLICATED = "replicated"
 
 _MASK = (1 << 64) - 1
 _BITS_OF = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+"""The integer type of each element size: a flipped bit of one element is a flipped bit of its integer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +39,19 @@ class Fingerprint:
 
     step: int
     value: str
-    """16 hex digits: the parameters' bits, summed as integers (each tensor's sum weighted by its place)."""
+    """16 hex digits: the parameters' bits, summed as 64-bit integers (each tensor's sum weighted by its place)."""
     group: str
     """Ranks with the same group hold the same state: `REPLICATED` under DDP, the rank's shard under HSDP
     (`shard 0/2`), its own rank where nothing is replicated (pure FSDP: nothing to compare)."""
-    magnitude: float
-    """The sum of the parameters' absolute values: which of two replicas moved further (a second look when two
-    replicas differ and no majority can say which is wrong)."""
 
     def to_json(self) -> list[Any]:
-        return [self.step, self.value, self.group, self.magnitude]
+        return [self.step, self.value, self.group]
 
     @classmethod
     def from_json(cls, data: Any) -> Fingerprint:
         """Raises TypeError, ValueError or IndexError for what is not one."""
-        step, value, group, magnitude = data
-        return cls(step=int(step), value=str(value)[:32], group=str(group)[:64], magnitude=float(magnitude))
+        step, value, group = data[0], data[1], data[2]
+        return cls(step=int(step), value=str(value)[:32], group=str(group)[:64])
 
 
 def local_tensor(param: Any) -> Any:
@@ -79,25 +77,37 @@ def fingerprint_group(params: Iterable[Any], rank: int) -> str:
     return REPLICATED
 
 
-def fingerprint(params: list[Any], step: int, group: str) -> Fingerprint:
-    """The exact fingerprint of `params` (this rank's local parts): each tensor's bits viewed as integers of its
-    element size and summed (a flipped bit changes that sum by a power of two), the sums weighted by place and
-    folded into 64 bits. Reductions stay on the tensors' device; two numbers per tensor come back."""
+def _bits_sum(tensor: Any) -> Any:
+    """The tensor's bytes read as 64-bit integers and summed, wrapping (a zero-dimensional tensor on its device): a
+    flipped bit changes it by a power of two. Eight bytes at a time where its size and offset allow, which reads
+    memory as fast as a float sum does; narrower integers otherwise."""
     import torch
 
-    total, magnitude = 0, 0.0
+    flat = tensor.detach().contiguous().reshape(-1)
+    for width in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        try:
+            return flat.view(width).sum(dtype=torch.int64)
+        except RuntimeError:  # its size or storage offset does not divide by this width
+            continue
+    raise RuntimeError(f"cannot read the bits of a {tensor.dtype} tensor")
+
+
+def fingerprint(params: list[Any], step: int, group: str) -> Fingerprint:
+    """The exact fingerprint of `params` (this rank's local parts): each tensor's bits summed as integers, the
+    sums weighted by place and folded into 64 bits. The reductions stay on the tensors' device and one number comes
+    back: one read of the parameters, at memory speed."""
+    import torch
+
+    total: Any = None
     with torch.no_grad():
         for place, param in enumerate(params, start=1):
-            tensor = local_tensor(param).detach()
+            tensor = local_tensor(param)
             if tensor.numel() == 0:
                 continue
-            flat = tensor.contiguous().reshape(-1)
-            bits = flat.view(getattr(torch, _BITS_OF.get(flat.element_size(), "uint8")))
-            exact = int(bits.sum(dtype=torch.int64).item())
-            total = (total + place * exact) & _MASK
-            if flat.is_floating_point():
-                magnitude += float(flat.abs().sum(dtype=torch.float64).item())
-    return Fingerprint(step=step, value=f"{total:016x}", group=group, magnitude=magnitude)
+            weighted = _bits_sum(tensor) * place
+            total = weighted if total is None else total + weighted.to(total.device)
+    value = 0 if total is None else int(total.item()) & _MASK
+    return Fingerprint(step=step, value=f"{value:016x}", group=group)
 
 
 def flip_high_bit(params: list[Any]) -> str:

@@ -402,7 +402,7 @@ class Progress:
     """Seconds spent in each named phase so far (this process's), for the run report."""
     fingerprints: list[list[Any]] | None = None
     """The rank's newest fingerprints of its replicated state, oldest first (`trainguard.numerics.Fingerprint`
-    as JSON: step, value, group, magnitude): a few, so a report the 50 ms bound skipped loses none."""
+    as JSON: step, value, group): a few, so a report the 50 ms bound skipped loses none."""
     numerical: dict[str, Any] | None = None
     """A numerical fault the rank saw in the loss its script reported: {"step", "loss", "detail"} (the first)."""
 

@@ -15,8 +15,8 @@ from activities.progress import RankReport, new_fingerprints, numerical_fault
 GOOD, BAD = "00000000000000aa", "00000000000000bb"
 
 
-def fp(step: int, value: str = GOOD, group: str = "replicated", magnitude: float = 1.0) -> list[Any]:
-    return [step, value, group, magnitude]
+def fp(step: int, value: str = GOOD, group: str = "replicated") -> list[Any]:
+    return [step, value, group]
 
 
 NODES = {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
