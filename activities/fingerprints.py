@@ -68,16 +68,20 @@ def disagreement(values: Mapping[int, Fingerprint]) -> tuple[list[int], bool] | 
 def compare(ranks: Mapping[int, Iterable[Any]], nodes: Mapping[int, str], now: float,
             after_step: int = -1) -> CorruptionVerdict | None:
     """The first step after `after_step` at which ranks of one group (replicas) report different fingerprints,
-    from each rank's newest fingerprints (JSON); None while every group agrees on every step two of its ranks
-    reported. A rank alone in its group (pure FSDP) is compared with nobody."""
+    from each rank's newest fingerprints (JSON); None while every group agrees on every step all its ranks
+    reported. A step is judged only once every rank of its group has reported it: nodes write their records at
+    their own moments, and two ranks of one node compared without the others would be two replicas with no
+    majority. A rank alone in its group (pure FSDP) is compared with nobody."""
     by_step: dict[tuple[int, str], dict[int, Fingerprint]] = defaultdict(dict)
+    members: dict[str, set[int]] = defaultdict(set)
     for rank, items in ranks.items():
         for taken in _parsed(items):
+            members[taken.group].add(rank)
             if taken.step > after_step:
                 by_step[(taken.step, taken.group)][rank] = taken
     agreed: dict[str, int] = {}
     for (step, group), values in sorted(by_step.items()):
-        if len(values) < 2:
+        if len(values) < 2 or len(values) < len(members[group]):
             continue
         found = disagreement(values)
         if found is None:

@@ -56,6 +56,14 @@ def test_a_step_only_one_replica_reported_yet_waits() -> None:
     assert compare({0: [fp(10), fp(20)], 1: [fp(10), fp(30, BAD)]}, NODES, now=1.0) is None
 
 
+def test_a_step_only_one_nodes_ranks_reported_waits_for_the_others() -> None:
+    # node-1 wrote step 30 before node-0 did: its two ranks alone would be two replicas with no majority.
+    early = {0: [fp(20)], 1: [fp(20)], 2: [fp(20), fp(30, BAD)], 3: [fp(20), fp(30)]}
+    assert compare(early, NODES, now=1.0) is None
+    verdict = compare({**early, 0: [fp(20), fp(30)], 1: [fp(20), fp(30)]}, NODES, now=2.0)
+    assert verdict is not None and (verdict.ranks, verdict.certain) == ([2], True)
+
+
 def test_records_of_another_attempt_or_chain_are_left_out() -> None:
     def record(node: str, attempt: int, ranks: dict[int, list[list[Any]]], chain: str = "c1") -> FingerprintRecord:
         return FingerprintRecord(node=node, attempt=attempt, chain_id=chain, written_at=0.0, ranks=ranks)
