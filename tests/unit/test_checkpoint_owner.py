@@ -12,14 +12,14 @@ import json
 from typing import Any
 
 import pytest
-from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
-from activities import checkpoint_store
 from activities.checkpoint_layout import manifest_key, manifest_tag, owner_key, step_prefix
 from activities.checkpoint_store import StoreActivities, manifest_key_from_env
 from activities.store_reads import read_manifest
-from activities.models import CommitCheckpointInput, FindCheckpointInput, Manifest, PruneCheckpointsInput, ShardInfo
+from activities.models import FindCheckpointInput, Manifest, PruneCheckpointsInput, ShardInfo
+from tests.agent_checkpoints import KEEP_ALL, checkpoint
+from tests.unit.s3_fake import MemoryStore, memory_store
 from trainguard.error_types import ErrorType
 from trainguard.protocol import shard_name
 
@@ -28,81 +28,19 @@ VICTIM, ATTACKER = "victim-run", "attacker-run"
 KEY = b"k" * 64
 
 
-class MemoryStore:
-    """The S3 calls the store activities make, over a dict (sha256 kept as object metadata, as agents do)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-
-    def put_object(self, Bucket: str, Key: str, Body: bytes, IfNoneMatch: str | None = None,
-                   **_: Any) -> dict[str, Any]:
-        if IfNoneMatch == "*" and Key in self.objects:
-            raise ClientError({"Error": {"Code": "PreconditionFailed"}}, "PutObject")
-        self.objects[Key] = bytes(Body)
-        return {}
-
-    def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:
-        if Key not in self.objects:
-            raise ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
-        body = self.objects[Key]
-
-        class Body:
-            @staticmethod
-            def read() -> bytes:
-                return body
-
-        return {"Body": Body()}
-
-    def head_object(self, Bucket: str, Key: str) -> dict[str, Any]:
-        if Key not in self.objects:
-            raise ClientError({"Error": {"Code": "404"}}, "HeadObject")
-        body = self.objects[Key]
-        return {"ContentLength": len(body), "Metadata": {"sha256": hashlib.sha256(body).hexdigest()}}
-
-    def delete_object(self, Bucket: str, Key: str) -> None:
-        self.objects.pop(Key, None)
-
-    def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> None:
-        for obj in Delete["Objects"]:
-            self.objects.pop(obj["Key"], None)
-
-    def get_paginator(self, name: str) -> Any:
-        store = self
-
-        class Paginator:
-            @staticmethod
-            def paginate(Bucket: str, Prefix: str, Delimiter: str | None = None) -> list[dict[str, Any]]:
-                if name == "list_multipart_uploads":
-                    return [{"Uploads": []}]
-                keys = sorted(k for k in store.objects if k.startswith(Prefix))
-                if Delimiter:
-                    folders = sorted({Prefix + k[len(Prefix):].split(Delimiter, 1)[0] + Delimiter
-                                      for k in keys if Delimiter in k[len(Prefix):]})
-                    return [{"CommonPrefixes": [{"Prefix": f} for f in folders]}]
-                return [{"Contents": [{"Key": k} for k in keys]}]
-
-        return Paginator()
-
-
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
-    memory = MemoryStore()
-    monkeypatch.setattr(checkpoint_store, "s3_client", lambda: memory)
-    return memory
+    return memory_store(monkeypatch)
 
 
-def _commit(store: MemoryStore, activities: StoreActivities, run_prefix: str, workflow_id: str, step: int,
-            keep_last: int | None = None, chain_id: str = "") -> None:
-    """What run `workflow_id` commits at `step`: its two shards uploaded, then the manifest."""
-    shards = []
-    for rank in (0, 1):
-        key = f"{step_prefix(run_prefix, step)}{shard_name(rank)}"
-        store.objects[key] = f"{workflow_id} step {step} rank {rank}".encode()
-        shards.append(ShardInfo(rank=rank, key=key, size_bytes=len(store.objects[key]),
-                                sha256=hashlib.sha256(store.objects[key]).hexdigest()))
-    activities._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id=workflow_id,
-                                             attempt=1, step=step, world_size=2, shards=shards, keep_last=keep_last,
-                                             chain_id=chain_id))
+def _commit(activities: StoreActivities, run_prefix: str, workflow_id: str, step: int,
+            keep_last: int = KEEP_ALL, chain_id: str = "") -> None:
+    """What run `workflow_id` commits at `step`: its two ranks' shards uploaded by their nodes' agents, then its
+    committer's pass (retention keeping `keep_last`)."""
+    bodies = {rank: f"{workflow_id} step {step} rank {rank}".encode() for rank in (0, 1)}
+    committed = checkpoint(activities, BUCKET, run_prefix, workflow_id, step, bodies, chain_id=chain_id,
+                           keep_last=keep_last)
+    assert committed is not None and committed.step == step
 
 
 def _find(activities: StoreActivities, run_prefix: str, workflow_id: str | None, **more: Any) -> Any:
@@ -116,8 +54,8 @@ def _victim_with_checkpoints(store: MemoryStore, activities: StoreActivities, ch
     prefix = f"runs/{VICTIM}"
     # Its first attempt: nothing yet, the claim.
     assert _find(activities, prefix, VICTIM, chain_id=chain_id, allow_resume=allow_resume).manifest is None
-    _commit(store, activities, prefix, VICTIM, 10, chain_id=chain_id)
-    _commit(store, activities, prefix, VICTIM, 20, chain_id=chain_id)
+    _commit(activities, prefix, VICTIM, 10, chain_id=chain_id)
+    _commit(activities, prefix, VICTIM, 20, chain_id=chain_id)
     return prefix
 
 
@@ -144,7 +82,7 @@ def test_a_run_naming_another_runs_namespace_is_refused_before_it_restores(store
 def test_a_namespace_from_before_owners_belongs_to_its_newest_manifests_run(store: MemoryStore) -> None:
     activities = StoreActivities()
     prefix = f"runs/{VICTIM}"
-    _commit(store, activities, prefix, VICTIM, 10)  # written before owners: no owner.json
+    _commit(activities, prefix, VICTIM, 10)  # written before owners: no owner.json
     assert owner_key(prefix) not in store.objects
 
     with pytest.raises(ApplicationError, match=f"belongs to run {VICTIM!r}"):
@@ -170,8 +108,8 @@ def test_retention_prunes_only_the_runs_own_checkpoints(store: MemoryStore) -> N
     activities = StoreActivities()
     prefix = _victim_with_checkpoints(store, activities)
     victims = {k: v for k, v in store.objects.items() if "/step-" in k}
-    _commit(store, activities, prefix, ATTACKER, 30)
-    _commit(store, activities, prefix, ATTACKER, 40)
+    _commit(activities, prefix, ATTACKER, 30)
+    _commit(activities, prefix, ATTACKER, 40)
 
     deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
                                                       workflow_id=ATTACKER, protect_steps=[40]))
@@ -202,8 +140,8 @@ def test_resume_from_restores_the_named_runs_checkpoint_then_the_runs_own(store:
     found = _find(activities, prefix, ATTACKER, **resume)
     assert found.manifest_key == manifest_key(source, 20) and found.manifest.workflow_id == VICTIM  # type: ignore[union-attr]
 
-    _commit(store, activities, prefix, ATTACKER, 30, keep_last=1)
-    _commit(store, activities, prefix, ATTACKER, 40, keep_last=1)
+    _commit(activities, prefix, ATTACKER, 30, keep_last=1)
+    _commit(activities, prefix, ATTACKER, 40, keep_last=1)
     activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1, workflow_id=ATTACKER))
     found = _find(activities, prefix, ATTACKER, **resume)
     assert found.manifest_key == manifest_key(prefix, 40)
@@ -214,7 +152,7 @@ def test_resume_from_restores_the_named_runs_checkpoint_then_the_runs_own(store:
 def test_resume_from_restores_only_what_the_named_run_committed(store: MemoryStore) -> None:
     activities = StoreActivities()
     source = _victim_with_checkpoints(store, activities, allow_resume=[ATTACKER])
-    _commit(store, activities, source, "third-run", 30)  # in the source's folder, by someone else
+    _commit(activities, source, "third-run", 30)  # in the source's folder, by someone else
 
     found = _find(activities, f"runs/{ATTACKER}", ATTACKER, resume_from=VICTIM, resume_prefix=source)
 
@@ -250,8 +188,8 @@ def test_retention_of_a_run_reusing_a_closed_runs_id_never_deletes_its_checkpoin
     activities = StoreActivities()
     prefix = _victim_with_checkpoints(store, activities, chain_id=CHAIN)
     victims = {k: v for k, v in store.objects.items() if "/step-" in k}
-    _commit(store, activities, prefix, VICTIM, 30, chain_id=RERUN)  # around the refusal
-    _commit(store, activities, prefix, VICTIM, 40, chain_id=RERUN)
+    _commit(activities, prefix, VICTIM, 30, chain_id=RERUN)  # around the refusal
+    _commit(activities, prefix, VICTIM, 40, chain_id=RERUN)
 
     deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
                                                       workflow_id=VICTIM, chain_id=RERUN, protect_steps=[40]))
@@ -276,8 +214,8 @@ def test_an_explicit_resume_of_its_own_id_takes_the_namespace_over_and_spares_th
 
     assert found.manifest_key == manifest_key(prefix, 20)
     assert json.loads(store.objects[owner_key(prefix)])["chain_id"] == RERUN
-    _commit(store, activities, prefix, VICTIM, 30, chain_id=RERUN)
-    _commit(store, activities, prefix, VICTIM, 40, chain_id=RERUN)
+    _commit(activities, prefix, VICTIM, 30, chain_id=RERUN)
+    _commit(activities, prefix, VICTIM, 40, chain_id=RERUN)
     deleted = activities._prune(PruneCheckpointsInput(bucket=BUCKET, run_prefix=prefix, keep_last=1,
                                                       workflow_id=VICTIM, chain_id=RERUN, protect_steps=[40]))
     assert deleted.deleted_steps == [30]
@@ -325,7 +263,7 @@ def test_an_owner_record_from_before_chains_takes_the_chain_of_its_run_in_flight
     activities = StoreActivities()
     prefix = f"runs/{VICTIM}"
     store.objects[owner_key(prefix)] = json.dumps({"workflow_id": VICTIM, "claimed_at": 1.0}).encode()
-    _commit(store, activities, prefix, VICTIM, 10)  # committed before chains were recorded
+    _commit(activities, prefix, VICTIM, 10)  # committed before chains were recorded
 
     assert _find(activities, prefix, VICTIM, chain_id=CHAIN).manifest.step == 10  # type: ignore[union-attr]
 
@@ -341,7 +279,7 @@ def test_an_owner_record_from_before_chains_belongs_to_the_chain_of_its_newest_m
     activities = StoreActivities()
     prefix = f"runs/{VICTIM}"
     store.objects[owner_key(prefix)] = json.dumps({"workflow_id": VICTIM, "claimed_at": 1.0}).encode()
-    _commit(store, activities, prefix, VICTIM, 10, chain_id=CHAIN)
+    _commit(activities, prefix, VICTIM, 10, chain_id=CHAIN)
     before = dict(store.objects)
 
     with pytest.raises(ApplicationError, match="earlier run under the id"):

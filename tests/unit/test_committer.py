@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import hashlib
 import json
 from typing import Any
 
 import pytest
-from botocore.exceptions import ClientError
 
-from activities import checkpoint_store, checkpoint_transfers
+from activities import checkpoint_store
 from activities.checkpoint_layout import MANIFEST_PAGE_RANKS, manifest_key, node_record_key
 from activities.checkpoint_store import StoreActivities
 from activities.store_reads import read_manifest
@@ -24,75 +22,15 @@ from activities.models import (
     NodeCheckpointRecord,
     ShardInfo,
 )
+from tests.unit.s3_fake import MemoryStore, memory_store
 
 RUN = "runs/wf-1"
 BUCKET = "b"
 
 
-class MemoryStore:
-    """The S3 calls the store activities make, over a dict; counts GETs by key prefix."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.gets: list[str] = []
-
-    def put_object(self, Bucket: str, Key: str, Body: bytes, IfNoneMatch: str | None = None,
-                   **_: Any) -> dict[str, Any]:
-        if IfNoneMatch == "*" and Key in self.objects:
-            raise ClientError({"Error": {"Code": "PreconditionFailed"}}, "PutObject")
-        self.objects[Key] = bytes(Body)
-        return {}
-
-    def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:
-        if Key not in self.objects:
-            raise ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
-        self.gets.append(Key)
-        body = self.objects[Key]
-
-        class Body:
-            @staticmethod
-            def read() -> bytes:
-                return body
-
-        return {"Body": Body()}
-
-    def head_object(self, Bucket: str, Key: str) -> dict[str, Any]:
-        if Key not in self.objects:
-            raise ClientError({"Error": {"Code": "404"}}, "HeadObject")
-        return {"ContentLength": len(self.objects[Key]), "Metadata": {}}
-
-    def delete_object(self, Bucket: str, Key: str) -> None:
-        self.objects.pop(Key, None)
-
-    def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> None:
-        for obj in Delete["Objects"]:
-            self.objects.pop(obj["Key"], None)
-
-    def get_paginator(self, name: str) -> Any:
-        store = self
-
-        class Paginator:
-            @staticmethod
-            def paginate(Bucket: str, Prefix: str, Delimiter: str | None = None) -> list[dict[str, Any]]:
-                if name == "list_multipart_uploads":
-                    return [{"Uploads": []}]
-                keys = sorted(k for k in store.objects if k.startswith(Prefix))
-                if Delimiter:
-                    folders = sorted({Prefix + k[len(Prefix):].split(Delimiter, 1)[0] + Delimiter
-                                      for k in keys if Delimiter in k[len(Prefix):]})
-                    return [{"CommonPrefixes": [{"Prefix": f} for f in folders]}]
-                return [{"Contents": [{"Key": k, "ETag": hashlib.md5(store.objects[k]).hexdigest()}
-                                      for k in keys]}]
-
-        return Paginator()
-
-
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
-    memory = MemoryStore()
-    monkeypatch.setattr(checkpoint_store, "s3_client", lambda: memory)
-    monkeypatch.setattr(checkpoint_transfers, "s3_client", lambda: memory)
-    return memory
+    return memory_store(monkeypatch)
 
 
 def _upload(store: MemoryStore, step: int, node_index: int, ranks_per_node: int, attempt: int = 1,

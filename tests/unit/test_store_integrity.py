@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities import checkpoint_store, checkpoint_transfers
 from activities.checkpoint_layout import (DECISION_TAG_CONTEXT, MANIFEST_PAGE_RANKS, NODE_RECORD_TAG_CONTEXT,
                                           PACE_TAG_CONTEXT, decision_key, manifest_key, node_record_key, object_tag)
 from activities.checkpoint_store import StoreActivities
@@ -30,6 +28,7 @@ from activities.models import (AttemptDecision, CommitCheckpointsInput, Download
                                UploadShardsInput, UploadShardsResult, WatchCheckpoints)
 from trainguard.error_types import ErrorType
 from trainguard.pool import REGISTRATION_PROOF_CONTEXT
+from tests.unit.s3_fake import MemoryStore, memory_store
 
 RUN = "runs/wf-1"
 BUCKET = "b"
@@ -37,72 +36,9 @@ TOKEN = "pool-token-0123456789abcdef"
 TARGET = WatchCheckpoints(bucket=BUCKET, run_prefix=RUN)
 
 
-class Store:
-    """The S3 calls of the committer, the publisher and the agent, over a dict; ETags are the bodies' MD5s."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-
-    def put_object(self, Bucket: str, Key: str, Body: bytes, IfNoneMatch: str | None = None,
-                   **_: Any) -> dict[str, Any]:
-        if IfNoneMatch == "*" and Key in self.objects:
-            raise ClientError({"Error": {"Code": "PreconditionFailed"}}, "PutObject")
-        self.objects[Key] = bytes(Body)
-        return {}
-
-    def _etag(self, key: str) -> str:
-        return f'"{hashlib.md5(self.objects[key]).hexdigest()}"'
-
-    def get_object(self, Bucket: str, Key: str, IfNoneMatch: str | None = None) -> dict[str, Any]:
-        if Key not in self.objects:
-            raise ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
-        if IfNoneMatch is not None and IfNoneMatch == self._etag(Key):
-            raise ClientError({"Error": {"Code": "304"}}, "GetObject")
-        body = self.objects[Key]
-
-        class Body:
-            @staticmethod
-            def read() -> bytes:
-                return body
-
-        return {"Body": Body(), "ETag": self._etag(Key)}
-
-    def head_object(self, Bucket: str, Key: str) -> dict[str, Any]:
-        if Key not in self.objects:
-            raise ClientError({"Error": {"Code": "404"}}, "HeadObject")
-        return {"ContentLength": len(self.objects[Key]), "Metadata": {}}
-
-    def delete_object(self, Bucket: str, Key: str) -> None:
-        self.objects.pop(Key, None)
-
-    def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> None:
-        for obj in Delete["Objects"]:
-            self.objects.pop(obj["Key"], None)
-
-    def get_paginator(self, name: str) -> Any:
-        store = self
-
-        class Paginator:
-            @staticmethod
-            def paginate(Bucket: str, Prefix: str, Delimiter: str | None = None) -> list[dict[str, Any]]:
-                if name == "list_multipart_uploads":
-                    return [{"Uploads": []}]
-                keys = sorted(k for k in store.objects if k.startswith(Prefix))
-                if Delimiter:
-                    folders = sorted({Prefix + k[len(Prefix):].split(Delimiter, 1)[0] + Delimiter
-                                      for k in keys if Delimiter in k[len(Prefix):]})
-                    return [{"CommonPrefixes": [{"Prefix": f} for f in folders]}]
-                return [{"Contents": [{"Key": k, "ETag": store._etag(k)} for k in keys]}]
-
-        return Paginator()
-
-
 @pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> Store:
-    memory = Store()
-    monkeypatch.setattr(checkpoint_store, "s3_client", lambda: memory)
-    monkeypatch.setattr(checkpoint_transfers, "s3_client", lambda: memory)
-    return memory
+def store(monkeypatch: pytest.MonkeyPatch) -> MemoryStore:
+    return memory_store(monkeypatch)
 
 
 def _shards(step: int, node: int) -> list[ShardInfo]:
@@ -113,7 +49,7 @@ def _shards(step: int, node: int) -> list[ShardInfo]:
 class _Agent(NodeCheckpointActivities):
     """The agent's own `upload_step` (it writes the node's record last), its shards' upload stood in for."""
 
-    def __init__(self, store: Store, node: int, token: str | None) -> None:
+    def __init__(self, store: MemoryStore, node: int, token: str | None) -> None:
         super().__init__(f"node-{node}", Path("/nonexistent"), token=token)
         self.store, self.index = store, node
 
@@ -126,11 +62,11 @@ class _Agent(NodeCheckpointActivities):
         return -1
 
 
-def _agent_writes_record(store: Store, step: int, node: int, token: str | None) -> None:
+def _agent_writes_record(store: MemoryStore, step: int, node: int, token: str | None) -> None:
     asyncio.run(_Agent(store, node, token).upload_step("wf-1", 2, TARGET, step, {node: 0.1}, step))
 
 
-def _planted_record(store: Store, step: int, node: int, key_node: int | None = None) -> None:
+def _planted_record(store: MemoryStore, step: int, node: int, key_node: int | None = None) -> None:
     """A record written with the store's key alone: it names shards of the writer's choosing."""
     record = NodeCheckpointRecord(node=f"node-{node}", attempt=2, step=step, shards=[
         s.model_copy(update={"sha256": "e" * 64}) for s in _shards(step, node)])
@@ -149,7 +85,7 @@ def _commit(controller: StoreActivities, world_size: int = 2) -> list[int]:
 # ------------------------------------------------------------------------------------------ node records
 
 
-def test_a_record_without_the_pools_tag_commits_nothing(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_record_without_the_pools_tag_commits_nothing(store: MemoryStore, caplog: pytest.LogCaptureFixture) -> None:
     _agent_writes_record(store, 10, 0, TOKEN)
     _planted_record(store, 10, 1)
     controller = StoreActivities(token=TOKEN)
@@ -166,7 +102,7 @@ def test_a_record_without_the_pools_tag_commits_nothing(store: Store, caplog: py
     assert [s["sha256"] for s in manifest["shards"]] == [f"{0:064x}", f"{1:064x}"]
 
 
-def test_a_tagged_record_changed_or_moved_to_another_key_is_refused(store: Store) -> None:
+def test_a_tagged_record_changed_or_moved_to_another_key_is_refused(store: MemoryStore) -> None:
     _agent_writes_record(store, 10, 0, TOKEN)
     _agent_writes_record(store, 10, 1, TOKEN)
     key = node_record_key(RUN, 10, "node-1")
@@ -182,20 +118,20 @@ def test_a_tagged_record_changed_or_moved_to_another_key_is_refused(store: Store
     assert _commit(StoreActivities(token=TOKEN)) == []
 
 
-def test_a_record_tagged_under_another_token_is_refused(store: Store) -> None:
+def test_a_record_tagged_under_another_token_is_refused(store: MemoryStore) -> None:
     _agent_writes_record(store, 10, 0, TOKEN)
     _agent_writes_record(store, 10, 1, "another-pool-token-0123456789")
     assert _commit(StoreActivities(token=TOKEN)) == []
 
 
-def test_without_the_token_records_count_unsigned_as_before(store: Store) -> None:
+def test_without_the_token_records_count_unsigned_as_before(store: MemoryStore) -> None:
     _agent_writes_record(store, 10, 0, None)
     _agent_writes_record(store, 10, 1, None)
     assert json.loads(store.objects[node_record_key(RUN, 10, "node-0")]).get("tag") is None
     assert _commit(StoreActivities()) == [10]
 
 
-def test_pace_records_count_only_with_the_agents_tag(store: Store) -> None:
+def test_pace_records_count_only_with_the_agents_tag(store: MemoryStore) -> None:
     """A planted pace record of a healthy node would have it judged slow, replaced and cordoned."""
     pace = PaceRecord(node="node-3", attempt=2, chain_id="c1", window_end=100.0, window_s=60.0,
                       rank_compute_s={3: 9.0}, step=50)
@@ -230,7 +166,7 @@ def _publish(controller: StoreActivities, decision: AttemptDecision) -> None:
         bucket=BUCKET, run_prefix=RUN, decision=decision)))
 
 
-def test_an_agent_takes_up_only_the_decision_the_controller_tagged(store: Store) -> None:
+def test_an_agent_takes_up_only_the_decision_the_controller_tagged(store: MemoryStore) -> None:
     _publish(StoreActivities(token=TOKEN), _decision(2))
     agent = NodeCheckpointActivities("node-5", Path("/nonexistent"), token=TOKEN)
     taken = agent.read_decision(TARGET)
@@ -252,14 +188,14 @@ def test_an_agent_takes_up_only_the_decision_the_controller_tagged(store: Store)
     assert agent.read_decision(WatchCheckpoints(bucket=BUCKET, run_prefix="runs/other")) is None
 
 
-def test_a_planted_newer_decision_does_not_stop_the_controller_publishing(store: Store) -> None:
+def test_a_planted_newer_decision_does_not_stop_the_controller_publishing(store: MemoryStore) -> None:
     store.objects[decision_key(RUN)] = _decision(9).model_dump_json().encode()
     _publish(StoreActivities(token=TOKEN), _decision(2))
     taken = NodeCheckpointActivities("node-5", Path("/nonexistent"), token=TOKEN).read_decision(TARGET)
     assert taken is not None and taken.attempt == 2
 
 
-def test_without_the_token_decisions_are_published_and_taken_up_unsigned(store: Store) -> None:
+def test_without_the_token_decisions_are_published_and_taken_up_unsigned(store: MemoryStore) -> None:
     _publish(StoreActivities(), _decision(2))
     assert json.loads(store.objects[decision_key(RUN)]).get("tag") is None
     taken = NodeCheckpointActivities("node-5", Path("/nonexistent")).read_decision(TARGET)
@@ -269,7 +205,7 @@ def test_without_the_token_decisions_are_published_and_taken_up_unsigned(store: 
 # ------------------------------------------------------------------------------------------ manifest digests
 
 
-def _committed(store: Store, world_size: int) -> None:
+def _committed(store: MemoryStore, world_size: int) -> None:
     """Step 10 committed by a controller without a token, from unsigned records."""
     for node in range(world_size):
         for shard in _shards(10, node):
@@ -288,7 +224,7 @@ def _shards_of(found_key: str | None, digest: str | None, ranks: list[int]) -> l
         return error
 
 
-def test_a_node_restores_only_the_manifest_bytes_the_controller_verified(store: Store) -> None:
+def test_a_node_restores_only_the_manifest_bytes_the_controller_verified(store: MemoryStore) -> None:
     _committed(store, 2)
     found = StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=RUN, world_size=2))
     key = manifest_key(RUN, 10)
@@ -309,7 +245,7 @@ def test_a_node_restores_only_the_manifest_bytes_the_controller_verified(store: 
     assert isinstance(_shards_of(key, None, [1]), list)
 
 
-def test_a_paged_manifests_digest_covers_its_pages(store: Store) -> None:
+def test_a_paged_manifests_digest_covers_its_pages(store: MemoryStore) -> None:
     world = MANIFEST_PAGE_RANKS + 8
     _committed(store, world)
     found = StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=RUN, world_size=world))
