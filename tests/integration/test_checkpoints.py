@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import shutil
 import time
 import uuid
@@ -23,19 +24,20 @@ import pytest
 from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 
-from activities.checkpoint_layout import decision_key, manifest_key, manifest_problem, signed_body, step_prefix
+from activities.checkpoint_layout import (decision_key, manifest_key, manifest_problem, node_record_key, signed_body,
+                                          step_prefix)
 from activities.checkpoint_store import StoreActivities
 from activities.store_reads import not_modified, abort_orphaned_uploads, check_shard_in_store, list_steps, read_manifest
 from activities.checkpoint_transfers import NodeCheckpointActivities
 from activities.models import (
     AttemptDecision,
-    CommitCheckpointInput,
     CommitCheckpointsInput,
     CommitCheckpointsResult,
     FindCheckpointInput,
     FindCheckpointResult,
     LaunchRanksInput,
     Manifest,
+    NodeCheckpointRecord,
     PublishAttemptInput,
     ShardInfo,
     WatchCheckpoints,
@@ -44,6 +46,8 @@ from trainguard.client import TrainguardClient
 from trainguard.devstack import DevStack
 from trainguard.models import CheckpointRef, IncidentKind, RunResult
 from trainguard.protocol import RunLayout, shard_name
+
+from tests.agent_checkpoints import checkpoint, commit_once, upload
 
 from .conftest import NODES, activity_failures, make_spec
 
@@ -419,40 +423,46 @@ def _put_shard(s3: Any, run_prefix: str, step: int, rank: int, body: bytes) -> S
 
 
 def test_two_writers_for_one_step_cannot_replace_the_committed_manifest(
-    stack: DevStack, store_env: None, prefix: str, tmp_path: Path
+    stack: DevStack, store_env: None, prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     s3 = stack.s3()
     run_prefix = f"{prefix}/ck-writers"
     store = StoreActivities()
 
-    def commit(shards: list[ShardInfo], attempt: int) -> CheckpointRef:
-        return store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-w",
-                                                   attempt=attempt, step=10, world_size=2, shards=shards))
+    def commit(attempt: int) -> list[CheckpointRef]:
+        result = commit_once(store, BUCKET, run_prefix, "ck-w", 10, world_size=2, attempt=attempt)
+        return [c.ref for c in result.commits]
 
-    first = [_put_shard(s3, run_prefix, 10, rank, f"writer A rank {rank}".encode() * 64) for rank in (0, 1)]
-    ref = commit(first, attempt=1)
+    first = {rank: f"writer A rank {rank}".encode() * 64 for rank in (0, 1)}
+    upload(BUCKET, run_prefix, "ck-w", 10, first, attempt=1)
+    [ref] = commit(attempt=1)
     committed = s3.get_object(Bucket=BUCKET, Key=ref.manifest_key)["Body"].read()
     assert ref.step == 10 and ref.world_size == 2
 
-    # The same commit again (a retried activity) is idempotent: same answer, manifest untouched.
-    assert commit(first, attempt=1) == ref
+    # The committer's next pass (a retried activity) is idempotent: the same commit, manifest untouched.
+    assert commit(attempt=1) == [ref]
     assert s3.get_object(Bucket=BUCKET, Key=ref.manifest_key)["Body"].read() == committed
 
     # A second writer's agent (a zombie attempt, a restarted run) may not overwrite the committed shards.
     late = tmp_path / shard_name(0)
     late.write_bytes(b"writer B rank 0" * 64)
-    late_shard = ShardInfo(rank=0, key=first[0].key, size_bytes=late.stat().st_size,
+    late_shard = ShardInfo(rank=0, key=shard_key(run_prefix, 10, 0), size_bytes=late.stat().st_size,
                            sha256=hashlib.sha256(late.read_bytes()).hexdigest())
     with pytest.raises(ApplicationError) as refused:
         NodeCheckpointActivities("node-b", tmp_path)._upload_one(BUCKET, late, late_shard, ref.manifest_key)
     assert refused.value.type == "ConflictingCommit" and refused.value.non_retryable
-    assert s3.get_object(Bucket=BUCKET, Key=first[0].key)["Body"].read() == b"writer A rank 0" * 64
+    assert s3.get_object(Bucket=BUCKET, Key=shard_key(run_prefix, 10, 0))["Body"].read() == b"writer A rank 0" * 64
 
-    # Its shards land anyway (written around the agent) and it commits them.
-    second = [_put_shard(s3, run_prefix, 10, rank, f"writer B rank {rank}".encode() * 64) for rank in (0, 1)]
-    with pytest.raises(ApplicationError) as conflict:
-        commit(second, attempt=2)
-    assert conflict.value.type == "ConflictingCommit" and conflict.value.non_retryable
+    # Its shards and node records land anyway (written around the agent): its committer commits nothing, and
+    # says why.
+    for rank in (0, 1):
+        shard = _put_shard(s3, run_prefix, 10, rank, f"writer B rank {rank}".encode() * 64)
+        record = NodeCheckpointRecord(node=f"node-{rank}", attempt=2, step=10, shards=[shard])
+        s3.put_object(Bucket=BUCKET, Key=node_record_key(run_prefix, 10, f"node-{rank}"),
+                      Body=record.model_dump_json().encode())
+    with caplog.at_level(logging.WARNING, logger="activities.checkpoints"):
+        assert commit(attempt=2) == []
+    assert "step 10 was already committed with different shards (two writers?)" in caplog.text
     assert s3.get_object(Bucket=BUCKET, Key=ref.manifest_key)["Body"].read() == committed
 
     # Writer B's bytes now sit under writer A's manifest: a reader passes the step over, never restores it.
@@ -461,37 +471,32 @@ def test_two_writers_for_one_step_cannot_replace_the_committed_manifest(
     assert found.skipped and found.skipped[0].startswith("step 10: shard of rank 0"), found.skipped
 
 
-def test_a_commit_overtaken_by_a_newer_one_and_pruned_gives_up_at_once(
+def test_a_half_uploaded_step_overtaken_by_a_newer_commit_holds_the_last_pass_only_while_retention_keeps_it(
     stack: DevStack, store_env: None, prefix: str
 ) -> None:
-    """A commit stuck on a dead controller is retried after a newer checkpoint committed and retention
-    deleted the older step's shards: the retry says so and stops, instead of holding the run for minutes."""
+    """A node's upload of step 10 never finished (its node died mid-checkpoint) and step 20 committed. While
+    retention keeps two, step 10 may still be uploading: the run's last pass waits for it, and never gives the
+    checkpoint up. Keeping one, retention clears its folder, and the last pass returns at once instead of
+    holding the finished run for its quiet period."""
     s3 = stack.s3()
     run_prefix = f"{prefix}/ck-superseded"
     store = StoreActivities()
+    upload(BUCKET, run_prefix, "ck-s", 10, {0: b"step 10 rank 0" * 64})  # rank 1's node never uploaded
+    upload(BUCKET, run_prefix, "ck-s", 20, {rank: f"step 20 rank {rank}".encode() * 64 for rank in (0, 1)})
+    assert [c.ref.step for c in commit_once(store, BUCKET, run_prefix, "ck-s", 10, 2, keep_last=2).commits] == [20]
 
-    def commit(step: int, shards: list[ShardInfo], keep_last: int | None = 1) -> CheckpointRef:
-        return store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-s",
-                                                   attempt=1, step=step, world_size=2, shards=shards,
-                                                   keep_last=keep_last))
+    def last_pass(keep_last: int) -> float:
+        began = time.monotonic()
+        result = commit_once(store, BUCKET, run_prefix, "ck-s", 21, 2, keep_last=keep_last, quiet_s=1.0,
+                             max_duration_s=60.0, poll_interval_s=0.1)
+        assert result.commits == [] and result.store_error is None
+        return time.monotonic() - began
 
-    older = [_put_shard(s3, run_prefix, 10, rank, f"step 10 rank {rank}".encode() * 64) for rank in (0, 1)]
-    newer = [_put_shard(s3, run_prefix, 20, rank, f"step 20 rank {rank}".encode() * 64) for rank in (0, 1)]
-    s3.delete_object(Bucket=BUCKET, Key=older[1].key)  # not uploaded yet: worth retrying
-    with pytest.raises(ApplicationError) as pending:
-        commit(10, older)
-    assert pending.value.type == "ShardNotVerified" and not pending.value.non_retryable
-
-    commit(20, newer)
-    # Retention keeping two would still hold step 10: its shard cannot have been pruned, the store has not
-    # shown it yet (an upload just finished, a lagging listing). Retry; never give the checkpoint up.
-    with pytest.raises(ApplicationError) as lagging:
-        commit(10, older, keep_last=2)
-    assert lagging.value.type == "ShardNotVerified" and not lagging.value.non_retryable
-    with pytest.raises(ApplicationError) as superseded:
-        commit(10, older)
-    assert superseded.value.type == "CheckpointSuperseded" and superseded.value.non_retryable
-    assert "superseded by committed step 20" in superseded.value.message
+    assert last_pass(keep_last=2) >= 1.0, "waited for the step that may still be uploading"
+    assert s3.list_objects_v2(Bucket=BUCKET, Prefix=step_prefix(run_prefix, 10)).get("Contents"), "kept"
+    assert last_pass(keep_last=1) < 1.0, "returned at once: nothing of this run is left uploading"
+    assert not s3.list_objects_v2(Bucket=BUCKET, Prefix=step_prefix(run_prefix, 10)).get("Contents"), "cleared"
+    assert read_manifest(s3, BUCKET, manifest_key(run_prefix, 20)) is not None
 
 
 def test_a_shrunk_run_finds_the_larger_worlds_checkpoint_only_when_allowed(
@@ -499,10 +504,9 @@ def test_a_shrunk_run_finds_the_larger_worlds_checkpoint_only_when_allowed(
 ) -> None:
     s3 = stack.s3()
     run_prefix = f"{prefix}/ck-shrink"
-    shards = [_put_shard(s3, run_prefix, 10, rank, f"rank {rank}".encode() * 64) for rank in range(3)]
-    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-k",
-                                                    attempt=1, step=10, world_size=3, shards=shards))
-    s3.delete_object(Bucket=BUCKET, Key=shards[2].key)  # the lost node's shard: the smaller world needs none
+    assert checkpoint(StoreActivities(), BUCKET, run_prefix, "ck-k", 10,
+                      {rank: f"rank {rank}".encode() * 64 for rank in range(3)}) is not None
+    s3.delete_object(Bucket=BUCKET, Key=shard_key(run_prefix, 10, 2))  # the lost node's: the smaller world needs none
 
     def find(world_size: int, max_world_size: int | None, min_world_size: int | None = None) -> FindCheckpointResult:
         return StoreActivities()._find(FindCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, world_size=world_size,
@@ -516,9 +520,8 @@ def test_a_shrunk_run_finds_the_larger_worlds_checkpoint_only_when_allowed(
     assert find(3, None).manifest is None  # the full world needs the missing shard
 
     # The shrunk run commits as a world of two; grown back to three, rank 2 restores shard 2 mod 2 = 0.
-    smaller = [_put_shard(s3, run_prefix, 20, rank, f"world 2 rank {rank}".encode() * 64) for rank in range(2)]
-    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-k",
-                                                    attempt=2, step=20, world_size=2, shards=smaller))
+    assert checkpoint(StoreActivities(), BUCKET, run_prefix, "ck-k", 20,
+                      {rank: f"world 2 rank {rank}".encode() * 64 for rank in range(2)}, attempt=2) is not None
     assert find(3, 3).manifest is None  # only with min_nodes may a larger world restore a smaller one
     grown = find(3, 3, min_world_size=2)
     assert grown.manifest is not None and (grown.manifest.step, grown.manifest.world_size) == (20, 2)
@@ -583,9 +586,8 @@ def test_find_checkpoint_passes_over_unreadable_manifests(
 ) -> None:
     s3 = stack.s3()
     run_prefix = f"{prefix}/ck-garbage"
-    shards = [_put_shard(s3, run_prefix, 10, rank, f"rank {rank}".encode() * 64) for rank in (0, 1)]
-    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-g",
-                                                    attempt=1, step=10, world_size=2, shards=shards))
+    assert checkpoint(StoreActivities(), BUCKET, run_prefix, "ck-g", 10,
+                      {rank: f"rank {rank}".encode() * 64 for rank in (0, 1)}) is not None
     bodies = [b"", b"\x00\xff\xfe", b"[1, 2, 3]", b'{"step": "twenty"}', b"null"]
     for index, body in enumerate(bodies):
         step = 20 + 10 * index
@@ -740,7 +742,6 @@ def test_a_planted_manifest_is_refused_by_a_controller_with_a_key(
     """On the real store: the controller's commits carry its tag and restore; a manifest written straight into
     the store (untagged, or tagged under another key) is passed over naming why; the namespace's claim is a
     conditional write, so of two runs claiming it one wins."""
-    s3 = stack.s3()
     run_prefix = f"{prefix}/ck-tagged"
     store = StoreActivities(b"k" * 64)
 
@@ -751,16 +752,12 @@ def test_a_planted_manifest_is_refused_by_a_controller_with_a_key(
     assert find("ck-t").manifest is None  # the claim
     with pytest.raises(ApplicationError, match="belongs to run 'ck-t'"):
         find("ck-other")
-    shards = [_put_shard(s3, run_prefix, 10, rank, f"rank {rank}".encode() * 64) for rank in (0, 1)]
-    store._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-t", attempt=1,
-                                        step=10, world_size=2, shards=shards))
-    planted = [_put_shard(s3, run_prefix, step, rank, f"planted {step} {rank}".encode() * 64)
-               for step in (20, 30) for rank in (0, 1)]
-    StoreActivities()._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id="ck-t",
-                                                    attempt=1, step=20, world_size=2, shards=planted[:2]))
-    StoreActivities(b"x" * 64)._commit(CommitCheckpointInput(bucket=BUCKET, run_prefix=run_prefix,
-                                                             workflow_id="ck-t", attempt=1, step=30, world_size=2,
-                                                             shards=planted[2:]))
+    assert checkpoint(store, BUCKET, run_prefix, "ck-t", 10,
+                      {rank: f"rank {rank}".encode() * 64 for rank in (0, 1)}) is not None
+    # Planted: committed by a controller without the key, and by one with another key.
+    for step, planter in ((20, StoreActivities()), (30, StoreActivities(b"x" * 64))):
+        assert checkpoint(planter, BUCKET, run_prefix, "ck-t", step,
+                          {rank: f"planted {step} {rank}".encode() * 64 for rank in (0, 1)}) is not None
 
     found = find("ck-t")
 
