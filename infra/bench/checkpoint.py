@@ -16,12 +16,13 @@ Measured side by side in one run, on this machine:
    `upload_file` / `download_file` with the same `TransferConfig`, to the same private SeaweedFS, in
    alternating order. A sha256 pass over the file is also timed alone: what the checksum costs on its own.
 3. Replicated state saved once: a 4-rank DDP job (2 nodes x 2 ranks, every rank holding the same
-   `--ddp-size-mib` state) checkpoints one step through the real path: each rank's `RankRun.save`, each
-   node's upload of its ranks' shards (`NodeCheckpointActivities._upload_shard`, the two nodes at once),
-   then the commit (`StoreActivities._commit`: every shard verified in the store, manifest last). Before:
-   every rank saves (`tg.init()`); after: `tg.init(replicated=True)`, rank 0 writes the one shard and the
-   others record it as theirs. Bytes uploaded (the step's objects in the store) and commit time (from the
-   saves to the manifest), the two modes alternating.
+   `--ddp-size-mib` state) checkpoints one step through the product's path: each rank's `RankRun.save`, each
+   node agent's `upload_step` (its ranks' shards, every byte checked against its rank's sha256, then the
+   node's record last; the two nodes at once), then one pass of the controller's committer
+   (`StoreActivities.commit_checkpoints`: the nodes' records read, the manifest written last, retention
+   applied). Before: every rank saves (`tg.init()`); after: `tg.init(replicated=True)`, rank 0 writes the one
+   shard and the others record it as theirs. Bytes uploaded (the step's shard objects in the store) and commit
+   time (from the saves to the manifest), the two modes alternating.
 
 This is a benchmark, not a test: it prints figures and never asserts a time. Targets are shown with
 whether this run met them. Everything it starts (SeaweedFS) is stopped and its files removed on the way out.
@@ -77,6 +78,8 @@ IDLE_STEPS = 8
 WRITE_TIMEOUT_S = 300.0
 BENCH_STEP = 1
 """The step the transfer part's keys claim (trainguard reads the step back from a shard's key)."""
+BENCH_RUN = "bench"
+"""The workflow id the DDP part's ranks, agents and committer act for."""
 
 
 # ------------------------------------------------------------------------------------- the model state
@@ -392,14 +395,19 @@ def _measure_transfer(endpoint: str, creds: dict[str, str], shard: Path, meta: d
 
 def _ddp_checkpoint(state: dict[str, Any], work: Path, run_prefix: str, replicated: bool, step: int,
                     samples: ReplicatedSamples, mode: str) -> None:
-    """Every rank of the 4-rank job saves `step`; each node uploads its ranks' shards; the controller commits."""
+    """Every rank of the 4-rank job saves `step`; each node's agent uploads its ranks' shards and writes its node
+    record (`upload_step`, the two nodes at once); then one pass of the controller's committer writes the
+    manifest (`commit_checkpoints`). Both activities run here, outside Temporal, as a worker would run them."""
+    import asyncio
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from activities.checkpoint_layout import manifest_key, shard_from_meta, step_prefix
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.checkpoint_layout import NODE_RECORDS, manifest_key, step_prefix
     from activities.checkpoint_store import StoreActivities
     from activities.checkpoint_transfers import NodeCheckpointActivities
-    from activities.models import CommitCheckpointInput
+    from activities.models import CommitCheckpointsInput, WatchCheckpoints
     from trainguard import protocol
     from trainguard.rank import RankRun
     from trainguard.settings import s3_client
@@ -411,9 +419,11 @@ def _ddp_checkpoint(state: dict[str, Any], work: Path, run_prefix: str, replicat
         node_dir = node_dirs[rank // DDP_RANKS_PER_NODE]
         progress = node_dir / "progress" / f"rank-{rank:05d}.json"
         progress.parent.mkdir(parents=True, exist_ok=True)
-        runs.append(RankRun({protocol.ENV_PROGRESS_FILE: str(progress), protocol.ENV_CHECKPOINT_DIR:
-                             str(node_dir / "checkpoints"), protocol.ENV_CHECKPOINT_EVERY: str(step),
-                             "RANK": str(rank), "WORLD_SIZE": str(world)}, replicated=replicated))
+        # Saved where the node's agent looks for its ranks' shards.
+        checkpoints = protocol.RunLayout.of(node_dir, BENCH_RUN).checkpoint_dir
+        runs.append(RankRun({protocol.ENV_PROGRESS_FILE: str(progress), protocol.ENV_CHECKPOINT_DIR: str(checkpoints),
+                             protocol.ENV_CHECKPOINT_EVERY: str(step), "RANK": str(rank), "WORLD_SIZE": str(world)},
+                            replicated=replicated))
     # Four processes save at once in a real job: here four threads (the snapshot copy releases the GIL).
     barrier = threading.Barrier(world)
 
@@ -426,30 +436,27 @@ def _ddp_checkpoint(state: dict[str, Any], work: Path, run_prefix: str, replicat
     with ThreadPoolExecutor(max_workers=world) as pool:
         list(pool.map(save, runs))
     written = time.perf_counter()
-    prefix = step_prefix(run_prefix, step)
-    manifest = manifest_key(run_prefix, step)
-    node = NodeCheckpointActivities("bench", work / "agent")
+    target = WatchCheckpoints(bucket=BUCKET, run_prefix=run_prefix)
+    agents = [NodeCheckpointActivities(f"node-{n}", node_dirs[n]) for n in range(DDP_NODES)]
 
-    def upload(node_index: int) -> list[Any]:
-        """What one node's watch does for the step: each of its ranks' shards, one after another."""
-        step_dir = node_dirs[node_index] / "checkpoints" / f"step-{step:08d}"
-        shards = []
-        for meta_path in sorted(step_dir.glob("rank-*.json")):
-            shard = shard_from_meta(json.loads(meta_path.read_text()), prefix, f"node-{node_index}")
-            node._upload_shard(BUCKET, step_dir, shard, manifest)
-            shards.append(shard)
-        return shards
+    async def upload() -> None:
+        await asyncio.gather(*(ActivityEnvironment().run(agent.upload_step, BENCH_RUN, 1, target, step, {}, step)
+                               for agent in agents))
 
-    with ThreadPoolExecutor(max_workers=DDP_NODES) as pool:
-        shards = [s for found in pool.map(upload, range(DDP_NODES)) for s in found]
+    asyncio.run(upload())
     uploaded = time.perf_counter()
-    StoreActivities()._commit(CommitCheckpointInput(
-        bucket=BUCKET, run_prefix=run_prefix, workflow_id="bench", attempt=1, step=step, world_size=world,
-        shards=shards))
+    committer = CommitCheckpointsInput(bucket=BUCKET, run_prefix=run_prefix, workflow_id=BENCH_RUN, attempt=1,
+                                       min_attempt=1, world_size=world, num_nodes=DDP_NODES, after_step=step - 1,
+                                       max_duration_s=0.0, poll_interval_s=0.0)
+    result = asyncio.run(ActivityEnvironment().run(StoreActivities().commit_checkpoints, committer))
     committed = time.perf_counter()
+    if [c.ref.step for c in result.commits] != [step]:
+        raise RuntimeError(f"the committer did not commit step {step}: {result}")
     client = s3_client()
+    prefix = step_prefix(run_prefix, step)
     listed = client.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
-    data = [o for o in listed if o["Key"] != manifest]
+    data = [o for o in listed if o["Key"] != manifest_key(run_prefix, step)
+            and not o["Key"].startswith(f"{prefix}{NODE_RECORDS}/")]
     samples.stored_bytes[mode].append(sum(o["Size"] for o in data))
     samples.objects[mode].append(len(data))
     samples.commit_s[mode].append(committed - started)

@@ -91,7 +91,7 @@ class ReplicatedSamples:
     write_s: dict[str, list[float]] = field(default_factory=lambda: {"every": [], "once": []})
     """...of which until every rank's meta file was written (snapshot and background write)."""
     upload_s: dict[str, list[float]] = field(default_factory=lambda: {"every": [], "once": []})
-    """...of which the two nodes' uploads."""
+    """...of which the two nodes' uploads (each node's shards, then its record); the rest is the committer's pass."""
 
 
 
@@ -174,7 +174,7 @@ def replicated_figures(r: ReplicatedSamples, size_mib: int) -> list[Figure]:
     commit = {mode: _median(r.commit_s[mode]) for mode in ("every", "once")}
     objects = {mode: _median([float(n) for n in r.objects[mode]]) for mode in ("every", "once")}
     parts = {mode: f"write {_median(r.write_s[mode]):.2f} s + upload {_median(r.upload_s[mode]):.2f} s + "
-                   f"verify and manifest {commit[mode] - _median(r.write_s[mode]) - _median(r.upload_s[mode]):.2f} s"
+                   f"committer pass {commit[mode] - _median(r.write_s[mode]) - _median(r.upload_s[mode]):.2f} s"
              for mode in ("every", "once")}
     return [
         Figure(f"{world}-rank DDP bytes uploaded, {size_mib} MiB state", "MB", stored["once"], stored["every"], None,
