@@ -41,6 +41,11 @@ spare too for the node faults (the spare takes the node's place, from the proces
    restarted and uncordoned afterwards).
 5. The floor: the same 2 ranks started cold by plain torchrun with a local checkpoint present, time from
    launch to the first training step. No recovery can beat a cold start of the job it restarts.
+6. Numerical faults (`infra/bench/recovery_numerics.py`, unless `--skip-numerics`), on the same stack: a flipped
+   bit (`chaos bitflip`) and a NaN loss (`chaos nan`) in a 2 x 2-rank run of the same trainer, detection in steps
+   and seconds and the rollback's cost; and the fingerprint's overhead, fault-free runs with and without
+   fingerprints side by side and its cost against a training step measured directly. The launchers have no such
+   check: a flipped bit or a NaN trains on under them.
 
 This is a benchmark, not a test: it prints figures and writes them to JSON; it never asserts a time.
 Every process it starts is killed (process groups, and workers found by the marker) and every file it
@@ -115,7 +120,8 @@ def trainguard_spec(opts: argparse.Namespace, prefix: str, fault: str) -> dict[s
 
 
 async def trainguard_faults(opts: argparse.Namespace, faults: list[str], dev: Any,
-                            system: str = "trainguard") -> list[Measurement]:
+                            system: str = "trainguard", numerics: dict[str, Any] | None = None) -> list[Measurement]:
+    """Each fault's run in turn; then, given `numerics`, the numerical rows (`recovery_numerics`) into it."""
     from trainguard.client import TrainguardClient
     from trainguard.settings import Settings
 
@@ -134,6 +140,13 @@ async def trainguard_faults(opts: argparse.Namespace, faults: list[str], dev: An
             await repair(client, dev, FAULT_NODE)
         say(f"  -> {summary(measured)}")
         results.append(measured)
+    if numerics is not None:
+        from infra.bench.recovery_numerics import measure
+
+        try:
+            numerics.update(await measure(client, opts, say))
+        except Exception as error:  # noqa: BLE001 - the other rows stand without these
+            numerics["error"] = f"{error!r}"[:300]
     return results
 
 
@@ -323,7 +336,8 @@ def run_trainguard(opts: argparse.Namespace, faults: list[str], work: Path,
                    hosts: bool = False) -> tuple[list[Measurement], dict[str, Any]]:
     from infra.bench.stack import private_stack
 
-    nodes = (*NODES, SPARE) if NODE_FAULTS & set(faults) else NODES
+    numerics = not hosts and not opts.skip_numerics
+    nodes = (*NODES, SPARE) if NODE_FAULTS & set(faults) or numerics else NODES
     info: dict[str, Any] = {"nvml": "stand-in event set (infra/bench/nvml_standin)" if "gpu" in faults else "none"}
     name = "hosts-stack" if hosts else "stack"
     with _nvml_standin("gpu" in faults), private_stack(name, nodes, PORT_SEARCH_START, echo=lambda line: say(f"  {name}: {line}"),
@@ -334,7 +348,8 @@ def run_trainguard(opts: argparse.Namespace, faults: list[str], work: Path,
             info["addresses"] = {node: dev.node_address(node) for node in nodes}
         say(f"  {name} up in {info['stack_up_s']:.1f}s on port base {dev.config.ports.temporal}")
         system = HOSTS_SYSTEM if hosts else "trainguard"
-        return asyncio.run(trainguard_faults(opts, faults, dev, system)), info
+        found = info.setdefault("numerics", {}) if numerics else None
+        return asyncio.run(trainguard_faults(opts, faults, dev, system, found)), info
 
 
 def _tmp_entries() -> set[str]:
@@ -368,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", action="store_true",
                         help=f"also measure the lost-node rows ({', '.join(HOSTS_FAULTS)}) in hosts mode: each node "
                              "in a network namespace of its own (needs root)")
+    parser.add_argument("--skip-numerics", action="store_true",
+                        help="leave out the numerical rows (a flipped bit, a NaN loss, the fingerprint's overhead)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep torchrun output and the stack's logs under .bench/recovery-logs")
     opts = parser.parse_args(argv)
@@ -440,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     systems = ["trainguard", HOSTS_SYSTEM, *LAUNCHERS]
     results.sort(key=lambda m: (order[m.fault], systems.index(m.system)))
     lines, ratios = report(results, floor)
+    numerics = stack_info.pop("numerics", None)
+    if numerics and "faults" in numerics:
+        from infra.bench.recovery_numerics import table
+
+        lines += table(numerics)
+    elif numerics:
+        lines.append(f"numerical rows not measured: {numerics.get('error')}")
     new_tmp = sorted(_tmp_entries() - tmp_before)
     stack_socks = tuple(f"-{port}.sock" for port in [*stack_info.get("weed_grpc_ports", []),
                                                      *stack_info.get("hosts_stack", {}).get("weed_grpc_ports", [])])
@@ -466,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": [asdict(m) for m in results],
         "floor": asdict(floor) if floor else None,
         "ratios": ratios,
+        "numerics": numerics,
         "table": lines,
         "new_tmp_entries": new_tmp,
         "total_s": round(time.monotonic() - started, 3),

@@ -206,6 +206,11 @@ def table(figures: dict[str, Any]) -> list[str]:
               f"{_fmt(off['mean_step_s'], 4)} s without; digests "
               f"{'equal' if on['digest'] == off['digest'] else 'differ'} (a wall-clock difference on shared CPUs "
               f"with a mostly sleeping step is noise)"]
+    every, took = figures["fingerprint_every_steps"], figures["cost"]["trainer"]["fingerprint_s"]
+    if on["mean_step_s"]:
+        lines.append(f"- in the benchmark's job: one fingerprint of its model ({took * 1e3:.3f} ms) every {every} "
+                     f"steps of {on['mean_step_s']:.4f} s: {took / (every * on['mean_step_s']) * 100:.3f}% "
+                     f"of step time")
     for name, cost in figures["cost"].items():
         lines.append(f"- {name} model ({cost['parameters']:,} parameters): one fingerprint "
                      f"{cost['fingerprint_s'] * 1e3:.3f} ms, one training step {cost['step_s'] * 1e3:.3f} ms: "
