@@ -55,7 +55,6 @@ from activities.checkpoint_layout import (
 from activities.checkpoint_owner import check_consent, claim_namespace, manifest_author
 from activities.models import (
     AttemptDecision,
-    CommitCheckpointInput,
     CommitCheckpointsInput,
     CommitCheckpointsResult,
     CommittedCheckpoint,
@@ -288,43 +287,6 @@ class StoreActivities:
                 continue
             return key, manifest, digest
         return None
-
-    def _commit(self, request: CommitCheckpointInput) -> CheckpointRef:
-        """Write the manifest of a step whose shards the caller lists, last, once every shard is verified in
-        the store. Idempotent. No workflow commits this way any more (the committer, `commit_checkpoints`,
-        reads the nodes' records instead): tests and the checkpoint benchmark do."""
-        client = s3_client()
-        ranks = sorted(s.rank for s in request.shards)
-        if ranks != list(range(request.world_size)):
-            raise ApplicationError(
-                f"step {request.step}: shards for ranks {ranks} do not cover world size {request.world_size}",
-                type=ErrorType.INCOMPLETE_CHECKPOINT,
-                non_retryable=True,
-            )
-        for shard in request.shards:
-            problem = check_shard_in_store(client, request.bucket, shard)
-            if problem:
-                newer = [s for s in list_steps(client, request.bucket, request.run_prefix) if s > request.step
-                         and self._exists(client, request.bucket, manifest_key(request.run_prefix, s))]
-                if newer and (request.keep_last is None or len(newer) >= request.keep_last):
-                    # Newer checkpoints committed meanwhile and retention let this one go: nothing to retry.
-                    raise ApplicationError(f"step {request.step}: {problem}; superseded by committed step "
-                                           f"{max(newer)}", type=ErrorType.CHECKPOINT_SUPERSEDED, non_retryable=True)
-                # Retryable: a store that lists lazily may not show a just-finished upload yet.
-                raise ApplicationError(f"step {request.step}: {problem}", type=ErrorType.SHARD_NOT_VERIFIED)
-        manifest = Manifest(
-            workflow_id=request.workflow_id,
-            step=request.step,
-            world_size=request.world_size,
-            attempt=request.attempt,
-            chain_id=request.chain_id,
-            shards=sorted(request.shards, key=lambda s: s.rank),
-            total_bytes=sum(s.size_bytes for s in request.shards),
-            created_at=time.time(),
-            state_format=state_format_of(request.shards),
-            reshardable=reshardable_of(request.shards),
-        )
-        return self._put_manifest(client, request.bucket, request.run_prefix, manifest)
 
     def _put_manifest(self, client: Any, bucket: str, run_prefix: str, manifest: Manifest) -> CheckpointRef:
         """Write the manifest (its pages first, its tag set), never over another: a retry finds its own."""
