@@ -80,6 +80,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)  # a 2-D mesh makes fully_shard shard on "shard", replicate on "replicate"
     fully_shard(model, mesh=mesh)
     # --8<-- [end:mesh]
+    run.fingerprint(model)  # replicas of each shard compared: a flipped bit is found and rolled back
     sampler = DistributedSampler(synthetic_tokens(), shuffle=True, seed=0)
     # A generator of its own: each epoch's iterator draws a seed from it, not from the global RNG that a
     # restore sets back, so a resume mid-epoch leaves the model's own random numbers (dropout) as they were.

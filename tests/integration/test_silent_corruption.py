@@ -87,3 +87,50 @@ async def test_chaos_nan_is_a_numerical_fault_rolled_back_to_the_fault_free_dige
     assert incident.resumed_step < incident.bad_step
     assert (await client.status(rid)).status.cordoned == []  # a numerical fault blames no hardware
     assert result.final_state_digest == fault_free.final_state_digest
+
+
+# ------------------------------------------------------------------------------ a Hugging Face Llama, DDP and HSDP
+def llama(prefix: str, entrypoint: list[str]) -> dict[str, object]:
+    return {"entrypoint": entrypoint, "nodes": ["node-0", "node-1"], "spare_nodes": ["node-2"], "ranks_per_node": 2,
+            "checkpoint": {"prefix": prefix, "every_steps": 10, "keep_last": 2},
+            "health": {"hang_floor_s": 10.0}}
+
+
+LLAMA_DDP = ["python", "examples/train_lm.py", "--parallel", "ddp", "--steps", "80", "--step-time", "0.1"]
+HSDP = ["python", "examples/recipes/hsdp.py", "--step-time", "0.1"]
+
+
+async def flipped_and_finished(client: TrainguardClient, stack: DevStack, prefix: str, entrypoint: list[str],
+                               kind: str) -> tuple[RunResult, RunResult]:
+    """The job without a fault and the same job with a bit flipped on node-1's first rank after its first commit."""
+    base = await asyncio.wait_for(client.result(await client.start_run(
+        llama(f"{prefix}-base", entrypoint), workflow_id=run_id(f"{kind}-base"))), RUN_TIMEOUT_S)
+    rid = await client.start_run(llama(prefix, entrypoint), workflow_id=run_id(kind))
+    await wait_until(client, rid, lambda v: checkpointed(v, min_step=12), timeout_s=180)
+    await client.inject_fault(rid, "bitflip", "node-1")
+    try:
+        return base, await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+    finally:
+        await client.uncordon("node-1")
+
+
+# ~2 min each on 2 cores (a Llama's imports on 8 ranks): `make test-slow`.
+@pytest.mark.slow
+async def test_a_llama_under_ddp_flipped_on_node_1_is_named_and_rolled_back_to_its_fault_free_digest(
+        client: TrainguardClient, stack: DevStack, prefix: str) -> None:
+    base, result = await flipped_and_finished(client, stack, prefix, LLAMA_DDP, "llama-ddp")
+    [incident] = [i for i in result.incidents if i.kind is IncidentKind.SILENT_DATA_CORRUPTION]
+    assert (incident.node, incident.rank, incident.action) == ("node-1", 2, Action.REPLACE_NODE), incident
+    assert result.final_state_digest == base.final_state_digest
+
+
+@pytest.mark.slow
+async def test_hsdp_compares_each_shard_across_its_two_replicas_and_rolls_back_to_the_fault_free_digest(
+        client: TrainguardClient, stack: DevStack, prefix: str) -> None:
+    # 2 replicas x 2 shards: node-0 holds replica 0 (ranks 0, 1), node-1 replica 1 (ranks 2, 3). A bit flipped in
+    # rank 2's shard makes shard 0's two replicas differ; with two, no majority names one, so both are suspects.
+    base, result = await flipped_and_finished(client, stack, prefix, HSDP, "hsdp")
+    [incident] = [i for i in result.incidents if i.kind is IncidentKind.SILENT_DATA_CORRUPTION]
+    assert "rank 0 (node-0), rank 2 (node-1)" in incident.cause and "shard 0/2" in incident.cause, incident
+    assert incident.node is None and incident.action is Action.RESTART
+    assert result.final_state_digest == base.final_state_digest
