@@ -12,8 +12,9 @@ trainguard wants a checkpoint (`checkpoint.every_steps`, an operator's `checkpoi
 checkpoint folder the Trainer writes (model, optimizer, LR scheduler, gradient scaler, every rank's RNG,
 `trainer_state.json` with the global step) to the rank helper, which stores it as one shard that the node
 agent uploads and the run commits like any other. Evaluations and saves between steps are named phases, so
-they are never taken for a hang before `health.hang_max_s`. At the end of training it reports the rank
-finished with the digest of the model's state (`TrainguardCallback(digest=False)` skips it).
+they are never taken for a hang before `health.hang_max_s`. The model takes part in the run's comparison of
+replicas (`run.fingerprint`), so a replica that computes wrong is found and rolled back. At the end of training
+it reports the rank finished with the digest of the model's state (`TrainguardCallback(digest=False)` skips it).
 
 Resume goes through the Trainer's own `resume_from_checkpoint`, which restores all of the above and skips the
 batches already trained on (the data position): `train(trainer)` writes the checkpoint trainguard restored
@@ -116,6 +117,8 @@ class TrainguardCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        if kwargs.get("model") is not None:  # replicas compared: a flipped bit is found and rolled back
+            self.run.fingerprint(kwargs["model"])
         if self.run.start_step > 0 and state.global_step != self.run.start_step:
             self.run._stop(
                 f"trainguard: this attempt restored the checkpoint of step {self.run.start_step}, but the Trainer "
