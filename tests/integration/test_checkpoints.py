@@ -27,6 +27,7 @@ from temporalio.exceptions import ApplicationError
 from activities.checkpoint_layout import (decision_key, manifest_key, manifest_problem, node_record_key, signed_body,
                                           step_prefix)
 from activities.checkpoint_store import StoreActivities
+from activities.fingerprints import FINGERPRINT_DIR
 from activities.store_reads import not_modified, abort_orphaned_uploads, check_shard_in_store, list_steps, read_manifest
 from activities.checkpoint_transfers import NodeCheckpointActivities
 from activities.models import (
@@ -348,9 +349,9 @@ async def test_same_workflow_id_rerun_restores_past_a_flipped_byte(
     s3 = stack.s3()
     listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{run_prefix}/")["Contents"]
     kept = {o["Key"].removeprefix(f"{run_prefix}/").split("/")[0] for o in listed}
-    # keep_last=2; the namespace's owner record; a run slowed past a straggler window (a loaded machine) also
-    # leaves its nodes' pace records, which are no checkpoints
-    assert kept - {"pace"} == {"owner.json", "step-00000030", "step-00000040"}
+    # keep_last=2; the namespace's owner record; the nodes' fingerprint records (the replicas' comparison) and,
+    # for a run slowed past a straggler window (a loaded machine), their pace records, which are no checkpoints
+    assert kept - {"pace", FINGERPRINT_DIR} == {"owner.json", "step-00000030", "step-00000040"}
     # A fresh start seeds Python's RNG from the OS, so this run's shards are its own, not the source's.
     manifests = [read_manifest(s3, BUCKET, manifest_key(run_prefix, step)) for step in (30, 40)]
     genuine = {s.sha256 for m in manifests if m is not None for s in m.shards}
