@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from activities.fingerprint_models import CorruptionVerdict
 from activities.pace_models import PaceVerdict
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, CheckpointRef, InjectFaultResult, StopReason  # noqa: F401 - re-exported
-from trainguard.numerics import DEFAULT_FINGERPRINT_EVERY_STEPS
+from trainguard.numerics import DEFAULT_FINGERPRINT_EVERY_STEPS, DEFAULT_LOSS_SPIKE_RATIO
 from trainguard.protocol import DEFAULT_CHECKPOINT_EVERY_STEPS
 from trainguard.spec import NODE_ID_PATTERN, HealthSpec
 
@@ -385,6 +385,8 @@ class RankGroupInput(BaseModel):
     """The spec's `checkpoint.every_steps`, given to the ranks as `TRAINGUARD_CHECKPOINT_EVERY`."""
     fingerprint_every: int = DEFAULT_FINGERPRINT_EVERY_STEPS
     """The spec's `health.fingerprint_every_steps`, given to the ranks as `TRAINGUARD_FINGERPRINT_EVERY`."""
+    loss_spike_ratio: float = DEFAULT_LOSS_SPIKE_RATIO
+    """The spec's `health.loss_spike_ratio`, given to the ranks as `TRAINGUARD_LOSS_SPIKE_RATIO`."""
 
 
 class LaunchRanksInput(RankGroupInput):

@@ -257,6 +257,7 @@ class RankLaunch:
             protocol.ENV_CHECKPOINT_DIR: str(layout.checkpoint_dir),
             protocol.ENV_CHECKPOINT_EVERY: str(request.checkpoint_every),
             protocol.ENV_FINGERPRINT_EVERY: str(request.fingerprint_every),
+            protocol.ENV_LOSS_SPIKE_RATIO: repr(request.loss_spike_ratio),
             protocol.ENV_CHECKPOINT_REQUEST_FILE: str(layout.checkpoint_request_file(record.attempt)),
             protocol.ENV_REJOIN_FILE: str(layout.rejoin_file(rank)),
             **evidence_env(layout, record.attempt, rank, request.env),

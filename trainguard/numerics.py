@@ -152,17 +152,19 @@ LOSS_WINDOW = 50
 LOSS_MIN_SAMPLES = 10
 """...once it holds this many: a loss that falls fast in the first steps is not yet a window."""
 LOSS_SPIKE_MADS = 20.0
-"""A loss above the window's median by more than this many median absolute deviations (and by more than
-`LOSS_SPIKE_FLOOR` of the median) is far outside it: a divergence, not the noise of batches."""
-LOSS_SPIKE_FLOOR = 9.0
-"""...and at least this many times the median above it (ten times the median), however flat the window. A small
-model past its fast descent swings to six times its median loss now and then (momentum SGD on examples/train.py),
-and a spike that is the data comes back at the same step after the rollback and stops the run: a false one costs
-more than a late one."""
+"""A loss above the window's median by more than this many median absolute deviations (and at least
+`health.loss_spike_ratio` times the median) is far outside it: a divergence, not the noise of batches."""
+DEFAULT_LOSS_SPIKE_RATIO = 100.0
+"""`health.loss_spike_ratio` when a spec does not say: a loss a hundred times its recent median. Generous on
+purpose: a small model past its fast descent swings to 18 times its median loss now and then (momentum SGD on
+examples/train.py at --hidden 16), and a spike that is the data comes back at the same step after the rollback
+and stops the run, so a false one costs more than a late one. A model whose loss is steady (a language model)
+can set 3 to 5."""
 
 
-def judge_loss(window: Iterable[float], loss: float) -> str | None:
-    """Why `loss` is a numerical fault against the recent `window`, or None when it is not. Pure."""
+def judge_loss(window: Iterable[float], loss: float, ratio: float = DEFAULT_LOSS_SPIKE_RATIO) -> str | None:
+    """Why `loss` is a numerical fault against the recent `window` (a spike: at least `ratio` times its median),
+    or None when it is not. Pure."""
     if not math.isfinite(loss):
         return f"loss is {loss}"
     recent = list(window)
@@ -170,7 +172,7 @@ def judge_loss(window: Iterable[float], loss: float) -> str | None:
         return None
     median = statistics.median(recent)
     spread = statistics.median(abs(x - median) for x in recent)
-    bound = median + max(LOSS_SPIKE_MADS * spread, LOSS_SPIKE_FLOOR * abs(median))
+    bound = median + max(LOSS_SPIKE_MADS * spread, (ratio - 1) * abs(median))
     if loss > bound:
         return (f"loss {loss:.6g} is far outside its last {len(recent)} steps (median {median:.6g}, "
                 f"bound {bound:.6g})")
@@ -180,11 +182,12 @@ def judge_loss(window: Iterable[float], loss: float) -> str | None:
 class LossWindow:
     """The rank's recent losses; `observe` judges each as it comes. A judged loss stays out of the window."""
 
-    def __init__(self) -> None:
+    def __init__(self, ratio: float = DEFAULT_LOSS_SPIKE_RATIO) -> None:
         self.recent: deque[float] = deque(maxlen=LOSS_WINDOW)
+        self.ratio = ratio
 
     def observe(self, loss: float) -> str | None:
-        why = judge_loss(self.recent, loss)
+        why = judge_loss(self.recent, loss, self.ratio)
         if why is None:
             self.recent.append(loss)
         return why

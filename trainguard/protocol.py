@@ -80,6 +80,9 @@ ENV_NODE = "TRAINGUARD_NODE"
 """The node the rank runs on."""
 ENV_EVIDENCE_BASE = "TRAINGUARD_EVIDENCE_BASE"
 """The path prefix of the rank's evidence files (`trainguard.evidence`)."""
+ENV_LOSS_SPIKE_RATIO = "TRAINGUARD_LOSS_SPIKE_RATIO"
+"""The spec's `health.loss_spike_ratio`: a loss the script reports at least this many times its recent median is
+a numerical fault."""
 ENV_FINGERPRINT_EVERY = "TRAINGUARD_FINGERPRINT_EVERY"
 """The spec's `health.fingerprint_every_steps`: a rank whose script called `run.fingerprint(model)` reports the
 fingerprint of its replicated state every this many steps (0: never)."""

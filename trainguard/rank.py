@@ -189,7 +189,8 @@ class RankRun:
         self._fingerprint_group = ""
         self._fingerprints: collections.deque[_numerics.Fingerprint] = collections.deque(
             maxlen=_protocol.FINGERPRINTS_KEPT)
-        self._losses = _numerics.LossWindow()
+        self._losses = _numerics.LossWindow(float(environ.get(_protocol.ENV_LOSS_SPIKE_RATIO, "0") or 0)
+                                            or _numerics.DEFAULT_LOSS_SPIKE_RATIO)
         self._numerical: dict[str, Any] | None = None
         """The first numerical fault of the loss the script reported, as the progress file says it."""
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 # Re-exported for the node agent and older imports; the policy's home is `trainguard.env_policy`.
 from trainguard.env_policy import EXEC_ENV_PATTERNS as EXEC_ENV_PATTERNS
-from trainguard.numerics import DEFAULT_FINGERPRINT_EVERY_STEPS
+from trainguard.numerics import DEFAULT_FINGERPRINT_EVERY_STEPS, DEFAULT_LOSS_SPIKE_RATIO
 from trainguard.env_policy import PYTHON_KNOBS as PYTHON_KNOBS
 from trainguard.env_policy import exec_env_refused as exec_env_refused
 from trainguard.ids import validate_workflow_id
@@ -321,6 +321,13 @@ class HealthSpec(_Strict):
     its replicated parameters, and the run compares replicas': one that differs is a silent data corruption, found
     within this many steps (and a second or two). One read of the parameters: under 1% of the steps between. 0: no
     fingerprints (checkpoints still carry theirs). Default 10."""
+
+    loss_spike_ratio: float = Field(DEFAULT_LOSS_SPIKE_RATIO, gt=1, le=1e12)
+    """A loss the script reports (`run.step_done(step, loss=...)`) at least this many times the median of its last
+    50 (and 20 median absolute deviations above it) is a numerical fault, as a NaN or infinite one always is.
+    Generous by default: a small model's loss swings to 18 times its median past its fast descent, and a spike that
+    is the data stops the run when it comes back after the rollback. A model whose loss is steady (a language model)
+    can set 3 to 5. Default 100."""
 
     @model_validator(mode="after")
     def _floor_below_max(self) -> HealthSpec:

@@ -108,6 +108,7 @@ class Attempts:
                 entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
                 restore_dir=restore_dirs.get(nodes[index]), restore_step=restore_step,
                 checkpoint_every=spec.checkpoint.every_steps, fingerprint_every=spec.health.fingerprint_every_steps,
+                loss_spike_ratio=spec.health.loss_spike_ratio,
                 rejoin_timeout_s=spec.restarts.rejoin_timeout_s if spec.restarts.in_process else None,
             )
 
@@ -163,7 +164,7 @@ class Attempts:
                 master_port=master.master_port if master else None,
                 entrypoint=spec.entrypoint, env=spec.env, working_dir=spec.working_dir,
                 checkpoint_every=spec.checkpoint.every_steps, fingerprint_every=spec.health.fingerprint_every_steps,
-                rejoin_timeout_s=spec.restarts.rejoin_timeout_s,
+                loss_spike_ratio=spec.health.loss_spike_ratio, rejoin_timeout_s=spec.restarts.rejoin_timeout_s,
             )
 
         answers = await self._master_first(NodeCallKind.REJOIN, rejoin, RejoinRanksResult,

@@ -61,15 +61,28 @@ def test_plain_parameters_form_one_group_of_replicas() -> None:
     ([1.0] * 20, float("inf"), True),
     ([1.0] * 20, float("-inf"), True),
     ([1.0, 1.1, 0.9] * 5, 1.2, False),  # the noise of batches
-    ([1.0, 1.1, 0.9] * 5, 50.0, True),  # a spike far outside the window
-    ([1.0, 1.1, 0.9] * 2, 50.0, False),  # too few steps to call anything a spike
+    ([1.0, 1.1, 0.9] * 5, 150.0, True),  # a spike far outside the window
+    ([1.0, 1.1, 0.9] * 2, 150.0, False),  # too few steps to call anything a spike
     ([1.0, 1.1, 0.9] * 5, 0.01, False),  # a loss that falls is no fault
-    ([0.5] * 20, 4.9, False),  # a flat window: a spike is at least ten times its median
-    ([0.5] * 20, 5.1, True),
-    ([0.03, 0.04, 0.02] * 10, 0.19, False),  # a small model's swing past its fast descent (examples/train.py)
+    ([0.5] * 20, 49.0, False),  # a flat window: a spike is at least a hundred times its median
+    ([0.5] * 20, 51.0, True),
+    ([0.03, 0.04, 0.02] * 10, 0.55, False),  # a small model's swing past its fast descent (examples/train.py)
 ])
 def test_judge_loss(window: list[float], loss: float, faulty: bool) -> None:
     assert (numerics.judge_loss(window, loss) is not None) is faulty
+
+
+def test_a_steady_loss_can_ask_for_a_tighter_bound() -> None:
+    assert numerics.judge_loss([2.0, 2.1, 1.9] * 5, 8.0) is None
+    assert numerics.judge_loss([2.0, 2.1, 1.9] * 5, 8.0, ratio=3.0) is not None
+
+
+def test_the_spec_reaches_the_rank(tmp_path: Path) -> None:
+    run = RankRun({"TRAINGUARD_PROGRESS_FILE": str(tmp_path / "progress.json"), "TRAINGUARD_LOSS_SPIKE_RATIO": "3.0"})
+    for step in range(1, 16):
+        run.step_done(step, loss=2.0)
+    run.step_done(16, loss=8.0)
+    assert run._numerical is not None and run._numerical["step"] == 16
 
 
 def test_poisoned_forward_makes_the_next_loss_and_gradients_nan_once() -> None:
