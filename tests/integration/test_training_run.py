@@ -42,12 +42,14 @@ async def test_run_completes_and_commits_checkpoints_to_s3(baseline: RunResult, 
         assert head["ContentLength"] == shard.size_bytes
         assert head["Metadata"]["sha256"] == shard.sha256
     # Retention keeps the newest two committed checkpoints (steps 40 and 60) and deletes 20; the namespace's
-    # owner record (the run's first restore claimed it) stays. (Nodes also write their pace records under
-    # `pace/` once a straggler window, so a run slower than a window has that folder too.)
+    # owner record (the run's first restore claimed it) stays, and each node's record of its ranks' fingerprints
+    # (the trainer calls run.fingerprint). (Nodes also write their pace records under `pace/` once a straggler
+    # window, so a run slower than a window has that folder too.)
     prefix = ref.manifest_key.rsplit("/step-", 1)[0]
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=ref.bucket, Prefix=prefix + "/")["Contents"]]
     assert sorted({k.removeprefix(prefix + "/").split("/")[0] for k in keys} - {"pace"}) == [
-        "owner.json", "step-00000040", "step-00000060"]
+        "fingerprints", "owner.json", "step-00000040", "step-00000060"]
+    assert sorted(k.rsplit("/", 1)[1] for k in keys if "/fingerprints/" in k) == ["node-0.json", "node-1.json"]
     # Each node's record of its part of a kept step stays beside the shards (the committer's evidence).
     assert sorted(k.rsplit("/", 1)[1] for k in keys if "/step-00000060/nodes/" in k) == ["node-0.json", "node-1.json"]
     assert live_rank_pids(stack) == []
