@@ -275,8 +275,11 @@ class RankWatch:
             numerical = numerical_fault(reports)
             if numerical is not None:
                 rank, fault = numerical
+                # When the rank saw it: a NaN spreads through the next all-reduce, so peers see theirs a step
+                # later, and the earliest is the step to roll back past.
                 return event(WatchEventKind.NUMERICAL_FAULT, rank=rank, fault_step=int(fault["step"]),
-                             fault_at=record.faults.get(rank), occurred_at=record.faults.get(rank) or now,
+                             fault_at=record.faults.get(rank),
+                             occurred_at=record.faults.get(rank) or fault.get("at") or now,
                              detail=f"rank {rank} at step {fault['step']}: {fault['detail']}")
 
             if all(record.ranks[r].poll() for r in local_ranks):

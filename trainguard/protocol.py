@@ -407,7 +407,8 @@ class Progress:
     """The rank's newest fingerprints of its replicated state, oldest first (`trainguard.numerics.Fingerprint`
     as JSON: step, value, group): a few, so a report the 50 ms bound skipped loses none."""
     numerical: dict[str, Any] | None = None
-    """A numerical fault the rank saw in the loss its script reported: {"step", "loss", "detail"} (the first)."""
+    """A numerical fault the rank saw in the loss its script reported: {"step", "loss", "detail", "at"} (the first;
+    `at`: unix time the rank saw it)."""
 
     _ALWAYS = ("rank", "pid", "attempt", "step", "time", "step_time_s", "compute_s", "timed_steps")
 
@@ -483,7 +484,7 @@ def _numerical(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         return None
     return {"step": int(value.get("step", -1)), "loss": _optional_float(value.get("loss")),
-            "detail": str(value.get("detail", ""))[:500]}
+            "detail": str(value.get("detail", ""))[:500], "at": _optional_float(value.get("at"))}
 
 
 def read_progress(path: Path) -> Progress | None:

@@ -272,7 +272,7 @@ class RankRun:
         why = self._losses.observe(value)
         if why is None or self._numerical is not None:
             return False
-        self._numerical = {"step": step, "loss": value, "detail": why}
+        self._numerical = {"step": step, "loss": value, "detail": why, "at": time.time()}
         return True
 
     def step_done(self, step: int, compute_s: float | None = None, loss: Any = None) -> None:

@@ -136,6 +136,7 @@ def test_a_nan_loss_is_reported_at_once(tmp_path: Path) -> None:
     progress = read_progress(tmp_path / "progress.json")
     assert progress is not None and progress.numerical is not None
     assert progress.numerical["step"] == 2 and "nan" in progress.numerical["detail"]
+    assert progress.numerical["at"] is not None  # when the rank saw it: the earliest of several is the cause
 
 
 def test_chaos_bitflip_reaches_the_model_after_the_step(tmp_path: Path) -> None:

@@ -60,6 +60,20 @@ def test_a_numerical_fault_from_a_watch_is_the_incident_with_its_step() -> None:
     assert (incident.node, incident.rank, incident.bad_step, incident.detection_s) == ("node-1", 3, 57, 1.0)
 
 
+def test_of_several_numerical_faults_the_one_a_rank_saw_first_is_the_incident() -> None:
+    # A NaN on node-1's rank 3 at step 57 reached node-0's ranks through the all-reduce: their losses are NaN from
+    # step 58, and node-0's watch happened to report first. The rollback must go past step 57.
+    def fault(node: str, rank: int, step: int, occurred: float, detected: float) -> WatchEvent:
+        return WatchEvent(kind=WatchEventKind.NUMERICAL_FAULT, node=node, rank=rank, detected_at=detected,
+                          occurred_at=occurred, fault_step=step, detail=f"rank {rank} at step {step}: loss is nan")
+
+    results = [(0, NodeGroupWatchResult(incidents=[fault("node-0", 0, 58, 101.0, 101.5)])),
+               (1, NodeGroupWatchResult(incidents=[fault("node-1", 3, 57, 100.5, 102.0)]))]
+    seen, _ = observe(Seen(watched=2), Reported(results, attempt=2, launching=False, now=102.0))
+    seen, _ = observe(seen, Settled(frozenset()))
+    assert seen.incident is not None and (seen.incident.rank, seen.incident.bad_step) == (3, 57)
+
+
 # ------------------------------------------------------------------------------------------------ the policy
 SPEC = parse_spec({"entrypoint": ["python", "train.py"], "nodes": NODES, "spare_nodes": ["spare-0"]})
 
