@@ -41,6 +41,8 @@ async def _restart_missing(stack: DevStack) -> None:
     await asyncio.to_thread(stack.up, lambda _line: None)
 
 
+# Slow (make test-slow): `make test` stays under 15 minutes on 2 cores; the chaos soak kills the same component.
+@pytest.mark.slow
 async def test_controller_killed_while_watching_and_while_remediating(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:
@@ -71,6 +73,8 @@ async def test_controller_killed_while_watching_and_while_remediating(
     assert live_rank_pids(stack) == []
 
 
+# Slow (make test-slow): `make test` stays under 15 minutes on 2 cores; the chaos soak kills the same component.
+@pytest.mark.slow
 async def test_temporal_server_restart_on_its_sqlite_file(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack
 ) -> None:

@@ -17,6 +17,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from infra.harness import Irregular, make_irregular_spec
 from trainguard.client import TrainguardClient
 from trainguard.models import RunResult
@@ -91,6 +93,8 @@ async def test_an_irregular_ddp_script_runs_in_one_attempt_with_no_incident(
     assert (result.final_state_digest or "")[:16] == reference, (result.final_state_digest, reference)
 
 
+# Slow (make test-slow), to keep `make test` under 15 minutes on 2 cores: the irregular DDP script (above) and the Slurm half's irregular job stay in it.
+@pytest.mark.slow
 async def test_a_hugging_face_llama_with_an_evaluation_pass_runs_in_one_attempt_with_no_incident(
         client: TrainguardClient, prefix: str) -> None:
     spec = {

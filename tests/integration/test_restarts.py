@@ -54,6 +54,8 @@ async def _finished_undisturbed(client: TrainguardClient, rid: str, baseline: Ru
     return result
 
 
+# Slow (make test-slow): `make test` stays under 15 minutes on 2 cores; the chaos soak kills the same component.
+@pytest.mark.slow
 async def test_an_agent_restarted_mid_run_costs_no_node_and_no_spare(
         client: TrainguardClient, stack: DevStack, prefix: str, baseline: RunResult) -> None:
     spec = make_spec(prefix, every=10, step_time=0.25, spares=("node-2",))
