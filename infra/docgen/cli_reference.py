@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from infra.docgen import page_main
+
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "reference" / "cli.md"
 
@@ -130,18 +132,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.docgen.cli_reference")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is not current")
-    opts = parser.parse_args(argv)
-    text = render()
-    if opts.check:
-        current = PAGE.read_text() if PAGE.exists() else ""
-        if current != text:
-            print(f"{PAGE.relative_to(REPO)} is not current: run `make docs`", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    return 0
+    return page_main("python -m infra.docgen.cli_reference", PAGE, render, argv)
 
 
 if __name__ == "__main__":

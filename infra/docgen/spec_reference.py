@@ -10,12 +10,13 @@ without regenerating the page fails `make test` (tests/unit/test_docs.py), so th
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import json
 import sys
 from pathlib import Path
+
+from infra.docgen import page_main
 from typing import Any
 
 from pydantic import BaseModel
@@ -152,19 +153,7 @@ def schema_paths() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.docgen.spec_reference")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is not current")
-    opts = parser.parse_args(argv)
-    text = render()
-    if opts.check:
-        current = PAGE.read_text() if PAGE.exists() else ""
-        if current != text:
-            print(f"{PAGE.relative_to(REPO)} is not current: run `make docs`", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(text)
-    return 0
+    return page_main("python -m infra.docgen.spec_reference", PAGE, render, argv)
 
 
 if __name__ == "__main__":
