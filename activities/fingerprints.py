@@ -12,16 +12,14 @@ checkpoint whose replicas disagree is never restored (`fingerprint_problem`).
 
 from __future__ import annotations
 
-import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from activities.checkpoint_layout import FINGERPRINT_TAG_CONTEXT, ObjectRefused, verified_object
+from activities.checkpoint_layout import FINGERPRINT_TAG_CONTEXT
 from activities.fingerprint_models import CorruptionVerdict, FingerprintRecord
+from activities.store_reads import read_signed_records
 from trainguard.numerics import Fingerprint
-
-log = logging.getLogger("activities.checkpoints")
 
 FINGERPRINT_DIR = "fingerprints"
 
@@ -131,26 +129,6 @@ def fingerprint_problem(shards: Iterable[Any]) -> str | None:
 def read_fingerprints(client: Any, bucket: str, run_prefix: str,
                       cache: dict[str, tuple[str, FingerprintRecord | None]],
                       token: str | None = None) -> list[FingerprintRecord]:
-    """Every node's `FingerprintRecord` under the run's prefix; only records whose ETag changed are read again.
-    With the pool's peer token, a record without its agent's tag counts for nothing: anyone with the store's key
-    could otherwise have healthy nodes named corrupt and cordoned."""
-    records: list[FingerprintRecord] = []
-    prefix = f"{run_prefix}/{FINGERPRINT_DIR}/"
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            key, etag = obj["Key"], obj["ETag"]
-            if key not in cache or cache[key][0] != etag:
-                try:
-                    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-                    cache[key] = (etag, FingerprintRecord.model_validate(
-                        verified_object(body, FINGERPRINT_TAG_CONTEXT, key, token)))
-                except ObjectRefused as refused:
-                    cache[key] = (etag, None)
-                    log.warning("fingerprint record %s refused: %s", key, refused)
-                    continue
-                except ValueError:  # half-written or foreign: the node's next write replaces it
-                    continue
-            record = cache[key][1]
-            if record is not None:
-                records.append(record)
-    return records
+    """Every node's `FingerprintRecord` under the run's prefix (`read_signed_records`)."""
+    return read_signed_records(client, bucket, f"{run_prefix}/{FINGERPRINT_DIR}/", FingerprintRecord,
+                               FINGERPRINT_TAG_CONTEXT, cache, token)

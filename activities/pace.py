@@ -13,17 +13,14 @@ through Temporal while every rank keeps pace: the per-step chatter stays between
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from activities.checkpoint_layout import PACE_TAG_CONTEXT, ObjectRefused, verified_object
+from activities.checkpoint_layout import PACE_TAG_CONTEXT
 from activities.pace_models import PaceRecord, PaceVerdict
 from activities.progress import find_stragglers
-
-log = logging.getLogger("activities.checkpoints")
-"""The committer's logs, whose pass reads the pace records."""
+from activities.store_reads import read_signed_records
 
 PACE_DIR = "pace"
 
@@ -149,25 +146,6 @@ class PaceWindow:
 
 def read_pace(client: Any, bucket: str, run_prefix: str, cache: dict[str, tuple[str, PaceRecord | None]],
               token: str | None = None) -> list[PaceRecord]:
-    """Every node's `PaceRecord` under the run's prefix; only records whose ETag changed are read again. With the
-    pool's peer token (`token`), a record without the tag its agent makes with it counts for nothing: anyone with
-    the store's key could otherwise have healthy nodes judged slow, replaced and cordoned."""
-    records: list[PaceRecord] = []
-    prefix = f"{run_prefix}/{PACE_DIR}/"
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            key, etag = obj["Key"], obj["ETag"]
-            if key not in cache or cache[key][0] != etag:
-                try:
-                    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-                    cache[key] = (etag, PaceRecord.model_validate(verified_object(body, PACE_TAG_CONTEXT, key, token)))
-                except ObjectRefused as refused:
-                    cache[key] = (etag, None)  # this version is not read again
-                    log.warning("pace record %s refused: %s", key, refused)
-                    continue
-                except ValueError:  # half-written or foreign: the node's next window rewrites it
-                    continue
-            record = cache[key][1]
-            if record is not None:
-                records.append(record)
-    return records
+    """Every node's `PaceRecord` under the run's prefix (`read_signed_records`)."""
+    return read_signed_records(client, bucket, f"{run_prefix}/{PACE_DIR}/", PaceRecord, PACE_TAG_CONTEXT, cache,
+                               token)

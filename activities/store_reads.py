@@ -8,12 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
+from pydantic import BaseModel
 from temporalio.exceptions import ApplicationError
 
-from activities.checkpoint_layout import SHA256_METADATA, shard_objects, tag_problem
+from activities.checkpoint_layout import SHA256_METADATA, ObjectRefused, shard_objects, tag_problem, verified_object
 from activities.models import Manifest, ManifestPage, ShardInfo
 from trainguard.error_types import ErrorType
 from trainguard.protocol import shard_name
@@ -72,6 +73,36 @@ def list_steps(client: Any, bucket: str, run_prefix: str) -> list[int]:
             if name.startswith("step-") and name.removeprefix("step-").isdigit():
                 steps.append(int(name.removeprefix("step-")))
     return sorted(steps, reverse=True)
+
+
+Record = TypeVar("Record", bound=BaseModel)
+
+
+def read_signed_records(client: Any, bucket: str, prefix: str, model: type[Record], context: bytes,
+                        cache: dict[str, tuple[str, Record | None]], token: str | None = None) -> list[Record]:
+    """Every node's record of one kind under `prefix` (a run's pace windows, its fingerprints), as `model`; only
+    records whose ETag changed are read again. With the pool's peer token, a record without the tag its agent
+    makes with it under `context` counts for nothing, and that version is not read again: anyone with the
+    store's key could otherwise have healthy nodes judged slow or corrupt, replaced and cordoned. One
+    half-written or foreign is skipped: its node's next write replaces it."""
+    records: list[Record] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            key, etag = obj["Key"], obj["ETag"]
+            if key not in cache or cache[key][0] != etag:
+                try:
+                    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+                    cache[key] = (etag, model.model_validate(verified_object(body, context, key, token)))
+                except ObjectRefused as refused:
+                    cache[key] = (etag, None)
+                    log.warning("%s %s refused: %s", model.__name__, key, refused)
+                    continue
+                except ValueError:
+                    continue
+            record = cache[key][1]
+            if record is not None:
+                records.append(record)
+    return records
 
 
 def read_object(client: Any, bucket: str, key: str) -> bytes | None:
