@@ -445,7 +445,11 @@ async def test_the_cluster_script_requeued_at_its_time_limit_resumes_the_same_ru
     cut = await slurm_client.client.get_workflow_handle(run_id, run_id=first[0]).query("status", result_type=RunStatus)
     assert cut.latest_checkpoint is not None and cut.latest_checkpoint.step > committed_before, \
         "the job did not commit a checkpoint at its time limit"
-    assert (await slurm_client.status(run_id)).status.resumed_step == cut.latest_checkpoint.step
+    # From that checkpoint or a newer one: the ranks train on until the run's end stops them, and a regular
+    # checkpoint they reach meanwhile may still commit (the ended run's committer is abandoned, not cancelled, and
+    # finishes its pass). Either is a complete checkpoint of this run, and the digest below is the same.
+    resumed = (await slurm_client.status(run_id)).status.resumed_step
+    assert resumed is not None and resumed >= cut.latest_checkpoint.step, (resumed, cut.latest_checkpoint.step)
     assert result.final_state_digest == await quickstart_digest
     assert result.steps_completed == 300 and not result.incidents, [(i.kind, i.detail) for i in result.incidents]
     assert job_entry(cluster, job).get("restart_cnt") == 1, "the job did not requeue itself"
