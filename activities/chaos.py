@@ -54,6 +54,9 @@ class RankChaos:
             raise ApplicationError(f"chaos is switched off on node {self.node} (agent started with --no-chaos)",
                                    type=ErrorType.CHAOS_DISABLED, non_retryable=True)
         now = time.time()
+        if request.recurring and request.fault != FaultKind.BITFLIP:
+            raise ApplicationError(f"recurring is for bitflip only, not {request.fault}", type=ErrorType.BAD_FAULT,
+                                   non_retryable=True)
         if request.fault == FaultKind.GPU:
             self.health.inject("GPU has fallen off the bus (injected by trainguard chaos)", now)
             return InjectFaultResult(node=self.node, rank=-1, pid=os.getpid(), injected_at=now)
@@ -103,6 +106,9 @@ class RankChaos:
         if request.fault in NUMERIC:  # carried out by the rank's own helper, on the model it fingerprints
             await asyncio.to_thread(inject_numeric, RunLayout.of(self.book.workdir, request.workflow_id), record,
                                     rank, request.fault)
+            if request.recurring:
+                self.health.flips_bits = True
+                self.health.flipped.add((record.workflow_id, record.chain_id, record.attempt))
             injected_at = record.faults.setdefault(rank, now)
             log.info("chaos: %s rank %d (pid %d) of %s on %s", request.fault, rank, pid, request.workflow_id,
                      self.node)

@@ -36,3 +36,24 @@ class CorruptionVerdict(BaseModel):
     """A majority said which replicas are wrong; False: two replicas differ and either may be."""
     found_at: float = 0.0
     """Unix time the committer compared them."""
+
+
+class Tie(BaseModel):
+    """Two replicas that differed with no majority to say which is wrong (`CorruptionVerdict.certain` False). A
+    one-off flip of either is the same to the run (both diverged from the fault-free state at the next all-reduce),
+    so it rolls back and tells them apart only if the fault comes back: again on the same two nodes, one of them
+    leaves for a spare; again on the other, that one is sick; not again, the one that left is."""
+
+    step: int
+    """The step the replicas first differed at."""
+    nodes: list[str]
+    """The two suspects' nodes."""
+    attempt: int
+    """The attempt that found it (or swapped a suspect out): only a later one can show the fault back or gone."""
+    swapped_out: str | None = None
+    """The suspect that left the run for a spare, uncordoned, when the tie came back on the same two nodes."""
+
+    @property
+    def kept(self) -> str | None:
+        """The suspect still in the run once the other was swapped out."""
+        return next((n for n in self.nodes if n != self.swapped_out), None) if self.swapped_out else None

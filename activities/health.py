@@ -285,6 +285,11 @@ class NodeHealth:
     def __init__(self, xid: XidEvents | None = None) -> None:
         self.xid = xid or XidEvents()
         self._raised_at: float | None = None
+        self.flips_bits = False
+        """chaos `bitflip --recurring`: this node's GPU flips a bit in every attempt it runs ranks of, until the
+        agent restarts (`RankWatch` carries it out once a local rank fingerprinted)."""
+        self.flipped: set[tuple[str, str, int]] = set()
+        """(run, chain, attempt) a bit was flipped in, by chaos or by the sick GPU."""
 
     @property
     def injected(self) -> str | None:

@@ -634,6 +634,8 @@ class InjectFaultInput(BaseModel):
     `corrupt` (a byte of the node's shard of the newest committed checkpoint flips, in S3 and on local disk)."""
     slow_duty: float = 0.5
     """For `slow`: the fraction of time the rank is stopped (`SLOW_DUTY_MIN`..`SLOW_DUTY_MAX`); refused outside."""
+    recurring: bool = False
+    """For `bitflip`: flip again in every attempt the node runs (`NodeHealth.flips_bits`); refused for others."""
     bucket: str | None = None
     """For `corrupt`: the run's checkpoint bucket (filled in by the workflow)."""
     manifest_key: str | None = None

@@ -32,6 +32,7 @@ from activities.models import (
     WatchEventKind,
     WatchRanksInput,
 )
+from activities.chaos import inject_numeric
 from activities.evidence import ask_positions
 from activities.fingerprint_models import FingerprintRecord
 from activities.fingerprints import write_interval_s
@@ -55,6 +56,7 @@ from activities.rank_logs import exception_line, failure_signature, read_tail
 from activities.rank_records import AttemptRecord, RankBook, describe_exit, log, read_finish, read_report
 from trainguard import protocol
 from trainguard.error_types import ErrorType
+from trainguard.faults import FaultKind
 from trainguard.models import short_cause
 from trainguard.procs import state as process_state
 from trainguard.protocol import RunLayout
@@ -141,6 +143,7 @@ class RankWatch:
         self._fingerprints: dict[str, tuple[str, int, dict[int, int], float]] = {}
         """Run -> (chain, attempt, rank -> newest fingerprinted step written, monotonic time of that write)."""
         self._fingerprint_writes: dict[str, asyncio.Task[None]] = {}
+        self._flips: set[asyncio.Task[None]] = set()
         self._uploads: dict[tuple[str, str, int, int], asyncio.Task[NodeCheckpointRecord]] = {}
         """`_upload_key` -> its upload, started by a watch and outliving it."""
         self._upload_failed_at: dict[tuple[str, str, int, int], float] = {}
@@ -229,6 +232,8 @@ class RankWatch:
             if request.checkpoints is not None:
                 self._keep_pace(record, request.checkpoints, health.straggler_window_s, reports, node_step, now)
                 self._keep_fingerprints(record, request.checkpoints, health.straggler_window_s, reports, now)
+            if self.health.flips_bits:
+                self._flip_again(record, layout, reports)
             if time.monotonic() >= next_heartbeat:  # a large run's watches heartbeat less often
                 next_heartbeat = time.monotonic() + (request.heartbeat_every_s or 0.0)
                 activity.heartbeat(protocol.WatchHeartbeat(
@@ -406,6 +411,26 @@ class RankWatch:
                                          written_at=now, ranks=found)
         self._fingerprint_writes[record.workflow_id] = asyncio.ensure_future(
             self._write_fingerprints(target, fingerprints))
+
+    def _flip_again(self, record: AttemptRecord, layout: RunLayout, reports: dict[int, RankReport | None]) -> None:
+        """A sick GPU (`chaos bitflip --recurring`): once in each attempt, as soon as a local rank fingerprinted
+        (its helper has the model to flip a bit of), its first such rank flips one, as chaos `bitflip` does."""
+        key = (record.workflow_id, record.chain_id, record.attempt)
+        ranks = sorted(r for r, report in reports.items() if report is not None and report.fingerprints)
+        if key in self.health.flipped or not ranks:
+            return
+        self.health.flipped.add(key)
+        log.info("chaos: the GPU of %s flips a bit again: rank %d of %s attempt %d", self.node, ranks[0],
+                 record.workflow_id, record.attempt)
+        flip = asyncio.ensure_future(self._flip(layout, record, ranks[0]))
+        self._flips.add(flip)  # held until done: the loop keeps only a weak reference
+        flip.add_done_callback(self._flips.discard)
+
+    async def _flip(self, layout: RunLayout, record: AttemptRecord, rank: int) -> None:
+        try:
+            await asyncio.to_thread(inject_numeric, layout, record, rank, FaultKind.BITFLIP)
+        except Exception as error:  # noqa: BLE001 - chaos: the run goes on without this flip
+            log.warning("the recurring bitflip on %s failed: %s", self.node, error)
 
     async def _write_fingerprints(self, target: WatchCheckpoints, fingerprints: FingerprintRecord) -> None:
         assert self.fingerprinter is not None

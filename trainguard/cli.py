@@ -299,8 +299,11 @@ async def _chaos_cmd(args: argparse.Namespace) -> int:
     elif args.mode != "stop":
         print(f"--mode is for hang only, not {args.fault}", file=sys.stderr)
         return 2
+    if args.recurring and args.fault != FaultKind.BITFLIP:
+        print(f"--recurring is for bitflip only, not {args.fault}", file=sys.stderr)
+        return 2
     client = await TrainguardClient.connect()
-    result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty)
+    result = await client.inject_fault(args.run, args.fault, args.node, args.rank, args.duty, args.recurring)
     if args.fault == FaultKind.CORRUPT:
         target = f"rank {result.rank}'s shard of checkpoint step {result.step}"
     else:
@@ -598,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hang: stop (SIGSTOP, the default), python (blocks forever in Python, process alive), "
                             "skip-collective (skips the all-reduce its peers wait in), io (a read that never "
                             "returns); all but stop are carried out by the rank helper")
+    chaos.add_argument("--recurring", action="store_true",
+                       help="bitflip: the node's GPU is sick: it flips a bit in every attempt it runs, until its "
+                            "agent restarts (two replicas that differ are told apart only by a fault that recurs)")
     chaos.set_defaults(func=lambda a: asyncio.run(_chaos_cmd(a)))
 
     demo = sub.add_parser("demo", help="bring the stack up, run the quickstart, crash a rank, recover")

@@ -278,18 +278,19 @@ class TrainguardClient:
         return await self.client.get_workflow_handle(workflow_id, result_type=RunResult).result()
 
     async def inject_fault(self, workflow_id: str, fault: str, node: str | None = None, rank: int | None = None,
-                           slow_duty: float = 0.5) -> InjectFaultResult:
+                           slow_duty: float = 0.5, recurring: bool = False) -> InjectFaultResult:
         """Chaos through the run itself, carried out by the node's agent: `crash` or `hang` a rank, `slow` it
         down, report a `gpu` fault, take the whole node down (`node-down`), or flip a byte of the node's shard
-        of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before).
-        Without `node`, the node that runs `rank` now."""
+        of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before), flip a bit
+        of a parameter (`bitflip`; `recurring`: in every attempt the node runs, a sick GPU) or make a loss NaN
+        (`nan`). Without `node`, the node that runs `rank` now."""
         if node is None:
             if rank is None:
                 raise ValueError("inject_fault: name the node or the rank")
             node = node_of_rank((await self.status(workflow_id)).status, rank)
         return await self.handle(workflow_id).execute_update(
             "inject_fault",
-            ChaosRequest(node=node, rank=rank, fault=fault, slow_duty=slow_duty),
+            ChaosRequest(node=node, rank=rank, fault=fault, slow_duty=slow_duty, recurring=recurring),
             result_type=InjectFaultResult,
         )
 

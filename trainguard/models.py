@@ -286,6 +286,9 @@ class ChaosRequest(BaseModel):
     """Global rank; None: the node's first."""
     slow_duty: float = 0.5
     """For `slow`: the fraction of time the rank is stopped, 0.05 to 0.95."""
+    recurring: bool = False
+    """For `bitflip`: the node's GPU is sick, not hit once: it flips a bit in every attempt it runs ranks of, until
+    its agent restarts (`trainguard chaos bitflip --recurring`)."""
 
 
 class OperatorRequest(BaseModel):

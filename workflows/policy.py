@@ -78,6 +78,9 @@ class Decision:
     """REPLACE_NODE, SHRINK: the node leaving is cordoned in the pool, for every run (a node fault the agent saw).
     False for a straggler: its slowness is what the run's own ranks report, which must not take a node from
     other runs; it leaves this run only and goes back to the pool."""
+    hold: bool = False
+    """REPLACE_NODE without `cordon`: the node leaving stays the run's, as a spare (a tie's suspect, which may be
+    the healthy one)."""
 
 
 def same_failure_streak(incident: Incident, earlier: Sequence[Incident]) -> int:
@@ -164,13 +167,16 @@ def decide(
     now: float,
     persisted: bool = False,
     newest: CheckpointRef | None = None,
+    suspect: bool = False,
 ) -> Decision:
     """The remediation ladder: restart in place; replace a bad node with a spare; shrink to the spec's
     `min_nodes` when it allows and the checkpoint can be resharded; otherwise pause for an operator. Stop when
     the budget is spent or the script says a restart cannot help.
 
     `persisted` is for stragglers: true once one has lasted `health.straggler_windows` intervals. `newest` is
-    the run's newest committed checkpoint, the one the next attempt restores.
+    the run's newest committed checkpoint, the one the next attempt restores. `suspect`: a silent data
+    corruption that came back on the same two replicas' nodes (`workflows.supervision.tie_verdict`), `node` the
+    one of them to set aside, uncordoned, for a spare: which one is sick shows in the attempts after.
     """
     if kind is IncidentKind.USER_ERROR:
         return Decision(Action.STOP, f"a rank exited with code {EXIT_NO_RETRY} (do not retry): fix the script")
@@ -202,6 +208,13 @@ def decide(
             f"{budget.restarts_without_checkpoint} restarts in a row committed no new checkpoint "
             f"(restarts.max_restarts_without_checkpoint={spec.restarts.max_restarts_without_checkpoint})",
         )
+    if suspect and node in active_nodes:
+        if spares:
+            return Decision(Action.REPLACE_NODE, f"{kind.value} again on the same two nodes: {node} set aside for "
+                                                 f"spare {spares[0]}, uncordoned, to tell which one is sick",
+                            replacement=spares[0], cordon=False, hold=True)
+        return Decision(Action.RESTART, f"{kind.value} again on the same two nodes and no spare to tell them "
+                                        f"apart: relaunch from the checkpoint before it")
     if kind in NODE_FAULTS:
         if node is None or node not in active_nodes:
             return Decision(Action.RESTART, f"{kind.value} on a node no longer in the run: relaunch")

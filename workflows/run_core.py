@@ -118,17 +118,22 @@ class RunCore:
     def hold_spares(self, spares: list[str]) -> None:
         self.state.spares = list(spares)
 
-    def replace(self, node: str, spare: str, cordoned: bool = True, reclaim: bool = False) -> None:
+    def replace(self, node: str, spare: str, cordoned: bool = True, reclaim: bool = False, hold: bool = False) -> None:
         """`spare` in `node`'s place; `cordoned`: the run cordoned `node` in the pool (its status lists it);
-        `reclaim`: `node` is taken back as a spare once repaired."""
+        `reclaim`: `node` is taken back as a spare once repaired; `hold`: `node` is one of the run's spares now."""
         self.status.nodes = [spare if n == node else n for n in self.status.nodes]
-        self.state.spares = [n for n in self.state.spares if n != spare]
+        self.state.spares = [*(n for n in self.state.spares if n != spare), *([node] if hold else [])]
         if cordoned:
             self.status.cordoned = [*self.status.cordoned, node]
         if reclaim:
             self.state.replaced = [*self.state.replaced, node]
         if spare in self.state.parked_spares:  # its launch takes what it parked; a spare again, it parks again
             self.state.parked_spares = [n for n in self.state.parked_spares if n != spare]
+
+    def cordon_spare(self, node: str) -> None:
+        """A spare of the run cordoned: it leaves the run's spares, and its status lists it."""
+        self.state.spares = [n for n in self.state.spares if n != node]
+        self.status.cordoned = [*self.status.cordoned, node]
 
     def spares_back(self, back: list[str]) -> None:
         """Nodes spares replaced are repaired and leased again: this run's spares now."""

@@ -207,7 +207,7 @@ class RunNodes:
         result: InjectFaultResult = await workflow.execute_activity(
             names.INJECT_FAULT,
             InjectFaultInput(workflow_id=self.core.wid(), node=request.node, rank=request.rank,
-                             fault=request.fault, slow_duty=request.slow_duty,
+                             fault=request.fault, slow_duty=request.slow_duty, recurring=request.recurring,
                              bucket=newest.bucket if newest else None,
                              manifest_key=newest.manifest_key if newest else None),
             task_queue=node_task_queue(request.node),
@@ -412,16 +412,25 @@ class RunNodes:
         await self.cordon(incident.node, f"{incident.kind.value}: {short_cause(incident.cause)}",
                           since)
 
-    async def swap_in_spare(self, incident: Incident, spare: str, cordon: bool = True) -> None:
+    async def cordon_spare(self, node: str, reason: str) -> None:
+        """A spare of the run found sick (a tie's suspect it set aside): cordoned in the pool, and no longer the
+        run's spare; processes parked on it stop."""
+        if node in self.parked_spares():
+            self.core.state.parked_spares = [n for n in self.core.state.parked_spares if n != node]
+            await self.stop_everywhere([node], None, f"cordoned: {reason}")
+        await self.cordon(node, reason)
+        self.core.cordon_spare(node)
+
+    async def swap_in_spare(self, incident: Incident, spare: str, cordon: bool = True, hold: bool = False) -> None:
         """`spare` in the place of the incident's node in the run, and that node cordoned in the pool; without
         `cordon` (a straggler: `Decision.cordon`) the node is released to the pool instead, and this run does not
-        take it back as a spare."""
+        take it back as a spare; with `hold` (a tie's suspect) it stays leased, as one of the run's spares."""
         assert incident.node is not None
         if cordon:
             await self.cordon_lost(incident)
-        else:
+        elif not hold:
             await self.release(incident.node)
-        self.core.replace(incident.node, spare, cordoned=cordon, reclaim=cordon)
+        self.core.replace(incident.node, spare, cordoned=cordon, reclaim=cordon, hold=hold)
 
 
 def run_slurm_job() -> int | None:

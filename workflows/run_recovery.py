@@ -61,6 +61,8 @@ class Recovery:
                            straggler_replaced_at(core.status.incidents),
                            numerical_fault_recurs(incident, core.status.incidents)), now,
             persisted=incident.kind is IncidentKind.STRAGGLER, newest=core.status.latest_checkpoint,
+            suspect=incident.kind is IncidentKind.SILENT_DATA_CORRUPTION and state.tie is not None
+            and state.tie.swapped_out == incident.node and state.tie.attempt == incident.attempt,
         )
         seen_as = incident.detail
         incident.action = decision.action
@@ -95,7 +97,8 @@ class Recovery:
                                          heal=incident if incident.kind in NODE_FAULTS else None)
             return
         if decision.action is Action.REPLACE_NODE and incident.node and decision.replacement:
-            await self.nodes.swap_in_spare(incident, decision.replacement, cordon=decision.cordon)
+            await self.nodes.swap_in_spare(incident, decision.replacement, cordon=decision.cordon,
+                                           hold=decision.hold)
         if decision.action is Action.SHRINK and incident.node:
             await self.nodes.cordon_lost(incident)
             core.shrink(incident.node)

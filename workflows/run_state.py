@@ -19,6 +19,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.common import RawValue
 
 with workflow.unsafe.imports_passed_through():
+    from activities.fingerprint_models import Tie
     from activities.models import RankEvidence
     from trainguard.ids import validate_workflow_id
     from trainguard.models import Incident, RunStatus
@@ -79,6 +80,9 @@ class RunState(BaseModel):
     restore_before: int | None = None
     """A silent data corruption or a numerical fault at this step: restores take only older checkpoints, until
     the run commits one at or past it again (`Incident.bad_step`). None: any."""
+    tie: Tie | None = None
+    """Two replicas that differed with no majority: held until a later attempt shows which node is sick
+    (`workflows.supervision.tie_verdict`), or that the fault does not come back."""
     commit_times: list[float] = Field(default_factory=list)
     """Workflow-clock times of the last two commits: the interval the staleness bound is measured in."""
     commit_clock_from: float | None = None

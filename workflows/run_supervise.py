@@ -32,7 +32,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run_watch import Groups, Watches
     from workflows.supervision import Outcome, Seen, observe
     from workflows.supervision_events import (AgentRestarting, AskCheckpoint, CheckHistory, Committed, Event,
-                                              Found, History, JoinAnswer, JoinSpare, JudgeStorage, KeepEvidence,
+                                              CordonSpare, ForgetTie, Found, History, HoldTie, JoinAnswer,
+                                              JoinSpare, JudgeStorage, KeepEvidence,
                                               Learn, LoseNode, Reclaim, Reclaimed, ReclaimSpares, RecordIncident,
                                               Release, Reported, SetStreaks, Settle, Settled, StartTimer,
                                               StragglerAsked, StragglerWaitOver, SupervisionAction, Tell,
@@ -179,6 +180,12 @@ class Supervisor:
                                max_events=core.the_spec.max_history_events)
             case JudgeStorage(store_error=store_error):
                 self.watches.judge_storage(at.number, store_error)
+            case HoldTie(tie=tie):
+                state.tie = tie
+            case ForgetTie():
+                state.tie = None
+            case CordonSpare(node=node, reason=reason):
+                await self.nodes.cordon_spare(node, reason)
         return None
 
     async def _reported(self, at: _Attempt, seen: Seen, by_signal: bool) -> Reported:
@@ -226,7 +233,9 @@ class Supervisor:
             straggler_windows=spec.health.straggler_windows, have_spare=bool(state.spares), nodes=list(nodes),
             ranks_per_node=spec.ranks_per_node, slowed_at=slowed, corruption=corruption,
             flipped_at={n: state.injected_at[injected_key(FaultKind.BITFLIP, n)] for n in nodes
-                        if corruption is not None and injected_key(FaultKind.BITFLIP, n) in state.injected_at})
+                        if corruption is not None and injected_key(FaultKind.BITFLIP, n) in state.injected_at},
+            tie=state.tie, resumed_step=core.status.resumed_step or 0,
+            fingerprint_every=spec.health.fingerprint_every_steps)
 
     async def _reclaim(self, at: _Attempt, seen: Seen) -> Reclaimed:
         """Nodes a shrink left behind, leased again if the pool has them back; the groups' ends settle first."""

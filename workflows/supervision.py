@@ -15,15 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from activities.fingerprint_models import CorruptionVerdict, Tie
 from activities.models import WatchEvent, WatchEventKind
 from trainguard.error_types import SPEC_FAULTS, ErrorType
-from trainguard.models import Action, Incident, IncidentKind
+from trainguard.models import Action, Incident, IncidentKind, short_cause
 from workflows.node_group_models import LostNode, NodeGroupWatchResult
 from workflows.policy import classify_exit
 from workflows.run_decisions import (Ending, attempt_ending, continue_as_new_due, earliest_incident,
                                      grow_or_finish, judge_pace)
-from workflows.supervision_events import (Actions, AgentRestarting, AskCheckpoint, CheckHistory, Committed, Event,
-                                          Found, History, JoinAnswer, JoinSpare, JudgeStorage, KeepEvidence, Learn,
+from workflows.supervision_events import (Actions, AgentRestarting, AskCheckpoint, CheckHistory, Committed,
+                                          CordonSpare, Event, ForgetTie, Found, History, HoldTie, JoinAnswer,
+                                          JoinSpare, JudgeStorage, KeepEvidence, Learn,
                                           LoseNode, Reclaim, ReclaimSpares, Reclaimed, RecordIncident, Release,
                                           Reported, SetStreaks, Settle, Settled, StartTimer, StragglerAsked,
                                           StragglerWaitOver, Tell, WatchAgain)
@@ -252,8 +254,8 @@ def rank_incident(event: WatchEvent, attempt: int) -> Incident:
 def _committed(seen: Seen, event: Committed) -> tuple[Seen, Actions]:
     actions: Actions = []
     straggler, incident = seen.straggler, seen.incident
-    if event.corruption is not None:  # replicas differ: the attempt ends, rolled back past it
-        incident = incident or corruption_incident(event)
+    found, more = tie_verdict(event, incident)
+    incident, actions = incident or found, [*actions, *more]
     if straggler is not None:
         step = next((s for s in event.steps if s >= straggler.step), None)
         if step is not None:  # its checkpoint is in: now the spare
@@ -299,27 +301,91 @@ def straggler_incident(event: Committed, rank: int, windows: int) -> Incident:
                     action=Action.REPORT, detected_at=event.now)
 
 
-def corruption_incident(event: Committed) -> Incident:
+def tie_verdict(event: Committed, incident: Incident | None) -> tuple[Incident | None, Actions]:
+    """Replicas that differ end the attempt, rolled back past the step they differed at (`corruption_incident`).
+    Two of them with no majority are a tie (`Tie`): a one-off flip of either is the same to the run, so it tells
+    them apart only if the fault comes back. Back on the same two nodes: the one of the higher rank leaves for a
+    spare, uncordoned (the run holds it as a spare). Back on the one kept: that one is sick. Not back by a verified
+    commit two fingerprints past the restore (and past the tie's step): the one that left is sick, and cordoned;
+    or, with none swapped out, it was a one-off nobody can be blamed for."""
+    verdict, tie = event.corruption, event.tie
+    later = tie is not None and event.attempt > tie.attempt
+    if verdict is None:
+        return None, _tie_gone(event) if later else []
+    if verdict.certain:
+        return corruption_incident(event), []
+    suspects = sorted({verdict.nodes.get(r) or "?" for r in verdict.ranks})
+    if len(suspects) == 1:  # both replicas on one node: wrong whichever of them is
+        return corruption_incident(event, named=suspects[0], why="both replicas that differ run on it"), []
+    if later and tie is not None and tie.swapped_out is not None and tie.kept in suspects:
+        return corruption_incident(event, named=tie.kept, why=(
+            f"replicas differed at step {tie.step} on {' and '.join(tie.nodes)}, and again once "
+            f"{tie.swapped_out} had left the run for a spare")), [ForgetTie()]
+    if later and tie is not None and tie.swapped_out is None and suspects == sorted(tie.nodes):
+        out = verdict.nodes.get(max(verdict.ranks)) or suspects[-1]
+        swapped = Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=out, rank=max(verdict.ranks),
+                           attempt=event.attempt, detected_at=event.now, bad_step=_bad_step(verdict),
+                           cause=(f"silent data corruption again on {' and '.join(suspects)} ({verdict.group}, step "
+                                  f"{verdict.step}; first at step {tie.step}): one of the two is sick; {out} leaves "
+                                  f"for a spare, uncordoned, to tell which"))
+        return swapped, [HoldTie(tie.model_copy(update={"swapped_out": out, "attempt": event.attempt}))]
+    found = corruption_incident(event)
+    if incident is not None:
+        return found, []  # another fault ends the attempt: its relaunch need not show this one again
+    return found, [HoldTie(Tie(step=verdict.step, nodes=suspects, attempt=event.attempt))]
+
+
+def _tie_gone(event: Committed) -> Actions:
+    """A tie's fault did not come back by a verified commit two fingerprints past the restore (a flip after the
+    first one shows at the second) and past the step it first showed at."""
+    tie = event.tie
+    assert tie is not None
+    due = max(tie.step, event.resumed_step + 2 * event.fingerprint_every)
+    if not event.steps or max(event.steps) < due:
+        return []
+    if tie.swapped_out is None:
+        return [ForgetTie()]
+    out, kept = tie.swapped_out, tie.kept
+    cause = (f"silent data corruption: {out} computes wrong: replicas differed at step {tie.step} on {out} and "
+             f"{kept}, again on the same two after a rollback, and not since {out} left the run for a spare "
+             f"(verified to step {max(event.steps)})")
+    incident = Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=out, attempt=event.attempt, cause=cause,
+                        decision=f"{out} cordoned", action=Action.REPORT, detected_at=event.now)
+    return [ForgetTie(), CordonSpare(out, short_cause(cause)), RecordIncident(incident)]
+
+
+def _bad_step(verdict: CorruptionVerdict) -> int:
+    return verdict.last_good_step + 1 if verdict.last_good_step >= 0 else verdict.step
+
+
+def corruption_incident(event: Committed, named: str | None = None, why: str = "") -> Incident:
     """The incident of replicas whose fingerprints differ: the outvoted rank and its node; with two replicas
-    (no majority) both are named in the cause and no node is blamed (the rollback is the remedy)."""
+    (no majority) both are named in the cause and no node is blamed (the rollback is the remedy), unless `named`
+    is the node a tie's history showed sick (`why`)."""
     verdict = event.corruption
     assert verdict is not None
     suspects = ", ".join(f"rank {r} ({verdict.nodes.get(r) or '?'})" for r in verdict.ranks)
     good = verdict.last_good_step
     since = f"they agreed at step {good}" if good >= 0 else "no earlier agreement seen"
+    if named is not None:
+        rank = next((r for r in verdict.ranks if verdict.nodes.get(r) == named), None)
+        return Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=named, rank=rank, attempt=event.attempt,
+                        cause=(f"silent data corruption: {named} computes wrong: {suspects} hold different state at "
+                               f"step {verdict.step} ({verdict.group}); {why}"),
+                        detected_at=event.now, bad_step=_bad_step(verdict))
     if verdict.certain:
         cause = (f"silent data corruption: {suspects} hold other state than the majority of their replicas "
                  f"({verdict.group}) at step {verdict.step}; {since}")
     else:
         cause = (f"silent data corruption: {suspects} hold different state at step {verdict.step} ({verdict.group}; "
-                 f"{since}); with two replicas no majority says which is wrong, so no node is blamed")
+                 f"{since}); with two replicas no majority says which is wrong, so no node is blamed unless it "
+                 f"happens again")
     node = verdict.nodes.get(verdict.ranks[0]) if verdict.certain and len(verdict.ranks) == 1 else None
     flipped = [at for n, at in event.flipped_at.items() if n == node] if node else []
     return Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=node,
                     rank=verdict.ranks[0] if node else None, attempt=event.attempt, cause=cause,
                     detection_s=round(max(0.0, event.now - flipped[0]), 3) if flipped else None,
-                    detected_at=event.now,
-                    bad_step=verdict.last_good_step + 1 if verdict.last_good_step >= 0 else verdict.step)
+                    detected_at=event.now, bad_step=_bad_step(verdict))
 
 
 def _straggler_asked(seen: Seen, step: int | None) -> tuple[Seen, Actions]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from activities.fingerprint_models import CorruptionVerdict
+from activities.fingerprint_models import CorruptionVerdict, Tie
 from activities.models import RankEvidence, WatchEvent
 from activities.pace_models import PaceVerdict
 from trainguard.models import Incident
@@ -79,6 +79,12 @@ class Committed:
     """Replicas whose fingerprints differ (`activities.fingerprints`): a silent data corruption."""
     flipped_at: dict[str, float] = field(default_factory=dict)
     """Nodes `chaos bitflip` hit, with when: a corruption's detection is timed from it."""
+    tie: Tie | None = None
+    """Two replicas that differed with no majority, held until an attempt tells them apart (`RunState.tie`)."""
+    resumed_step: int = 0
+    """The step this attempt resumed from."""
+    fingerprint_every: int = 0
+    """`health.fingerprint_every_steps`."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +230,27 @@ class JudgeStorage:
     store_error: str | None
 
 
+@dataclass(frozen=True)
+class HoldTie:
+    """Hold a tie (`RunState.tie`) until an attempt tells its two nodes apart."""
+
+    tie: Tie
+
+
+@dataclass(frozen=True)
+class ForgetTie:
+    pass
+
+
+@dataclass(frozen=True)
+class CordonSpare:
+    """A suspect the run set aside as a spare is the sick one: cordoned, and no longer the run's spare."""
+
+    node: str
+    reason: str
+
+
 SupervisionAction = (Learn | AgentRestarting | KeepEvidence | LoseNode | Settle | JoinSpare | Tell | WatchAgain
                      | SetStreaks | RecordIncident | AskCheckpoint | StartTimer | Reclaim | Release
-                     | ReclaimSpares | CheckHistory | JudgeStorage)
+                     | ReclaimSpares | CheckHistory | JudgeStorage | HoldTie | ForgetTie | CordonSpare)
 Actions = list[SupervisionAction]

@@ -69,6 +69,31 @@ async def test_chaos_bitflip_on_node_1_is_found_cordoned_and_rolled_back_to_the_
     assert result.final_state_digest == fault_free.final_state_digest
 
 
+async def test_with_two_replicas_a_sick_gpu_is_told_apart_by_coming_back_and_cordoned(
+        client: TrainguardClient, baseline: RunResult, stack: DevStack, prefix: str) -> None:
+    # Two nodes of one DDP rank each: two replicas, so a difference is a tie. node-1's GPU is sick (it flips a bit
+    # in every attempt): the tie comes back on the same two nodes after the rollback, node-1 (the higher rank's)
+    # is set aside for the spare, and once the run verifies a checkpoint past the fault without it, node-1 is
+    # named and cordoned. The step time changes how long the job takes, not its state: it ends as the session's
+    # fault-free baseline did.
+    rid = await client.start_run(make_spec(prefix, spares=("node-2",), step_time=0.1),
+                                 workflow_id=run_id("tie"))
+    await wait_until(client, rid, lambda v: checkpointed(v, min_step=20))
+    await client.inject_fault(rid, "bitflip", "node-1", recurring=True)
+    try:
+        result = await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
+        status = (await client.status(rid)).status
+    finally:
+        await client.uncordon("node-1")
+        await restart_agent(stack, "node-1")  # a fresh agent: its GPU is well again
+    tie, swapped, named = [i for i in result.incidents if i.kind is IncidentKind.SILENT_DATA_CORRUPTION]
+    assert tie.node is None and tie.action is Action.RESTART and "no majority" in tie.cause, tie
+    assert (swapped.node, swapped.action) == ("node-1", Action.REPLACE_NODE) and "to tell which" in swapped.cause
+    assert (named.node, named.action) == ("node-1", Action.REPORT) and "node-1 computes wrong" in named.cause
+    assert status.cordoned == ["node-1"] and status.nodes == ["node-0", "node-2"]
+    assert result.final_state_digest == baseline.final_state_digest
+
+
 # ~40 s: `make test-slow`; the bitflip test above keeps the quickstart's Done-when in `make test`, and the workflow
 # unit tests (tests/unit/test_sdc_decisions.py) keep the numerical fault's decisions there.
 @pytest.mark.slow
@@ -101,17 +126,20 @@ HSDP = ["python", "examples/recipes/hsdp.py", "--step-time", "0.1"]
 
 
 async def flipped_and_finished(client: TrainguardClient, stack: DevStack, prefix: str, entrypoint: list[str],
-                               kind: str) -> tuple[RunResult, RunResult]:
-    """The job without a fault and the same job with a bit flipped on node-1's first rank after its first commit."""
+                               kind: str, recurring: bool = False) -> tuple[RunResult, RunResult]:
+    """The job without a fault and the same job with a bit flipped on node-1's first rank after its first commit
+    (`recurring`: and once in every later attempt on node-1, a sick GPU)."""
     base = await asyncio.wait_for(client.result(await client.start_run(
         llama(f"{prefix}-base", entrypoint), workflow_id=run_id(f"{kind}-base"))), RUN_TIMEOUT_S)
     rid = await client.start_run(llama(prefix, entrypoint), workflow_id=run_id(kind))
     await wait_until(client, rid, lambda v: checkpointed(v, min_step=12), timeout_s=180)
-    await client.inject_fault(rid, "bitflip", "node-1")
+    await client.inject_fault(rid, "bitflip", "node-1", recurring=recurring)
     try:
         return base, await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
     finally:
         await client.uncordon("node-1")
+        if recurring:
+            await restart_agent(stack, "node-1")
 
 
 # ~2 min each on 2 cores (a Llama's imports on 8 ranks): `make test-slow`.
@@ -129,8 +157,13 @@ async def test_hsdp_compares_each_shard_across_its_two_replicas_and_rolls_back_t
         client: TrainguardClient, stack: DevStack, prefix: str) -> None:
     # 2 replicas x 2 shards: node-0 holds replica 0 (ranks 0, 1), node-1 replica 1 (ranks 2, 3). A bit flipped in
     # rank 2's shard makes shard 0's two replicas differ; with two, no majority names one, so both are suspects.
-    base, result = await flipped_and_finished(client, stack, prefix, HSDP, "hsdp")
-    [incident] = [i for i in result.incidents if i.kind is IncidentKind.SILENT_DATA_CORRUPTION]
-    assert "rank 0 (node-0), rank 2 (node-1)" in incident.cause and "shard 0/2" in incident.cause, incident
-    assert incident.node is None and incident.action is Action.RESTART
+    # node-1's GPU is sick: the tie comes back after the rollback, node-1 is set aside for the spare, and with it
+    # gone the replicas agree: node-1 is named and cordoned.
+    base, result = await flipped_and_finished(client, stack, prefix, HSDP, "hsdp", recurring=True)
+    tie, swapped, named = [i for i in result.incidents if i.kind is IncidentKind.SILENT_DATA_CORRUPTION]
+    assert "rank 0 (node-0), rank 2 (node-1)" in tie.cause and "shard 0/2" in tie.cause, tie
+    assert tie.node is None and tie.action is Action.RESTART
+    assert (swapped.node, swapped.rank, swapped.action) == ("node-1", 2, Action.REPLACE_NODE), swapped
+    assert (named.node, named.action) == ("node-1", Action.REPORT) and "node-1 computes wrong" in named.cause
+    assert named.decision == "node-1 cordoned"
     assert result.final_state_digest == base.final_state_digest

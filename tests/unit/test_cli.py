@@ -135,6 +135,11 @@ def test_chaos_needs_a_node_or_a_rank(capsys: pytest.CaptureFixture[str]) -> Non
     assert "name the node (--node) or the rank (--rank)" in capsys.readouterr().err
 
 
+def test_only_a_bitflip_recurs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["chaos", "crash", "--run", "r", "--node", "node-0", "--recurring"]) == 2
+    assert "--recurring is for bitflip only, not crash" in capsys.readouterr().err
+
+
 def test_a_rank_names_its_node() -> None:
     from trainguard.client import node_of_rank
     from trainguard.models import RunStatus

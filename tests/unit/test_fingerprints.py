@@ -3,14 +3,21 @@ numbers (`activities.progress.numerical_fault`, `new_fingerprints`)."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from activities import rank_watch
 from activities.fingerprint_models import FingerprintRecord
+from activities.health import NodeHealth
 from activities.fingerprints import compare, fingerprint_problem, judge_records
 from activities.models import ShardInfo
 from activities.progress import RankReport, new_fingerprints, numerical_fault
+from activities.rank_records import AttemptRecord, RankBook
+from activities.rank_watch import RankWatch
+from trainguard.protocol import RunLayout
 
 GOOD, BAD = "00000000000000aa", "00000000000000bb"
 
@@ -106,3 +113,26 @@ def test_new_fingerprints_only_when_some_rank_has_a_newer_one() -> None:
     assert new_fingerprints(reports, {0: 10, 1: 10}) is None
     reports[1] = report(1, fingerprints=[fp(10), fp(20)])
     assert new_fingerprints(reports, {0: 10, 1: 10}) == {0: [fp(10)], 1: [fp(10), fp(20)]}
+
+
+async def test_a_sick_gpu_flips_a_bit_once_in_every_attempt_after_its_first_fingerprint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flipped: list[tuple[int, int, str]] = []
+    monkeypatch.setattr(rank_watch, "inject_numeric",
+                        lambda _layout, record, rank, fault: flipped.append((record.attempt, rank, str(fault))))
+    health = NodeHealth()
+    watch = RankWatch(RankBook("node-1", tmp_path), launch=None, health=health)  # type: ignore[arg-type]
+    layout = RunLayout.of(tmp_path, "run")
+
+    async def look(attempt: int, reports: dict[int, RankReport | None]) -> None:
+        record = AttemptRecord(workflow_id="run", attempt=attempt, master_addr="", master_port=0, start_step=0,
+                               launched_at=0.0, chain_id="c1")
+        watch._flip_again(record, layout, reports)
+        await asyncio.sleep(0.05)  # the flip runs in a thread
+
+    health.flips_bits, health.flipped = True, {("run", "c1", 1)}  # chaos flipped attempt 1 itself
+    await look(1, {2: report(2, fingerprints=[fp(10)])})
+    await look(2, {2: report(2), 3: report(3)})  # attempt 2 has not fingerprinted yet: nothing to flip
+    await look(2, {2: report(2), 3: report(3, fingerprints=[fp(30)])})
+    await look(2, {2: report(2, fingerprints=[fp(40)]), 3: report(3, fingerprints=[fp(40)])})  # once only
+    assert flipped == [(2, 3, "bitflip")]

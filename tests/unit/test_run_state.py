@@ -9,6 +9,7 @@ import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.common import RawValue
 
+from activities.fingerprint_models import Tie
 from trainguard.models import CheckpointRef, Incident, IncidentKind, Phase, RunStatus
 from workflows.goodput import AttemptPace, Goodput
 from workflows.run_core import RunCore
@@ -33,7 +34,8 @@ def _everything_set() -> RunState:
         restart_times=[2.5],
         restarts_without_checkpoint=1, last_committed_step=40, state_since_attempt=3, straggler_streak={1: 2},
         slow_window_end=1010.5,
-        lost=["node-3"], replaced=["node-4"], corrupt_steps=[30], restore_before=31, commit_times=[4.0, 5.0], commit_clock_from=5.0,
+        lost=["node-3"], replaced=["node-4"], corrupt_steps=[30], restore_before=31,
+        tie=Tie(step=40, nodes=["node-0", "node-1"], attempt=2, swapped_out="node-1"), commit_times=[4.0, 5.0], commit_clock_from=5.0,
         restore_tier="store", warm=crash, learned_gaps={100: 12.5, 200: 11.0},
         goodput=Goodput(useful_s=2.5, unpaced_steps=3, from_step=40,
                         current=AttemptPace(attempt=3, from_step=30, first_step_at=6.0, commit_step=40, commit_at=7.0)),

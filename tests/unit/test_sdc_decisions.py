@@ -6,22 +6,25 @@ from __future__ import annotations
 
 import pytest
 
-from activities.fingerprint_models import CorruptionVerdict
+from activities.fingerprint_models import CorruptionVerdict, Tie
 from activities.models import WatchEvent, WatchEventKind
 from trainguard.models import Action, Incident, IncidentKind
 from trainguard.spec import parse_spec
 from workflows.node_group_models import NodeGroupWatchResult
 from workflows.policy import RecoveryBudget, decide, numerical_fault_recurs
 from workflows.supervision import Seen, observe
-from workflows.supervision_events import Committed, Reported, Settled
+from workflows.supervision_events import (Committed, CordonSpare, ForgetTie, HoldTie, RecordIncident, Reported,
+                                          Settled)
 
 NODES = ["node-0", "node-1"]
 
 
-def committed(verdict: CorruptionVerdict | None, flipped_at: dict[str, float] | None = None) -> Committed:
-    return Committed(steps=[], pace=None, store_error=None, attempt=2, now=200.0, draining=False, may_grow=False,
-                     streaks={}, slow_window_end=0.0, straggler_windows=2, have_spare=True, nodes=NODES,
-                     ranks_per_node=2, corruption=verdict, flipped_at=flipped_at or {})
+def committed(verdict: CorruptionVerdict | None, flipped_at: dict[str, float] | None = None, tie: Tie | None = None,
+              attempt: int = 2, steps: list[int] | None = None, resumed_step: int = 0) -> Committed:
+    return Committed(steps=steps or [], pace=None, store_error=None, attempt=attempt, now=200.0, draining=False,
+                     may_grow=False, streaks={}, slow_window_end=0.0, straggler_windows=2, have_spare=True,
+                     nodes=NODES, ranks_per_node=2, corruption=verdict, flipped_at=flipped_at or {}, tie=tie,
+                     resumed_step=resumed_step, fingerprint_every=10)
 
 
 def test_an_outvoted_replica_ends_the_attempt_naming_its_rank_and_node() -> None:
@@ -35,13 +38,85 @@ def test_an_outvoted_replica_ends_the_attempt_naming_its_rank_and_node() -> None
     assert seen.ending(paused=False) is not None
 
 
-def test_two_replicas_that_differ_blame_no_node() -> None:
-    verdict = CorruptionVerdict(step=40, last_good_step=-1, ranks=[0, 2], nodes={0: "node-0", 2: "node-1"},
-                                certain=False, group="shard 0/2")
-    seen, _ = observe(Seen(watched=2), committed(verdict))
+TIED = CorruptionVerdict(step=40, last_good_step=30, ranks=[0, 2], nodes={0: "node-0", 2: "node-1"},
+                         certain=False, group="shard 0/2")
+
+
+def test_two_replicas_that_differ_blame_no_node_and_hold_the_tie() -> None:
+    seen, actions = observe(Seen(watched=2), committed(TIED))
     incident = seen.incident
-    assert incident is not None and incident.node is None and incident.bad_step == 40
+    assert incident is not None and incident.node is None and incident.bad_step == 31
     assert "no majority" in incident.detail
+    assert HoldTie(Tie(step=40, nodes=["node-0", "node-1"], attempt=2)) in actions
+
+
+def test_a_tie_found_beside_another_incident_is_not_held() -> None:
+    crash = Incident(kind=IncidentKind.CRASH, node="node-0", rank=0, attempt=2)
+    seen, actions = observe(Seen(watched=2, incident=crash), committed(TIED))
+    assert seen.incident is crash and not any(isinstance(a, HoldTie) for a in actions)
+
+
+def test_a_tie_back_on_the_same_two_nodes_sets_the_higher_ranks_node_aside() -> None:
+    tie = Tie(step=40, nodes=["node-0", "node-1"], attempt=1)
+    seen, actions = observe(Seen(watched=2), committed(TIED, tie=tie))
+    incident = seen.incident
+    assert incident is not None and (incident.node, incident.rank) == ("node-1", 2), incident
+    assert "to tell which" in incident.detail and incident.bad_step == 31
+    assert HoldTie(tie.model_copy(update={"swapped_out": "node-1", "attempt": 2})) in actions
+    decision = decide(incident.kind, incident.node, SPEC, NODES, ["spare-0"], RecoveryBudget(), now=1000.0,
+                      suspect=True)
+    assert (decision.action, decision.replacement, decision.cordon, decision.hold) == (
+        Action.REPLACE_NODE, "spare-0", False, True)
+    no_spare = decide(incident.kind, incident.node, SPEC, NODES, [], RecoveryBudget(), now=1000.0, suspect=True)
+    assert no_spare.action is Action.RESTART and "no spare" in no_spare.reason
+
+
+def test_a_tie_back_on_the_node_kept_names_it() -> None:
+    tie = Tie(step=40, nodes=["node-0", "node-1"], attempt=2, swapped_out="node-1")
+    again = CorruptionVerdict(step=30, last_good_step=20, ranks=[0, 2], nodes={0: "node-0", 2: "spare-0"},
+                              certain=False, group="shard 0/2")
+    seen, actions = observe(Seen(watched=2), committed(again, tie=tie, attempt=3))
+    incident = seen.incident
+    assert incident is not None and (incident.node, incident.rank) == ("node-0", 0), incident
+    assert "node-0 computes wrong" in incident.detail and ForgetTie() in actions
+    decision = decide(incident.kind, incident.node, SPEC, NODES, ["node-1"], RecoveryBudget(), now=1000.0)
+    assert (decision.action, decision.replacement, decision.cordon) == (Action.REPLACE_NODE, "node-1", True)
+
+
+@pytest.mark.parametrize(("tie", "steps", "resumed", "expected"), [
+    # set aside, and verified two fingerprints (10 steps each) past the restore and past step 40: node-1 is sick
+    (Tie(step=40, nodes=["node-0", "node-1"], attempt=2, swapped_out="node-1"), [50], 30, "cordon"),
+    # too early: a flip after the attempt's first fingerprint shows only at its second
+    (Tie(step=40, nodes=["node-0", "node-1"], attempt=2, swapped_out="node-1"), [45], 30, None),
+    (Tie(step=40, nodes=["node-0", "node-1"], attempt=2, swapped_out="node-1"), [40], 30, None),
+    # a one-off: never back, nobody to blame
+    (Tie(step=40, nodes=["node-0", "node-1"], attempt=2), [60], 30, "forget"),
+    # the attempt that found it says nothing of it coming back
+    (Tie(step=40, nodes=["node-0", "node-1"], attempt=3), [60], 30, None),
+])
+def test_a_tie_that_does_not_come_back_names_the_node_set_aside_or_nobody(
+        tie: Tie, steps: list[int], resumed: int, expected: str | None) -> None:
+    event = committed(None, tie=tie, attempt=3, steps=steps, resumed_step=resumed)
+    seen, actions = observe(Seen(watched=2), event)
+    assert seen.incident is None  # training goes on either way
+    cordoned = [a for a in actions if isinstance(a, CordonSpare)]
+    reported = [a.incident for a in actions if isinstance(a, RecordIncident)]
+    if expected == "cordon":
+        assert [c.node for c in cordoned] == ["node-1"] and ForgetTie() in actions
+        assert [(i.node, i.action) for i in reported] == [("node-1", Action.REPORT)]
+        assert "not since node-1 left the run" in reported[0].detail
+    elif expected == "forget":
+        assert ForgetTie() in actions and not cordoned and not reported
+    else:
+        assert ForgetTie() not in actions and not cordoned
+
+
+def test_two_differing_replicas_on_one_node_name_it() -> None:
+    verdict = CorruptionVerdict(step=40, ranks=[0, 1], nodes={0: "node-0", 1: "node-0"}, certain=False,
+                                group="replicated")
+    seen, actions = observe(Seen(watched=2), committed(verdict))
+    assert seen.incident is not None and seen.incident.node == "node-0"
+    assert not any(isinstance(a, HoldTie) for a in actions)
 
 
 def test_no_verdict_no_incident() -> None:
