@@ -39,6 +39,10 @@ async def fault_free(client: TrainguardClient) -> RunResult:
     return await asyncio.wait_for(client.result(rid), RUN_TIMEOUT_S)
 
 
+# ~80 s with its fault-free run: `make test-slow`. In `make test`, the two-replica test below takes the same path
+# on the real stack (fingerprints through the store, the committer's comparison, the rollback, the cordon, the
+# fault-free digest); tests/unit/test_sdc_decisions.py tables the majority's verdict.
+@pytest.mark.slow
 async def test_chaos_bitflip_on_node_1_is_found_cordoned_and_rolled_back_to_the_fault_free_digest(
         client: TrainguardClient, fault_free: RunResult, stack: DevStack, prefix: str) -> None:
     rid = await client.start_run(quickstart(prefix), workflow_id=run_id("bitflip"))
@@ -94,8 +98,8 @@ async def test_with_two_replicas_a_sick_gpu_is_told_apart_by_coming_back_and_cor
     assert result.final_state_digest == baseline.final_state_digest
 
 
-# ~40 s: `make test-slow`; the bitflip test above keeps the quickstart's Done-when in `make test`, and the workflow
-# unit tests (tests/unit/test_sdc_decisions.py) keep the numerical fault's decisions there.
+# ~40 s: `make test-slow`; the workflow unit tests (tests/unit/test_sdc_decisions.py) keep the numerical fault's
+# decisions in `make test`.
 @pytest.mark.slow
 async def test_chaos_nan_is_a_numerical_fault_rolled_back_to_the_fault_free_digest(
         client: TrainguardClient, fault_free: RunResult, prefix: str) -> None:
