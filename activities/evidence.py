@@ -22,7 +22,8 @@ from activities import names
 from activities.models import CollectEvidenceInput, CollectEvidenceResult, RankEvidence, WatchCheckpoints
 from trainguard import evidence as channel
 from trainguard.procs import state as process_state
-from trainguard.protocol import RunLayout, read_regular, replace_file
+from trainguard.protocol import RunLayout
+from trainguard.safe_files import read_regular, replace_file
 from trainguard.redact import redact, redact_model
 
 if TYPE_CHECKING:

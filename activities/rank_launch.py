@@ -44,6 +44,7 @@ from trainguard.models import StopReason
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
 from trainguard.run_as import PopenUser, RunAs
+from trainguard.safe_files import open_append
 from trainguard.settings import held_secret_values
 from trainguard.spec import exec_env_refused, exec_problems
 
@@ -276,7 +277,7 @@ class RankLaunch:
         full.update(request.env)
         full.update({"TMPDIR": str(layout.tmp_dir), protocol.ENV_WORKFLOW_ID: request.workflow_id,
                      protocol.ENV_NODE: self.node, **env})
-        log_file = protocol.open_append(log_path)
+        log_file = open_append(log_path)
         try:
             popen = subprocess.Popen(  # an argv list, never a shell string
                 request.entrypoint,

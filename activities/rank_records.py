@@ -24,6 +24,7 @@ from trainguard import protocol
 from trainguard.cgroups import RunCgroups, kill_tree
 from trainguard.procs import start_time
 from trainguard.protocol import RunLayout
+from trainguard.safe_files import write_json
 
 if TYPE_CHECKING:
     from activities.rank_parking import RunParking
@@ -217,7 +218,7 @@ class RankBook:
         layout = RunLayout.of(self.workdir, record.workflow_id)
         layout.root.mkdir(parents=True, exist_ok=True)
         pool = self.parking.get(record.workflow_id)
-        protocol.write_json(layout.ranks_file, record.to_json(pool.entries() if pool is not None else None))
+        write_json(layout.ranks_file, record.to_json(pool.entries() if pool is not None else None))
 
     def save_parking(self, workflow_id: str) -> None:
         """Write the run's `ranks.json` after its parked processes changed. On a spare (no attempt of the run

@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.protocol import ENV_EVIDENCE_BASE, read_regular, replace_file
+from trainguard.protocol import ENV_EVIDENCE_BASE
+from trainguard.safe_files import read_regular, replace_file
 from trainguard.faults import FaultKind
 
 BASE_ENV = ENV_EVIDENCE_BASE
@@ -138,7 +139,7 @@ class Position:
 
 def write_atomic(path: Path, text: str) -> None:
     """Whole or not at all, and never through a link a rank planted in its evidence folder (the agent writes
-    requests and chaos there as root): `trainguard.protocol.replace_file`."""
+    requests and chaos there as root): `trainguard.safe_files.replace_file`."""
     replace_file(path, text.encode())
 
 
@@ -148,7 +149,7 @@ ANSWER_MAX_BYTES = 64 << 10
 
 def read_answer(paths: Paths) -> Position | None:
     """A rank's answer as the agent reads it: a regular file only, never through a link nor from a FIFO
-    (`trainguard.protocol.read_regular`), so a rank's answer file can neither block nor redirect the read."""
+    (`trainguard.safe_files.read_regular`), so a rank's answer file can neither block nor redirect the read."""
     data = read_regular(paths.answer, ANSWER_MAX_BYTES)
     if data is None:
         return None

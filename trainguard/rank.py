@@ -51,6 +51,7 @@ from typing import Any, NoReturn
 from trainguard import evidence as _evidence
 from trainguard import numerics as _numerics
 from trainguard import protocol as _protocol
+from trainguard import safe_files as _safe_files
 from trainguard.safe_load import (DCP_DIR, ENV_ALLOW_PICKLE, TEMPLATE_FIX, Template, caller_outside, files_digest,
                                   helper_bytes, helper_from_bytes, load_weights_only, safe_dcp, sha256_file)
 from trainguard.state_digest import holds_dtensor, holds_tensor, is_sharded, state_digest  # noqa: F401 - tg.state_digest: the API
@@ -85,7 +86,7 @@ def _helper_key(rank: int) -> str:
 
 
 def _atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
-    _protocol.write_json(path, payload)
+    _safe_files.write_json(path, payload)
 
 
 def _snapshot(value: Any) -> Any:

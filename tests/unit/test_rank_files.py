@@ -2,7 +2,7 @@
 
 A rank owns its progress folder: in place of its progress file it can put a FIFO (an open for reading waits for a
 writer forever), a link to `/dev/zero` (a read never ends) or to a file of someone else's. The agent's reader
-(`trainguard.protocol.read_json`, under every progress, mark and role read) takes regular files only, never
+(`trainguard.safe_files.read_json`, under every progress, mark and role read) takes regular files only, never
 through a link, and only so much of them; the watch goes on heartbeating beside such a rank.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard import protocol
+from trainguard import protocol, safe_files
 
 READER = textwrap.dedent("""
     import resource, sys, time
@@ -48,7 +48,7 @@ def _plant(kind: str, path: Path, tmp_path: Path) -> None:
         path.symlink_to("/dev/zero")
     elif kind == "link-to-a-file":  # a file of someone else's, whole progress JSON or not
         target = tmp_path / "someone-elses.json"
-        protocol.write_json(target, real)
+        safe_files.write_json(target, real)
         path.symlink_to(target)
     elif kind == "folder":
         path.mkdir()
