@@ -13,6 +13,9 @@ DOWNLOAD_SHARDS = "download_shards"
 COLLECT_EVIDENCE = "collect_evidence"
 READ_RANK_LOG = "read_rank_log"
 INJECT_FAULT = "inject_fault"
+START_LIGHTHOUSE = "start_lighthouse"
+KEEP_LIGHTHOUSE = "keep_lighthouse"
+STOP_LIGHTHOUSE = "stop_lighthouse"
 
 # On the controller (the run's task queue): the checkpoint store, the node pool, the cluster scheduler
 FIND_NODE_AGENTS = "find_node_agents"

@@ -245,8 +245,13 @@ async def _run_cmd(args: argparse.Namespace) -> int:
         return await _logs(client, args)
     if args.action == "status":
         view = await client.status(args.id)
+        groups = [{"workflow_id": g.workflow_id, "execution": g.execution_status, "phase": g.status.phase.value,
+                   "attempt": g.status.attempt, "step": g.status.step, "nodes": g.status.nodes,
+                   "spares": g.status.spares, "incidents": len(g.status.incidents), "reason": g.status.reason}
+                  for g in view.groups]
         _print_json({"execution": view.execution_status, "rank_steps": view.rank_steps,
-                     "long_phases": view.long_phases, **view.status.model_dump(mode="json")})
+                     "long_phases": view.long_phases, **view.status.model_dump(mode="json"),
+                     **({"groups": groups} if groups else {})})
     elif args.action == "result":
         _print_json((await client.result(args.id)).model_dump(mode="json"))
     elif args.action == "cancel":

@@ -64,6 +64,10 @@ class RunView:
     """Ranks between steps for longer than their step bound, and what they do (`busy 12.3s (eval)`, `waiting
     8.0s (a collective)`): an evaluation, a save, a wait for a peer. Not hung; from the watch heartbeats."""
 
+    groups: list[RunView] = field(default_factory=list)
+    """A run with replica groups: each group's run, group 0 first. The run's `nodes` and `rank_steps` are theirs
+    laid end to end (global rank r of group g is the group's rank r - g * its world size)."""
+
     @property
     def live_step(self) -> int:
         steps = [s for s in self.rank_steps.values() if s is not None]
@@ -272,7 +276,44 @@ class TrainguardClient:
                 steps.update(beat.steps or {})
                 phases.update(beat.phases or {})
         execution = description.status.name if description.status else "UNKNOWN"
-        return RunView(workflow_id, execution, status, dict(sorted(steps.items())), dict(sorted(phases.items())))
+        view = RunView(workflow_id, execution, status, dict(sorted(steps.items())), dict(sorted(phases.items())))
+        if status.replica_groups:
+            await self._with_groups(view)
+        return view
+
+    async def _with_groups(self, view: RunView) -> None:
+        """The groups' own views in `view`, and their nodes and ranks as the whole run's."""
+        nodes: list[str] = []
+        for index, group_id in enumerate(view.status.replica_groups):
+            try:
+                group = await self.status(group_id)
+            except RPCError:
+                continue  # not started yet
+            view.groups.append(group)
+            offset = index * group.status.world_size
+            nodes.extend(group.status.nodes)
+            view.rank_steps.update({offset + rank: step for rank, step in group.rank_steps.items()})
+            view.long_phases.update({offset + rank: what for rank, what in group.long_phases.items()})
+        if len(view.groups) == len(view.status.replica_groups):
+            view.status.nodes = nodes
+            view.status.attempt = max(g.status.attempt for g in view.groups)
+            if view.status.phase is Phase.RUNNING:
+                view.status.step = min(g.status.step for g in view.groups)
+
+    async def group_of(self, workflow_id: str, node: str | None, rank: int | None) -> tuple[str, int | None]:
+        """The run that acts for `node` (or global `rank`): the group's run holding it in a run with replica
+        groups (and the rank as that group numbers it), else the run itself."""
+        view = await self.status(workflow_id)
+        for index, group in enumerate(view.groups):
+            offset = index * group.status.world_size
+            if node is not None and node in group.status.nodes:
+                return group.workflow_id, None if rank is None else rank - offset
+            if node is None and rank is not None and offset <= rank < offset + group.status.world_size:
+                return group.workflow_id, rank - offset
+        if view.groups:
+            where = f"node {node!r}" if node is not None else f"rank {rank}"
+            raise ValueError(f"{where} is in none of the run's replica groups (nodes: {', '.join(view.status.nodes)})")
+        return workflow_id, rank
 
     async def result(self, workflow_id: str) -> RunResult:
         return await self.client.get_workflow_handle(workflow_id, result_type=RunResult).result()
@@ -284,9 +325,11 @@ class TrainguardClient:
         of the newest committed checkpoint (`corrupt`: the next restore falls back to the one before), flip a bit
         of a parameter (`bitflip`; `recurring`: in every attempt the node runs, a sick GPU) or make a loss NaN
         (`nan`). Without `node`, the node that runs `rank` now."""
+        if node is None and rank is None:
+            raise ValueError("inject_fault: name the node or the rank")
+        workflow_id, rank = await self.group_of(workflow_id, node, rank)
         if node is None:
-            if rank is None:
-                raise ValueError("inject_fault: name the node or the rank")
+            assert rank is not None
             node = node_of_rank((await self.status(workflow_id)).status, rank)
         return await self.handle(workflow_id).execute_update(
             "inject_fault",

@@ -124,6 +124,8 @@ class Incident(BaseModel):
     """What happened."""
     node: str | None = None
     """Node it happened on, when known."""
+    group: int | None = None
+    """The replica group it happened in (`replica_groups`); None in a run without groups."""
     rank: int | None = None
     """Global rank it happened to, when known."""
     attempt: int = 0
@@ -271,6 +273,11 @@ class RunStatus(BaseModel):
     store_error: str | None = None
     """The last store error the committer met since the newest commit; None when it reaches the store."""
     upload_errors: dict[str, str] = Field(default_factory=dict)
+    replica_groups: list[str] = Field(default_factory=list)
+    """A run with `replica_groups`: the workflow id of each group's run, group 0 first (each answers `status`
+    for its own nodes, attempts and incidents)."""
+    lighthouse: str | None = None
+    """A run with `replica_groups`: where its TorchFT lighthouse serves (every rank's `TORCHFT_LIGHTHOUSE`)."""
     """Node -> its last failed upload since the newest commit (at most `UPLOAD_ERRORS_KEPT` nodes)."""
 
 

@@ -375,6 +375,40 @@ class RestartSpec(_Strict):
     resumes by itself (an operator may still `resume` or `abort`). Default 15."""
 
 
+REPLICA_GROUP_ENV = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
+"""What trainguard gives every rank of a run with `replica_groups` (TorchFT reads them): a spec sets none."""
+
+
+class ReplicaGroupsSpec(_Strict):
+    """Replica groups under TorchFT: the run's nodes split into `groups` equal groups, each its own
+    torch.distributed world (its own ranks, master and store). TorchFT averages across the groups in each
+    step's quorum; trainguard runs its lighthouse and keeps each group alive on its own, so a fault in one group
+    stops that group only and the others train on at reduced width."""
+
+    groups: int = Field(ge=2, le=1024)
+    """How many replica groups; the run's nodes divide evenly among them (`nodes[i * n:(i + 1) * n]` is group
+    i, n = len(nodes) / groups). Spares are dealt to the groups in turn, group 0 first."""
+
+    min_groups: int = Field(1, ge=1, le=1024)
+    """Fewest groups that take a step together (TorchFT's `min_replica_size`, the lighthouse's
+    `min_replicas`). Default 1: one healthy group trains on while the others recover."""
+
+    heartbeat_timeout_s: float = Field(5.0, ge=0.2, le=3600)
+    """A group whose manager has not reached the lighthouse for this long is left out of the next quorum.
+    Default 5 s (TorchFT's)."""
+
+    join_timeout_s: float = Field(60.0, ge=0.1, le=3600)
+    """How long the lighthouse waits for every heartbeating group to join a quorum before it forms one
+    without the stragglers (with at least `min_groups`). Default 60 s (TorchFT's)."""
+
+    @model_validator(mode="after")
+    def _min_within(self) -> ReplicaGroupsSpec:
+        if self.min_groups > self.groups:
+            raise ValueError(f"replica_groups.min_groups ({self.min_groups}) exceeds replica_groups.groups "
+                             f"({self.groups})")
+        return self
+
+
 class RunSpec(_Strict):
     """A training run: what to launch, where, and how to keep it alive."""
 
@@ -428,6 +462,10 @@ class RunSpec(_Strict):
     restarts: RestartSpec = Field(default_factory=RestartSpec)
     """Restart budget."""
 
+    replica_groups: ReplicaGroupsSpec | None = None
+    """Split the nodes into TorchFT replica groups that fail and recover one at a time (examples/ft.json).
+    Default none: one world, every fault relaunches every rank."""
+
     reserve_timeout_s: float = Field(600.0, ge=0, le=7 * 86_400)
     """How long the run waits for nodes leased to other runs before it fails. Default 600 s."""
 
@@ -474,12 +512,44 @@ class RunSpec(_Strict):
             raise ValueError(f"spare_nodes repeats nodes already in nodes: {', '.join(overlap)}")
         if self.min_nodes is not None and self.min_nodes > self.node_count:
             raise ValueError(f"min_nodes ({self.min_nodes}) exceeds the number of nodes ({self.node_count})")
+        if self.replica_groups is not None:
+            self._check_groups(self.replica_groups)
         if (size := exec_bytes(self.entrypoint, self.env)) > MAX_EXEC_BYTES:
             raise ValueError(f"entrypoint and env come to {size} bytes at exec, more than {MAX_EXEC_BYTES} "
                              f"(MAX_EXEC_BYTES): pass data in a file, not the command line or environment")
         if (size := len(self.model_dump_json().encode("utf-8"))) > MAX_SPEC_BYTES:
             raise ValueError(f"the spec is {size} bytes as JSON, more than {MAX_SPEC_BYTES} (MAX_SPEC_BYTES)")
         return self
+
+    def _check_groups(self, groups: ReplicaGroupsSpec) -> None:
+        if self.num_nodes is not None or self.num_spares:
+            raise ValueError("replica_groups needs its nodes named: give nodes and spare_nodes, not num_nodes or "
+                             "num_spares")
+        if len(self.nodes) % groups.groups:
+            raise ValueError(f"replica_groups.groups ({groups.groups}) must divide the {len(self.nodes)} nodes "
+                             f"evenly: give a multiple of {groups.groups} nodes, or another number of groups")
+        if self.min_nodes is not None:
+            raise ValueError("min_nodes with replica_groups: a group keeps its size; min_groups says how many "
+                             "groups train on")
+        if self.restarts.in_process:
+            raise ValueError("restarts.in_process with replica_groups: TorchFT heals a relaunched group from "
+                             "a live one; turn in_process off")
+        if taken := [name for name in REPLICA_GROUP_ENV if name in self.env]:
+            raise ValueError(f"env sets {', '.join(taken)}: trainguard gives every rank of a run with "
+                             f"replica_groups these; drop them from env")
+
+    def replica_group_specs(self, lighthouse: str) -> list[RunSpec]:
+        """The spec of each replica group: its share of the nodes and spares, and TorchFT's environment."""
+        groups = self.replica_groups
+        assert groups is not None
+        size = len(self.nodes) // groups.groups
+        return [self.model_copy(update={
+            "nodes": self.nodes[index * size:(index + 1) * size],
+            "spare_nodes": self.spare_nodes[index::groups.groups],
+            "replica_groups": None,
+            "env": {**self.env, "REPLICA_GROUP_ID": str(index), "NUM_REPLICA_GROUPS": str(groups.groups),
+                    "TORCHFT_LIGHTHOUSE": lighthouse},
+        }) for index in range(groups.groups)]
 
     def exec_env(self) -> list[str]:
         """The env names node agents refuse unless their operator allows them (`trainguard.env_policy`)."""

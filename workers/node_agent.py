@@ -29,6 +29,7 @@ from activities.chaos import RankChaos
 from activities.checkpoint_transfers import NodeCheckpointActivities
 from activities.evidence import EvidenceActivities
 from activities.health import HealthActivities, NodeHealth
+from activities.lighthouse import Lighthouses
 from activities.nodes import peer_urls, register_node
 from activities.peers import PEER_TOKEN_ENV, ShardServer, peer_token
 from activities.rank_launch import RankLaunch
@@ -113,6 +114,7 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,
                        run_as=run_as)
     health = HealthActivities(node, host, node_health)
     logs = RankLogActivities(node, workdir)
+    lighthouses = Lighthouses(node, workdir, host)
     worker = Worker(
         client,
         task_queue=node_task_queue(node),
@@ -128,6 +130,9 @@ def build_worker(client, node: str, workdir: Path, host: str, code_dir: Path,
             checkpoints.download_shards,
             health.check_node,
             logs.read_rank_log,
+            lighthouses.start_lighthouse,
+            lighthouses.keep_lighthouse,
+            lighthouses.stop_lighthouse,
         ],
         max_concurrent_activities=64,
         max_concurrent_activity_task_polls=AGENT_POLLS,

@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run_core import RunCore, cause_text
     from workflows.run_decisions import Ending
     from workflows.run_hang import HangCulprit
+    from workflows.replica_groups import ReplicaGroups
     from workflows.run_nodes import RunNodes
     from workflows.run_recovery import Recovery
     from workflows.run_state import (NO_INPUT, RunInputError, RunState, continued_input, decode_run_input,
@@ -56,6 +57,12 @@ class TrainingRun:
         self.supervisor = Supervisor(self.core, self.nodes, self.watches, self.recovery, self.hang)
         self.attempts = Attempts(self.core, self.nodes)
 
+    def _one_world(self, what: str) -> None:
+        """A run with replica groups trains in its groups' runs: operator requests go to those."""
+        if self.core.spec is not None and self.core.spec.replica_groups is not None:
+            groups = ", ".join(self.core.status.replica_groups) or "its groups' runs, once started"
+            raise ValueError(f"this run trains in replica groups: {what} one of them ({groups})")
+
     # ------------------------------------------------------------------------------------------ queries
     @workflow.query
     def status(self) -> RunStatus:
@@ -72,6 +79,7 @@ class TrainingRun:
 
     @pause.validator
     def _validate_pause(self, request: OperatorRequest) -> None:
+        self._one_world("pause")
         if self.core.status.phase in (Phase.PAUSED, Phase.COMPLETED, Phase.FAILED, Phase.FINISHING):
             raise ValueError(f"run is {self.core.status.phase.value}: cannot pause")
 
@@ -83,6 +91,7 @@ class TrainingRun:
 
     @resume.validator
     def _validate_resume(self, request: OperatorRequest) -> None:
+        self._one_world("resume")
         # A pause on its way counts: `await pause(); await resume()` must not race the ranks' stop.
         if self.core.status.phase is not Phase.PAUSED and not self.core.state.intents.pause:
             raise ValueError(f"run is {self.core.status.phase.value}, not paused: nothing to resume")
@@ -95,6 +104,7 @@ class TrainingRun:
 
     @abort.validator
     def _validate_abort(self, request: OperatorRequest) -> None:
+        self._one_world("abort")
         if self.core.status.phase is not Phase.PAUSED:
             raise ValueError(f"run is {self.core.status.phase.value}: only a paused run is aborted (cancel it instead)")
 
@@ -107,6 +117,7 @@ class TrainingRun:
 
     @drain_node.validator
     def _validate_drain(self, request: DrainRequest) -> None:
+        self._one_world("drain a node of")
         status, state = self.core.status, self.core.state
         if request.node not in status.nodes:
             raise ValueError(f"node {request.node!r} is not in the run (nodes: {', '.join(status.nodes)})")
@@ -120,6 +131,7 @@ class TrainingRun:
 
     @checkpoint_now.validator
     def _validate_checkpoint_now(self, request: OperatorRequest) -> None:
+        self._one_world("checkpoint")
         if self.core.status.phase is not Phase.RUNNING:
             raise ValueError(f"run is {self.core.status.phase.value}, not running: no ranks to checkpoint")
 
@@ -130,6 +142,7 @@ class TrainingRun:
 
     @inject_fault.validator
     def _validate_fault(self, request: ChaosRequest) -> None:
+        self._one_world("inject faults into")
         status = self.core.status
         if status.phase is not Phase.RUNNING:
             raise ValueError(f"run is {status.phase.value}, not running: nothing to inject into")
@@ -193,6 +206,8 @@ class TrainingRun:
             # its wall time too, as `trainguard run report` (which reads the history's own timestamps) counts it.
             core.state.started_at = info.workflow_start_time.timestamp()
             core.status.nodes, core.status.world_size = list(parsed.spec.nodes), parsed.spec.world_size
+        if parsed.spec.replica_groups is not None:
+            return await ReplicaGroups(core).run()  # the groups' own runs train; this one holds what they share
         attempt = core.status.attempt
         try:
             if not resumed:
