@@ -44,13 +44,22 @@ class Lighthouses:
 
     def __init__(self, node: str, workdir: Path, host: str) -> None:
         self.node, self.workdir, self.host = node, workdir, host
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        """The lighthouses this agent started, by PID: reaped once they exit (an agent restarted since leaves
+        them to init, which reaps them)."""
 
     def _folder(self, workflow_id: str) -> Path:
         folder = self.workdir / LIGHTHOUSES_DIR / safe_name(workflow_id)
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
+    def _reap(self) -> None:
+        for pid, popen in list(self._children.items()):
+            if popen.poll() is not None:
+                del self._children[pid]
+
     def _running(self, folder: Path) -> dict | None:
+        self._reap()
         state = read_json(folder / "state.json")
         if not isinstance(state, dict) or not isinstance(state.get("pid"), int):
             return None
@@ -76,6 +85,7 @@ class Lighthouses:
                                      start_new_session=True, env={**os.environ, "RUST_LOG": "warn"})
         finally:
             log_file.close()
+        self._children[popen.pid] = popen
         deadline = time.monotonic() + READY_TIMEOUT_S
         while (address := read_regular(ready)) is None:
             if popen.poll() is not None:
@@ -112,8 +122,10 @@ class Lighthouses:
             return
         deadline = time.monotonic() + STOP_GRACE_S
         while procs.start_time(pid) == state["start_time"] and time.monotonic() < deadline:
+            self._reap()
             await asyncio.sleep(0.05)
         self._kill(pid)
+        self._reap()
 
     def _address(self, state: dict) -> LighthouseAddress:
         return LighthouseAddress(node=self.node, address=state["address"], pid=state["pid"])

@@ -51,8 +51,8 @@ def main() -> None:
                         help="fewest replica groups that take a step together (TorchFT's min_replica_size)")
     parser.add_argument("--timeout-s", type=float, default=30.0,
                         help="TorchFT's quorum, commit and connect timeouts in seconds (default 30)")
-    parser.add_argument("--pg-timeout-s", type=float, default=2.0,
-                        help="the cross-group collectives' timeout in seconds (default 2): a step whose peer "
+    parser.add_argument("--pg-timeout-s", type=float, default=1.0,
+                        help="the cross-group collectives' timeout in seconds (default 1): a step whose peer "
                              "died fails within it, and is taken again by the groups left")
     parser.add_argument("--log-steps", action="store_true",
                         help="print 'step N at T' (unix time) after every step: the healthy groups' step gaps")

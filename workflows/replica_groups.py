@@ -47,6 +47,11 @@ LIGHTHOUSE_STOP_RETRY = RetryPolicy(maximum_attempts=3)
 """Best effort: a node gone for good took its lighthouse with it."""
 
 
+FINISH_GRACE = timedelta(seconds=60)
+"""How long the other groups have to finish once one group has (in step they finish within a step or two of
+each other); a group still recovering after it is cancelled."""
+
+
 def group_id(workflow_id: str, index: int) -> str:
     return f"{workflow_id}-group-{index}"
 
@@ -74,6 +79,8 @@ class ReplicaGroups:
 
     def __init__(self, core: RunCore) -> None:
         self.core = core
+        self.stopped: list[int] = []
+        """Groups cancelled because another had finished the run (`FINISH_GRACE`)."""
 
     def _lighthouse_input(self, groups: ReplicaGroupsSpec) -> LighthouseInput:
         return LighthouseInput(workflow_id=self.core.wid(), min_replicas=groups.min_groups,
@@ -109,7 +116,7 @@ class ReplicaGroups:
                 core.status.replica_groups.append(group_id(core.wid(), index))
             core.set_phase(Phase.RUNNING)
             core.publish()
-            outcomes = await asyncio.gather(*children, return_exceptions=True)
+            outcomes = await self._until_one_finishes(children)
             return self._result(groups, outcomes)
         except BaseException as error:
             if core.status.phase is not Phase.FAILED:
@@ -118,6 +125,33 @@ class ReplicaGroups:
             raise
         finally:
             await self._stop_lighthouse(host, request, keeper)
+
+    async def _until_one_finishes(self, children: list) -> list[RunResult | BaseException]:
+        """Every group's outcome. Once one group has trained to the end the run's model is done: a group still
+        recovering then (relaunched from an older checkpoint, with no live peer left to heal from) would only
+        train on alone, so the groups not done `FINISH_GRACE` after the first are cancelled."""
+        pending = set(children)
+        first_done: float | None = None
+        while pending:
+            timeout = None if first_done is None else max(0.0, FINISH_GRACE.total_seconds() - (
+                workflow.time() - first_done))
+            done, pending = await workflow.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if first_done is None and any(not task.cancelled() and task.exception() is None for task in done):
+                first_done = workflow.time()
+            if not done and pending:  # the grace is over
+                for index, child in enumerate(children):
+                    if child in pending:
+                        self.stopped.append(index)
+                        child.cancel()
+                await workflow.wait(pending)
+                break
+        outcomes: list[RunResult | BaseException] = []
+        for child in children:
+            try:
+                outcomes.append(child.result())
+            except BaseException as error:  # noqa: BLE001 - a group's failure is its outcome, reported by group
+                outcomes.append(error)
+        return outcomes
 
     async def _stop_lighthouse(self, host: str, request: LighthouseInput, keeper: asyncio.Task | None) -> None:
         if keeper is not None and not keeper.done():
@@ -135,20 +169,22 @@ class ReplicaGroups:
             workflow.logger.warning("the lighthouse on %s was not stopped: %s", host, cause_text(error))
 
     def _result(self, groups: ReplicaGroupsSpec, outcomes: list[RunResult | BaseException]) -> RunResult:
-        """Completed when at least `min_groups` groups completed; each group's incidents, named by group."""
+        """Completed when a group completed (it holds the run's model); each group's incidents, by group."""
         core = self.core
         done = [(index, r) for index, r in enumerate(outcomes) if isinstance(r, RunResult)]
-        failed = [(index, r) for index, r in enumerate(outcomes) if not isinstance(r, RunResult)]
+        failed = [(index, r) for index, r in enumerate(outcomes)
+                  if not isinstance(r, RunResult) and index not in self.stopped]
         incidents: list[Incident] = []
         for index, result in done:
             incidents.extend(i.model_copy(update={"group": index}) for i in result.incidents)
         core.status.incidents = incidents
-        if len(done) < groups.min_groups:
+        if not done:  # one group that trained to the end holds the run's model; none did
             reasons = "; ".join(f"group {index}: {child_failure(error)}" for index, error in failed)
-            raise core.fail(f"{len(failed)} of {groups.groups} replica groups failed, fewer than min_groups "
-                            f"({groups.min_groups}) completed: {reasons}", ErrorType.RUN_STOPPED, phase=True)
-        if failed:
-            core.say("; ".join(f"group {index} failed: {child_failure(error)}" for index, error in failed))
+            raise core.fail(f"every replica group failed: {reasons}", ErrorType.RUN_STOPPED, phase=True)
+        notes = [f"group {index} failed: {child_failure(error)}" for index, error in failed]
+        notes += [f"group {index} stopped: group {done[0][0]} had finished the run" for index in self.stopped]
+        if notes:
+            core.say("; ".join(notes))
         core.set_phase(Phase.FINISHING)
         first = done[0][1]
         core.status.step = max(r.steps_completed for _, r in done)
