@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
     from trainguard import WORKFLOW_TYPE, node_task_queue
     from trainguard.error_types import ErrorType
     from trainguard.models import Incident, Phase, RunResult
+    from trainguard.slurm_job import SLURM_JOB_MEMO
     from trainguard.spec import ReplicaGroupsSpec, RunSpec
     from workflows.node_calls import NODE_SCHEDULE_TO_START
     from workflows.run_core import RunCore, cause_text
@@ -106,11 +107,15 @@ class ReplicaGroups:
                 start_to_close_timeout=LIGHTHOUSE_KEEP_TIMEOUT, heartbeat_timeout=LIGHTHOUSE_HEARTBEAT,
                 retry_policy=LIGHTHOUSE_KEEP_RETRY, summary=f"keep the lighthouse on {host} serving",
                 cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED))
+            # Inside a Slurm job, each group's run belongs to it as this one does: fenced to the job's agents, and
+            # its cordons drain the job's nodes in Slurm.
+            job = workflow.memo_value(SLURM_JOB_MEMO, default=None)
+            memo = {SLURM_JOB_MEMO: job} if job is not None else None
             children = []
             for index, child in enumerate(spec.replica_group_specs(address.address)):
                 child = group_spec(spec, index, child)
                 children.append(await workflow.start_child_workflow(
-                    WORKFLOW_TYPE, child.model_dump(mode="json"), id=group_id(core.wid(), index),
+                    WORKFLOW_TYPE, child.model_dump(mode="json"), id=group_id(core.wid(), index), memo=memo,
                     result_type=RunResult, parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
                     static_summary=f"replica group {index} of {groups.groups}: {', '.join(child.nodes)}"))
                 core.status.replica_groups.append(group_id(core.wid(), index))

@@ -36,6 +36,7 @@ from trainguard.protocol import RunLayout
 from trainguard.settings import Settings
 
 from .conftest import REPO, RUN_TIMEOUT_S, activity_failures, checkpointed, wait_until
+from .ft_logs import check_groups, group_ready
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"no Slurm cluster can run here: {unavailable_reason()}")
@@ -495,3 +496,30 @@ async def test_a_healthy_irregular_job_runs_in_one_attempt_with_no_incident(
     log = logs[0].read_text(errors="replace")
     assert "eval at step 25" in log and "eval at step 50" in log and "save at step 40" in log, log[-3000:]
     assert "epoch from step 30: workers ready" in log, log[-3000:]
+
+
+async def test_replica_groups_in_the_job_recover_one_group_at_a_time(
+        slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster) -> None:
+    """examples/ft.json (3 replica groups of 1 node x 2 ranks, TorchFT) through the project's job script on four
+    nodes, the last its spare: a crash in group 1, then group 0's node lost the Slurm way (the batch host). Each
+    group recovers alone while the others step on, and the run completes on one digest."""
+    spec = {**json.loads((REPO / "examples" / "ft.json").read_text()),
+            "entrypoint": ["python", "examples/train_ft.py", "--steps", "600", "--step-time", "0.05", "--log-steps"]}
+    job = submit(slurm_stack, spec, options=("--nodes=4",), TRAINGUARD_CHAOS="on")
+    run_id = f"slurm-{job}"
+    await run_started(slurm_client, run_id)
+    try:
+        await wait_until(slurm_client, run_id, lambda v: all(group_ready(v, g, 1, 60) for g in range(3)), 180)
+        await slurm_client.inject_fault(run_id, "crash", "node-1")
+        await wait_until(slurm_client, run_id, lambda v: group_ready(v, 1, 2, 1), 120)
+        lose_node(slurm_stack, "node-0")
+        result = await finished(slurm_client, cluster, job, job_ends_too=False)
+        # The batch script was lost with node-0: the controller ends the job once its run is done.
+        assert await job_ends(cluster, job, timeout_s=60) == "CANCELLED", job_log(cluster, job)
+    finally:
+        await slurm_client.uncordon("node-0")
+    found = {(i.group, i.kind, i.node) for i in result.incidents}
+    assert found == {(1, IncidentKind.CRASH, "node-1"), (0, IncidentKind.NODE_UNRESPONSIVE, "node-0")}, found
+    assert result.steps_completed == 600 and result.final_checkpoint is not None
+    digest = check_groups(slurm_stack.home, run_id, result, 600)
+    assert result.final_state_digest == digest
