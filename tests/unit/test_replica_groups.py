@@ -102,10 +102,17 @@ async def test_the_lighthouse_is_started_once_kept_on_its_port_and_stopped(tmp_p
     lighthouses = Lighthouses("node-0", tmp_path, "127.0.0.1")
     request = LighthouseInput(workflow_id="run/../1", heartbeat_timeout_ms=1000)  # a hostile id stays in its folder
     env = ActivityEnvironment()
+    try:
+        await _start_keep_stop(lighthouses, request, env)
+    finally:  # whatever failed above, no lighthouse outlives the test
+        await ActivityEnvironment().run(lighthouses.stop_lighthouse, request)
+    assert [p.parent.parent for p in tmp_path.glob("**/state.json")] == [tmp_path / "lighthouses"]
+
+
+async def _start_keep_stop(lighthouses: Lighthouses, request: LighthouseInput, env: ActivityEnvironment) -> None:
     first = await env.run(lighthouses.start_lighthouse, request)
     again = await env.run(lighthouses.start_lighthouse, request)  # a retried start finds it serving
     assert again == first and first.address.startswith("http://127.0.0.1:") and await _serving(first.address)
-    assert list(tmp_path.glob("lighthouses/*/state.json"))[0].parent.parent == tmp_path / "lighthouses"
 
     keeper = asyncio.ensure_future(env.run(lighthouses.keep_lighthouse, request))
     os.killpg(first.pid, signal.SIGKILL)  # it dies: the keeper starts it again on the same port

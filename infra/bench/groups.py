@@ -1,0 +1,317 @@
+"""Replica groups under faults (issue 42): the healthy groups' longest step gap while one group recovers, the
+failed group's time back, and goodput with groups against the same job without them, in one run.
+
+What it simulates: examples/ft.json's shape (3 replica groups of 1 node x 2 ranks under TorchFT) on stand-in nodes
+(node agents on this machine, one per node, as the dev stack runs them), one spare per group. Five faults, one
+after the other, each in one group and each through the path a real one takes: a rank SIGKILLed (crash), a
+rank SIGSTOPped (hang), an XID through the stand-in NVML (gpu, infra/bench/nvml_standin), the node's agent and
+ranks gone (node-down), a rank stopped half the time (slow: a straggler). The same five hit the same job without
+groups (examples/train.py, 3 nodes x 2 ranks of DDP: every fault relaunches every rank). The cold-start floor is
+bench-recovery's: the job started cold by plain torchrun from a local checkpoint.
+
+    python -m infra.bench.groups [--steps 300] [--step-time 0.5]     (.bench/groups.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.bench.recovery_report import BENCH_DIR, fmt, machine, say
+
+DEFAULT_JSON = BENCH_DIR / "groups.json"
+PORT_SEARCH_START = 33000
+NODES = ("node-0", "node-1", "node-2")
+SPARES = ("node-3", "node-4", "node-5")
+FAULTS = ("crash", "hang", "gpu", "node-down", "slow")
+"""In this order, fault i in group i % 3: each fault that takes a spare (gpu, node-down, slow) in another group."""
+SLOW_DUTY = 0.5
+SETTLE_S = 5.0
+"""After a group is back, the run steps this long before the next fault: each window holds one fault."""
+STEP_LINE = re.compile(r"^step (\d+) at ([\d.]+)$", re.MULTILINE)
+DIGEST_LINE = re.compile(r"finished \d+ steps, loss \S+, digest (\w+)")
+
+
+def rank_logs(home: Path, run_id: str, group: int) -> dict[tuple[str, int], list[str]]:
+    """(node, attempt) -> the text of each rank's log there, for one group's run (a stack's node folders)."""
+    found: dict[tuple[str, int], list[str]] = {}
+    for log in sorted(home.glob(f"nodes/*/runs/{run_id}-group-{group}/attempt-*/logs/rank-*.log")):
+        node, attempt = log.parents[4].name, int(log.parents[1].name.split("-")[1])
+        found.setdefault((node, attempt), []).append(log.read_text(errors="replace"))
+    return found
+
+
+def steps(text: str) -> list[tuple[int, float]]:
+    """Each `step N at T` line a rank of examples/train_ft.py --log-steps printed."""
+    return [(int(step), float(at)) for step, at in STEP_LINE.findall(text)]
+
+
+@dataclass
+class GroupFault:
+    fault: str
+    group: int
+    node: str
+    injected_at: float = 0.0
+    detection_s: float | None = None
+    back_s: float | None = None
+    """From the incident's detection to the group's first step in its new attempt (the incident's recovery_s)."""
+    healthy_gap_s: float | None = None
+    """The longest pause between two steps of any rank of the other groups, from the fault to the group's return."""
+    healthy_step_s: float | None = None
+    """The other groups' median step time over the same window."""
+    gap_ratio: float | None = None
+    note: str = ""
+
+
+@dataclass
+class GroupsRun:
+    system: str
+    workflow_id: str = ""
+    completed: bool = False
+    goodput: float | None = None
+    wall_s: float | None = None
+    attempts: int | None = None
+    faults: list[GroupFault] = field(default_factory=list)
+    note: str = ""
+
+
+def group_spec(opts: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    return {
+        "entrypoint": ["python", "examples/train_ft.py", "--steps", str(opts.steps), "--step-time",
+                       f"{opts.step_time:g}", "--log-steps", "--pg-timeout-s", f"{opts.heartbeat_timeout:g}"],
+        "nodes": list(NODES), "spare_nodes": list(SPARES), "ranks_per_node": 2,
+        "replica_groups": {"groups": 3, "heartbeat_timeout_s": opts.heartbeat_timeout},
+        "checkpoint": {"prefix": prefix, "every_steps": opts.every},
+    }
+
+
+def plain_spec(opts: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    return {
+        "entrypoint": ["python", "examples/train.py", "--steps", str(opts.steps), "--step-time", f"{opts.step_time:g}"],
+        "nodes": list(NODES), "spare_nodes": list(SPARES), "ranks_per_node": 2,
+        "checkpoint": {"prefix": prefix, "every_steps": opts.every},
+    }
+
+
+async def _wait(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (found := await predicate()) is not None:
+            return found
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{what} not within {timeout_s:.0f}s")
+
+
+def _stepping(ranks: dict[int, int | None], size: int, min_step: int = 1) -> bool:
+    live = [s for s in ranks.values() if s is not None]
+    return len(live) == size and min(live) >= min_step
+
+
+async def run_groups(client: Any, opts: argparse.Namespace, home: Path) -> GroupsRun:
+    tag = secrets.token_hex(4)
+    run = GroupsRun(system="trainguard, 3 replica groups")
+    rid = run.workflow_id = await client.start_run(group_spec(opts, f"bench-groups-{tag}"),
+                                                   workflow_id=f"bench-groups-{tag}")
+
+    async def ready() -> Any:
+        view = await client.status(rid)
+        ok = len(view.groups) == 3 and all(_stepping(g.rank_steps, 2, opts.warmup) for g in view.groups)
+        return view if ok else None
+
+    await _wait(ready, 240, "every group stepping")
+    for index, fault in enumerate(FAULTS):
+        group = index % 3
+        view = await client.status(rid)
+        before = view.groups[group].status
+        measured = GroupFault(fault=fault, group=group, node=before.nodes[0])
+        run.faults.append(measured)
+        measured.injected_at = time.time()
+        await client.inject_fault(rid, fault, before.nodes[0], slow_duty=SLOW_DUTY)
+        say(f"  groups: {fault} in group {group} on {before.nodes[0]}")
+
+        async def back(group: int = group, attempt: int = before.attempt) -> Any:
+            view = await client.status(rid)
+            now = view.groups[group]
+            if now.status.attempt > attempt and _stepping(now.rank_steps, 2):
+                return now
+            return None
+
+        try:
+            now = await _wait(back, 180, f"group {group} back after {fault}")
+        except TimeoutError as error:
+            measured.note = str(error)
+            break
+        incident = now.status.incidents[-1]
+        measured.detection_s, measured.back_s = incident.detection_s, incident.recovery_s
+        await asyncio.sleep(SETTLE_S)
+    result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
+    run.completed = result.steps_completed == opts.steps
+    run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
+    _gaps(run, home, rid)
+    return run
+
+
+def _gaps(run: GroupsRun, home: Path, rid: str) -> None:
+    """Each fault's window, from its injection to its group's first step back: the other groups' longest gap."""
+    taken = {g: [steps(text) for texts in rank_logs(home, rid, g).values() for text in texts] for g in range(3)}
+    returns = {}
+    for measured in run.faults:
+        starts = [s[0][1] for (node, attempt), texts in rank_logs(home, rid, measured.group).items()
+                  for s in map(steps, texts) if s and s[0][1] > measured.injected_at]
+        returns[id(measured)] = min(starts) if starts else None
+    for measured in run.faults:
+        end = returns[id(measured)]
+        if end is None:
+            continue
+        gaps, intervals = [], []
+        for group, ranks in taken.items():
+            if group == measured.group:
+                continue
+            for rank in ranks:
+                for (_, a), (_, b) in zip(rank, rank[1:]):
+                    if b > measured.injected_at and a < end:
+                        gaps.append(b - a)
+                    if measured.injected_at - 10 < a < measured.injected_at:
+                        intervals.append(b - a)
+        if gaps and intervals:
+            measured.healthy_gap_s = round(max(gaps), 3)
+            measured.healthy_step_s = round(sorted(intervals)[len(intervals) // 2], 3)
+            measured.gap_ratio = round(measured.healthy_gap_s / measured.healthy_step_s, 2)
+
+
+async def run_plain(client: Any, opts: argparse.Namespace) -> GroupsRun:
+    """The same job and faults without groups: every fault stops every rank and relaunches the run."""
+    tag = secrets.token_hex(4)
+    run = GroupsRun(system="trainguard, one world (no groups)")
+    rid = run.workflow_id = await client.start_run(plain_spec(opts, f"bench-plain-{tag}"),
+                                                   workflow_id=f"bench-plain-{tag}")
+
+    async def ready() -> Any:
+        view = await client.status(rid)
+        return view if view.status.phase.value == "running" and _stepping(view.rank_steps, 6, opts.warmup) else None
+
+    await _wait(ready, 240, "every rank stepping")
+    for index, fault in enumerate(FAULTS):
+        view = await client.status(rid)
+        node = view.status.nodes[index % 3]
+        measured = GroupFault(fault=fault, group=-1, node=node, injected_at=time.time())
+        run.faults.append(measured)
+        await client.inject_fault(rid, fault, node, slow_duty=SLOW_DUTY)
+        say(f"  plain: {fault} on {node}")
+        attempt = view.status.attempt
+
+        async def back(attempt: int = attempt) -> Any:
+            view = await client.status(rid)
+            if view.status.attempt > attempt and view.status.phase.value == "running" \
+                    and _stepping(view.rank_steps, 6):
+                return view
+            return None
+
+        try:
+            now = await _wait(back, 180, f"the run back after {fault}")
+        except TimeoutError as error:
+            measured.note = str(error)
+            break
+        incident = now.status.incidents[-1]
+        measured.detection_s, measured.back_s = incident.detection_s, incident.recovery_s
+        await asyncio.sleep(SETTLE_S)
+    result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
+    run.completed = result.steps_completed == opts.steps
+    run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
+    return run
+
+
+async def measure(opts: argparse.Namespace, dev: Any) -> list[GroupsRun]:
+    from infra.bench.recovery import repair
+    from trainguard.client import TrainguardClient
+    from trainguard.settings import Settings
+
+    client = await TrainguardClient.connect(Settings.from_env({**os.environ, **dev.client_env()}))
+    runs = []
+    jobs = (("groups", lambda: run_groups(client, opts, dev.home)), ("plain", lambda: run_plain(client, opts)))
+    for name, one in jobs:
+        say(f"{name}: {opts.steps} steps of {opts.step_time:g} s, faults {', '.join(FAULTS)}")
+        try:
+            runs.append(await one())
+        except Exception as error:  # noqa: BLE001 - one failed run must not lose the other
+            runs.append(GroupsRun(system=name, note=f"error: {error!r}"[:300]))
+        for node in (*NODES, *SPARES):  # the next run starts on fresh agents (no injected XID), none cordoned
+            await repair(client, dev, node)
+    return runs
+
+
+def report(runs: list[GroupsRun], floor_s: float | None) -> list[str]:
+    lines = ["fault      group  detection  back after detection  healthy gap  healthy step  gap/step"]
+    grouped = runs[0] if runs else None
+    for f in grouped.faults if grouped else []:
+        lines.append(f"{f.fault:<10} {f.group:>5}  {fmt(f.detection_s):>9}  {fmt(f.back_s):>20}  "
+                     f"{fmt(f.healthy_gap_s):>11}  {fmt(f.healthy_step_s):>12}  {fmt(f.gap_ratio):>8}"
+                     + (f"  ({f.note})" if f.note else ""))
+    lines.append(f"cold-start floor (plain torchrun from a local checkpoint): {fmt(floor_s)} s")
+    for run in runs:
+        lines.append(f"{run.system}: goodput {fmt(run.goodput)}, wall {fmt(run.wall_s)} s, attempts {run.attempts}, "
+                     f"completed {run.completed}" + (f" ({run.note})" if run.note else ""))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
+    parser.add_argument("--step-time", type=float, default=0.5,
+                        help="simulated compute per step, seconds (default 0.5: a step of a real model is seconds)")
+    parser.add_argument("--every", type=int, default=25, help="checkpoint every N steps (default 25)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps every rank takes before the first fault")
+    parser.add_argument("--heartbeat-timeout", type=float, default=0.5,
+                        help="replica_groups.heartbeat_timeout_s and the cross-group collectives' timeout (0.5)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    opts = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    from infra.bench.recovery import _nvml_standin
+    from infra.bench.recovery_baselines import torchrun_floor
+    from infra.bench.stack import private_stack
+
+    work = BENCH_DIR / f"groups-{secrets.token_hex(4)}"
+    work.mkdir(parents=True, exist_ok=True)
+    say("floor: cold start from a local checkpoint under plain torchrun")
+    floor = torchrun_floor(argparse.Namespace(steps=opts.steps, step_time=opts.step_time, hidden=opts.hidden,
+                                              every=opts.every), work, work / "floor.log")
+    info: dict[str, Any] = {}
+    with _nvml_standin(True), private_stack("groups-stack", (*NODES, *SPARES), PORT_SEARCH_START,
+                                            echo=lambda line: say(f"  stack: {line}"), timings=info,
+                                            keep_logs=work / "stack-logs") as dev:
+        runs = asyncio.run(measure(opts, dev))
+    lines = report(runs, floor.cold_start_s)
+    for line in lines:
+        print(line, flush=True)
+    grouped = runs[0]
+    ok_gaps = all(f.gap_ratio is not None and f.gap_ratio <= 2.0 for f in grouped.faults)
+    ok_back = floor.cold_start_s is not None and all(
+        f.back_s is not None and f.back_s <= floor.cold_start_s for f in grouped.faults)
+    ok_goodput = len(runs) == 2 and None not in (runs[0].goodput, runs[1].goodput) and \
+        runs[0].goodput > runs[1].goodput  # type: ignore[operator]
+    verdicts = {"healthy gap <= 2x step, every fault": ok_gaps, "failed group back within the floor": ok_back,
+                "goodput with groups above without": ok_goodput}
+    for name, ok in verdicts.items():
+        print(f"{'PASS' if ok else 'MISS'}: {name}", flush=True)
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps({
+        "benchmark": "groups", "machine": machine(load_before, os.getloadavg()),
+        "args": {k: str(v) for k, v in vars(opts).items()},
+        "floor_s": floor.cold_start_s, "runs": [asdict(r) for r in runs], "verdicts": verdicts,
+        "stack": info, "report": lines}, indent=2))
+    say(f"wrote {opts.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
