@@ -71,6 +71,13 @@ bench-checkpoint: $(STAMP)
 .PHONY: bench-recovery
 bench-recovery: $(BENCH_STAMP)
 	$(BIN)/python -m infra.bench.recovery $(BENCH_ARGS)
+	$(BIN)/python -m infra.bench.groups $(GROUPS_BENCH_ARGS)
+
+# Replica groups under TorchFT (examples/ft.json): the healthy groups' step gaps while one recovers, and goodput
+# with and without groups, in one run (.bench/groups.json). `make bench-recovery` runs it after its own rows.
+.PHONY: bench-groups
+bench-groups: $(BENCH_STAMP)
+	$(BIN)/python -m infra.bench.groups $(GROUPS_BENCH_ARGS)
 
 .PHONY: bench-goodput
 bench-goodput: $(STAMP)
@@ -124,6 +131,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m infra.bench.recovery $(RECOVERY_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.paths $(PATHS_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.goodput $(GOODPUT_BENCH_ARGS)
+	$(BIN)/python -m infra.bench.groups $(GROUPS_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.scale $(SCALE_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.nodes $(NODES_BENCH_ARGS)
 	$(BIN)/python -m infra.bench.plots $(PLOTS_ARGS)

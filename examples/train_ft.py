@@ -7,7 +7,9 @@ peer's state. Run it with a spec whose `replica_groups` is set: trainguard start
 every rank `REPLICA_GROUP_ID`, `NUM_REPLICA_GROUPS` and `TORCHFT_LIGHTHOUSE`.
 
 Each step's batch is derived from the step and the rank's data-parallel index across all groups, so every group
-ends on the same parameters, and a rank prints `rank R of group G: digest D` at the end.
+ends on the same parameters, and a rank prints `rank R of group G: digest D` at the end. `--model llama` trains a
+Hugging Face Llama from a small config instead (random init, nothing downloaded; the `examples` extra): the
+FT-DDP recipe for a language model.
 
 Needs the `ft` extra (`pip install 'trainguard[ft]'`).
 """
@@ -25,6 +27,19 @@ from torch import nn
 
 from train import batch_for, build_model, simulate_compute  # examples/train.py, beside this script
 from trainguard import rank as tg
+
+
+LLAMA_VOCAB = 256
+
+
+def llama(hidden: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attn_implementation="eager")
+    torch.manual_seed(1234)  # every rank of every group starts from the same weights
+    return LlamaForCausalLM(config)
 
 
 def flat_grads(model: nn.Module) -> torch.Tensor:
@@ -45,7 +60,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="training steps in total (default 300)")
     parser.add_argument("--step-time", type=float, default=0.1,
                         help="simulated compute per step in seconds (default 0.1)")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
+    parser.add_argument("--model", choices=("mlp", "llama"), default="mlp",
+                        help="the quickstart's MLP, or a Hugging Face Llama from a config (default mlp)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden width (default 256; llama: 64)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--min-groups", type=int, default=1,
                         help="fewest replica groups that take a step together (TorchFT's min_replica_size)")
@@ -68,7 +85,7 @@ def main() -> None:
     dist.init_process_group(backend="gloo")  # the group's own world
     rank, world = dist.get_rank(), dist.get_world_size()
     run = tg.init()
-    model = build_model(args.hidden)
+    model = build_model(args.hidden) if args.model == "mlp" else llama(args.hidden if args.hidden != 256 else 64)
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def load(state: dict) -> None:
@@ -79,9 +96,9 @@ def main() -> None:
         return {"model": model.state_dict(), "optim": inner.state_dict()}
 
     timeout = timedelta(seconds=args.timeout_s)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout_s)), load_state_dict=load, state_dict=save,
-                      min_replica_size=args.min_groups, replica_id=f"group_{group}", rank=rank, world_size=world,
-                      timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout_s)), load_state_dict=load,
+                      state_dict=save, min_replica_size=args.min_groups, replica_id=f"group_{group}", rank=rank,
+                      world_size=world, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
     optimizer = OptimizerWrapper(manager, inner)
     state = run.restore()
     if state is not None:  # the group's newest committed checkpoint; a live peer's state replaces it at the quorum
@@ -94,19 +111,28 @@ def main() -> None:
         step = manager.current_step()
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)  # starts the next quorum
-        inputs, targets = batch_for(step, group * world + rank, args.batch_size, torch.device("cpu"))
-        loss = nn.functional.mse_loss(model(inputs), targets)
+        index = group * world + rank  # this rank's data-parallel index across every group
+        if args.model == "mlp":
+            inputs, targets = batch_for(step, index, args.batch_size, torch.device("cpu"))
+            loss = nn.functional.mse_loss(model(inputs), targets)
+        else:
+            tokens = torch.randint(0, LLAMA_VOCAB, (args.batch_size // 8, 32),
+                                   generator=torch.Generator().manual_seed(1_000_003 * step + index))
+            loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        computed_s = time.perf_counter() - began  # this rank's own work: a straggler shows here, its peers do not
         grads = flat_grads(model)
         manager.allreduce(grads).wait()  # averaged across the groups in the quorum (rank r of each group)
         dist.all_reduce(grads, op=dist.ReduceOp.AVG)  # then across the group's ranks: they stay identical
         set_grads(model, grads)
         optimizer.step()  # only where every group rank agrees the step counts: a failed one is taken again
+        began = time.perf_counter()
         simulate_compute(args.step_time)
+        computed_s += time.perf_counter() - began
         done = manager.current_step()
         if done == step:
             continue
-        run.step_done(done, compute_s=time.perf_counter() - began, loss=loss)
+        run.step_done(done, compute_s=computed_s, loss=loss)
         if args.log_steps:
             print(f"step {done} at {time.time():.3f}", flush=True)
         if run.should_save(done) or done == args.steps:

@@ -145,6 +145,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            meaning="Where the job scripts write each node agent's log."),
     EnvVar(name="TRAINGUARD_SPEC", section="Slurm job script", default="`examples/quickstart.json`",
            meaning="The run spec the job script starts on its allocation."),
+    EnvVar(name="TRAINGUARD_SPARES", section="Slurm job script", default="1",
+           meaning="How many of the allocation's nodes (the last ones) `train.sbatch` holds as the run's spares; "
+                   "the others train (`TRAINGUARD_SPEC=examples/ft.json sbatch --nodes=4 ...`: 3 groups and a "
+                   "spare)."),
     # -------------------------------------------------------------------------------- dev stack
     EnvVar(name="TRAINGUARD_DEV_NODES", section="Dev stack",
            default="`node-0,node-1,node-2` (`--slurm`: the emulated Slurm nodes)",

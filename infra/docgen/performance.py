@@ -111,6 +111,21 @@ def goodput(p: dict[str, Any]) -> str:
     return table(["system", "goodput", "wall", "steps", "finished", "what happened"], rows) + _machine(p)
 
 
+def groups(p: dict[str, Any]) -> str:
+    runs = p.get("runs") or [{}]
+    rows = [[f.get("fault"), f.get("group"), _num(f.get("detection_s"), suffix=" s"),
+             _num(f.get("back_s"), suffix=" s"), _num(f.get("healthy_gap_s"), suffix=" s"),
+             _num(f.get("healthy_step_s"), suffix=" s"),
+             _num(f.get("gap_ratio"), suffix="x"), f.get("note") or ""] for f in runs[0].get("faults", [])]
+    faults = table(["fault", "group", "detection", "group back (after detection)", "healthy groups' longest gap",
+                    "their step", "gap / step", "note"], rows)
+    runs_rows = [[r.get("system"), _pct(r.get("goodput")), _num(r.get("wall_s"), "{:.0f}", " s"), r.get("attempts"),
+                  r.get("completed")] for r in runs]
+    floor = f"Cold-start floor (plain torchrun from a local checkpoint): {_num(p.get('floor_s'), suffix=' s')}."
+    return "\n\n".join([faults, floor, table(["run (same job, same five faults)", "goodput", "wall", "attempts",
+                                                 "completed"], runs_rows)]) + _machine(p)
+
+
 def checkpoint(p: dict[str, Any]) -> str:
     rows = []
     for f in p.get("figures", []):
@@ -242,6 +257,9 @@ BENCHES: dict[str, Bench] = {
                           f"a GPU fault's row is {STANDIN_NVML} (`infra/bench/nvml_standin`) raising the XID"),
     "paths": Bench("paths.json", "make bench-paths", paths),
     "goodput": Bench("goodput.json", "make bench-goodput", goodput),
+    "groups": Bench("groups.json", "make bench-groups", groups,
+                    how="real ranks under TorchFT, node agents, controller, Temporal dev server and SeaweedFS on one "
+                        f"machine; the GPU fault is {STANDIN_NVML} (`infra/bench/nvml_standin`) raising the XID"),
     "checkpoint": Bench("checkpoint.json", "make bench-checkpoint", checkpoint),
     "scale": Bench("scale.json", "make bench-scale", scale,
                    how="real node agents, controller, Temporal dev server and SeaweedFS on one machine; each rank is "
