@@ -1,31 +1,18 @@
-"""What a replica-group run's ranks log (examples/train_ft.py --log-steps), read from a stack's node folders: each
-step's time, and each rank's final digest."""
+"""What a replica-group run's ranks log (examples/train_ft.py --log-steps), read from a stack's node folders (the
+benchmark's readers, infra/bench/groups.py): each step's time, and each rank's final digest."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from infra.bench.groups import DIGEST_LINE, rank_logs, steps
 from trainguard.client import RunView
 from trainguard.models import RunResult
 
+__all__ = ["DIGEST_LINE", "MAX_GAP_S", "check_groups", "group_ready", "longest_gap", "rank_logs", "steps"]
+
 MAX_GAP_S = 2.0
 """Issue 42's bound on a healthy group's longest pause between two steps while another group recovers."""
-STEP_LINE = re.compile(r"^step (\d+) at ([\d.]+)$", re.MULTILINE)
-DIGEST_LINE = re.compile(r"finished \d+ steps, loss \S+, digest (\w+)")
-
-
-def rank_logs(home: Path, run_id: str, group: int) -> dict[tuple[str, int], list[str]]:
-    """(node, attempt) -> the text of each rank's log there, for one group's run."""
-    found: dict[tuple[str, int], list[str]] = {}
-    for log in sorted(home.glob(f"nodes/*/runs/{run_id}-group-{group}/attempt-*/logs/rank-*.log")):
-        node, attempt = log.parents[4].name, int(log.parents[1].name.split("-")[1])
-        found.setdefault((node, attempt), []).append(log.read_text(errors="replace"))
-    return found
-
-
-def steps(text: str) -> list[tuple[int, float]]:
-    return [(int(step), float(at)) for step, at in STEP_LINE.findall(text)]
 
 
 def longest_gap(text: str) -> float:

@@ -27,10 +27,10 @@ from trainguard.settings import Settings
 from trainguard.state_digest import state_digest
 
 from .conftest import REPO, wait_until
-from .ft_logs import check_groups, group_ready
+from .ft_logs import DIGEST_LINE, check_groups, group_ready, rank_logs
 
 NODES = ("node-0", "node-1", "node-2", "node-3")
-STEPS = 600
+STEPS = 450
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +86,24 @@ async def test_a_crash_and_a_lost_node_recover_their_groups_while_the_others_ste
     lighthouse = ft_stack.home / "nodes" / "node-3" / "lighthouses" / rid / "state.json"
     assert lighthouse.exists()
     assert procs.start_time(json.loads(lighthouse.read_text())["pid"]) is None
+
+
+@pytest.mark.slow  # a minute or more here: six ranks importing transformers, a relaunched group's import again
+async def test_the_llama_ft_ddp_recipe_recovers_a_crashed_group_onto_one_digest(ft_stack: DevStack) -> None:
+    """The guide's Hugging Face Llama recipe (examples/train_ft.py --model llama) in ft.json's three groups: a
+    crash in group 1 relaunches that group, which heals from a live one; every rank ends on one digest."""
+    client = await TrainguardClient.connect(Settings.from_env({**os.environ, **ft_stack.client_env()}))
+    spec = load_spec(REPO / "examples" / "ft.json")
+    spec = spec.model_copy(update={
+        "entrypoint": ["python", "examples/train_ft.py", "--model", "llama", "--steps", "200", "--step-time", "0.1",
+                       "--log-steps"],
+        "health": spec.health.model_copy(update={"hang_floor_s": 10.0}),  # transformers' import, on a loaded machine
+        "checkpoint": spec.checkpoint.model_copy(update={"prefix": f"ft-{uuid.uuid4().hex[:8]}"})})
+    rid = await client.start_run(spec, workflow_id=f"it-ft-llama-{uuid.uuid4().hex[:6]}")
+    await wait_until(client, rid, lambda v: all(group_ready(v, g, 1, 30) for g in range(3)), timeout_s=240)
+    await client.inject_fault(rid, "crash", "node-1")
+    result = await asyncio.wait_for(client.result(rid), 400)
+    assert [(i.group, i.kind) for i in result.incidents] == [(1, IncidentKind.CRASH)], result.incidents
+    finals = [DIGEST_LINE.findall(text)[-1] for group in range(3)
+              for texts in rank_logs(ft_stack.home, rid, group).values() for text in texts if DIGEST_LINE.search(text)]
+    assert len(finals) == 6 and set(finals) == {result.final_state_digest}, finals
