@@ -121,7 +121,16 @@ class ReplicaGroups:
                 core.status.replica_groups.append(group_id(core.wid(), index))
             core.set_phase(Phase.RUNNING)
             core.publish()
-            outcomes = await self._until_one_finishes(children)
+            try:
+                outcomes = await self._until_one_finishes(children)
+            except asyncio.CancelledError:
+                # The run is cancelled: every group stops its ranks before the lighthouse goes.
+                running = [handle for handle in children if not handle.done()]
+                for handle in running:
+                    handle.cancel()
+                if running:
+                    await workflow.wait(running)
+                raise
             return self._result(groups, outcomes)
         except BaseException as error:
             if core.status.phase is not Phase.FAILED:

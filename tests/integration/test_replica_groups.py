@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 
 from activities.checkpoint_layout import shard_objects
 from activities.store_reads import read_manifest
@@ -86,6 +87,24 @@ async def test_a_crash_and_a_lost_node_recover_their_groups_while_the_others_ste
     lighthouse = ft_stack.home / "nodes" / "node-3" / "lighthouses" / rid / "state.json"
     assert lighthouse.exists()
     assert procs.start_time(json.loads(lighthouse.read_text())["pid"]) is None
+
+
+async def test_a_cancelled_run_stops_every_group_and_its_lighthouse(ft_stack: DevStack) -> None:
+    client = await TrainguardClient.connect(Settings.from_env({**os.environ, **ft_stack.client_env()}))
+    spec = load_spec(REPO / "examples" / "ft.json")
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+        update={"prefix": f"ft-{uuid.uuid4().hex[:8]}"})})
+    rid = await client.start_run(spec, workflow_id=f"it-ft-cancel-{uuid.uuid4().hex[:6]}")
+    view = await wait_until(client, rid, lambda v: all(group_ready(v, g, 1, 5) for g in range(3)), timeout_s=180)
+    await client.cancel(rid)
+    with pytest.raises(WorkflowFailureError):
+        await asyncio.wait_for(client.result(rid), 120)
+    for group in view.groups:  # each group's run was cancelled, and stopped its ranks on the way out
+        described = await client.handle(group.workflow_id).describe()
+        assert described.status == WorkflowExecutionStatus.CANCELED, (group.workflow_id, described.status)
+    assert live_rank_pids(ft_stack.home) == []
+    state = json.loads((ft_stack.home / "nodes" / "node-3" / "lighthouses" / rid / "state.json").read_text())
+    assert procs.start_time(state["pid"]) is None
 
 
 @pytest.mark.slow  # a minute or more here: six ranks importing transformers, a relaunched group's import again
