@@ -119,37 +119,42 @@ def _stepping(ranks: dict[int, int | None], size: int, min_step: int = 1) -> boo
     return len(live) == size and min(live) >= min_step
 
 
-async def run_groups(client: Any, opts: argparse.Namespace, home: Path) -> GroupsRun:
+async def run_job(client: Any, opts: argparse.Namespace, home: Path, grouped: bool) -> GroupsRun:
+    """The job with the five faults in turn, each once the run (or the fault's group) is back from the last:
+    fault i hits group i % 3 in a grouped run, the run's node i % 3 in the other."""
     tag = secrets.token_hex(4)
-    run = GroupsRun(system="trainguard, 3 replica groups")
-    rid = run.workflow_id = await client.start_run(group_spec(opts, f"bench-groups-{tag}"),
-                                                   workflow_id=f"bench-groups-{tag}")
+    name = "groups" if grouped else "plain"
+    run = GroupsRun(system="trainguard, 3 replica groups" if grouped else "trainguard, one world (no groups)")
+    spec = group_spec(opts, f"bench-{name}-{tag}") if grouped else plain_spec(opts, f"bench-{name}-{tag}")
+    rid = run.workflow_id = await client.start_run(spec, workflow_id=f"bench-{name}-{tag}")
+
+    def units(view: Any) -> list[Any]:  # what recovers alone: each group, or the one world (all six ranks)
+        return list(view.groups) if grouped else [view]
+
+    def stepping(unit: Any, min_step: int = 1) -> bool:
+        return unit.status.phase.value == "running" and _stepping(unit.rank_steps, 2 if grouped else 6, min_step)
 
     async def ready() -> Any:
         view = await client.status(rid)
-        ok = len(view.groups) == 3 and all(_stepping(g.rank_steps, 2, opts.warmup) for g in view.groups)
-        return view if ok else None
+        found = units(view)
+        return view if len(found) == (3 if grouped else 1) and all(stepping(u, opts.warmup) for u in found) else None
 
-    await _wait(ready, 240, "every group stepping")
+    await _wait(ready, 240, "every rank stepping")
     for index, fault in enumerate(FAULTS):
-        group = index % 3
-        view = await client.status(rid)
-        before = view.groups[group].status
-        measured = GroupFault(fault=fault, group=group, node=before.nodes[0])
+        group = index % 3 if grouped else 0
+        before = units(await client.status(rid))[group].status
+        node = before.nodes[0] if grouped else before.nodes[index % 3]
+        measured = GroupFault(fault=fault, group=group if grouped else -1, node=node, injected_at=time.time())
         run.faults.append(measured)
-        measured.injected_at = time.time()
-        await client.inject_fault(rid, fault, before.nodes[0], slow_duty=SLOW_DUTY)
-        say(f"  groups: {fault} in group {group} on {before.nodes[0]}")
+        await client.inject_fault(rid, fault, node, slow_duty=SLOW_DUTY)
+        say(f"  {name}: {fault} on {node}")
 
         async def back(group: int = group, attempt: int = before.attempt) -> Any:
-            view = await client.status(rid)
-            now = view.groups[group]
-            if now.status.attempt > attempt and _stepping(now.rank_steps, 2):
-                return now
-            return None
+            unit = units(await client.status(rid))[group]
+            return unit if unit.status.attempt > attempt and stepping(unit) else None
 
         try:
-            now = await _wait(back, 180, f"group {group} back after {fault}")
+            now = await _wait(back, 180, f"{f'group {group}' if grouped else 'the run'} back after {fault}")
         except TimeoutError as error:
             measured.note = str(error)
             break
@@ -159,7 +164,8 @@ async def run_groups(client: Any, opts: argparse.Namespace, home: Path) -> Group
     result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
     run.completed = result.steps_completed == opts.steps
     run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
-    _gaps(run, home, rid)
+    if grouped:
+        _gaps(run, home, rid)
     return run
 
 
@@ -191,48 +197,6 @@ def _gaps(run: GroupsRun, home: Path, rid: str) -> None:
             measured.gap_ratio = round(measured.healthy_gap_s / measured.healthy_step_s, 2)
 
 
-async def run_plain(client: Any, opts: argparse.Namespace) -> GroupsRun:
-    """The same job and faults without groups: every fault stops every rank and relaunches the run."""
-    tag = secrets.token_hex(4)
-    run = GroupsRun(system="trainguard, one world (no groups)")
-    rid = run.workflow_id = await client.start_run(plain_spec(opts, f"bench-plain-{tag}"),
-                                                   workflow_id=f"bench-plain-{tag}")
-
-    async def ready() -> Any:
-        view = await client.status(rid)
-        return view if view.status.phase.value == "running" and _stepping(view.rank_steps, 6, opts.warmup) else None
-
-    await _wait(ready, 240, "every rank stepping")
-    for index, fault in enumerate(FAULTS):
-        view = await client.status(rid)
-        node = view.status.nodes[index % 3]
-        measured = GroupFault(fault=fault, group=-1, node=node, injected_at=time.time())
-        run.faults.append(measured)
-        await client.inject_fault(rid, fault, node, slow_duty=SLOW_DUTY)
-        say(f"  plain: {fault} on {node}")
-        attempt = view.status.attempt
-
-        async def back(attempt: int = attempt) -> Any:
-            view = await client.status(rid)
-            if view.status.attempt > attempt and view.status.phase.value == "running" \
-                    and _stepping(view.rank_steps, 6):
-                return view
-            return None
-
-        try:
-            now = await _wait(back, 180, f"the run back after {fault}")
-        except TimeoutError as error:
-            measured.note = str(error)
-            break
-        incident = now.status.incidents[-1]
-        measured.detection_s, measured.back_s = incident.detection_s, incident.recovery_s
-        await asyncio.sleep(SETTLE_S)
-    result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
-    run.completed = result.steps_completed == opts.steps
-    run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
-    return run
-
-
 async def measure(opts: argparse.Namespace, dev: Any) -> list[GroupsRun]:
     from infra.bench.recovery import repair
     from trainguard.client import TrainguardClient
@@ -240,11 +204,11 @@ async def measure(opts: argparse.Namespace, dev: Any) -> list[GroupsRun]:
 
     client = await TrainguardClient.connect(Settings.from_env({**os.environ, **dev.client_env()}))
     runs = []
-    jobs = (("groups", lambda: run_groups(client, opts, dev.home)), ("plain", lambda: run_plain(client, opts)))
-    for name, one in jobs:
+    for grouped in (True, False):
+        name = "groups" if grouped else "plain"
         say(f"{name}: {opts.steps} steps of {opts.step_time:g} s, faults {', '.join(FAULTS)}")
         try:
-            runs.append(await one())
+            runs.append(await run_job(client, opts, dev.home, grouped))
         except Exception as error:  # noqa: BLE001 - one failed run must not lose the other
             runs.append(GroupsRun(system=name, note=f"error: {error!r}"[:300]))
         for node in (*NODES, *SPARES):  # the next run starts on fresh agents (no injected XID), none cordoned

@@ -13,6 +13,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,22 @@ def stack() -> Iterator[DevStack]:
                       for s in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
     assert not private.leftovers, f"processes survived dev down: {private.leftovers}"
     assert not leftover_socks, f"files left in /tmp: {leftover_socks}"
+
+
+@asynccontextmanager
+async def own_stack(name: str, nodes: tuple[str, ...], port_start: int, **flags: Any) -> AsyncIterator[DevStack]:
+    """A stack of a test module's own (`flags`: `PrivateStack`'s, e.g. `tls=True`), stopped after it with nothing
+    left running; the session stack keeps the client's address (this one's clients are given theirs:
+    `client_env`)."""
+    home = REPO / ".pytest-stack" / f"{name}-{uuid.uuid4().hex[:8]}"
+    private = harness.PrivateStack(home, nodes, port_start,
+                                   env={harness.ADDRESS_ENV: os.environ.get(harness.ADDRESS_ENV)},
+                                   keep_logs=harness.kept_logs_dir(home), **flags)
+    try:
+        yield await asyncio.to_thread(private.start)
+    finally:
+        await asyncio.to_thread(private.stop)
+    assert not private.leftovers, f"processes survived dev down: {private.leftovers}"
 
 
 @pytest.fixture(scope="session")

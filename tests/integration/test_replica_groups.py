@@ -19,7 +19,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 
 from activities.checkpoint_layout import shard_objects
 from activities.store_reads import read_manifest
-from infra.harness import ADDRESS_ENV, PrivateStack, kept_logs_dir, live_rank_pids
+from infra.harness import live_rank_pids
 from trainguard import procs
 from trainguard.client import TrainguardClient, load_spec
 from trainguard.devstack import DevStack
@@ -27,7 +27,7 @@ from trainguard.models import Action, IncidentKind
 from trainguard.settings import Settings
 from trainguard.state_digest import state_digest
 
-from .conftest import REPO, wait_until
+from .conftest import REPO, own_stack, wait_until
 from .ft_logs import DIGEST_LINE, check_groups, group_ready, rank_logs
 
 NODES = ("node-0", "node-1", "node-2", "node-3")
@@ -36,14 +36,8 @@ STEPS = 450
 
 @pytest.fixture(scope="module")
 async def ft_stack() -> AsyncIterator[DevStack]:
-    home = REPO / ".pytest-stack" / f"ft-{uuid.uuid4().hex[:8]}"
-    private = PrivateStack(home, NODES, 29300, env={ADDRESS_ENV: os.environ.get(ADDRESS_ENV)},
-                           keep_logs=kept_logs_dir(home))
-    try:
-        yield await asyncio.to_thread(private.start)
-    finally:
-        await asyncio.to_thread(private.stop)
-    assert not private.leftovers, f"processes survived dev down: {private.leftovers}"
+    async with own_stack("ft", NODES, 29300) as dev:
+        yield dev
 
 
 async def test_a_crash_and_a_lost_node_recover_their_groups_while_the_others_step_on(

@@ -20,26 +20,18 @@ from temporalio.client import Client
 from temporalio.service import TLSConfig
 
 from trainguard.client import TrainguardClient
-from infra.harness import ADDRESS_ENV, PrivateStack, kept_logs_dir
 from trainguard.devstack import DevStack
 from trainguard.settings import Settings
 
-from .conftest import REPO, RUN_TIMEOUT_S, make_spec
+from .conftest import RUN_TIMEOUT_S, make_spec, own_stack
 
 NODES = ("node-0", "node-1")
 
 
 @pytest.fixture(scope="module")
 async def tls_stack() -> AsyncIterator[DevStack]:
-    home = REPO / ".pytest-stack" / f"tls-{uuid.uuid4().hex[:8]}"
-    # The session's stack keeps the client's address: this one's clients are given theirs (client_env).
-    private = PrivateStack(home, NODES, 29100, tls=True, env={ADDRESS_ENV: os.environ.get(ADDRESS_ENV)},
-                           keep_logs=kept_logs_dir(home))
-    try:
-        yield await asyncio.to_thread(private.start)
-    finally:
-        await asyncio.to_thread(private.stop)
-    assert not private.leftovers, f"processes survived dev down: {private.leftovers}"
+    async with own_stack("tls", NODES, 29100, tls=True) as dev:
+        yield dev
 
 
 async def test_a_run_trains_and_completes_over_mutual_tls(tls_stack: DevStack, prefix: str) -> None:
