@@ -74,11 +74,15 @@ def main() -> None:
     parser.add_argument("--log-steps", action="store_true",
                         help="print 'step N at T' (unix time) after every step: the healthy groups' step gaps")
     args = parser.parse_args()
-    tg.standby()
-
-    # TorchFT imports torch's distributed internals it needs; imported here so `--help` stays quick.
+    # TorchFT (and with it torch's distributed internals) imported before the standby, so a process the node agent
+    # parked for a relaunch has it loaded already; here rather than at the top so `--help` stays quick.
     from torchft import Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
+
+    if args.model == "llama":
+        import transformers  # noqa: F401 - the same: loaded before a parked process is woken
+
+    tg.standby()
 
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "1"))

@@ -34,6 +34,8 @@ NODES = ("node-0", "node-1", "node-2")
 SPARES = ("node-3", "node-4", "node-5")
 FAULTS = ("crash", "hang", "gpu", "node-down", "slow")
 """In this order, fault i in group i % 3: each fault that takes a spare (gpu, node-down, slow) in another group."""
+INCIDENT_KINDS = {"crash": "crash", "hang": "hang", "gpu": "gpu_unhealthy", "node-down": "node_unresponsive",
+                  "slow": "straggler"}
 SLOW_DUTY = 0.5
 SETTLE_S = 5.0
 """After a group is back, the run steps this long before the next fault: each window holds one fault."""
@@ -154,16 +156,24 @@ async def run_job(client: Any, opts: argparse.Namespace, home: Path, grouped: bo
             return unit if unit.status.attempt > attempt and stepping(unit) else None
 
         try:
-            now = await _wait(back, 180, f"{f'group {group}' if grouped else 'the run'} back after {fault}")
+            await _wait(back, 180, f"{f'group {group}' if grouped else 'the run'} back after {fault}")
         except TimeoutError as error:
             measured.note = str(error)
             break
-        incident = now.status.incidents[-1]
-        measured.detection_s, measured.back_s = incident.detection_s, incident.recovery_s
         await asyncio.sleep(SETTLE_S)
-    result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
+    try:
+        result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
+    except Exception as error:  # noqa: BLE001 - the run's own reason says more than the client's error
+        run.note = f"{error!r}: {(await client.status(rid)).status.reason}"[:500]
+        return run
     run.completed = result.steps_completed == opts.steps
     run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
+    for measured in run.faults:  # each fault's incident, from the result: its group's, of its kind, in order
+        kind = INCIDENT_KINDS[measured.fault]
+        found = [i for i in result.incidents if i.kind.value == kind and i.detected_at >= measured.injected_at - 1
+                 and (not grouped or i.group == measured.group) and i.action.value != "report"]
+        if found:
+            measured.detection_s, measured.back_s = found[0].detection_s, found[0].recovery_s
     if grouped:
         _gaps(run, home, rid)
     return run
@@ -232,9 +242,9 @@ def report(runs: list[GroupsRun], floor_s: float | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
-    parser.add_argument("--step-time", type=float, default=0.5,
-                        help="simulated compute per step, seconds (default 0.5: a step of a real model is seconds)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
+    parser.add_argument("--step-time", type=float, default=1.0,
+                        help="simulated compute per step, seconds (default 1: a step of a real model is seconds)")
     parser.add_argument("--every", type=int, default=25, help="checkpoint every N steps (default 25)")
     parser.add_argument("--warmup", type=int, default=10, help="steps every rank takes before the first fault")
     parser.add_argument("--heartbeat-timeout", type=float, default=0.5,
