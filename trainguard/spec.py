@@ -307,7 +307,9 @@ class HealthSpec(_Strict):
     straggler_window_s: float = Field(10.0, ge=1, le=3600)
     """The sliding window of training time over which each rank's compute per step is compared with its
     peers', whatever the checkpoint cadence. Runs of thousands of nodes widen it so each node writes its pace
-    to the store at most every nodes / 100 s. Default 10 s."""
+    to the store at most every nodes / 100 s. A window says something of a rank once it holds 10 of its steps:
+    with steps of a second or more, set it to at least 10 slowed steps (a rank at half speed: 20 x the step
+    time), or no straggler is found. Default 10 s."""
 
     straggler_windows: int = Field(2, ge=1, le=1000)
     """Consecutive windows a straggler must stay slow before the run takes a checkpoint on demand and replaces

@@ -39,9 +39,14 @@ INCIDENT_KINDS = {"crash": "crash", "hang": "hang", "gpu": "gpu_unhealthy", "nod
 SLOW_DUTY = 0.5
 SETTLE_S = 5.0
 """After a group is back, the run steps this long before the next fault: each window holds one fault."""
-HEALTH = {"straggler_windows": 1}
-"""Both runs replace a straggler at its first slow window. With the default two, a one-node group's slow windows
-were reported 2-3 windows apart here, never two in a row, and the straggler was never replaced (left open)."""
+HEALTH = {"straggler_windows": 1, "straggler_window_s": 30.0}
+"""Both runs judge pace over 30 s windows and replace a straggler at its first slow one. A window counts once it
+holds 10 steps of a rank (`activities.pace.MIN_SAMPLES`): the default 10 s holds 5 of a slowed rank's 2 s steps,
+and no straggler was ever found. With two windows, a one-node group's slow windows came 2-3 windows apart here
+(0.5 s steps), never two in a row. Both are left open (docs/guide/replica-groups.md)."""
+RESTARTS = {"max_restarts_without_checkpoint": 10}
+"""Five faults come faster than checkpoints here: the default 3 stopped the run without groups (3 relaunches in a
+row with no new commit), which is a budget, not a recovery, to compare."""
 STEP_LINE = re.compile(r"^step (\d+) at ([\d.]+)$", re.MULTILINE)
 DIGEST_LINE = re.compile(r"finished \d+ steps, loss \S+, digest (\w+)")
 
@@ -86,6 +91,7 @@ class GroupsRun:
     wall_s: float | None = None
     attempts: int | None = None
     faults: list[GroupFault] = field(default_factory=list)
+    incidents: list[str] = field(default_factory=list)
     note: str = ""
 
 
@@ -95,7 +101,7 @@ def group_spec(opts: argparse.Namespace, prefix: str) -> dict[str, Any]:
                        f"{opts.step_time:g}", "--log-steps", "--pg-timeout-s", f"{opts.heartbeat_timeout:g}"],
         "nodes": list(NODES), "spare_nodes": list(SPARES), "ranks_per_node": 2,
         "replica_groups": {"groups": 3, "heartbeat_timeout_s": opts.heartbeat_timeout},
-        "checkpoint": {"prefix": prefix, "every_steps": opts.every}, "health": HEALTH,
+        "checkpoint": {"prefix": prefix, "every_steps": opts.every}, "health": HEALTH, "restarts": RESTARTS,
     }
 
 
@@ -103,7 +109,7 @@ def plain_spec(opts: argparse.Namespace, prefix: str) -> dict[str, Any]:
     return {
         "entrypoint": ["python", "examples/train.py", "--steps", str(opts.steps), "--step-time", f"{opts.step_time:g}"],
         "nodes": list(NODES), "spare_nodes": list(SPARES), "ranks_per_node": 2,
-        "checkpoint": {"prefix": prefix, "every_steps": opts.every}, "health": HEALTH,
+        "checkpoint": {"prefix": prefix, "every_steps": opts.every}, "health": HEALTH, "restarts": RESTARTS,
     }
 
 
@@ -142,6 +148,17 @@ async def run_job(client: Any, opts: argparse.Namespace, home: Path, grouped: bo
         return view if len(found) == (3 if grouped else 1) and all(stepping(u, opts.warmup) for u in found) else None
 
     await _wait(ready, 240, "every rank stepping")
+
+    async def parked() -> Any:  # the steady state: each relaunch it measures is served by parked processes
+        from infra.bench.recovery import parked_ready
+
+        runs = [(f"{rid}-group-{g}", (NODES[g],)) for g in range(3)] if grouped else [(rid, NODES)]
+        return True if all(parked_ready(home, run_id, nodes) for run_id, nodes in runs) else None
+
+    try:
+        await _wait(parked, 120, "parked processes")
+    except TimeoutError as error:
+        run.note = str(error)
     for index, fault in enumerate(FAULTS):
         group = index % 3 if grouped else 0
         before = units(await client.status(rid))[group].status
@@ -168,6 +185,8 @@ async def run_job(client: Any, opts: argparse.Namespace, home: Path, grouped: bo
         return run
     run.completed = result.steps_completed == opts.steps
     run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
+    run.incidents = [f"group {i.group} {i.kind.value} {i.action.value} on {i.node}: detection {i.detection_s} s, "
+                     f"back {i.recovery_s} s" for i in result.incidents]
     for measured in run.faults:  # each fault's incident, from the result: its group's, of its kind, in order
         kind = INCIDENT_KINDS[measured.fault]
         found = [i for i in result.incidents if i.kind.value == kind and i.detected_at >= measured.injected_at - 1
@@ -245,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     parser.add_argument("--step-time", type=float, default=1.0,
                         help="simulated compute per step, seconds (default 1: a step of a real model is seconds)")
-    parser.add_argument("--every", type=int, default=25, help="checkpoint every N steps (default 25)")
+    parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps (default 10)")
     parser.add_argument("--warmup", type=int, default=10, help="steps every rank takes before the first fault")
     parser.add_argument("--heartbeat-timeout", type=float, default=0.5,
                         help="replica_groups.heartbeat_timeout_s and the cross-group collectives' timeout (0.5)")
