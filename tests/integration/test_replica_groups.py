@@ -31,7 +31,7 @@ from .conftest import REPO, own_stack, wait_until
 from .ft_logs import DIGEST_LINE, check_groups, group_ready, rank_logs
 
 NODES = ("node-0", "node-1", "node-2", "node-3")
-STEPS = 450
+STEPS = 600
 
 
 @pytest.fixture(scope="module")
