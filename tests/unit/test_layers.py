@@ -17,7 +17,7 @@ FORBIDDEN = {
 """Package -> the top-level packages none of its modules may import."""
 
 WORKFLOWS_MAY_IMPORT = ("activities.models", "activities.pace_models", "activities.parking_models", "activities.names",
-                        "activities.fingerprint_models")
+                        "activities.fingerprint_models", "activities.lighthouse_models")
 """The only `activities` modules a workflow imports: models and the activity names, never an activity's implementation."""
 
 
