@@ -3,7 +3,8 @@
 The Slurm tests (tests/integration/test_slurm.py) spend most of their minutes waiting on Slurm's own clocks: a
 node marked down after `SlurmdTimeout`, a requeued job's credential expiring, a job's allocation. They bring their
 own stack (Temporal, store, controller, slurmctld and its slurmds), so they run in a second pytest beside the
-rest instead of after it, and the suite takes about as long as its longer half.
+rest instead of after it, and the suite takes about as long as its longer half. The replica-group tests
+(tests/integration/test_replica_groups.py) bring a stack of their own too, and run in that half to even the two.
 
 Each half has its own port range (`TRAINGUARD_PORT_SEARCH_OFFSET`) and scratch folder. The rest prints as it
 runs; the Slurm half's output goes to `.pytest-tmp/slurm-suite.log` and is printed once both are done. The exit
@@ -23,6 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_TESTS = "tests/integration/test_slurm.py"
+BESIDE = (SLURM_TESTS, "tests/integration/test_replica_groups.py")
+"""The modules of the second pytest: each brings its own stack, none needs the session's."""
 SLURM_PORT_OFFSET = 3000
 """Added to the Slurm half's port searches, so its stack never races the other half's for a free range."""
 SCRATCH = REPO / ".pytest-tmp"
@@ -42,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     with log_path.open("w") as log:
         slurm = subprocess.Popen(
-            _pytest([SLURM_TESTS, f"--basetemp={SCRATCH / 'pytest-slurm'}", *extra]), cwd=REPO,
+            _pytest([*BESIDE, f"--basetemp={SCRATCH / 'pytest-slurm'}", *extra]), cwd=REPO,
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TRAINGUARD_PORT_SEARCH_OFFSET": str(offset)})
         try:
-            rest = subprocess.call(_pytest(["tests", f"--ignore={SLURM_TESTS}", *extra]), cwd=REPO)
+            rest = subprocess.call(_pytest(["tests", *(f"--ignore={path}" for path in BESIDE), *extra]), cwd=REPO)
             slurm_rc = slurm.wait()
         except BaseException:
             slurm.send_signal(signal.SIGINT)  # its fixtures stop its stack and cancel its jobs
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
     if slurm_rc == NO_TESTS_COLLECTED:
         slurm_rc = 0  # the arguments (`-k ...`) selected none of the Slurm tests
-    print(f"\n{'=' * 30} Slurm half ({SLURM_TESTS}, beside the rest) {'=' * 30}", flush=True)
+    print(f"\n{'=' * 30} Slurm half ({', '.join(BESIDE)}, beside the rest) {'=' * 30}", flush=True)
     print(log_path.read_text(), flush=True)
     print(f"suite: the rest exited {rest}, the Slurm half {slurm_rc}; "
           f"{time.monotonic() - began:.0f}s in all", flush=True)

@@ -24,7 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from activities import names
     from activities.lighthouse_models import LighthouseAddress, LighthouseInput
     from trainguard import WORKFLOW_TYPE, node_task_queue
-    from trainguard.error_types import ErrorType
+    from trainguard.error_types import ErrorType, non_retryable
     from trainguard.models import Incident, Phase, RunResult
     from trainguard.slurm_job import SLURM_JOB_MEMO
     from trainguard.spec import ReplicaGroupsSpec, RunSpec
@@ -34,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
 LIGHTHOUSE_START_TIMEOUT = timedelta(seconds=90)
 """Starting the lighthouse imports TorchFT and torch on the node (seconds); the activity waits for it to serve."""
 LIGHTHOUSE_START_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10),
-                                     maximum_attempts=5, non_retryable_error_types=[ErrorType.BAD_SPEC])
+                                     maximum_attempts=5, non_retryable_error_types=non_retryable(ErrorType.BAD_SPEC))
 """A node that cannot start it five times (a port, a busy node) will not on the sixth; TorchFT missing there is
 the spec's problem and is not retried at all."""
 LIGHTHOUSE_HEARTBEAT = timedelta(seconds=20)
