@@ -25,9 +25,11 @@ from activities.store_reads import read_signed_records
 PACE_DIR = "pace"
 
 MIN_SAMPLES = 10
-"""A rank's window counts once it holds this many of its steps: fewer say nothing of its pace. A window that is
-mostly an evaluation, a save or a relaunch holds a handful of steps, and with step times that vary by +-50% per
-step (different ranks slow on different ones) a median of five is 1.5x its peers' by chance."""
+"""A rank's figure is the median of at least this many of its steps: fewer say nothing of its pace. A window that
+is mostly an evaluation, a save or a relaunch holds a handful of steps, and with step times that vary by +-50% per
+step (different ranks slow on different ones) a median of five is 1.5x its peers' by chance. A window holding
+fewer reaches back to the rank's newest `MIN_SAMPLES` steps: with steps of a second or more (a real model's) a
+10 s window holds fewer than ten, most of all the slow rank's, which was never judged at all."""
 
 COVERED = 0.8
 """...and once the watch has seen the rank step for this much of a window (a window just after a launch is
@@ -70,16 +72,19 @@ def pace_key(run_prefix: str, node: str) -> str:
 def window_means(samples: Mapping[int, Iterable[tuple[float, float]]], first_seen: Mapping[int, float], now: float,
                  window_s: float) -> dict[int, float]:
     """Each rank's typical compute per step over the window ending `now`: the median of its (unix time, compute_s)
-    samples, one per step the watch saw. The median, not the mean: one long step (a rank-0-only evaluation or save
-    the script counted as compute) must not make a healthy rank a straggler, while a rank slow on most of its
-    steps is. A rank the watch has seen stepping for less than `COVERED` of a window, or with fewer than
-    `MIN_SAMPLES` steps in it, has no figure yet."""
+    samples, one per step the watch saw, reaching back to its newest `MIN_SAMPLES` when the window holds fewer.
+    The median, not the mean: one long step (a rank-0-only evaluation or save the script counted as compute) must
+    not make a healthy rank a straggler, while a rank slow on most of its steps is. A rank the watch has seen
+    stepping for less than `COVERED` of a window, or for fewer than `MIN_SAMPLES` steps, has no figure yet."""
     means: dict[int, float] = {}
     for rank, taken in samples.items():
         since = first_seen.get(rank)
         if since is None or now - since < COVERED * window_s:
             continue
-        inside = sorted(compute for at, compute in taken if now - window_s < at <= now)
+        until_now = [(at, compute) for at, compute in taken if at <= now]
+        inside = sorted(compute for at, compute in until_now if now - window_s < at)
+        if len(inside) < MIN_SAMPLES:
+            inside = sorted(compute for _, compute in until_now[-MIN_SAMPLES:])
         if len(inside) >= MIN_SAMPLES:
             middle = len(inside) // 2
             means[rank] = round(inside[middle] if len(inside) % 2 else (inside[middle - 1] + inside[middle]) / 2, 6)
@@ -130,7 +135,7 @@ class PaceWindow:
             taken = self.samples.setdefault(rank, deque())
             taken.append((now, float(report.compute_s)))
             self.first_seen.setdefault(rank, now)
-            while taken and taken[0][0] <= now - self.window_s:
+            while len(taken) > MIN_SAMPLES and taken[0][0] <= now - self.window_s:
                 taken.popleft()
 
     def due(self, now: float) -> dict[int, float] | None:

@@ -307,9 +307,8 @@ class HealthSpec(_Strict):
     straggler_window_s: float = Field(10.0, ge=1, le=3600)
     """The sliding window of training time over which each rank's compute per step is compared with its
     peers', whatever the checkpoint cadence. Runs of thousands of nodes widen it so each node writes its pace
-    to the store at most every nodes / 100 s. A window says something of a rank once it holds 10 of its steps:
-    with steps of a second or more, set it to at least 10 slowed steps (a rank at half speed: 20 x the step
-    time), or no straggler is found. Default 10 s."""
+    to the store at most every nodes / 100 s. A rank's figure is the median of its steps in the window, or of
+    its newest 10 when the window holds fewer (steps of a second or more). Default 10 s."""
 
     straggler_windows: int = Field(2, ge=1, le=1000)
     """Consecutive windows a straggler must stay slow before the run takes a checkpoint on demand and replaces
@@ -552,6 +551,12 @@ class RunSpec(_Strict):
             "env": {**self.env, "REPLICA_GROUP_ID": str(index), "NUM_REPLICA_GROUPS": str(groups.groups),
                     "TORCHFT_LIGHTHOUSE": lighthouse},
         }) for index in range(groups.groups)]
+
+    @property
+    def in_replica_group(self) -> bool:
+        """Whether this run is one replica group of a run with `replica_groups` (its env is TorchFT's, which only
+        trainguard may set): its live peers hold the state it heals from when relaunched."""
+        return "REPLICA_GROUP_ID" in self.env
 
     def exec_env(self) -> list[str]:
         """The env names node agents refuse unless their operator allows them (`trainguard.env_policy`)."""

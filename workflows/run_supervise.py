@@ -235,7 +235,7 @@ class Supervisor:
             flipped_at={n: state.injected_at[injected_key(FaultKind.BITFLIP, n)] for n in nodes
                         if corruption is not None and injected_key(FaultKind.BITFLIP, n) in state.injected_at},
             tie=state.tie, resumed_step=core.status.resumed_step or 0,
-            fingerprint_every=spec.health.fingerprint_every_steps)
+            fingerprint_every=spec.health.fingerprint_every_steps, heals_from_peers=spec.in_replica_group)
 
     async def _reclaim(self, at: _Attempt, seen: Seen) -> Reclaimed:
         """Nodes a shrink left behind, leased again if the pool has them back; the groups' ends settle first."""

@@ -96,7 +96,8 @@ def incident_time(event: WatchEvent, incident: Incident) -> float:
 @dataclass
 class Straggler:
     """A rank slow for `health.straggler_windows` windows in a row: every rank checkpoints on demand, then its
-    node is replaced (without the checkpoint once it has been asked `STRAGGLER_CHECKPOINT_ASKS` times)."""
+    node is replaced (without the checkpoint once it has been asked `STRAGGLER_CHECKPOINT_ASKS` times, and at
+    once in a replica group, `asks` 0: its relaunch heals from a live group)."""
 
     incident: Incident
     step: int = 0
@@ -265,6 +266,8 @@ def _committed(seen: Seen, event: Committed) -> tuple[Seen, Actions]:
     elif event.pace is not None:  # one being checkpointed is judged already
         straggler, more = _judge_pace(event)
         actions += more
+        if straggler is not None and not straggler.asks:  # replaced at once
+            incident = incident or straggler.incident
     seen = replace(seen, straggler=straggler, incident=incident)
     if not event.steps:
         return seen, [*actions, JudgeStorage(event.store_error), CheckHistory()]
@@ -285,8 +288,10 @@ def _judge_pace(event: Committed) -> tuple[Straggler | None, Actions]:
     actions += [RecordIncident(straggler_incident(event, rank, verdict.counts[rank])) for rank in verdict.first_seen]
     if verdict.persisted is None:
         return None, actions
-    straggler = Straggler(straggler_incident(event, verdict.persisted, verdict.counts[verdict.persisted]), asks=1)
-    return straggler, [*actions, AskCheckpoint(STRAGGLER_CHECKPOINT_AHEAD_S)]
+    persisted = straggler_incident(event, verdict.persisted, verdict.counts[verdict.persisted])
+    if event.heals_from_peers:  # a checkpoint would only hold the slow group up: a live group has its state
+        return Straggler(_noted(persisted, "replaced at once: its replica group heals from a live one")), actions
+    return Straggler(persisted, asks=1), [*actions, AskCheckpoint(STRAGGLER_CHECKPOINT_AHEAD_S)]
 
 
 def straggler_incident(event: Committed, rank: int, windows: int) -> Incident:

@@ -85,6 +85,8 @@ class Committed:
     """The step this attempt resumed from."""
     fingerprint_every: int = 0
     """`health.fingerprint_every_steps`."""
+    heals_from_peers: bool = False
+    """The run is one replica group of several (`RunSpec.in_replica_group`): a relaunch heals from a live group."""
 
 
 @dataclass(frozen=True)

@@ -114,11 +114,12 @@ def goodput(p: dict[str, Any]) -> str:
 def groups(p: dict[str, Any]) -> str:
     runs = p.get("runs") or [{}]
     rows = [[f.get("fault"), f.get("group"), _num(f.get("detection_s"), suffix=" s"),
-             _num(f.get("back_s"), suffix=" s"), _num(f.get("healthy_gap_s"), suffix=" s"),
-             _num(f.get("healthy_step_s"), suffix=" s"),
-             _num(f.get("gap_ratio"), suffix="x"), f.get("note") or ""] for f in runs[0].get("faults", [])]
-    faults = table(["fault", "group", "detection", "group back (after detection)", "healthy groups' longest gap",
-                    "their step", "gap / step", "note"], rows)
+             _num(f.get("back_s"), suffix=" s"), _num(f.get("healthy_step_s"), suffix=" s"),
+             _num(f.get("healthy_gap_s"), suffix=" s"), _num(f.get("gap_ratio"), suffix="x"),
+             _num(f.get("undetected_gap_s"), suffix=" s"), f.get("note") or ""] for f in runs[0].get("faults", [])]
+    faults = table(["fault", "group", "detection", "group back (after detection)", "healthy groups' step",
+                    "their longest gap, detection to back", "gap / step", "their longest gap before detection",
+                    "note"], rows)
     runs_rows = [[r.get("system"), _pct(r.get("goodput")), _num(r.get("wall_s"), "{:.0f}", " s"), r.get("attempts"),
                   r.get("completed")] for r in runs]
     floor = f"Cold-start floor (plain torchrun from a local checkpoint): {_num(p.get('floor_s'), suffix=' s')}."

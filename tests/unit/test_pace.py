@@ -71,11 +71,26 @@ TEN = [990.5 + n for n in range(10)]
     (985.0, [989.0, *TEN], {1: 0.65}),  # the sample before the window is out of it
     (995.0, TEN, {}),  # watched for half a window only (just launched)
     (990.0, TEN[:5], {}),  # too few steps to say (a window that was mostly an evaluation)
+    (970.0, [972.0 + 2 * n for n in range(14)], {1: 0.95}),  # 2 s steps: back to the newest ten (980-998)
 ])
 def test_a_window_mean_needs_a_window_watched_and_enough_steps(since: float, times: list[float],
                                                                 expected: dict[int, float]) -> None:
     samples = {1: [(t, 0.1 * (n + 1)) for n, t in enumerate(times)]}
     assert window_means(samples, {1: since}, 1000.0, 10.0) == pytest.approx(expected)
+
+
+def test_a_rank_stepping_slower_than_ten_steps_a_window_is_still_judged() -> None:
+    """With 1 s steps a 10 s window held ten of a healthy rank's steps and five of a rank slowed 2x: the slow one,
+    the only one that mattered, never had a figure, and no straggler was ever found."""
+    window = PaceWindow(10.0, started=1000.0)
+    for tick in range(1, 41):  # 40 s: rank 0 steps every second, rank 1 every two
+        reports = {0: _Report(tick, 0.9), 1: _Report(tick // 2, 1.8)}
+        window.observe(1000.0 + tick, reports)
+        if (means := window.due(1000.0 + tick)) is not None:
+            figures = means
+    assert figures == {0: 0.9, 1: 1.8}
+    assert judge_window([PaceRecord(node="n", attempt=1, window_end=1040.0, window_s=10.0, rank_compute_s=figures)],
+                        ratio=1.5, after=0.0) is not None
 
 
 def _record(node: str, compute: dict[int, float], end: float, attempt: int = 2, chain: str = "c1") -> PaceRecord:

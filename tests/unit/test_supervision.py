@@ -158,10 +158,10 @@ def test_no_spare_joins_when_another_failure_relaunches_every_node_anyway() -> N
 # ------------------------------------------------------------------------------------------- commits
 def committed(steps: list[int], *, pace: PaceVerdict | None = None, draining: bool = False, may_grow: bool = False,
               streaks: dict[int, int] | None = None, slow_window_end: float = 0.0, store_error: str | None = None,
-              have_spare: bool = True) -> Committed:
+              have_spare: bool = True, heals_from_peers: bool = False) -> Committed:
     return Committed(steps=steps, pace=pace, store_error=store_error, attempt=2, now=200.0, draining=draining,
                      may_grow=may_grow, streaks=streaks or {}, slow_window_end=slow_window_end, straggler_windows=2,
-                     have_spare=have_spare, nodes=NODES, ranks_per_node=2)
+                     have_spare=have_spare, nodes=NODES, ranks_per_node=2, heals_from_peers=heals_from_peers)
 
 
 def history(events: int) -> Answer:
@@ -224,6 +224,17 @@ def test_a_straggler_is_reported_first_then_replaced_after_a_checkpoint_on_deman
     assert seen.incident is None  # an older step's commit is not its checkpoint
     seen, _ = run(seen, committed([60]), history(100))
     assert seen.incident is not None and "replaced after a checkpoint on demand at step 60" in seen.incident.detail
+
+
+def test_a_replica_groups_straggler_is_replaced_at_once_without_a_checkpoint_on_demand() -> None:
+    """A group's relaunch heals from a live group: a checkpoint would keep every group at the slow one's pace."""
+    seen, taken = run(Seen(watched=1), committed([], pace=slow(3, 110.0), streaks={3: 1}, slow_window_end=100.0,
+                                                 heals_from_peers=True), history(100))
+    assert not any(isinstance(a, AskCheckpoint) for a in taken)
+    assert seen.incident is not None and seen.incident.node == "node-1"
+    assert seen.ending(paused=False) is not None and "heals from a live one" in seen.incident.detail
+    seen, taken = run(Seen(watched=1), committed([], pace=slow(3, 100.0), heals_from_peers=True), history(100))
+    assert seen.incident is None  # one slow window is still only reported
 
 
 def test_a_slow_window_after_one_that_kept_pace_starts_the_streak_again() -> None:
