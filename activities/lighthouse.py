@@ -47,6 +47,10 @@ class Lighthouses:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         """The lighthouses this agent started, by PID: reaped once they exit (an agent restarted since leaves
         them to init, which reaps them)."""
+        self._starting: dict[Path, asyncio.Lock] = {}
+        """One lock per run's folder, held from "is it running?" to its state file's write: a retried start and
+        the keeper's restart racing after a death would otherwise both start one, and orphan the one whose state
+        was overwritten."""
 
     def _folder(self, workflow_id: str) -> Path:
         folder = self.workdir / LIGHTHOUSES_DIR / safe_name(workflow_id)
@@ -69,8 +73,12 @@ class Lighthouses:
 
     async def _start(self, request: LighthouseInput) -> dict:
         folder = self._folder(request.workflow_id)
-        if (state := self._running(folder)) is not None:
-            return state
+        async with self._starting.setdefault(folder, asyncio.Lock()):
+            if (state := self._running(folder)) is not None:
+                return state
+            return await self._spawn(request, folder)
+
+    async def _spawn(self, request: LighthouseInput, folder: Path) -> dict:
         previous = read_json(folder / "state.json")
         port = previous.get("port", 0) if isinstance(previous, dict) else 0  # the groups know this address
         ready = folder / "address"

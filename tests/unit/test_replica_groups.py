@@ -18,6 +18,7 @@ from activities.lighthouse import Lighthouses
 from activities.lighthouse_models import LighthouseInput
 from trainguard import procs
 from trainguard.env_policy import exec_env_refused
+from trainguard.safe_files import read_json
 from trainguard.spec import REPLICA_GROUP_ENV, SpecError, parse_spec
 from workflows.replica_groups import group_id, group_spec, lighthouse_node
 
@@ -106,22 +107,44 @@ async def test_the_lighthouse_is_started_once_kept_on_its_port_and_stopped(tmp_p
         await _start_keep_stop(lighthouses, request, env)
     finally:  # whatever failed above, no lighthouse outlives the test
         await ActivityEnvironment().run(lighthouses.stop_lighthouse, request)
+        leaked = _lighthouses_under(tmp_path)
+        for pid in leaked:
+            os.killpg(pid, signal.SIGKILL)
     assert [p.parent.parent for p in tmp_path.glob("**/state.json")] == [tmp_path / "lighthouses"]
+    assert leaked == []
+
+
+def _lighthouses_under(folder: Path) -> list[int]:
+    """The lighthouses whose ready file is under `folder`: found by the test's own directory, never by name."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"trainguard.lighthouse" in argv and any(str(folder).encode() in arg for arg in argv):
+            found.append(int(entry.name))
+    return found
 
 
 async def _start_keep_stop(lighthouses: Lighthouses, request: LighthouseInput, env: ActivityEnvironment) -> None:
-    first = await env.run(lighthouses.start_lighthouse, request)
+    # a start and its retry racing (the first attempt's timeout passed while it waited): one lighthouse, not two
+    first, twin = await asyncio.gather(env.run(lighthouses.start_lighthouse, request),
+                                       env.run(lighthouses.start_lighthouse, request))
+    assert twin == first and len(_lighthouses_under(lighthouses.workdir)) == 1
     again = await env.run(lighthouses.start_lighthouse, request)  # a retried start finds it serving
     assert again == first and first.address.startswith("http://127.0.0.1:") and await _serving(first.address)
 
     keeper = asyncio.ensure_future(env.run(lighthouses.keep_lighthouse, request))
     os.killpg(first.pid, signal.SIGKILL)  # it dies: the keeper starts it again on the same port
-    for _ in range(200):
-        now = await env.run(lighthouses.start_lighthouse, request)
-        if now.pid != first.pid:
+    state_file = next(lighthouses.workdir.glob("lighthouses/*/state.json"))
+    for _ in range(200):  # read, never start: a start of our own would race the keeper's and hide it
+        state = read_json(state_file)
+        if state["pid"] != first.pid and procs.start_time(state["pid"]) == state["start_time"]:
             break
         await asyncio.sleep(0.1)
-    assert now.pid != first.pid and now.address == first.address and await _serving(now.address)
+    now = await env.run(lighthouses.start_lighthouse, request)  # a start now finds the keeper's
+    assert now.pid == state["pid"] != first.pid and now.address == first.address and await _serving(now.address)
 
     env.cancel()  # the run ended: the keeper stops it
     with pytest.raises(BaseException):  # noqa: B017 - the cancellation, as the activity re-raises it
