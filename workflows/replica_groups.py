@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -191,6 +191,8 @@ class ReplicaGroups:
         incidents: list[Incident] = []
         for index, result in done:
             incidents.extend(i.model_copy(update={"group": index}) for i in result.incidents)
+        for index, error in failed:
+            incidents.extend(i.model_copy(update={"group": index}) for i in failed_incidents(error))
         core.status.incidents = incidents
         if not done:  # one group that trained to the end holds the run's model; none did
             reasons = "; ".join(f"group {index}: {child_failure(error)}" for index, error in failed)
@@ -213,6 +215,16 @@ class ReplicaGroups:
             attempts=sum(r.attempts for _, r in done), incidents=incidents, final_checkpoint=first.final_checkpoint,
             final_state_digest=first.final_state_digest, goodput=round(min(1.0, useful / max(wall, 1e-9)), 4),
             useful_s=round(useful, 3), wall_s=round(wall, 3), mean_step_s=first.mean_step_s, phase_s=first.phase_s)
+
+
+def failed_incidents(error: BaseException) -> list[Incident]:
+    """The incidents a group's run had when it failed (`RunCore.fail` sends them with its error); none from a
+    failure that did not come through it."""
+    cause = error.cause if isinstance(error, ChildWorkflowError) else error
+    if not isinstance(cause, ApplicationError) or not cause.details:
+        return []
+    found = cause.details[0]
+    return [Incident.model_validate(raw) for raw in found] if isinstance(found, list) else []
 
 
 def child_failure(error: BaseException) -> str:

@@ -82,11 +82,13 @@ class RunCore:
         ])
 
     def fail(self, reason: str, kind: ErrorType, phase: bool = False) -> ApplicationError:
-        """The error that ends the run, its reason in the status."""
+        """The error that ends the run, its reason in the status and its incidents in the details (a replica
+        group's parent reports a failed group's incidents from them)."""
         self.say(reason)
         if phase:
             self.set_phase(Phase.FAILED)
-        return ApplicationError(reason, type=kind, non_retryable=True)
+        incidents = [incident.model_dump(mode="json") for incident in self.status.incidents]
+        return ApplicationError(reason, incidents, type=kind, non_retryable=True)
 
     def count_restart(self, now: float) -> None:
         self.state.restart_times.append(now)

@@ -12,15 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio.api.failure.v1 import Failure
+from temporalio.converter import DataConverter
+from temporalio.exceptions import ChildWorkflowError
 from temporalio.testing import ActivityEnvironment
 
 from activities.lighthouse import Lighthouses
 from activities.lighthouse_models import LighthouseInput
 from trainguard import procs
 from trainguard.env_policy import exec_env_refused
+from trainguard.error_types import ErrorType
+from trainguard.models import Incident, IncidentKind
 from trainguard.safe_files import read_json
 from trainguard.spec import REPLICA_GROUP_ENV, SpecError, parse_spec
-from workflows.replica_groups import group_id, group_spec, lighthouse_node
+from workflows.replica_groups import failed_incidents, group_id, group_spec, lighthouse_node
+from workflows.run_core import RunCore
+from workflows.run_state import RunState
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GROUPED: dict[str, Any] = {"entrypoint": ["python", "examples/train_ft.py"], "ranks_per_node": 2,
@@ -151,3 +158,23 @@ async def _start_keep_stop(lighthouses: Lighthouses, request: LighthouseInput, e
         await keeper
     assert procs.start_time(now.pid) is None
     await ActivityEnvironment().run(lighthouses.stop_lighthouse, request)  # a stop of a stopped one: a no-op
+
+
+def test_a_failed_groups_incidents_reach_the_parent_through_its_failure() -> None:
+    core = RunCore(RunState())
+    crash = Incident(kind=IncidentKind.CRASH, node="node-1", detected_at=12.5, cause="exit code -9")
+    core.status.incidents = [crash]
+    error = core.fail("restart budget spent", ErrorType.RUN_STOPPED)
+    # the way a child's failure reaches its parent: through Temporal's failure proto and back
+    converter = DataConverter.default
+    failure = Failure()
+    converter.failure_converter.to_failure(error, converter.payload_converter, failure)
+    decoded = converter.failure_converter.from_failure(failure, converter.payload_converter)
+    child = ChildWorkflowError("child failed", namespace="default", workflow_id="r-group-1", run_id="x",
+                               workflow_type="TrainingRun", initiated_event_id=1, started_event_id=2,
+                               retry_state=None)
+    child.__cause__ = decoded
+    assert failed_incidents(child) == [crash]
+    assert failed_incidents(ChildWorkflowError("timed out", namespace="default", workflow_id="r-group-1",
+                                               run_id="x", workflow_type="TrainingRun", initiated_event_id=1,
+                                               started_event_id=2, retry_state=None)) == []
