@@ -75,11 +75,12 @@ class GroupFault:
     back_s: float | None = None
     """From the incident's detection to the group's first step in its new attempt (the incident's recovery_s)."""
     healthy_gap_s: float | None = None
-    """The longest pause between two steps of any rank of the other groups during the recovery: from the fault's
-    detection to the group's return."""
+    """The longest time any rank of the other groups went without a step during the recovery: from the fault's
+    detection to the group's return (a pause under way at detection counts from detection)."""
     undetected_gap_s: float | None = None
     """...and before it, from the injection to the detection: a straggler holds every group to its pace until it
-    is found (synchronous training), a hang or a lost node until TorchFT's timeout drops its group."""
+    is found (synchronous training), a hang or a lost node until TorchFT's timeout drops its group. A pause that
+    spans the detection is split at it: a 2x straggler's step under way when it is found is 2x by itself."""
     healthy_step_s: float | None = None
     """The other groups' median step time over the same window."""
     gap_ratio: float | None = None
@@ -227,10 +228,10 @@ def _gaps(run: GroupsRun, home: Path, rid: str) -> None:
                 continue
             for rank in ranks:
                 for (_, a), (_, b) in zip(rank, rank[1:]):
-                    if b > detected and a < end:
-                        recovering.append(b - a)
-                    elif b > measured.injected_at and a < detected:
-                        undetected.append(b - a)
+                    if b > measured.injected_at and a < detected:  # the part of a pause before detection
+                        undetected.append(min(b, detected) - a)
+                    if b > detected and a < end:  # ...and the part after it, the recovery's own
+                        recovering.append(b - max(a, detected))
                     if measured.injected_at - 10 < a < measured.injected_at:
                         intervals.append(b - a)
         if recovering and intervals:

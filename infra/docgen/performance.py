@@ -122,7 +122,9 @@ def groups(p: dict[str, Any]) -> str:
                     "note"], rows)
     runs_rows = [[r.get("system"), _pct(r.get("goodput")), _num(r.get("wall_s"), "{:.0f}", " s"), r.get("attempts"),
                   r.get("completed")] for r in runs]
-    floor = f"Cold-start floor (plain torchrun from a local checkpoint): {_num(p.get('floor_s'), suffix=' s')}."
+    floor = (f"Cold-start floor (plain torchrun from a local checkpoint): {_num(p.get('floor_s'), suffix=' s')}. "
+             "A healthy group's pause under way when the fault is detected is split at the detection: the part "
+             "before it is the fault's (a straggler's pace, TorchFT's timeout), the part after it the recovery's.")
     return "\n\n".join([faults, floor, table(["run (same job, same five faults)", "goodput", "wall", "attempts",
                                                  "completed"], runs_rows)]) + _machine(p)
 
