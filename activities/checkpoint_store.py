@@ -67,8 +67,8 @@ from activities.models import (
     PublishAttemptInput,
     ShardInfo,
 )
-from activities.fingerprints import fingerprint_problem, judge_records, read_fingerprints
-from activities.fingerprint_models import CorruptionVerdict, FingerprintRecord
+from activities.fingerprints import fingerprint_problem, judge_records, read_fingerprints, settle_records
+from activities.fingerprint_models import CorruptionVerdict, FingerprintRecord, TieSettlement
 from activities.pace import judge_window, read_pace
 from activities.pace_models import PaceRecord, PaceVerdict
 from trainguard.error_types import ErrorType
@@ -349,9 +349,9 @@ class StoreActivities:
                 log.warning("commit pass over s3://%s/%s failed: %s", request.bucket, request.run_prefix, error)
                 commits, pending, changed = [], True, False
             pace = await self._pace_pass(request, state) if store_error is None else None
-            corruption = await self._fingerprint_pass(request, state) if store_error is None else None
-            if commits or pace is not None or corruption is not None:
-                return CommitCheckpointsResult(commits=commits, pace=pace, corruption=corruption)
+            corruption, settled = await self._fingerprint_pass(request, state) if store_error is None else (None, None)
+            if commits or pace is not None or corruption is not None or settled is not None:
+                return CommitCheckpointsResult(commits=commits, pace=pace, corruption=corruption, settled=settled)
             now = time.monotonic()
             # A finished run's drain counts its quiet from when the store answers again.
             if changed or (request.wait_for_store and store_error is not None):
@@ -383,12 +383,13 @@ class StoreActivities:
                             chain_id=request.chain_id, min_attempt=request.min_attempt, attempt=request.attempt,
                             before=state.pace_before)
 
-    async def _fingerprint_pass(self, request: CommitCheckpointsInput,
-                                state: _CommitterState) -> CorruptionVerdict | None:
-        """At most every `FINGERPRINT_POLL_S`: replicas whose newest fingerprints differ (`activities.fingerprints`).
-        A store error here is the next pass's to meet: the commits go on."""
+    async def _fingerprint_pass(self, request: CommitCheckpointsInput, state: _CommitterState
+                                ) -> tuple[CorruptionVerdict | None, TieSettlement | None]:
+        """At most every `FINGERPRINT_POLL_S`: replicas whose newest fingerprints differ, and the replay's answer
+        to an earlier tie (`activities.fingerprints`). A store error here is the next pass's to meet: the commits
+        go on."""
         if not request.compare_fingerprints or time.monotonic() < state.next_fingerprints:
-            return None
+            return None, None
         state.next_fingerprints = time.monotonic() + FINGERPRINT_POLL_S
         try:
             records = await asyncio.to_thread(read_fingerprints, s3_client(), request.bucket, request.run_prefix,
@@ -396,9 +397,13 @@ class StoreActivities:
         except (BotoCoreError, ClientError, OSError) as error:
             log.warning("reading the nodes' fingerprints under s3://%s/%s failed: %s", request.bucket,
                         request.run_prefix, error)
-            return None
-        return judge_records(records, now=time.time(), chain_id=request.chain_id, min_attempt=request.min_attempt,
-                             attempt=request.attempt)
+            return None, None
+        corruption = judge_records(records, now=time.time(), chain_id=request.chain_id,
+                                   min_attempt=request.min_attempt, attempt=request.attempt)
+        settled = None if request.settle is None else settle_records(
+            records, request.settle, chain_id=request.chain_id, min_attempt=request.min_attempt,
+            attempt=request.attempt)
+        return corruption, settled
 
     def _commit_pass(self, request: CommitCheckpointsInput, state: _CommitterState
                      ) -> tuple[list[CommittedCheckpoint], bool, bool]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from activities.fingerprint_models import CorruptionVerdict
+from activities.fingerprint_models import CorruptionVerdict, TieEvidence, TieSettlement
 from activities.pace_models import PaceVerdict
 from trainguard.models import SLOW_DUTY_MAX, SLOW_DUTY_MIN, CheckpointRef, InjectFaultResult, StopReason  # noqa: F401 - re-exported
 from trainguard.numerics import DEFAULT_FINGERPRINT_EVERY_STEPS, DEFAULT_LOSS_SPIKE_RATIO
@@ -319,6 +319,9 @@ class CommitCheckpointsInput(BaseModel):
     compare_fingerprints: bool = True
     """Compare the nodes' fingerprint records of attempts `min_attempt`..`attempt` (`activities.fingerprints`), and
     return when replicas differ."""
+    settle: TieEvidence | None = None
+    """Two replicas that differed with no majority in an earlier attempt: compare this one (their replay) with
+    what they held, and return once it tells them apart or cannot (`activities.fingerprints.settle`)."""
 
 
 class CommittedCheckpoint(BaseModel):
@@ -337,6 +340,8 @@ class CommitCheckpointsResult(BaseModel):
     """Ranks slow over a window of training (`activities.pace`), when the committer returned for them."""
     corruption: CorruptionVerdict | None = None
     """Replicas whose fingerprints differ (`activities.fingerprints`), when the committer returned for them."""
+    settled: TieSettlement | None = None
+    """The replay's answer to `CommitCheckpointsInput.settle`, when the committer returned for it."""
 
 
 class PruneCheckpointsInput(BaseModel):

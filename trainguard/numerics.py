@@ -25,6 +25,9 @@ DEFAULT_FINGERPRINT_EVERY_STEPS = 10
 1% of a step, which reads them (forward), writes their gradients (backward) and reads and writes them and the
 optimizer's state (step) at least once each: `make bench-recovery` measures it against the same run without."""
 
+LOSS_TRAIL_MAX = 64
+"""A fingerprint carries at most this many steps' losses (its interval's, at the default of 10 steps)."""
+
 REPLICATED = "replicated"
 """The fingerprint group of plain (not sharded) parameters: every rank of a DDP job holds the same state."""
 
@@ -43,15 +46,23 @@ class Fingerprint:
     group: str
     """Ranks with the same group hold the same state: `REPLICATED` under DDP, the rank's shard under HSDP
     (`shard 0/2`), its own rank where nothing is replicated (pure FSDP: nothing to compare)."""
+    losses: tuple[tuple[int, str], ...] = ()
+    """The losses this rank reported since its previous fingerprint, exactly (`float.hex`), by step: what tells
+    two replicas apart when they differ with no majority (`activities.fingerprints.settle`). The replica a bit
+    flipped in computes its next loss wrong; the other computes that one right and goes wrong a step later, at the
+    all-reduce."""
 
     def to_json(self) -> list[Any]:
-        return [self.step, self.value, self.group]
+        found: list[Any] = [self.step, self.value, self.group]
+        return [*found, [list(pair) for pair in self.losses]] if self.losses else found
 
     @classmethod
     def from_json(cls, data: Any) -> Fingerprint:
         """Raises TypeError, ValueError or IndexError for what is not one."""
         step, value, group = data[0], data[1], data[2]
-        return cls(step=int(step), value=str(value)[:32], group=str(group)[:64])
+        trail = data[3] if len(data) > 3 and isinstance(data[3], list) else []
+        losses = tuple((int(pair[0]), str(pair[1])[:32]) for pair in trail[-LOSS_TRAIL_MAX:])
+        return cls(step=int(step), value=str(value)[:32], group=str(group)[:64], losses=losses)
 
 
 def local_tensor(param: Any) -> Any:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
@@ -194,6 +195,8 @@ class RankRun:
                                             or _numerics.DEFAULT_LOSS_SPIKE_RATIO)
         self._numerical: dict[str, Any] | None = None
         """The first numerical fault of the loss the script reported, as the progress file says it."""
+        self._loss_trail: collections.deque[tuple[int, str]] = collections.deque(maxlen=_numerics.LOSS_TRAIL_MAX)
+        """Each step's reported loss since the newest fingerprint, exactly: the next fingerprint carries them."""
         if not self.joining:  # a joiner learns its step from its peers, and reports from its first step on
             self._write_progress(force=True)
 
@@ -248,6 +251,9 @@ class RankRun:
         if not self._params or (self._fingerprints and self._fingerprints[-1].step == step):
             return self._fingerprints[-1] if self._fingerprints else None
         taken = _numerics.fingerprint(self._params, step, self._fingerprint_group)
+        if self._loss_trail:
+            taken = dataclasses.replace(taken, losses=tuple(pair for pair in self._loss_trail if pair[0] <= step))
+            self._loss_trail.clear()
         self._fingerprints.append(taken)
         return taken
 
@@ -270,6 +276,8 @@ class RankRun:
     def _judge_loss(self, step: int, loss: Any) -> bool:
         """Judge the loss the script reported; True for the first numerical fault (written at once)."""
         value = float(loss.item() if hasattr(loss, "item") else loss)
+        if self._params:
+            self._loss_trail.append((step, value.hex()))
         why = self._losses.observe(value)
         if why is None or self._numerical is not None:
             return False
@@ -284,8 +292,10 @@ class RankRun:
         straggler; without it stragglers are not detected.
 
         `loss` (a float or a one-element tensor) is the step's loss: one that is NaN or infinite, or far above
-        its recent steps, is a numerical fault, and the run rolls back to the checkpoint before it. Reading a
-        GPU tensor's value waits for the step: pass what the script reads anyway (its logged loss).
+        its recent steps, is a numerical fault, and the run rolls back to the checkpoint before it. With
+        `fingerprint`, each step's loss also tells two replicas that differ apart (the one a bit flipped in
+        computes its next loss wrong first). Reading a GPU tensor's value waits for the step: pass what the
+        script reads anyway (its logged loss), every step where it can.
         """
         now = time.monotonic()
         if compute_s is not None:

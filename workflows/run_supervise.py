@@ -215,10 +215,10 @@ class Supervisor:
         try:
             result = committer.result()
             commits, store_error, pace = result.commits, result.store_error, result.pace
-            corruption = result.corruption
+            corruption, settled = result.corruption, result.settled
         except ActivityError as error:
             workflow.logger.warning("committer failed: %s", cause_text(error))
-            commits, store_error, pace, corruption = [], cause_text(error), None, None
+            commits, store_error, pace, corruption, settled = [], cause_text(error), None, None, None
         for commit in commits:
             core.committed(commit.ref)
             core.status.step = max(core.status.step, commit.step)
@@ -234,7 +234,7 @@ class Supervisor:
             ranks_per_node=spec.ranks_per_node, slowed_at=slowed, corruption=corruption,
             flipped_at={n: state.injected_at[injected_key(FaultKind.BITFLIP, n)] for n in nodes
                         if corruption is not None and injected_key(FaultKind.BITFLIP, n) in state.injected_at},
-            tie=state.tie, resumed_step=core.status.resumed_step or 0,
+            tie=state.tie, settled=settled, resumed_step=core.status.resumed_step or 0,
             fingerprint_every=spec.health.fingerprint_every_steps, heals_from_peers=spec.in_replica_group)
 
     async def _reclaim(self, at: _Attempt, seen: Seen) -> Reclaimed:

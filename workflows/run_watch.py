@@ -19,6 +19,7 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from activities.fingerprint_models import TieEvidence
     from activities.models import (AttemptDecision, CommitCheckpointsInput, CommitCheckpointsResult,
                                    DownloadShardsInput, LaunchRanksInput, PublishAttemptInput, WatchCheckpoints,
                                    WatchEvent, WatchEventKind, WatchRanksInput)
@@ -224,6 +225,13 @@ class Watches:
         await asyncio.gather(*running, return_exceptions=True)
 
     # ------------------------------------------------------------------------------------- committer
+    def _settle(self, attempt: int) -> TieEvidence | None:
+        """A tie's evidence, for the replay (an attempt after the tie's) to be compared with until it answers."""
+        tie = self.core.state.tie
+        if tie is None or tie.swapped_out is not None or attempt <= tie.attempt:
+            return None
+        return tie.evidence
+
     def committer(self, attempt: int, quiet_s: float | None = None, drain: timedelta = DRAIN_TIMEOUT,
                   finished: bool = False) -> asyncio.Task[CommitCheckpointsResult]:
         """`quiet_s`: a last pass, bounded by `drain`; a finished run's waits through store errors."""
@@ -242,7 +250,8 @@ class Watches:
                                    pace_window_s=None if quiet_s else window,
                                    pace_after=state.slow_window_end + 0.5 * window,
                                    max_duration_s=drain.total_seconds() if quiet_s else self._until_stale(),
-                                   quiet_s=quiet_s, wait_for_store=finished),
+                                   quiet_s=quiet_s, wait_for_store=finished,
+                                   settle=None if quiet_s else self._settle(attempt)),
             start_to_close_timeout=COMMITTER_TIMEOUT,
             # The last pass is bounded whatever the store does: with the store down its retries would hold
             # recovery for minutes, for a checkpoint the run can do without.

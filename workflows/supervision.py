@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from activities.fingerprint_models import CorruptionVerdict, Tie
+from activities.fingerprint_models import CorruptionVerdict, Tie, TieSettlement
 from activities.models import WatchEvent, WatchEventKind
 from trainguard.error_types import SPEC_FAULTS, ErrorType
 from trainguard.models import Action, Incident, IncidentKind, short_cause
@@ -316,6 +316,8 @@ def tie_verdict(event: Committed, incident: Incident | None) -> tuple[Incident |
     verdict, tie = event.corruption, event.tie
     later = tie is not None and event.attempt > tie.attempt
     if verdict is None:
+        if later and tie is not None and tie.swapped_out is None and event.settled is not None:
+            return _tie_settled(event, tie, event.settled)
         return None, _tie_gone(event) if later else []
     if verdict.certain:
         return corruption_incident(event), []
@@ -337,7 +339,23 @@ def tie_verdict(event: Committed, incident: Incident | None) -> tuple[Incident |
     found = corruption_incident(event)
     if incident is not None:
         return found, []  # another fault ends the attempt: its relaunch need not show this one again
-    return found, [HoldTie(Tie(step=verdict.step, nodes=suspects, attempt=event.attempt))]
+    return found, [HoldTie(Tie(step=verdict.step, nodes=suspects, attempt=event.attempt, evidence=verdict.evidence))]
+
+
+def _tie_settled(event: Committed, tie: Tie, settled: TieSettlement) -> tuple[Incident | None, Actions]:
+    """The replay after a tie's rollback told the two replicas apart: the one that computed wrong is named, and
+    replaced and cordoned as any corrupt node is (the replay is the fault-free run: no further rollback). It
+    could not: the tie waits for the fault to come back, as with no evidence."""
+    if settled.node is None:
+        return None, [HoldTie(tie.model_copy(update={"evidence": None}))]
+    evidence = tie.evidence
+    on = evidence.nodes.get(settled.node, []) if evidence is not None else []
+    rank = next((r for r in (evidence.values if evidence is not None else {}) if r in on), None)
+    other = " and ".join(n for n in tie.nodes if n != settled.node) or "its replica"
+    return Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=settled.node, rank=rank, attempt=event.attempt,
+                    detected_at=event.now,
+                    cause=(f"silent data corruption: {settled.node} computes wrong: replicas on it and on {other} "
+                           f"differed at step {tie.step} with no majority; {settled.why}")), [ForgetTie()]
 
 
 def _tie_gone(event: Committed) -> Actions:

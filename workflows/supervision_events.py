@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from activities.fingerprint_models import CorruptionVerdict, Tie
+from activities.fingerprint_models import CorruptionVerdict, Tie, TieSettlement
 from activities.models import RankEvidence, WatchEvent
 from activities.pace_models import PaceVerdict
 from trainguard.models import Incident
@@ -81,6 +81,8 @@ class Committed:
     """Nodes `chaos bitflip` hit, with when: a corruption's detection is timed from it."""
     tie: Tie | None = None
     """Two replicas that differed with no majority, held until an attempt tells them apart (`RunState.tie`)."""
+    settled: TieSettlement | None = None
+    """The replay's answer to the tie's evidence (`activities.fingerprints.settle`), when the committer has it."""
     resumed_step: int = 0
     """The step this attempt resumed from."""
     fingerprint_every: int = 0

@@ -10,7 +10,7 @@ import pytest
 
 from activities.checkpoint_layout import node_record_key
 from activities.checkpoint_store import StoreActivities
-from activities.fingerprint_models import FingerprintRecord
+from activities.fingerprint_models import FingerprintRecord, TieEvidence
 from activities.fingerprints import fingerprint_key
 from activities.models import (CommitCheckpointsInput, CommitCheckpointsResult, FindCheckpointInput,
                                NodeCheckpointRecord, ShardInfo)
@@ -84,3 +84,15 @@ def test_a_rollback_restores_only_checkpoints_older_than_the_first_bad_step(stor
                                                         before_step=17))
     assert found.manifest is not None and found.manifest.step == 10
     assert "step 20: at or after step 17" in found.skipped[0]
+
+
+def test_the_committer_returns_the_replays_answer_to_a_tie(store: MemoryStore) -> None:
+    # a tie at step 10 of attempt 1 between rank 0 (node-0) and rank 2 (node-1); the replay (attempt 2) reaches
+    # rank 0's state: rank 2 computed wrong
+    evidence = TieEvidence(step=10, group="replicated", values={0: GOOD, 2: BAD},
+                           nodes={"node-0": [0, 1], "node-1": [2, 3]})
+    _fingerprints(store, 0, {0: [[10, GOOD, "replicated"]], 1: [[10, GOOD, "replicated"]]})
+    assert _commit_once(settle=evidence).settled is None  # node-1's ranks have not fingerprinted step 10 yet
+    _fingerprints(store, 1, {2: [[10, GOOD, "replicated"]], 3: [[10, GOOD, "replicated"]]})
+    settled = _commit_once(settle=evidence).settled
+    assert settled is not None and settled.node == "node-1", settled

@@ -4,6 +4,7 @@ numbers (`activities.progress.numerical_fault`, `new_fingerprints`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,12 @@ import pytest
 from activities import rank_watch
 from activities.fingerprint_models import FingerprintRecord
 from activities.health import NodeHealth
-from activities.fingerprints import compare, fingerprint_problem, judge_records
+from activities.fingerprints import compare, fingerprint_problem, judge_records, settle
 from activities.models import ShardInfo
 from activities.progress import RankReport, new_fingerprints, numerical_fault
 from activities.rank_records import AttemptRecord, RankBook
 from activities.rank_watch import RankWatch
+from trainguard.numerics import Fingerprint
 from trainguard.protocol import RunLayout
 
 GOOD, BAD = "00000000000000aa", "00000000000000bb"
@@ -136,3 +138,92 @@ async def test_a_sick_gpu_flips_a_bit_once_in_every_attempt_after_its_first_fing
     await look(2, {2: report(2), 3: report(3, fingerprints=[fp(30)])})
     await look(2, {2: report(2, fingerprints=[fp(40)]), 3: report(3, fingerprints=[fp(40)])})  # once only
     assert flipped == [(2, 3, "bitflip")]
+
+
+# ---------------------------------------------------------------- two replicas told apart by their replay
+# HSDP, 2 replicas x 2 shards: node-0 holds replica 0 (ranks 0, 1), node-1 replica 1 (ranks 2, 3). A bit flipped on
+# rank 2 after step 33: replica 1's losses go wrong from step 34, replica 0's from 35 (the all-reduce of 34).
+TRUTH = {s: float(100 - s).hex() for s in range(31, 41)}
+
+
+def trail(wrong_from: int | None) -> list[list[Any]]:
+    return [[s, float(-s).hex() if wrong_from is not None and s >= wrong_from else loss]
+            for s, loss in TRUTH.items()]
+
+
+def hsdp(values: dict[int, str], wrong_from: dict[int, int | None], step: int = 40) -> dict[int, list[Any]]:
+    """Each rank's fingerprints at 30 (all agree) and `step` (its value there, its losses since 30)."""
+    return {r: [fp(30, GOOD, f"shard {r % 2}/2"), [*fp(step, values[r], f"shard {r % 2}/2"), trail(wrong_from[r])]]
+            for r in range(4)}
+
+
+def tied(values: dict[int, str], wrong_from: dict[int, int | None]) -> Any:
+    verdict = compare(hsdp(values, wrong_from), NODES, now=1.0)
+    assert verdict is not None and not verdict.certain and verdict.evidence is not None
+    return verdict.evidence
+
+
+FLIPPED_ON_2 = {0: 35, 1: 35, 2: 34, 3: 34}
+
+
+def test_a_tie_keeps_what_both_replicas_held_and_every_loss_their_nodes_reported() -> None:
+    evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, FLIPPED_ON_2)
+    assert (evidence.step, evidence.last_good_step, evidence.group, evidence.agreed) == (40, 30, "shard 0/2", GOOD)
+    assert evidence.values == {0: "a1", 2: "b2"} and evidence.nodes == {"node-0": [0, 1], "node-1": [2, 3]}
+    assert sorted(evidence.trails) == [0, 1, 2, 3] and sorted(evidence.trails[2]) == list(range(31, 41))
+
+
+def test_the_replica_whose_losses_leave_the_replays_first_is_named() -> None:
+    evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, FLIPPED_ON_2)
+    replay = hsdp({r: "c3" for r in range(4)}, dict.fromkeys(range(4)))  # both states went wrong: neither is c3
+    settled = settle(evidence, replay)
+    assert settled is not None and settled.node == "node-1", settled
+    assert "step 34" in settled.why and "step 35" in settled.why
+
+
+def test_a_flip_on_rank_3_names_node_1_through_rank_3s_loss() -> None:
+    # the flipped element lies in rank 2's shard, but rank 3's batch was the one to use it first
+    evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, {0: 36, 1: 36, 2: 36, 3: 35})
+    settled = settle(evidence, hsdp({r: "c3" for r in range(4)}, dict.fromkeys(range(4))))
+    assert settled is not None and settled.node == "node-1"
+
+
+def test_the_replica_whose_state_the_replay_reaches_was_right() -> None:
+    # the flipped element was in no batch: replica 0 was never poisoned, and no loss shows it
+    evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, dict.fromkeys(range(4)))
+    settled = settle(evidence, hsdp({r: "a1" for r in range(4)}, dict.fromkeys(range(4))))
+    assert settled is not None and settled.node == "node-1" and "rank 0's state" in settled.why
+
+
+@pytest.mark.parametrize(("wrong_from", "replay_values", "why"), [
+    pytest.param({0: 35, 1: 35, 2: 35, 3: 35}, {r: "c3" for r in range(4)}, "do not tell", id="same-step"),
+    pytest.param(FLIPPED_ON_2, {0: "c3", 1: GOOD, 2: "d4", 3: GOOD}, "differ at step 40 too", id="replay-differs"),
+])
+def test_a_replay_that_cannot_tell_them_apart_names_nobody(wrong_from: dict[int, int | None],
+                                                           replay_values: dict[int, str], why: str) -> None:
+    evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, wrong_from)
+    settled = settle(evidence, hsdp(replay_values, dict.fromkeys(range(4))))
+    assert settled is not None and settled.node is None and why in settled.why
+
+
+def test_a_replay_that_misses_the_agreed_state_is_not_deterministic_and_names_nobody() -> None:
+    evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, FLIPPED_ON_2)
+    replay = hsdp({r: "c3" for r in range(4)}, dict.fromkeys(range(4)))
+    for items in replay.values():
+        items[0] = fp(30, BAD, items[0][2])
+    settled = settle(evidence, replay)
+    assert settled is not None and settled.node is None and "not deterministic" in settled.why
+
+
+def test_a_replay_short_of_the_step_waits_and_one_past_it_unseen_gives_up() -> None:
+    evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, FLIPPED_ON_2)
+    assert settle(evidence, hsdp({r: "c3" for r in range(4)}, dict.fromkeys(range(4)), step=35)) is None
+    past = {r: [fp(50, "c3", f"shard {r % 2}/2")] for r in range(4)}
+    settled = settle(evidence, past)
+    assert settled is not None and settled.node is None and "not seen" in settled.why
+
+
+def test_a_fingerprint_carries_its_losses_through_json() -> None:
+    taken = Fingerprint(step=40, value=GOOD, group="replicated", losses=((39, (0.5).hex()), (40, (0.25).hex())))
+    assert Fingerprint.from_json(json.loads(json.dumps(taken.to_json()))) == taken
+    assert Fingerprint.from_json([40, GOOD, "replicated"]).losses == ()

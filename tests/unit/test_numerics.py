@@ -119,6 +119,20 @@ def test_a_rank_reports_fingerprints_every_interval(tmp_path: Path) -> None:
     assert taken[-1].value == numerics.fingerprint(list(model.parameters()), 4, "").value
 
 
+def test_each_fingerprint_carries_the_losses_reported_since_the_one_before_exactly(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    run.fingerprint(_model())
+    losses = {1: 0.1, 2: torch.tensor(0.2), 3: 1 / 3, 4: 0.4}
+    for step, loss in losses.items():
+        run.step_done(step, loss=loss)
+        run._last_write = 0.0
+    progress = read_progress(tmp_path / "progress.json")
+    assert progress is not None and progress.fingerprints is not None
+    taken = [numerics.Fingerprint.from_json(item) for item in progress.fingerprints]
+    exact = {step: float(loss).hex() for step, loss in losses.items()}
+    assert [dict(f.losses) for f in taken] == [{1: exact[1], 2: exact[2]}, {3: exact[3], 4: exact[4]}]
+
+
 def test_without_the_one_line_no_fingerprint_is_taken(tmp_path: Path) -> None:
     run = _run(tmp_path)
     for step in range(1, 5):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from activities.fingerprint_models import CorruptionVerdict, Tie
+from activities.fingerprint_models import CorruptionVerdict, Tie, TieEvidence, TieSettlement
 from activities.models import WatchEvent, WatchEventKind
 from trainguard.models import Action, Incident, IncidentKind
 from trainguard.spec import parse_spec
@@ -20,11 +20,12 @@ NODES = ["node-0", "node-1"]
 
 
 def committed(verdict: CorruptionVerdict | None, flipped_at: dict[str, float] | None = None, tie: Tie | None = None,
-              attempt: int = 2, steps: list[int] | None = None, resumed_step: int = 0) -> Committed:
+              attempt: int = 2, steps: list[int] | None = None, resumed_step: int = 0,
+              settled: TieSettlement | None = None) -> Committed:
     return Committed(steps=steps or [], pace=None, store_error=None, attempt=attempt, now=200.0, draining=False,
                      may_grow=False, streaks={}, slow_window_end=0.0, straggler_windows=2, have_spare=True,
                      nodes=NODES, ranks_per_node=2, corruption=verdict, flipped_at=flipped_at or {}, tie=tie,
-                     resumed_step=resumed_step, fingerprint_every=10)
+                     resumed_step=resumed_step, fingerprint_every=10, settled=settled)
 
 
 def test_an_outvoted_replica_ends_the_attempt_naming_its_rank_and_node() -> None:
@@ -48,6 +49,30 @@ def test_two_replicas_that_differ_blame_no_node_and_hold_the_tie() -> None:
     assert incident is not None and incident.node is None and incident.bad_step == 31
     assert "no majority" in incident.detail
     assert HoldTie(Tie(step=40, nodes=["node-0", "node-1"], attempt=2)) in actions
+
+
+EVIDENCE = TieEvidence(step=40, last_good_step=30, group="shard 0/2", values={0: "a1", 2: "b2"},
+                       nodes={"node-0": [0, 1], "node-1": [2, 3]})
+
+
+def test_a_tie_its_replay_settles_names_the_node_for_a_spare_and_forgets_the_tie() -> None:
+    tie = Tie(step=40, nodes=["node-0", "node-1"], attempt=1, evidence=EVIDENCE)
+    settled = TieSettlement(node="node-1", why="node-1's ranks computed their loss of step 34 differently")
+    seen, actions = observe(Seen(watched=2), committed(None, tie=tie, settled=settled))
+    incident = seen.incident
+    assert incident is not None and incident.kind is IncidentKind.SILENT_DATA_CORRUPTION
+    assert (incident.node, incident.rank, incident.bad_step) == ("node-1", 2, None), incident
+    assert "node-1 computes wrong" in incident.detail and "step 34" in incident.detail
+    assert ForgetTie() in actions and seen.ending(paused=False) is not None
+    decision = decide(incident.kind, incident.node, SPEC, NODES, ["spare-0"], RecoveryBudget(), now=1000.0)
+    assert (decision.action, decision.replacement, decision.cordon) == (Action.REPLACE_NODE, "spare-0", True)
+
+
+def test_a_tie_its_replay_cannot_settle_waits_for_the_fault_to_come_back() -> None:
+    tie = Tie(step=40, nodes=["node-0", "node-1"], attempt=1, evidence=EVIDENCE)
+    seen, actions = observe(Seen(watched=2), committed(None, tie=tie, settled=TieSettlement(why="not deterministic")))
+    assert seen.incident is None
+    assert HoldTie(tie.model_copy(update={"evidence": None})) in actions
 
 
 def test_a_tie_found_beside_another_incident_is_not_held() -> None:
