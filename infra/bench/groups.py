@@ -164,6 +164,65 @@ async def run_job(client: Any, opts: argparse.Namespace, home: Path, grouped: bo
         await _wait(parked, 120, "parked processes")
     except TimeoutError as error:
         run.note = str(error)
+    try:
+        await _inject_each(client, rid, run, grouped, units, stepping)
+    except Exception as error:  # noqa: BLE001 - a group gone before its fault: what it says is the finding
+        run.note = f"{error!r}; {await _unfinished(client, rid, grouped)}"[:1500]
+        _keep_rank_logs(home, rid)
+        return run
+    try:
+        result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
+    except Exception as error:  # noqa: BLE001 - the run's own reason says more than the client's error
+        run.note = f"{error!r}: {await _unfinished(client, rid, grouped)}"[:1500]
+        _keep_rank_logs(home, rid)
+        return run
+    run.completed = result.steps_completed == opts.steps
+    run.note = await _unfinished(client, rid, grouped)
+    if run.note:
+        _keep_rank_logs(home, rid)
+    run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
+    run.incidents = [f"group {i.group} {i.kind.value} {i.action.value} on {i.node}: detection {i.detection_s} s, "
+                     f"back {i.recovery_s} s" for i in result.incidents]
+    for measured in run.faults:  # each fault's incident, from the result: its group's, of its kind, in order
+        kind = INCIDENT_KINDS[measured.fault]
+        found = [i for i in result.incidents if i.kind.value == kind and i.detected_at >= measured.injected_at - 1
+                 and (not grouped or i.group == measured.group) and i.action.value != "report"]
+        if found:
+            measured.detection_s, measured.back_s = found[0].detection_s, found[0].recovery_s
+            measured.detected_at = found[0].detected_at
+    if grouped:
+        _gaps(run, home, rid)
+    return run
+
+
+async def _unfinished(client: Any, rid: str, grouped: bool) -> str:
+    """The run's reason, and each group's that did not complete: phase, reason and last incident."""
+    view = await client.status(rid)
+    said = [view.status.reason] if view.status.reason else []
+    for g, unit in enumerate(view.groups if grouped else []):
+        status = unit.status
+        if status.phase.value != "completed":
+            last = status.incidents[-1] if status.incidents else None
+            said.append(f"group {g}: {status.phase.value} at step {status.step} ({status.reason})" + (
+                f", last incident {last.kind.value} {last.action.value}: {last.decision}" if last else ""))
+    return "; ".join(said)
+
+
+def _keep_rank_logs(home: Path, rid: str) -> None:
+    """A run that did not finish: its ranks' logs kept beside the benchmark's output (the stack's are removed)."""
+    import shutil
+
+    kept = DEFAULT_JSON.parent / f"groups-ranks-{rid}"
+    for log in home.glob(f"nodes/*/runs/{rid}*/attempt-*/logs/*.log"):
+        target = kept / log.relative_to(home / "nodes")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, target)
+    say(f"  ranks' logs of {rid} kept in {kept}")
+
+
+async def _inject_each(client: Any, rid: str, run: GroupsRun, grouped: bool, units: Any, stepping: Any) -> None:
+    """The five faults in turn, each once its group (or the run) is back from the one before."""
+    name = "groups" if grouped else "plain"
     for index, fault in enumerate(FAULTS):
         group = index % 3 if grouped else 0
         before = units(await client.status(rid))[group].status
@@ -183,29 +242,6 @@ async def run_job(client: Any, opts: argparse.Namespace, home: Path, grouped: bo
             measured.note = str(error)
             break
         await asyncio.sleep(SETTLE_S)
-    try:
-        result = await asyncio.wait_for(client.result(rid), 180 + 3 * opts.steps * opts.step_time)
-    except Exception as error:  # noqa: BLE001 - the run's own reason says more than the client's error
-        run.note = f"{error!r}: {(await client.status(rid)).status.reason}"[:500]
-        return run
-    run.completed = result.steps_completed == opts.steps
-    view = await client.status(rid)
-    run.note = "; ".join([*([view.status.reason] if view.status.reason else []), *(
-        f"group {g}: {unit.status.phase.value} ({unit.status.reason})" for g, unit in enumerate(view.groups)
-        if unit.status.phase.value != "completed")])
-    run.goodput, run.wall_s, run.attempts = result.goodput, result.wall_s, result.attempts
-    run.incidents = [f"group {i.group} {i.kind.value} {i.action.value} on {i.node}: detection {i.detection_s} s, "
-                     f"back {i.recovery_s} s" for i in result.incidents]
-    for measured in run.faults:  # each fault's incident, from the result: its group's, of its kind, in order
-        kind = INCIDENT_KINDS[measured.fault]
-        found = [i for i in result.incidents if i.kind.value == kind and i.detected_at >= measured.injected_at - 1
-                 and (not grouped or i.group == measured.group) and i.action.value != "report"]
-        if found:
-            measured.detection_s, measured.back_s = found[0].detection_s, found[0].recovery_s
-            measured.detected_at = found[0].detected_at
-    if grouped:
-        _gaps(run, home, rid)
-    return run
 
 
 def _gaps(run: GroupsRun, home: Path, rid: str) -> None:
@@ -307,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         print(line, flush=True)
     grouped = runs[0]
-    ok_gaps = all(f.gap_ratio is not None and f.gap_ratio <= 2.0 for f in grouped.faults)
+    ok_gaps = len(grouped.faults) == len(FAULTS) and all(f.gap_ratio is not None and f.gap_ratio <= 2.0
+                                                          for f in grouped.faults)
     ok_back = floor.cold_start_s is not None and all(
         f.back_s is not None and f.back_s <= floor.cold_start_s for f in grouped.faults)
     ok_goodput = len(runs) == 2 and None not in (runs[0].goodput, runs[1].goodput) and \
