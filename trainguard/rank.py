@@ -309,11 +309,11 @@ class RankRun:
             self._step_time_ema = elapsed if ema is None else 0.8 * ema + 0.2 * elapsed
         self._last_step_at = now
         self._phase_since_step_s = 0.0
-        self._step = step
+        previous, self._step = self._step, step
         fault = loss is not None and self._managed_loss(step, loss)
         if self._params and self.fingerprint_every > 0 and step % self.fingerprint_every == 0:
             self._take_fingerprint(step)
-        self._check_saves(step)
+        self._check_saves(step, previous)
         self._write_progress(force=fault)
         if self._evidence is not None:
             self._evidence.on_step(step)  # where a chaos hang asked for takes hold
@@ -363,10 +363,12 @@ class RankRun:
             self._evidence.ddp_hooked = True
         return ddp
 
-    def _check_saves(self, step: int) -> None:
+    def _check_saves(self, step: int, previous: int) -> None:
         """At a checkpoint step: a replica (`replicated`, rank > 0) records that rank 0's shard is its own.
-        Just after one: a rank that did not save it stops the run with a reason, the first time, instead of
-        leaving a checkpoint that can never commit (a script that saves on rank 0 only)."""
+        Just after one it reported itself (`previous`): a rank that did not save it stops the run with a reason,
+        the first time, instead of leaving a checkpoint that can never commit (a script that saves on rank 0
+        only). A rank that never reported the step did not pass it: a replica group TorchFT healed from a live
+        group's state jumps past it (step 90 to 101), and its peers never wrote that step either."""
         if not self.managed or self.checkpoint_every <= 0 or self._checkpoint_dir is None:
             return
         if self.replicated and self.rank != 0:
@@ -374,7 +376,7 @@ class RankRun:
                 self._write_replica(step)
             return
         due = (step - 1) // self.checkpoint_every * self.checkpoint_every
-        if due <= self.start_step or due in self._saved or step - 1 != due:
+        if due <= self.start_step or due in self._saved or step - 1 != due or previous != due:
             return
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized() or self.world_size < 2:

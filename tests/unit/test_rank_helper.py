@@ -528,6 +528,20 @@ def test_a_rank_that_skips_a_checkpoint_step_stops_the_run_naming_itself(
     assert "replicated=True" in _progress(env)["error"]
 
 
+def test_a_rank_healed_past_a_checkpoint_step_by_a_live_group_did_not_skip_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    env = _environ(tmp_path, rank=1, every=10)
+    run = RankRun(env)
+    for step in range(1, 10):
+        run.step_done(step)
+    run.step_done(21)  # TorchFT healed the group at step 9 from a live group at step 20: 10 and 20 were not its
+    run.step_done(22)  # and it goes on, saving from its next checkpoint step
+    assert "error" not in _progress(env)
+
+
 def test_a_rank_without_peers_may_skip_checkpoints(tmp_path: Path) -> None:
     run = RankRun(_environ(tmp_path, rank=1, every=10))  # no process group: a stand-in, a single process
     for step in range(1, 31):
