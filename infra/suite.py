@@ -4,7 +4,8 @@ The Slurm tests (tests/integration/test_slurm.py) spend most of their minutes wa
 node marked down after `SlurmdTimeout`, a requeued job's credential expiring, a job's allocation. They bring their
 own stack (Temporal, store, controller, slurmctld and its slurmds), so they run in a second pytest beside the
 rest instead of after it, and the suite takes about as long as its longer half. The replica-group tests
-(tests/integration/test_replica_groups.py) bring a stack of their own too, and run in that half to even the two.
+(tests/integration/test_replica_groups.py) bring a stack of their own too, and run in that half with the unit
+tests (which need no stack) to even the two.
 
 Each half has its own port range (`TRAINGUARD_PORT_SEARCH_OFFSET`) and scratch folder. The rest prints as it
 runs; the Slurm half's output goes to `.pytest-tmp/slurm-suite.log` and is printed once both are done. The exit
@@ -24,8 +25,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_TESTS = "tests/integration/test_slurm.py"
-BESIDE = (SLURM_TESTS, "tests/integration/test_replica_groups.py")
-"""The modules of the second pytest: each brings its own stack, none needs the session's."""
+BESIDE = (SLURM_TESTS, "tests/integration/test_replica_groups.py", "tests/unit")
+"""The second pytest: the modules that bring their own stack (none needs the session's), and the unit tests,
+which need none: the two halves then take about as long."""
 SLURM_PORT_OFFSET = 3000
 """Added to the Slurm half's port searches, so its stack never races the other half's for a free range."""
 SCRATCH = REPO / ".pytest-tmp"

@@ -36,6 +36,9 @@ async def test_report_of_the_baseline(client: TrainguardClient, baseline: RunRes
     assert baseline.workflow_id in text and "running" in text
 
 
+# `make test-slow`: the baseline's report above keeps the report's reading of a run in `make test`, and the
+# unit tests of infra/report keep its incident rows.
+@pytest.mark.slow
 async def test_report_of_a_crash_and_its_recovery(client: TrainguardClient, baseline: RunResult, prefix: str,
                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_id = await client.start_run(make_spec(prefix), workflow_id=f"it-report-{uuid.uuid4().hex[:8]}")

@@ -325,7 +325,9 @@ async def test_a_crash_and_a_hang_are_recovered_inside_the_job(
           + ", ".join(f"{i.kind.value} {i.recovery_s}s" for i in result.incidents))
 
 
-@pytest.mark.parametrize("lost", ["node-1", "node-0"], ids=["a-node", "the-rendezvous-host"])
+# A lost node that is not the rendezvous host takes the same path with less to move: `make test-slow`.
+@pytest.mark.parametrize("lost", [pytest.param("node-1", id="a-node", marks=pytest.mark.slow),
+                                  pytest.param("node-0", id="the-rendezvous-host")])
 async def test_a_node_lost_the_slurm_way_is_replaced_by_the_allocations_spare(
         slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster, quickstart_digest: Reference,
         lost: str) -> None:
@@ -419,6 +421,9 @@ async def executions(client: TrainguardClient, run_id: str) -> list[tuple[str, s
     return [(e.run_id, (e.status.name if e.status else "RUNNING")) for e in sorted(found, key=lambda e: e.start_time)]
 
 
+# ~2 min waiting on Slurm's time limit: `make test-slow`. test_a_requeued_job_resumes_its_run keeps a requeue
+# resuming the same run in `make test`.
+@pytest.mark.slow
 async def test_the_cluster_script_requeued_at_its_time_limit_resumes_the_same_run(
         slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster,
         quickstart_digest: Reference) -> None:
@@ -475,6 +480,9 @@ async def finished_execution(client: TrainguardClient, cluster: SlurmCluster, jo
     return result
 
 
+# `make test-slow`: the dev stack's test_healthy_irregular.py keeps the irregular script's judgement in
+# `make test`, and the other Slurm tests keep launching through the job script.
+@pytest.mark.slow
 async def test_a_healthy_irregular_job_runs_in_one_attempt_with_no_incident(
         slurm_stack: DevStack, slurm_client: TrainguardClient, cluster: SlurmCluster) -> None:
     """examples/irregular.py through the sbatch path, with the quickstart's settings (the spec's default health):

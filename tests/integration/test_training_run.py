@@ -55,8 +55,11 @@ async def test_run_completes_and_commits_checkpoints_to_s3(baseline: RunResult, 
     assert live_rank_pids(stack) == []
 
 
-@pytest.mark.parametrize("local_tier, tiers", [(True, ("local", "local+s3")), (False, ("s3",))],
-                         ids=["from-the-local-tier", "from-s3"])
+# With the local tier off: `make test-slow`; test_checkpoints.py keeps the verified restore from the store in
+# `make test`.
+@pytest.mark.parametrize("local_tier, tiers", [
+    pytest.param(True, ("local", "local+s3"), id="from-the-local-tier"),
+    pytest.param(False, ("s3",), id="from-s3", marks=pytest.mark.slow)])
 async def test_crashed_rank_resumes_from_newest_committed_step(
     client: TrainguardClient, baseline: RunResult, prefix: str, stack: DevStack, local_tier: bool,
     tiers: tuple[str, ...]

@@ -284,6 +284,9 @@ async def _task_builds_of_run(client: TrainguardClient, workflow_id: str) -> set
             if event.HasField("workflow_task_completed_event_attributes")}
 
 
+# A whole versioned stack for one run: `make test-slow`. test_an_upgrade_keeps_runs_on_their_build_and_moves_the_pool
+# keeps the upgrade's rules (pinned runs, the promoted build, the pool moving) in `make test`.
+@pytest.mark.slow
 async def test_a_run_finishes_on_its_build_while_new_runs_start_on_the_promoted_one(
         versioned_stack: DevStack, tmp_path: Path) -> None:
     stack = versioned_stack
