@@ -63,6 +63,8 @@ class TieSettlement(BaseModel):
     """The replay's answer to a `TieEvidence`: the node that computed wrong, or None with why none can be named."""
 
     node: str | None = None
+    rank: int | None = None
+    """The rank of the two on `node`, the one whose replica computed wrong."""
     why: str
 
 

@@ -134,7 +134,7 @@ def settle(evidence: TieEvidence, ranks: Mapping[int, Iterable[Any]]) -> TieSett
     right = [r for r, value in evidence.values.items() if value in truth]
     if len(right) == 1:
         [wrong] = [r for r in evidence.values if r not in right]
-        return TieSettlement(node=node_of.get(wrong), why=(
+        return TieSettlement(node=node_of.get(wrong), rank=wrong, why=(
             f"the replay reached rank {right[0]}'s state at step {evidence.step}, not rank {wrong}'s"))
     first = {node: _first_wrong_loss(evidence, replay, on) for node, on in evidence.nodes.items()}
     ranked = sorted((step, node) for node, step in first.items() if step is not None)
@@ -143,7 +143,7 @@ def settle(evidence: TieEvidence, ranks: Mapping[int, Iterable[Any]]) -> TieSett
     step, node = ranked[0]
     other = next(n for n in evidence.nodes if n != node)
     later = first[other]
-    return TieSettlement(node=node, why=(
+    return TieSettlement(node=node, rank=next((r for r in evidence.values if node_of.get(r) == node), None), why=(
         f"in the replay, {node}'s ranks computed their loss of step {step} differently from the attempt that "
         f"diverged, and {other}'s " + (f"only from step {later}" if later is not None else "never")
         + ": the flip was on " + node))

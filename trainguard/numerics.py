@@ -103,7 +103,7 @@ def _bits_sum(tensor: Any) -> Any:
     raise RuntimeError(f"cannot read the bits of a {tensor.dtype} tensor")
 
 
-def fingerprint(params: list[Any], step: int, group: str) -> Fingerprint:
+def fingerprint(params: list[Any], step: int, group: str, losses: Iterable[tuple[int, str]] = ()) -> Fingerprint:
     """The exact fingerprint of `params` (this rank's local parts): each tensor's bits summed as integers, the
     sums weighted by place and folded into 64 bits. The reductions stay on the tensors' device and one number comes
     back: one read of the parameters, at memory speed."""
@@ -118,7 +118,7 @@ def fingerprint(params: list[Any], step: int, group: str) -> Fingerprint:
             weighted = _bits_sum(tensor) * place
             total = weighted if total is None else total + weighted.to(total.device)
     value = 0 if total is None else int(total.item()) & _MASK
-    return Fingerprint(step=step, value=f"{value:016x}", group=group)
+    return Fingerprint(step=step, value=f"{value:016x}", group=group, losses=tuple(losses))
 
 
 def flip_high_bit(params: list[Any]) -> str:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import inspect
 import json
 import os
@@ -250,10 +249,9 @@ class RankRun:
     def _take_fingerprint(self, step: int) -> _numerics.Fingerprint | None:
         if not self._params or (self._fingerprints and self._fingerprints[-1].step == step):
             return self._fingerprints[-1] if self._fingerprints else None
-        taken = _numerics.fingerprint(self._params, step, self._fingerprint_group)
-        if self._loss_trail:
-            taken = dataclasses.replace(taken, losses=tuple(pair for pair in self._loss_trail if pair[0] <= step))
-            self._loss_trail.clear()
+        taken = _numerics.fingerprint(self._params, step, self._fingerprint_group,
+                                      losses=[pair for pair in self._loss_trail if pair[0] <= step])
+        self._loss_trail.clear()
         self._fingerprints.append(taken)
         return taken
 

@@ -348,11 +348,9 @@ def _tie_settled(event: Committed, tie: Tie, settled: TieSettlement) -> tuple[In
     could not: the tie waits for the fault to come back, as with no evidence."""
     if settled.node is None:
         return None, [HoldTie(tie.model_copy(update={"evidence": None}))]
-    evidence = tie.evidence
-    on = evidence.nodes.get(settled.node, []) if evidence is not None else []
-    rank = next((r for r in (evidence.values if evidence is not None else {}) if r in on), None)
     other = " and ".join(n for n in tie.nodes if n != settled.node) or "its replica"
-    return Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=settled.node, rank=rank, attempt=event.attempt,
+    return Incident(kind=IncidentKind.SILENT_DATA_CORRUPTION, node=settled.node, rank=settled.rank,
+                    attempt=event.attempt,
                     detected_at=event.now,
                     cause=(f"silent data corruption: {settled.node} computes wrong: replicas on it and on {other} "
                            f"differed at step {tie.step} with no majority; {settled.why}")), [ForgetTie()]

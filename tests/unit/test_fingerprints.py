@@ -177,7 +177,7 @@ def test_the_replica_whose_losses_leave_the_replays_first_is_named() -> None:
     evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, FLIPPED_ON_2)
     replay = hsdp({r: "c3" for r in range(4)}, dict.fromkeys(range(4)))  # both states went wrong: neither is c3
     settled = settle(evidence, replay)
-    assert settled is not None and settled.node == "node-1", settled
+    assert settled is not None and (settled.node, settled.rank) == ("node-1", 2), settled
     assert "step 34" in settled.why and "step 35" in settled.why
 
 
@@ -192,7 +192,7 @@ def test_the_replica_whose_state_the_replay_reaches_was_right() -> None:
     # the flipped element was in no batch: replica 0 was never poisoned, and no loss shows it
     evidence = tied({0: "a1", 1: GOOD, 2: "b2", 3: GOOD}, dict.fromkeys(range(4)))
     settled = settle(evidence, hsdp({r: "a1" for r in range(4)}, dict.fromkeys(range(4))))
-    assert settled is not None and settled.node == "node-1" and "rank 0's state" in settled.why
+    assert settled is not None and (settled.node, settled.rank) == ("node-1", 2) and "rank 0's state" in settled.why
 
 
 @pytest.mark.parametrize(("wrong_from", "replay_values", "why"), [

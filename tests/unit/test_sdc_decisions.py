@@ -57,7 +57,7 @@ EVIDENCE = TieEvidence(step=40, last_good_step=30, group="shard 0/2", values={0:
 
 def test_a_tie_its_replay_settles_names_the_node_for_a_spare_and_forgets_the_tie() -> None:
     tie = Tie(step=40, nodes=["node-0", "node-1"], attempt=1, evidence=EVIDENCE)
-    settled = TieSettlement(node="node-1", why="node-1's ranks computed their loss of step 34 differently")
+    settled = TieSettlement(node="node-1", rank=2, why="node-1's ranks computed their loss of step 34 differently")
     seen, actions = observe(Seen(watched=2), committed(None, tie=tie, settled=settled))
     incident = seen.incident
     assert incident is not None and incident.kind is IncidentKind.SILENT_DATA_CORRUPTION
